@@ -1,0 +1,54 @@
+"""kforge: llm.c-style CUDA kernels, compiled at run time with NVRTC, as a Lightning Thunder executor.
+
+`import kforge` works without a GPU; kernels compile without one (see `compile_all`), and launching
+needs a CUDA device.
+"""
+from __future__ import annotations
+
+import torch  # noqa: F401  (loads LibTorch before the extension)
+
+from . import _C
+from ._runtime import KforgeCacheWarning, cache_dir, configure as _configure, kernel_dir
+
+_configure(_C)
+
+KforgeError = _C.KforgeError
+KernelCompileError = _C.KernelCompileError
+
+__all__ = [
+    "KforgeError",
+    "KernelCompileError",
+    "KforgeCacheWarning",
+    "cache_info",
+    "compile_all",
+    "kernel_names",
+    "kernel_dir",
+    "cache_dir",
+]
+__version__ = "0.1.0"
+
+
+def cache_info() -> dict:
+    """Kernel cache statistics: memory and disk hits/misses, corrupt files seen, NVRTC compiles, and
+    one entry per compiled program (name, arch, where it came from, compile ms, CUBIN bytes)."""
+    return _C.cache_info()
+
+
+def kernel_names() -> list[str]:
+    """Names of every kernel source the runtime knows (one per `kernels_src/<name>.cu`)."""
+    return list(_C.programs())
+
+
+def compile_all(arch: int | None = None) -> dict[str, float]:
+    """Compile every shipped kernel for `sm_<arch>` (default: the current GPU's, else 90); no GPU is
+    needed. Returns {kernel name: compile ms (0 when it came from a cache)}."""
+    if arch is None:
+        arch = _C.device_arch(torch.cuda.current_device()) if torch.cuda.is_available() else 90
+    before = {(e["name"], e["arch"]) for e in cache_info()["entries"]}
+    for name in kernel_names():
+        _C.compile(name, arch)
+    out = {}
+    for e in cache_info()["entries"]:
+        if e["arch"] == f"sm_{arch}":
+            out[e["name"]] = e["compile_ms"] if e["source"] == "nvrtc" and (e["name"], e["arch"]) not in before else 0.0
+    return out

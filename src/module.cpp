@@ -1,0 +1,127 @@
+// module.cpp: the kforge._C Python module. Runtime bindings here; each op binds itself
+// (KFORGE_BIND_OP in src/ops/<op>.cpp) and is added below.
+#include <torch/extension.h>
+
+#include "runtime/cuda_api.h"
+#include "runtime/torch_launch.h"
+
+namespace py = pybind11;
+using namespace kforge;
+
+namespace {
+
+// Programs built from Python (tests, user experiments) are kept alive here.
+std::vector<std::unique_ptr<Program>>& user_programs() {
+  static std::vector<std::unique_ptr<Program>> v;
+  return v;
+}
+
+py::dict stats_to_dict(const CacheStats& s) {
+  py::dict d;
+  d["memory_hits"] = s.memory_hits;
+  d["memory_misses"] = s.memory_misses;
+  d["disk_hits"] = s.disk_hits;
+  d["disk_misses"] = s.disk_misses;
+  d["disk_corrupt"] = s.disk_corrupt;
+  d["nvrtc_compiles"] = s.nvrtc_compiles;
+  py::list entries;
+  for (const auto& e : s.entries) {
+    py::dict x;
+    x["name"] = e.name;
+    x["arch"] = e.arch;
+    x["source"] = e.source;
+    x["compile_ms"] = e.compile_ms;
+    x["cubin_bytes"] = e.cubin_bytes;
+    entries.append(x);
+  }
+  d["entries"] = entries;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "kforge runtime: NVRTC compilation, kernel cache and launchers";
+
+  static py::exception<Error> error(m, "KforgeError", PyExc_RuntimeError);
+  static py::exception<CompileError> compile_error(m, "KernelCompileError", error.ptr());
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const CompileError& e) {
+      PyErr_SetString(compile_error.ptr(), e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(error.ptr(), e.what());
+    }
+  });
+
+  m.def(
+      "configure",
+      [](const std::string& kernel_dir, const std::string& cache_dir, bool disk_cache,
+         const std::vector<std::string>& nvrtc_paths) {
+        Config& c = config();
+        c.kernel_dir = kernel_dir;
+        c.cache_dir = cache_dir;
+        c.disk_cache = disk_cache;
+        c.nvrtc_paths = nvrtc_paths;
+      },
+      py::arg("kernel_dir"), py::arg("cache_dir"), py::arg("disk_cache"), py::arg("nvrtc_paths"));
+  m.def("set_cache", [](const std::string& cache_dir, bool disk_cache) {
+    config().cache_dir = cache_dir;
+    config().disk_cache = disk_cache;
+  });
+  m.def("set_warning_handler", [](py::object fn) {
+    // Warnings can arise while a compile runs with the GIL released: take it back to call Python.
+    static py::object* handler = new py::object();  // leaked: outlives interpreter teardown
+    *handler = fn;
+    set_warning_handler([](const std::string& msg) {
+      py::gil_scoped_acquire gil;
+      (*handler)(msg);
+    });
+  });
+  m.def("cache_info", [] { return stats_to_dict(cache_stats()); });
+  m.def("clear_memory_cache", &clear_memory_cache);
+  m.def("nvrtc_version", &nvrtc_version);
+  m.def("nvrtc_library", &nvrtc_library_path);
+  m.def("device_arch", &device_arch, py::arg("device"));
+  m.def("programs", [] {
+    std::vector<std::string> names;
+    for (Program* p : all_programs()) names.push_back(p->name());
+    return names;
+  });
+  m.def(
+      "compile",
+      [](const std::string& name, int arch) {
+        Program* p = find_program(name);
+        if (!p) throw Error("kforge: unknown kernel \"" + name + "\"");
+        py::gil_scoped_release release;
+        return p->compile_for_arch(arch);
+      },
+      py::arg("name"), py::arg("arch"),
+      "Compile (or fetch from cache) a shipped kernel for sm_<arch>; returns lowered names.");
+  m.def(
+      "name_expressions",
+      [](const std::string& name) {
+        Program* p = find_program(name);
+        if (!p) throw Error("kforge: unknown kernel \"" + name + "\"");
+        return p->name_expressions();
+      },
+      py::arg("name"));
+  m.def(
+      "compile_source",
+      [](const std::string& name, const std::string& kernel_dir,
+         const std::vector<std::string>& exprs, int arch, bool fast_math) {
+        ProgramOptions o;
+        o.fast_math = fast_math;
+        user_programs().push_back(std::make_unique<Program>(name, o, false, kernel_dir));
+        Program& p = *user_programs().back();
+        for (const auto& e : exprs) p.add_expression(e);
+        py::gil_scoped_release release;
+        return p.compile_for_arch(arch);
+      },
+      py::arg("name"), py::arg("kernel_dir"), py::arg("name_expressions"), py::arg("arch"),
+      py::arg("fast_math") = false,
+      "Compile <kernel_dir>/<name>.cu for sm_<arch> (tests and experiments); returns lowered names.");
+
+  for (const auto& [name, bind] : op_bindings()) bind(m);
+}

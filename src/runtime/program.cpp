@@ -1,0 +1,554 @@
+// program.cpp: compile with NVRTC, cache in memory and on disk, load per device.
+//
+// Cache key = program name + FNV-1a hash of the source and of every header it includes (read by us
+// and handed to NVRTC, so what is hashed is what is compiled) + options + name expressions + arch +
+// NVRTC version. Disk entries are written to a unique temp file and renamed into place, so racing
+// processes never expose a torn file; each carries its full key and a checksum, so a truncated,
+// corrupted or colliding file is detected, reported once and recompiled.
+#include "program.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "cuda_api.h"
+
+namespace kforge {
+
+// ---- small helpers ------------------------------------------------------------------------------
+namespace {
+
+uint64_t fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
+  return fnv1a(s.data(), s.size(), h);
+}
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+bool read_file(const std::string& path, std::string& out) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return false;
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  out = ss.str();
+  return true;
+}
+
+// Headers included with quotes, recursively, relative to the kernel directory.
+void collect_headers(const std::string& dir, const std::string& text,
+                     std::vector<std::pair<std::string, std::string>>& headers,
+                     std::set<std::string>& seen) {
+  static const std::regex inc(R"re(^\s*#\s*include\s*"([^"]+)")re");
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::smatch m;
+    if (!std::regex_search(line, m, inc)) continue;
+    std::string name = m[1];
+    if (!seen.insert(name).second) continue;
+    std::string body;
+    if (!read_file(dir + "/" + name, body))
+      throw Error("kforge: header \"" + name + "\" not found in " + dir);
+    headers.emplace_back(name, body);
+    collect_headers(dir, body, headers, seen);
+  }
+}
+
+std::mutex g_warn_mu;
+std::function<void(const std::string&)> g_warn_handler;
+
+}  // namespace
+
+namespace detail {
+struct Compiled {
+  std::string key, name, arch_name, source, cubin;
+  std::vector<std::string> lowered;
+  double compile_ms = 0;
+};
+}  // namespace detail
+using detail::Compiled;
+
+namespace {
+
+// Process-wide memory cache: key -> compiled program, plus counters for cache_info().
+struct MemoryCache {
+  std::mutex mu;
+  std::map<std::string, std::shared_ptr<Compiled>> entries;
+  CacheStats stats;
+};
+MemoryCache& mem() {
+  static MemoryCache m;
+  return m;
+}
+
+// ---- disk format: magic, u64 payload size, u64 checksum, payload ---------------------------------
+// payload = key, n, n * (lowered name), cubin; each string as u64 length + bytes.
+constexpr char kMagic[8] = {'K', 'F', 'C', 'U', 'B', 'I', 'N', '1'};
+
+void put_str(std::string& out, const std::string& s) {
+  uint64_t n = s.size();
+  out.append(reinterpret_cast<const char*>(&n), 8);
+  out += s;
+}
+bool get_str(const std::string& in, size_t& pos, std::string& s) {
+  if (pos + 8 > in.size()) return false;
+  uint64_t n;
+  std::memcpy(&n, in.data() + pos, 8);
+  pos += 8;
+  if (n > in.size() - pos) return false;
+  s.assign(in.data() + pos, n);
+  pos += n;
+  return true;
+}
+
+std::string serialize(const Compiled& c) {
+  std::string payload;
+  put_str(payload, c.key);
+  put_str(payload, std::to_string(c.lowered.size()));
+  for (const auto& l : c.lowered) put_str(payload, l);
+  put_str(payload, c.cubin);
+  std::string out(kMagic, 8);
+  uint64_t n = payload.size(), sum = fnv1a(payload);
+  out.append(reinterpret_cast<const char*>(&n), 8);
+  out.append(reinterpret_cast<const char*>(&sum), 8);
+  return out + payload;
+}
+
+// Returns "" on success, else why the file is unusable.
+std::string deserialize(const std::string& file, const std::string& key, Compiled& c) {
+  if (file.size() < 24 || std::memcmp(file.data(), kMagic, 8) != 0) return "bad header";
+  uint64_t n, sum;
+  std::memcpy(&n, file.data() + 8, 8);
+  std::memcpy(&sum, file.data() + 16, 8);
+  if (n != file.size() - 24) return "truncated (size mismatch)";
+  std::string payload = file.substr(24);
+  if (fnv1a(payload) != sum) return "checksum mismatch";
+  size_t pos = 0;
+  std::string k, count;
+  if (!get_str(payload, pos, k) || !get_str(payload, pos, count)) return "malformed";
+  if (k != key) return "key mismatch";
+  size_t cnt = std::stoull(count);
+  c.lowered.resize(cnt);
+  for (auto& l : c.lowered)
+    if (!get_str(payload, pos, l)) return "malformed";
+  if (!get_str(payload, pos, c.cubin) || pos != payload.size()) return "malformed";
+  return "";
+}
+
+void mkdirs(const std::string& path) {
+  std::string cur;
+  std::istringstream parts(path);
+  std::string part;
+  if (!path.empty() && path[0] == '/') cur = "/";
+  while (std::getline(parts, part, '/')) {
+    if (part.empty()) continue;
+    cur += part + "/";
+    ::mkdir(cur.c_str(), 0755);
+  }
+}
+
+// Write atomically: unique temp file in the same directory, fsync, rename over the target.
+void write_atomic(const std::string& path, const std::string& data) {
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." +
+                    std::to_string(counter++) + "." + std::to_string(rd());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+  if (fd < 0) return;  // unwritable cache dir: run without disk caching
+  size_t off = 0;
+  bool ok = true;
+  while (off < data.size()) {
+    ssize_t w = ::write(fd, data.data() + off, data.size() - off);
+    if (w <= 0) {
+      ok = false;
+      break;
+    }
+    off += static_cast<size_t>(w);
+  }
+  ok = ok && ::fsync(fd) == 0;
+  ::close(fd);
+  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) ::unlink(tmp.c_str());
+}
+
+int nvrtc_version_int() {
+  int major = 0, minor = 0;
+  nvrtc().Version(&major, &minor);
+  return major * 10 + minor;
+}
+
+void check_nvrtc(nvrtcResult r, const std::string& what) {
+  if (r != NVRTC_SUCCESS) throw Error("kforge: " + what + ": " + nvrtc().GetErrorString(r));
+}
+
+std::vector<int> supported_archs() {
+  int n = 0;
+  check_nvrtc(nvrtc().GetNumSupportedArchs(&n), "nvrtcGetNumSupportedArchs");
+  std::vector<int> archs(n);
+  check_nvrtc(nvrtc().GetSupportedArchs(archs.data()), "nvrtcGetSupportedArchs");
+  return archs;
+}
+
+}  // namespace
+
+// ---- configuration and warnings -----------------------------------------------------------------
+Config& config() {
+  static Config c;
+  return c;
+}
+
+void set_warning_handler(std::function<void(const std::string&)> handler) {
+  std::lock_guard<std::mutex> lock(g_warn_mu);
+  g_warn_handler = std::move(handler);
+}
+
+void warn(const std::string& message) {
+  std::function<void(const std::string&)> h;
+  {
+    std::lock_guard<std::mutex> lock(g_warn_mu);
+    h = g_warn_handler;
+  }
+  if (h)
+    h(message);
+  else
+    std::fprintf(stderr, "kforge warning: %s\n", message.c_str());
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "float";
+    case DType::bf16: return "bf16";
+    case DType::f16: return "half";
+  }
+  return "?";
+}
+
+std::vector<Program*>& all_programs() {
+  static std::vector<Program*> programs;
+  return programs;
+}
+
+Program* find_program(const std::string& name) {
+  for (Program* p : all_programs())
+    if (p->name() == name) return p;
+  return nullptr;
+}
+
+std::string nvrtc_version() {
+  int major = 0, minor = 0;
+  nvrtc().Version(&major, &minor);
+  return std::to_string(major) + "." + std::to_string(minor);
+}
+std::string nvrtc_library_path() { return nvrtc_path(); }
+
+int device_arch(int device) {
+  const DriverApi& cu = driver();
+  CUdevice dev;
+  check_cu(cu.DeviceGet(&dev, device), "kforge: cuDeviceGet(" + std::to_string(device) + ")");
+  int major = 0, minor = 0;
+  check_cu(cu.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+           "kforge: cuDeviceGetAttribute");
+  check_cu(cu.DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+           "kforge: cuDeviceGetAttribute");
+  return major * 10 + minor;
+}
+
+CacheStats cache_stats() {
+  MemoryCache& m = mem();
+  std::lock_guard<std::mutex> lock(m.mu);
+  CacheStats s = m.stats;
+  for (const auto& kv : m.entries) {
+    const Compiled& c = *kv.second;
+    s.entries.push_back({c.name, c.arch_name, c.source, c.compile_ms,
+                         static_cast<int64_t>(c.cubin.size())});
+  }
+  return s;
+}
+
+void clear_memory_cache() {
+  {
+    MemoryCache& m = mem();
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.entries.clear();
+    m.stats = CacheStats{};
+  }
+  for (Program* p : all_programs()) p->forget_compiled();
+}
+
+// ---- Program ------------------------------------------------------------------------------------
+Program::Program(std::string name, ProgramOptions options, bool register_globally,
+                 std::string kernel_dir)
+    : name_(std::move(name)), options_(std::move(options)), kernel_dir_(std::move(kernel_dir)) {
+  if (register_globally) all_programs().push_back(this);
+}
+
+int Program::add_expression(const std::string& expr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!by_arch_.empty())
+    throw Error("kforge: kernel " + expr + " declared after program " + name_ + " was compiled");
+  for (size_t i = 0; i < exprs_.size(); ++i)
+    if (exprs_[i] == expr) return static_cast<int>(i);
+  exprs_.push_back(expr);
+  return static_cast<int>(exprs_.size()) - 1;
+}
+
+void Program::forget_compiled() {
+  std::lock_guard<std::mutex> lock(mu_);
+  by_arch_.clear();
+}
+
+std::vector<std::string> Program::compile_for_arch(int arch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return compiled(arch)->lowered;
+}
+
+// Caller holds mu_.
+std::shared_ptr<Compiled> Program::compiled(int arch) {
+  MemoryCache& m = mem();
+  auto it = by_arch_.find(arch);
+  if (it != by_arch_.end()) {
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.stats.memory_hits++;
+    return it->second;
+  }
+
+  const std::string dir = kernel_dir_.empty() ? config().kernel_dir : kernel_dir_;
+  const std::string file = name_ + ".cu";
+  std::string source;
+  if (!read_file(dir + "/" + file, source))
+    throw Error("kforge: unknown kernel \"" + name_ + "\": " + dir + "/" + file + " not found");
+  std::vector<std::pair<std::string, std::string>> headers;
+  std::set<std::string> seen;
+  collect_headers(dir, source, headers, seen);
+
+  const std::string arch_name = "sm_" + std::to_string(arch);
+  std::vector<std::string> opts = {"--std=c++17", "-default-device", "--gpu-architecture=" + arch_name,
+                                   "-lineinfo", "-I" + dir};
+  if (options_.fast_math) opts.push_back("--use_fast_math");
+  for (const auto& o : options_.extra) opts.push_back(o);
+
+  // The key spells out everything that changes the CUBIN.
+  uint64_t h = fnv1a(source);
+  for (const auto& hd : headers) h = fnv1a(hd.second, fnv1a(hd.first, h));
+  std::string key = name_ + "|src=" + hex64(h) + "|arch=" + arch_name +
+                    "|nvrtc=" + std::to_string(nvrtc_version_int()) + "|opts=";
+  for (const auto& o : opts)
+    if (o.rfind("-I", 0) != 0) key += o + " ";  // the include path does not change the output
+  key += "|exprs=";
+  for (const auto& e : exprs_) key += e + ";";
+
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    auto hit = m.entries.find(key);
+    if (hit != m.entries.end()) {
+      m.stats.memory_hits++;
+      by_arch_[arch] = hit->second;
+      return hit->second;
+    }
+    m.stats.memory_misses++;
+  }
+
+  auto c = std::make_shared<Compiled>();
+  c->key = key;
+  c->name = name_;
+  c->arch_name = arch_name;
+  const std::string path =
+      config().cache_dir + "/" + name_ + "-" + arch_name + "-" + hex64(fnv1a(key)) + ".cubin";
+  const bool use_disk = config().disk_cache && !config().cache_dir.empty();
+
+  bool have = false;
+  if (use_disk) {
+    std::string data;
+    if (read_file(path, data)) {
+      std::string why = deserialize(data, key, *c);
+      if (why.empty()) {
+        have = true;
+        c->source = "disk";
+        std::lock_guard<std::mutex> lock(m.mu);
+        m.stats.disk_hits++;
+      } else {
+        {
+          std::lock_guard<std::mutex> lock(m.mu);
+          m.stats.disk_corrupt++;
+        }
+        static std::set<std::string> warned;
+        static std::mutex warned_mu;
+        bool first;
+        {
+          std::lock_guard<std::mutex> lock(warned_mu);
+          first = warned.insert(path).second;
+        }
+        if (first)
+          warn("kforge: cache file " + path + " is unusable (" + why + "); recompiling " + name_);
+        c->lowered.clear();
+        c->cubin.clear();
+      }
+    }
+    if (!have) {
+      std::lock_guard<std::mutex> lock(m.mu);
+      m.stats.disk_misses++;
+    }
+  }
+
+  if (!have) {
+    const NvrtcApi& api = nvrtc();
+    auto archs = supported_archs();
+    bool ok_arch = false;
+    for (int a : archs) ok_arch |= (a == arch);
+    if (!ok_arch)
+      throw Error("kforge: NVRTC " + nvrtc_version() + " cannot compile for " + arch_name +
+                  " (kernel " + name_ + ")");
+    auto t0 = std::chrono::steady_clock::now();
+    std::vector<const char*> hdr_src, hdr_names;
+    for (const auto& hd : headers) {
+      hdr_names.push_back(hd.first.c_str());
+      hdr_src.push_back(hd.second.c_str());
+    }
+    nvrtcProgram prog;
+    check_nvrtc(api.CreateProgram(&prog, source.c_str(), file.c_str(),
+                                  static_cast<int>(headers.size()), hdr_src.data(),
+                                  hdr_names.data()),
+                "nvrtcCreateProgram(" + name_ + ")");
+    struct Guard {
+      nvrtcProgram* p;
+      ~Guard() { nvrtc().DestroyProgram(p); }
+    } guard{&prog};
+    for (const auto& e : exprs_)
+      check_nvrtc(api.AddNameExpression(prog, e.c_str()), "nvrtcAddNameExpression(" + e + ")");
+    std::vector<const char*> copts;
+    for (const auto& o : opts) copts.push_back(o.c_str());
+    nvrtcResult r = api.CompileProgram(prog, static_cast<int>(copts.size()), copts.data());
+    size_t log_size = 0;
+    api.GetProgramLogSize(prog, &log_size);
+    std::string log(log_size, '\0');
+    if (log_size) api.GetProgramLog(prog, &log[0]);
+    while (!log.empty() && (log.back() == '\0' || log.back() == '\n')) log.pop_back();
+    if (r != NVRTC_SUCCESS)
+      throw CompileError("kforge: NVRTC failed to compile kernel \"" + name_ + "\" (" + dir + "/" +
+                         file + ") for " + arch_name + ": " + api.GetErrorString(r) +
+                         "\nNVRTC log:\n" + log);
+    size_t n = 0;
+    check_nvrtc(api.GetCUBINSize(prog, &n), "nvrtcGetCUBINSize");
+    c->cubin.resize(n);
+    check_nvrtc(api.GetCUBIN(prog, &c->cubin[0]), "nvrtcGetCUBIN");
+    for (const auto& e : exprs_) {
+      const char* lowered = nullptr;
+      check_nvrtc(api.GetLoweredName(prog, e.c_str(), &lowered), "nvrtcGetLoweredName(" + e + ")");
+      c->lowered.emplace_back(lowered);
+    }
+    c->compile_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    c->source = "nvrtc";
+    {
+      std::lock_guard<std::mutex> lock(m.mu);
+      m.stats.nvrtc_compiles++;
+    }
+    if (use_disk) {
+      mkdirs(config().cache_dir);
+      write_atomic(path, serialize(*c));
+    }
+  }
+
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.entries[key] = c;
+  }
+  by_arch_[arch] = c;
+  return c;
+}
+
+CUfunction Program::function(int index, int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const DriverApi& cu = driver();
+  auto mod = modules_.find(device);
+  std::shared_ptr<Compiled> c;
+  if (mod == modules_.end()) {
+    c = compiled(device_arch(device));
+    CUdevice dev;
+    CUcontext ctx;
+    check_cu(cu.DeviceGet(&dev, device), "kforge: cuDeviceGet");
+    // Load into the device's primary context: the one PyTorch uses for that device.
+    check_cu(cu.DevicePrimaryCtxRetain(&ctx, dev), "kforge: cuDevicePrimaryCtxRetain");
+    check_cu(cu.CtxPushCurrent(ctx), "kforge: cuCtxPushCurrent");
+    CUmodule module;
+    CUresult r = cu.ModuleLoadData(&module, c->cubin.data());
+    CUcontext popped;
+    cu.CtxPopCurrent(&popped);
+    check_cu(r, "kforge: loading module " + name_ + " on cuda:" + std::to_string(device));
+    mod = modules_.emplace(device, Module{module, c->lowered}).first;
+  }
+  CUfunction fn;
+  check_cu(cu.ModuleGetFunction(&fn, mod->second.module, mod->second.lowered.at(index).c_str()),
+           "kforge: kernel " + exprs_.at(index) + " not found in module " + name_);
+  return fn;
+}
+
+// ---- Kernel -------------------------------------------------------------------------------------
+Kernel::Kernel(Program& program, std::string pattern, std::vector<DType> dtypes)
+    : program_(program), pattern_(std::move(pattern)) {
+  index_.fill(-1);
+  for (auto& per_dtype : fn_)
+    for (auto& f : per_dtype) f.store(nullptr, std::memory_order_relaxed);
+  for (auto& per_dtype : smem_limit_)
+    for (auto& s : per_dtype) s.store(48 * 1024, std::memory_order_relaxed);
+  const std::string tag = "{T}";
+  size_t at = pattern_.find(tag);
+  for (DType t : dtypes) {
+    std::string expr = pattern_;
+    if (at != std::string::npos) expr.replace(at, tag.size(), dtype_name(t));
+    index_[static_cast<int>(t)] = program_.add_expression(expr);
+  }
+}
+
+CUfunction Kernel::function(DType dtype, int device) {
+  const int t = static_cast<int>(dtype);
+  if (device < 0 || device >= kMaxDevices)
+    throw Error("kforge: device index " + std::to_string(device) + " out of range");
+  CUfunction f = fn_[t][device].load(std::memory_order_acquire);
+  if (f) return f;
+  if (index_[t] < 0)
+    throw Error(std::string("kforge: kernel ") + pattern_ + " has no " + dtype_name(dtype) +
+                " instantiation");
+  f = program_.function(index_[t], device);
+  fn_[t][device].store(f, std::memory_order_release);
+  return f;
+}
+
+void Kernel::launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block,
+                        size_t smem, void** params) {
+  CUfunction f = function(dtype, device);
+  const DriverApi& cu = driver();
+  const int t = static_cast<int>(dtype);
+  if (static_cast<int>(smem) > smem_limit_[t][device].load(std::memory_order_relaxed)) {
+    check_cu(cu.FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                 static_cast<int>(smem)),
+             "kforge: " + pattern_ + ": requesting " + std::to_string(smem) +
+                 " bytes of dynamic shared memory");
+    smem_limit_[t][device].store(static_cast<int>(smem), std::memory_order_relaxed);
+  }
+  CUresult r = cu.LaunchKernel(f, grid.x, grid.y, grid.z, block.x, block.y, block.z,
+                               static_cast<unsigned>(smem), stream, params, nullptr);
+  if (r != CUDA_SUCCESS)
+    check_cu(r, "kforge: launch of " + pattern_ + " [" + dtype_name(dtype) + "] on cuda:" +
+                    std::to_string(device) + " (grid " + std::to_string(grid.x) + "x" +
+                    std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", block " +
+                    std::to_string(block.x) + "x" + std::to_string(block.y) + ", smem " +
+                    std::to_string(smem) + ")");
+}
+
+}  // namespace kforge

@@ -1,0 +1,165 @@
+// program.h: the runtime's interface to op launchers.
+//
+// A Program is one kernel source (kernels_src/<name>.cu) plus its NVRTC options. A Kernel is one
+// templated __global__ function of that program, instantiated per element type through NVRTC name
+// expressions ("gelu_forward_kernel<{T}>" becomes "gelu_forward_kernel<float>", "<bf16>", "<half>").
+// Programs and kernels are declared as namespace-scope statics in src/ops/<op>.cpp; the runtime
+// compiles a program the first time one of its kernels is needed on a device of a given
+// architecture, and resolves CUfunction handles once per (kernel, dtype, device).
+#pragma once
+
+#include <cuda.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace kforge {
+
+// Base class of every error the runtime raises; bound to Python as kforge.KforgeError.
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// NVRTC rejected a kernel source; what() names the kernel and carries the full NVRTC log.
+struct CompileError : Error {
+  using Error::Error;
+};
+
+// Element types kernels are instantiated for, named as kernels_src/common.cuh names them.
+enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
+constexpr int kNumDTypes = 3;
+const char* dtype_name(DType t);  // "float", "bf16", "half"
+
+struct ProgramOptions {
+  bool fast_math = false;             // --use_fast_math (only where the op tolerates it)
+  std::vector<std::string> extra;     // further NVRTC options
+};
+
+class Program;
+namespace detail {
+struct Compiled;  // CUBIN + lowered names of one program for one architecture
+}
+
+// Launch geometry (cuda.h's Dim3 lives in the runtime headers, which the runtime does not need).
+struct Dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  Dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+// One templated kernel of a program, resolved per (dtype, device).
+class Kernel {
+ public:
+  // `pattern` contains "{T}" where the element type goes; `dtypes` lists those to instantiate.
+  // A pattern without "{T}" is instantiated once and used for every dtype.
+  Kernel(Program& program, std::string pattern,
+         std::vector<DType> dtypes = {DType::f32, DType::bf16, DType::f16});
+
+  // CUfunction for `dtype` on CUDA device `device` (compiling / loading on first use).
+  CUfunction function(DType dtype, int device);
+  bool supports(DType dtype) const { return index_[static_cast<int>(dtype)] >= 0; }
+  const std::string& pattern() const { return pattern_; }
+
+  // Launch on `stream` (the caller passes PyTorch's current stream). Args are passed by value and
+  // must match the kernel's parameter types exactly (pointers, int, long long, float).
+  template <typename... Args>
+  void launch(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block, size_t smem,
+              Args... args) {
+    void* params[] = {static_cast<void*>(&args)..., nullptr};
+    launch_raw(dtype, device, stream, grid, block, smem, params);
+  }
+  void launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block, size_t smem,
+                  void** params);
+
+ private:
+  friend class Program;
+  static constexpr int kMaxDevices = 64;
+  Program& program_;
+  std::string pattern_;
+  std::array<int, kNumDTypes> index_{};  // name-expression index in the program, -1 if absent
+  // Resolved handles; written once under the program's lock, then read without locking.
+  std::array<std::array<std::atomic<CUfunction>, kMaxDevices>, kNumDTypes> fn_{};
+  std::array<std::array<std::atomic<int>, kMaxDevices>, kNumDTypes> smem_limit_{};
+};
+
+// Summary of one compiled program, for kforge.cache_info().
+struct CacheEntryInfo {
+  std::string name;
+  std::string arch;
+  std::string source;  // "nvrtc", "disk" or "memory"
+  double compile_ms = 0;
+  int64_t cubin_bytes = 0;
+};
+
+class Program {
+ public:
+  // `register_globally`: list it in all_programs() (every shipped kernel is); `kernel_dir`
+  // overrides config().kernel_dir (tests compile sources from temporary directories).
+  explicit Program(std::string name, ProgramOptions options = {}, bool register_globally = true,
+                   std::string kernel_dir = "");
+  Program(const Program&) = delete;
+  Program& operator=(const Program&) = delete;
+
+  const std::string& name() const { return name_; }
+  const std::vector<std::string>& name_expressions() const { return exprs_; }
+  // Compile (or fetch from cache) for an architecture such as 90 ("sm_90"); no GPU needed.
+  // Returns the lowered names in the order of name_expressions().
+  std::vector<std::string> compile_for_arch(int arch);
+  // Loaded CUfunction for name expression `index` on `device`.
+  CUfunction function(int index, int device);
+  int add_expression(const std::string& expr);
+  void forget_compiled();  // drop the memory-cache shortcut (loaded modules stay)
+
+ private:
+  std::shared_ptr<detail::Compiled> compiled(int arch);
+
+  struct Module {
+    CUmodule module;
+    std::vector<std::string> lowered;
+  };
+  std::string name_;
+  ProgramOptions options_;
+  std::string kernel_dir_;
+  std::vector<std::string> exprs_;
+  std::mutex mu_;
+  std::map<int, std::shared_ptr<detail::Compiled>> by_arch_;
+  std::map<int, Module> modules_;  // per device, loaded into its primary context
+};
+
+// Every Program declared in the process, in declaration order.
+std::vector<Program*>& all_programs();
+Program* find_program(const std::string& name);
+
+// --- runtime configuration (set from Python at import) -------------------------------------------
+struct Config {
+  std::string kernel_dir;                 // where <name>.cu and its headers live
+  std::string cache_dir;                  // disk cache directory
+  bool disk_cache = true;
+  std::vector<std::string> nvrtc_paths;   // candidate libnvrtc paths, tried in order
+};
+Config& config();
+
+// Warnings (e.g. a corrupted cache file) go through this hook; Python installs warnings.warn.
+void set_warning_handler(std::function<void(const std::string&)> handler);
+void warn(const std::string& message);
+
+struct CacheStats {
+  int64_t memory_hits = 0, memory_misses = 0, disk_hits = 0, disk_misses = 0, disk_corrupt = 0;
+  int64_t nvrtc_compiles = 0;
+  std::vector<CacheEntryInfo> entries;
+};
+CacheStats cache_stats();
+void clear_memory_cache();  // forget compiled programs (loaded modules stay valid); for tests
+
+// Compute capability of `device` as major*10+minor (e.g. 90).
+int device_arch(int device);
+std::string nvrtc_version();
+std::string nvrtc_library_path();
+
+}  // namespace kforge

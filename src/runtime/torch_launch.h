@@ -1,0 +1,94 @@
+// torch_launch.h: what op launchers (src/ops/<op>.cpp) use to meet PyTorch.
+//
+// Tensor checks with clear messages, dtype mapping, PyTorch's current stream, the device guard, and
+// self-registration of each op's Python bindings (module.cpp binds every registered op).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <pybind11/pybind11.h>
+
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include "program.h"
+
+namespace kforge {
+
+// KF_CHECK(cond, "op", "message parts", ...) throws kforge::Error("op: message").
+template <typename... Parts>
+[[noreturn]] void fail(const char* op, const Parts&... parts) {
+  std::ostringstream ss;
+  ss << "kforge." << op << ": ";
+  (ss << ... << parts);
+  throw Error(ss.str());
+}
+#define KF_CHECK(cond, op, ...)                     \
+  do {                                              \
+    if (!(cond)) ::kforge::fail(op, __VA_ARGS__);   \
+  } while (0)
+
+inline DType dtype_of(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::f32;
+    case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
+    default: fail(op, "dtype ", t.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  }
+}
+
+// A CUDA tensor, contiguous, of a supported float dtype; returns its dtype.
+inline DType check_input(const at::Tensor& t, const char* op, const char* name) {
+  KF_CHECK(t.defined(), op, name, " is undefined");
+  KF_CHECK(t.is_cuda(), op, name, " must be a CUDA tensor, got ", t.device());
+  KF_CHECK(t.is_contiguous(), op, name, " must be contiguous");
+  return dtype_of(t, op);
+}
+
+inline void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const char* name) {
+  KF_CHECK(b.defined() && b.is_cuda() && b.device() == a.device(), op, name,
+           " must be a CUDA tensor on ", a.device());
+  KF_CHECK(b.scalar_type() == a.scalar_type(), op, name, " has dtype ", b.scalar_type(),
+           ", expected ", a.scalar_type());
+  KF_CHECK(b.is_contiguous(), op, name, " must be contiguous");
+}
+
+inline bool aligned16(const at::Tensor& t) {
+  return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0;
+}
+
+// Device guard + PyTorch's current stream for the device of `t`. Construct one per launcher call.
+struct LaunchOn {
+  c10::cuda::CUDAGuard guard;
+  int device;
+  CUstream stream;
+  explicit LaunchOn(const at::Tensor& t)
+      : guard(t.device()),
+        device(t.get_device()),
+        stream(reinterpret_cast<CUstream>(c10::cuda::getCurrentCUDAStream(t.get_device()).stream())) {}
+};
+
+inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+
+// Multiprocessor count (PyTorch caches device properties, so this is cheap per call).
+inline int sm_count(int device) { return at::cuda::getDeviceProperties(device)->multiProcessorCount; }
+
+// ---- op bindings --------------------------------------------------------------------------------
+using BindFn = void (*)(pybind11::module_&);
+inline std::vector<std::pair<const char*, BindFn>>& op_bindings() {
+  static std::vector<std::pair<const char*, BindFn>> v;
+  return v;
+}
+struct OpBinder {
+  OpBinder(const char* name, BindFn fn) { op_bindings().emplace_back(name, fn); }
+};
+// KFORGE_BIND_OP(gelu) { m.def("gelu_forward", &gelu_forward, ...); }
+#define KFORGE_BIND_OP(name)                                                     \
+  static void kforge_bind_##name(pybind11::module_& m);                          \
+  static ::kforge::OpBinder kforge_binder_##name(#name, &kforge_bind_##name);    \
+  static void kforge_bind_##name(pybind11::module_& m)
+
+}  // namespace kforge
