@@ -7,21 +7,22 @@ namespace {
 Program prog("axpy");
 Kernel kernel(prog, "axpy_kernel<{T}>");
 
-at::Tensor axpy(const at::Tensor& x, const at::Tensor& y, double alpha) {
-  const DType dt = check_input(x, "axpy", "x");
-  check_same(x, y, "axpy", "y");
+at::Tensor axpy(const at::Tensor& x_, const at::Tensor& y_, double alpha) {
+  const at::Tensor x = input(x_, "axpy", "x");
+  const at::Tensor y = input_like(y_, x, "axpy", "y");
+  const DType dt = dtype_of(x, "axpy");
   KF_CHECK(x.sizes() == y.sizes(), "axpy", "x and y sizes differ: ", x.sizes(), " vs ", y.sizes());
-  KF_CHECK(aligned16(x) && aligned16(y), "axpy", "x and y must be 16-byte aligned");
   LaunchOn on(x);
   at::Tensor out = at::empty_like(x);
   const long long n = x.numel();
   if (n == 0) return out;
   const int block = 256;
-  const int64_t packs = n / (16 / x.element_size());
+  const int vec = aligned16(x) && aligned16(y) && aligned16(out);
+  const int64_t packs = vec ? n / (16 / x.element_size()) : n;
   // Enough blocks to fill the GPU several times over; the grid-stride loop covers the rest.
   const unsigned grid = std::max<unsigned>(1, std::min<int64_t>(ceil_div(packs, block), sm_count(on.device) * 16));
   kernel.launch(dt, on.device, on.stream, grid, block, 0, x.data_ptr(), y.data_ptr(),
-                out.data_ptr(), static_cast<float>(alpha), n);
+                out.data_ptr(), static_cast<float>(alpha), n, vec);
   return out;
 }
 

@@ -40,20 +40,23 @@ inline DType dtype_of(const at::Tensor& t, const char* op) {
   }
 }
 
-// A CUDA tensor, contiguous, of a supported float dtype; returns its dtype.
-inline DType check_input(const at::Tensor& t, const char* op, const char* name) {
+// Checks that `t` is a CUDA tensor of a supported float dtype and returns it contiguous (a copy only
+// when it is not already: Thunder's traces carry no strides, so launchers accept any layout).
+inline at::Tensor input(const at::Tensor& t, const char* op, const char* name) {
   KF_CHECK(t.defined(), op, name, " is undefined");
   KF_CHECK(t.is_cuda(), op, name, " must be a CUDA tensor, got ", t.device());
-  KF_CHECK(t.is_contiguous(), op, name, " must be contiguous");
-  return dtype_of(t, op);
+  dtype_of(t, op);
+  return t.contiguous();
 }
 
-inline void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const char* name) {
-  KF_CHECK(b.defined() && b.is_cuda() && b.device() == a.device(), op, name,
-           " must be a CUDA tensor on ", a.device());
-  KF_CHECK(b.scalar_type() == a.scalar_type(), op, name, " has dtype ", b.scalar_type(),
-           ", expected ", a.scalar_type());
-  KF_CHECK(b.is_contiguous(), op, name, " must be contiguous");
+// Like input(), and `t` must match `ref`'s device and dtype.
+inline at::Tensor input_like(const at::Tensor& t, const at::Tensor& ref, const char* op,
+                             const char* name) {
+  KF_CHECK(t.defined() && t.is_cuda() && t.device() == ref.device(), op, name,
+           " must be a CUDA tensor on ", ref.device());
+  KF_CHECK(t.scalar_type() == ref.scalar_type(), op, name, " has dtype ", t.scalar_type(),
+           ", expected ", ref.scalar_type());
+  return t.contiguous();
 }
 
 inline bool aligned16(const at::Tensor& t) {
