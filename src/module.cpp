@@ -79,6 +79,9 @@ PYBIND11_MODULE(_C, m) {
       (*handler)(msg);
     });
   });
+  m.def(
+      "set_poison_outputs", [](bool on) { poison_outputs() = on; }, py::arg("on"),
+      "Test aid: fill every launcher output with NaN before the kernel writes it.");
   m.def("cache_info", [] { return stats_to_dict(cache_stats()); });
   m.def("clear_memory_cache", &clear_memory_cache);
   m.def("nvrtc_version", &nvrtc_version);

@@ -22,6 +22,7 @@ __all__ = [
     "cache_info",
     "compile_all",
     "kernel_names",
+    "executor",
     "kernel_dir",
     "cache_dir",
 ]
@@ -52,3 +53,12 @@ def compile_all(arch: int | None = None) -> dict[str, float]:
         if e["arch"] == f"sm_{arch}":
             out[e["name"]] = e["compile_ms"] if e["source"] == "nvrtc" and (e["name"], e["arch"]) not in before else 0.0
     return out
+
+
+def __getattr__(name: str):
+    # The Thunder executor is built on first access, so `import kforge` stays light (no thunder import).
+    if name == "executor":
+        from ._thunder import get_executor
+
+        return get_executor()
+    raise AttributeError(f"module 'kforge' has no attribute {name!r}")

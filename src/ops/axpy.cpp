@@ -13,7 +13,7 @@ at::Tensor axpy(const at::Tensor& x_, const at::Tensor& y_, double alpha) {
   const DType dt = dtype_of(x, "axpy");
   KF_CHECK(x.sizes() == y.sizes(), "axpy", "x and y sizes differ: ", x.sizes(), " vs ", y.sizes());
   LaunchOn on(x);
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = new_output_like(x);
   const long long n = x.numel();
   if (n == 0) return out;
   const int block = 256;

@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
 
+#include <limits>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -61,6 +62,28 @@ inline at::Tensor input_like(const at::Tensor& t, const at::Tensor& ref, const c
 
 inline bool aligned16(const at::Tensor& t) {
   return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0;
+}
+
+// Test aid: when on, every output a launcher allocates is first filled with NaN (0xFF bytes for
+// non-float dtypes), so an element a kernel fails to write shows up. Off in normal use.
+inline bool& poison_outputs() {
+  static bool on = false;
+  return on;
+}
+
+// Allocate a launcher output through PyTorch's caching allocator (never cudaMalloc directly).
+inline at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(sizes, options);
+  if (poison_outputs()) {
+    if (at::isFloatingType(t.scalar_type()))
+      t.fill_(std::numeric_limits<double>::quiet_NaN());
+    else
+      t.view(at::kByte).fill_(0xFF);
+  }
+  return t;
+}
+inline at::Tensor new_output_like(const at::Tensor& t) {
+  return new_output(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
 // Device guard + PyTorch's current stream for the device of `t`. Construct one per launcher call.
