@@ -84,6 +84,7 @@ PYBIND11_MODULE(_C, m) {
       "Test aid: fill every launcher output with NaN before the kernel writes it.");
   m.def("cache_info", [] { return stats_to_dict(cache_stats()); });
   m.def("clear_memory_cache", &clear_memory_cache);
+  m.def("reset_cache_stats", &reset_cache_stats);
   m.def("nvrtc_version", &nvrtc_version);
   m.def("nvrtc_library", &nvrtc_library_path);
   m.def("device_arch", &device_arch, py::arg("device"));

@@ -7,20 +7,21 @@ namespace {
 Program prog("axpy");
 Kernel kernel(prog, "axpy_kernel<{T}>");
 
-at::Tensor axpy(const at::Tensor& x_, const at::Tensor& y_, double alpha) {
+at::Tensor axpy(const at::Tensor& x_, const at::Tensor& y_, double alpha, int block) {
   const at::Tensor x = input(x_, "axpy", "x");
   const at::Tensor y = input_like(y_, x, "axpy", "y");
   const DType dt = dtype_of(x, "axpy");
+  KF_CHECK(block > 0, "axpy", "block must be positive, got ", block);
   KF_CHECK(x.sizes() == y.sizes(), "axpy", "x and y sizes differ: ", x.sizes(), " vs ", y.sizes());
   LaunchOn on(x);
   at::Tensor out = new_output_like(x);
   const long long n = x.numel();
   if (n == 0) return out;
-  const int block = 256;
   const int vec = aligned16(x) && aligned16(y) && aligned16(out);
   const int64_t packs = vec ? n / (16 / x.element_size()) : n;
   // Enough blocks to fill the GPU several times over; the grid-stride loop covers the rest.
-  const unsigned grid = std::max<unsigned>(1, std::min<int64_t>(ceil_div(packs, block), sm_count(on.device) * 16));
+  const unsigned grid =
+      std::max<unsigned>(1, std::min<int64_t>(ceil_div(packs, block), sm_count(on.device) * 16));
   kernel.launch(dt, on.device, on.stream, grid, block, 0, x.data_ptr(), y.data_ptr(),
                 out.data_ptr(), static_cast<float>(alpha), n, vec);
   return out;
@@ -30,7 +31,9 @@ at::Tensor axpy(const at::Tensor& x_, const at::Tensor& y_, double alpha) {
 
 KFORGE_BIND_OP(axpy) {
   m.def("axpy", &axpy, "out = alpha * x + y (runtime smoke-test kernel)", pybind11::arg("x"),
-        pybind11::arg("y"), pybind11::arg("alpha") = 1.0);
+        pybind11::arg("y"), pybind11::arg("alpha") = 1.0,
+        // Threads per block; tests pass an invalid value to exercise launch-error reporting.
+        pybind11::arg("block") = 256);
 }
 
 }  // namespace kforge

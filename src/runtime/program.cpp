@@ -285,9 +285,14 @@ void clear_memory_cache() {
     MemoryCache& m = mem();
     std::lock_guard<std::mutex> lock(m.mu);
     m.entries.clear();
-    m.stats = CacheStats{};
   }
   for (Program* p : all_programs()) p->forget_compiled();
+}
+
+void reset_cache_stats() {
+  MemoryCache& m = mem();
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.stats = CacheStats{};
 }
 
 // ---- Program ------------------------------------------------------------------------------------

@@ -156,6 +156,7 @@ struct CacheStats {
 };
 CacheStats cache_stats();
 void clear_memory_cache();  // forget compiled programs (loaded modules stay valid); for tests
+void reset_cache_stats();   // zero the hit / miss / compile counters
 
 // Compute capability of `device` as major*10+minor (e.g. 90).
 int device_arch(int device);

@@ -1,0 +1,108 @@
+// permute launchers: split_qkv (B, T, 3C) -> q, k, v (B, NH, T, HS) and merge_heads
+// (B, NH, T, HS) -> (B, T, C), forward and backward (see kernels_src/permute.cu).
+#include "../runtime/torch_launch.h"
+
+namespace kforge {
+namespace {
+
+Program prog("permute");
+Kernel to_heads(prog, "permute_tokens_to_heads_kernel<{T}>");
+Kernel to_tokens(prog, "permute_heads_to_tokens_kernel<{T}>");
+
+// Copies between token-major `tokens` (B, T, parts * NH * HS) and head-major `heads` (parts tensors
+// of shape (B, NH, T, HS)): tokens -> heads when `split`, else heads -> tokens.
+void launch(bool split, const at::Tensor& tokens, const std::vector<at::Tensor>& heads, int64_t B,
+            int64_t T, int64_t NH, int64_t HS, const char* op) {
+  const int parts = static_cast<int>(heads.size());
+  const int64_t row = parts * NH * HS;
+  KF_CHECK(B * T <= std::numeric_limits<int>::max() && row <= std::numeric_limits<int>::max(), op,
+           "sizes too large: B*T = ", B * T, ", row = ", row);
+  if (B * T == 0 || row == 0) return;
+  LaunchOn on(tokens);
+  const int64_t V = 16 / tokens.element_size();
+  bool vec = HS % V == 0 && aligned16(tokens);
+  for (const at::Tensor& h : heads) vec = vec && aligned16(h);
+  const int64_t steps = vec ? row / V : row;
+  const unsigned block = std::min<int64_t>(512, ceil_div(steps, 32) * 32);
+  const unsigned grid = static_cast<unsigned>(B * T);
+  void* h[3];
+  for (int p = 0; p < 3; ++p) h[p] = heads[std::min(p, parts - 1)].data_ptr();  // unused when p >= parts
+  const DType dt = dtype_of(tokens, op);
+  if (split)
+    to_heads.launch(dt, on.device, on.stream, grid, block, 0, tokens.data_ptr(), h[0], h[1], h[2],
+                    static_cast<int>(T), parts, static_cast<int>(NH), static_cast<int>(HS), int(vec));
+  else
+    to_tokens.launch(dt, on.device, on.stream, grid, block, 0, h[0], h[1], h[2], tokens.data_ptr(),
+                     static_cast<int>(T), parts, static_cast<int>(NH), static_cast<int>(HS), int(vec));
+}
+
+// (B, T, 3C) -> q, k, v, each (B, NH, T, HS) contiguous.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv_forward(const at::Tensor& qkv_, int64_t n_head) {
+  const char* op = "split_qkv_forward";
+  const at::Tensor qkv = input(qkv_, op, "qkv");
+  KF_CHECK(qkv.dim() == 3, op, "qkv must be (B, T, 3C), got ", qkv.sizes());
+  KF_CHECK(n_head > 0, op, "n_head must be positive, got ", n_head);
+  const int64_t B = qkv.size(0), T = qkv.size(1), C3 = qkv.size(2);
+  KF_CHECK(C3 % (3 * n_head) == 0, op, "last dim ", C3, " is not 3 * n_head * head_size (n_head = ", n_head, ")");
+  const int64_t HS = C3 / (3 * n_head);
+  std::vector<at::Tensor> heads;
+  for (int p = 0; p < 3; ++p) heads.push_back(new_output({B, n_head, T, HS}, qkv.options()));
+  launch(true, qkv, heads, B, T, n_head, HS, op);
+  return {heads[0], heads[1], heads[2]};
+}
+
+// dq, dk, dv (B, NH, T, HS) -> dqkv (B, T, 3C).
+at::Tensor split_qkv_backward(const at::Tensor& dq_, const at::Tensor& dk_, const at::Tensor& dv_) {
+  const char* op = "split_qkv_backward";
+  const at::Tensor dq = input(dq_, op, "dq");
+  const at::Tensor dk = input_like(dk_, dq, op, "dk");
+  const at::Tensor dv = input_like(dv_, dq, op, "dv");
+  KF_CHECK(dq.dim() == 4, op, "dq must be (B, NH, T, HS), got ", dq.sizes());
+  KF_CHECK(dk.sizes() == dq.sizes() && dv.sizes() == dq.sizes(), op, "dq, dk, dv sizes differ: ",
+           dq.sizes(), ", ", dk.sizes(), ", ", dv.sizes());
+  const int64_t B = dq.size(0), NH = dq.size(1), T = dq.size(2), HS = dq.size(3);
+  at::Tensor dqkv = new_output({B, T, 3 * NH * HS}, dq.options());
+  launch(false, dqkv, {dq, dk, dv}, B, T, NH, HS, op);
+  return dqkv;
+}
+
+// y (B, NH, T, HS) -> (B, T, C).
+at::Tensor merge_heads_forward(const at::Tensor& y_) {
+  const char* op = "merge_heads_forward";
+  const at::Tensor y = input(y_, op, "y");
+  KF_CHECK(y.dim() == 4, op, "y must be (B, NH, T, HS), got ", y.sizes());
+  const int64_t B = y.size(0), NH = y.size(1), T = y.size(2), HS = y.size(3);
+  at::Tensor out = new_output({B, T, NH * HS}, y.options());
+  launch(false, out, {y}, B, T, NH, HS, op);
+  return out;
+}
+
+// dout (B, T, C) -> dy (B, NH, T, HS).
+at::Tensor merge_heads_backward(const at::Tensor& dout_, int64_t n_head) {
+  const char* op = "merge_heads_backward";
+  const at::Tensor dout = input(dout_, op, "dout");
+  KF_CHECK(dout.dim() == 3, op, "dout must be (B, T, C), got ", dout.sizes());
+  KF_CHECK(n_head > 0, op, "n_head must be positive, got ", n_head);
+  const int64_t B = dout.size(0), T = dout.size(1), C = dout.size(2);
+  KF_CHECK(C % n_head == 0, op, "last dim ", C, " is not a multiple of n_head = ", n_head);
+  at::Tensor dy = new_output({B, n_head, T, C / n_head}, dout.options());
+  launch(true, dout, {dy}, B, T, n_head, C / n_head, op);
+  return dy;
+}
+
+}  // namespace
+
+KFORGE_BIND_OP(permute) {
+  m.def("split_qkv_forward", &split_qkv_forward,
+        "qkv (B, T, 3C) -> q, k, v, each (B, n_head, T, C / n_head) contiguous",
+        pybind11::arg("qkv"), pybind11::arg("n_head"));
+  m.def("split_qkv_backward", &split_qkv_backward, "dq, dk, dv (B, NH, T, HS) -> dqkv (B, T, 3 NH HS)",
+        pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"));
+  m.def("merge_heads_forward", &merge_heads_forward, "y (B, NH, T, HS) -> (B, T, NH HS) contiguous",
+        pybind11::arg("y"));
+  m.def("merge_heads_backward", &merge_heads_backward,
+        "dout (B, T, C) -> dy (B, n_head, T, C / n_head)", pybind11::arg("dout"),
+        pybind11::arg("n_head"));
+}
+
+}  // namespace kforge

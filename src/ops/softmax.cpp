@@ -1,0 +1,127 @@
+// softmax launchers: softmax over the last dim and the fused causal attention softmax, forward and
+// backward (see kernels_src/softmax.cu for the layouts).
+#include "../runtime/torch_launch.h"
+
+namespace kforge {
+namespace {
+
+Program prog("softmax", ProgramOptions{/*fast_math=*/false});
+
+// Register-resident rows: one warp per row (P packs per lane), one block per row (4 per thread).
+constexpr int kWarpP[] = {1, 2, 4, 8};
+constexpr int kBlockP = 4, kMaxBlock = 1024, kWarpBlock = 256;
+Kernel fwd_warp[] = {{prog, "softmax_forward_kernel<{T}, 1, true>"},
+                     {prog, "softmax_forward_kernel<{T}, 2, true>"},
+                     {prog, "softmax_forward_kernel<{T}, 4, true>"},
+                     {prog, "softmax_forward_kernel<{T}, 8, true>"}};
+Kernel fwd_block(prog, "softmax_forward_kernel<{T}, 4, false>");
+Kernel fwd_stream(prog, "softmax_forward_stream_kernel<{T}>");
+Kernel bwd_warp[] = {{prog, "softmax_backward_kernel<{T}, 1, true>"},
+                     {prog, "softmax_backward_kernel<{T}, 2, true>"},
+                     {prog, "softmax_backward_kernel<{T}, 4, true>"},
+                     {prog, "softmax_backward_kernel<{T}, 8, true>"}};
+Kernel bwd_block(prog, "softmax_backward_kernel<{T}, 4, false>");
+Kernel bwd_stream(prog, "softmax_backward_stream_kernel<{T}>");
+
+// Which kernel runs rows of C elements and how it is launched.
+struct Plan {
+  Kernel* kernel;
+  unsigned grid, block;
+};
+
+Plan plan(int64_t rows, int64_t C, int64_t elem_size, bool forward) {
+  const int64_t V = 16 / elem_size;
+  const int64_t packs = (C + V - 1) / V;  // >= whole packs of any split of the row
+  for (int i = 0; i < 4; ++i)
+    if (packs <= 32 * kWarpP[i])
+      return {forward ? &fwd_warp[i] : &bwd_warp[i], ceil_div(rows, kWarpBlock / 32), kWarpBlock};
+  if (packs <= int64_t(kMaxBlock) * kBlockP) {
+    const unsigned block = ceil_div(packs, kBlockP * 32) * 32;  // a multiple of 32 for block_sum
+    return {forward ? &fwd_block : &bwd_block, static_cast<unsigned>(rows), block};
+  }
+  return {forward ? &fwd_stream : &bwd_stream, static_cast<unsigned>(rows), kMaxBlock};
+}
+
+bool same_alignment(std::initializer_list<const at::Tensor*> ts) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>((*ts.begin())->data_ptr()) & 15;
+  for (const at::Tensor* t : ts)
+    if ((reinterpret_cast<uintptr_t>(t->data_ptr()) & 15) != a) return false;
+  return true;
+}
+
+void check_rows(const at::Tensor& x, int64_t C, const char* op) {
+  KF_CHECK(x.dim() >= 1, op, "expected at least 1 dimension, got a 0-d tensor");
+  KF_CHECK(C <= std::numeric_limits<int>::max(), op, "rows of ", C, " elements are too long (max 2^31-1)");
+  if (C > 0)
+    KF_CHECK(x.numel() / C < std::numeric_limits<int>::max(), op, "too many rows: ", x.numel() / C);
+}
+
+void check_causal(const at::Tensor& x, const char* op) {
+  KF_CHECK(x.dim() >= 2 && x.size(-1) == x.size(-2), op,
+           "expected scores of shape (..., T, T), got ", x.sizes());
+}
+
+at::Tensor forward(const at::Tensor& x_, bool causal, double scale, const char* op) {
+  const at::Tensor x = input(x_, op, "x");
+  if (causal) check_causal(x, op);
+  const int64_t C = x.dim() ? x.size(-1) : 1;
+  check_rows(x, C, op);
+  LaunchOn on(x);
+  at::Tensor y = new_output_like(x);
+  if (x.numel() == 0) return y;
+  const int64_t rows = x.numel() / C;
+  const Plan p = plan(rows, C, x.element_size(), /*forward=*/true);
+  const int vec = same_alignment({&x, &y});
+  p.kernel->launch(dtype_of(x, op), on.device, on.stream, p.grid, p.block, 0, x.data_ptr(),
+                   y.data_ptr(), static_cast<long long>(rows), static_cast<int>(C), int(causal),
+                   static_cast<float>(scale), vec);
+  return y;
+}
+
+at::Tensor backward(const at::Tensor& dy_, const at::Tensor& y_, bool causal, double scale,
+                    const char* op) {
+  const at::Tensor y = input(y_, op, "y");
+  const at::Tensor dy = input_like(dy_, y, op, "dy");
+  KF_CHECK(dy.sizes() == y.sizes(), op, "dy and y sizes differ: ", dy.sizes(), " vs ", y.sizes());
+  if (causal) check_causal(y, op);
+  const int64_t C = y.dim() ? y.size(-1) : 1;
+  check_rows(y, C, op);
+  LaunchOn on(y);
+  at::Tensor dx = new_output_like(y);
+  if (y.numel() == 0) return dx;
+  const int64_t rows = y.numel() / C;
+  const Plan p = plan(rows, C, y.element_size(), /*forward=*/false);
+  const int vec = same_alignment({&dy, &y, &dx});
+  p.kernel->launch(dtype_of(y, op), on.device, on.stream, p.grid, p.block, 0, dy.data_ptr(),
+                   y.data_ptr(), dx.data_ptr(), static_cast<long long>(rows), static_cast<int>(C),
+                   int(causal), static_cast<float>(scale), vec);
+  return dx;
+}
+
+at::Tensor softmax_forward(const at::Tensor& x) { return forward(x, false, 1.0, "softmax_forward"); }
+at::Tensor softmax_backward(const at::Tensor& dy, const at::Tensor& y) {
+  return backward(dy, y, false, 1.0, "softmax_backward");
+}
+at::Tensor causal_softmax_forward(const at::Tensor& preatt, double scale) {
+  return forward(preatt, true, scale, "causal_softmax_forward");
+}
+at::Tensor causal_softmax_backward(const at::Tensor& datt, const at::Tensor& att, double scale) {
+  return backward(datt, att, true, scale, "causal_softmax_backward");
+}
+
+}  // namespace
+
+KFORGE_BIND_OP(softmax) {
+  m.def("softmax_forward", &softmax_forward, "y = softmax(x) over the last dim", pybind11::arg("x"));
+  m.def("softmax_backward", &softmax_backward, "dx = y * (dy - sum(dy * y, -1)) over the last dim",
+        pybind11::arg("dy"), pybind11::arg("y"));
+  m.def("causal_softmax_forward", &causal_softmax_forward,
+        "att = softmax(scale * preatt) over the last dim of (..., T, T) scores, row i keeping its "
+        "first i + 1 entries (the rest exactly 0)",
+        pybind11::arg("preatt"), pybind11::arg("scale"));
+  m.def("causal_softmax_backward", &causal_softmax_backward,
+        "dpreatt = scale * att * (datt - sum(datt * att, -1)), exactly 0 above the diagonal",
+        pybind11::arg("datt"), pybind11::arg("att"), pybind11::arg("scale"));
+}
+
+}  // namespace kforge

@@ -1,0 +1,348 @@
+"""Runtime: NVRTC compile by name, memory and disk cache, errors, and (GPU) launch, streams, graphs.
+
+CPU tests run in CI (NVRTC compiles without a GPU); GPU tests skip there with a visible reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import kforge
+from conftest import gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_FILES = sorted(p.stem for p in (ROOT / "kernels_src").glob("*.cu"))
+
+
+def run_py(code: str, cache: Path, env_extra: dict | None = None, timeout: int = 300) -> dict:
+    """Run `code` in a fresh interpreter with its own kforge cache dir; it prints one JSON line."""
+    env = dict(os.environ, KFORGE_CACHE_DIR=str(cache), PYTHONWARNINGS="default")
+    env.update(env_extra or {})
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, f"subprocess failed:\n{r.stdout}\n{r.stderr}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["stderr"] = r.stderr
+    return out
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty disk cache and an empty memory cache for this test."""
+    cache = tmp_path / "cache"
+    kforge._C.set_cache(str(cache), True)
+    kforge._C.clear_memory_cache()
+    kforge._C.reset_cache_stats()
+    yield cache
+    kforge._C.set_cache(kforge.cache_dir(), kforge._runtime.disk_cache_enabled())
+    kforge._C.clear_memory_cache()
+
+
+# ---- compile every kernel (grows automatically with kernels_src/) ------------------------------------
+def test_every_kernel_source_is_registered():
+    assert set(KERNEL_FILES) <= set(kforge.kernel_names()), (
+        "kernels_src/*.cu without a Program in src/ops/: "
+        f"{sorted(set(KERNEL_FILES) - set(kforge.kernel_names()))}")
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("name", KERNEL_FILES)
+def test_kernel_compiles(name, arch, fresh_cache):
+    lowered = kforge._C.compile(name, arch)
+    exprs = kforge._C.name_expressions(name)
+    assert len(lowered) == len(exprs) and all(lowered), (name, exprs)
+    entry = [e for e in kforge.cache_info()["entries"] if e["name"] == name]
+    assert entry and entry[0]["arch"] == f"sm_{arch}" and entry[0]["cubin_bytes"] > 0
+    assert entry[0]["source"] == "nvrtc" and entry[0]["compile_ms"] > 0
+
+
+# ---- memory and disk cache ----------------------------------------------------------------------------
+def test_memory_cache_hit(fresh_cache):
+    kforge._C.compile("axpy", 90)
+    info = kforge.cache_info()
+    assert (info["memory_misses"], info["nvrtc_compiles"]) == (1, 1)
+    kforge._C.compile("axpy", 90)
+    info2 = kforge.cache_info()
+    assert info2["nvrtc_compiles"] == 1 and info2["memory_hits"] == info["memory_hits"] + 1
+    kforge._C.compile("axpy", 80)  # another arch is another entry
+    assert kforge.cache_info()["nvrtc_compiles"] == 2
+
+
+def test_disk_cache_written_atomically(fresh_cache):
+    kforge._C.compile("axpy", 90)
+    files = sorted(fresh_cache.iterdir())
+    assert len(files) == 1 and files[0].name.startswith("axpy-sm_90-") and files[0].suffix == ".cubin"
+    assert not list(fresh_cache.glob("*.tmp.*"))
+
+
+COMPILE_AXPY = """
+import json, kforge
+kforge._C.compile("axpy", 90)
+print(json.dumps(kforge.cache_info()))
+"""
+
+
+def test_second_process_loads_from_disk_without_nvrtc(tmp_path):
+    first = run_py(COMPILE_AXPY, tmp_path)
+    assert first["nvrtc_compiles"] == 1 and first["disk_misses"] == 1
+    second = run_py(COMPILE_AXPY, tmp_path)
+    assert second["nvrtc_compiles"] == 0 and second["disk_hits"] == 1
+    assert second["entries"][0]["source"] == "disk"
+
+
+def test_disk_cache_disabled(tmp_path):
+    out = run_py(COMPILE_AXPY, tmp_path, {"KFORGE_DISK_CACHE": "0"})
+    assert out["nvrtc_compiles"] == 1 and out["disk_hits"] == 0
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
+def test_corrupted_cache_file_is_reported_once_and_recompiled(tmp_path, damage):
+    run_py(COMPILE_AXPY, tmp_path)
+    (f,) = tmp_path.glob("axpy-sm_90-*.cubin")
+    data = bytearray(f.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0x40
+    elif damage == "garbage":
+        data = bytearray(os.urandom(len(data)))
+    else:
+        data = bytearray()
+    f.write_bytes(bytes(data))
+    damaged = tmp_path.parent / f"damaged-{damage}.bin"
+    damaged.write_bytes(bytes(data))
+    # The same file damaged twice in one process: both times recompiled, one warning.
+    out = run_py(f"""
+        import json, warnings, kforge
+        from pathlib import Path
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            kforge._C.compile("axpy", 90)
+            Path({str(f)!r}).write_bytes(Path({str(damaged)!r}).read_bytes())
+            kforge._C.clear_memory_cache()
+            kforge._C.compile("axpy", 90)
+        info = kforge.cache_info()
+        info["warnings"] = [str(x.message) for x in w if issubclass(x.category, kforge.KforgeCacheWarning)]
+        print(json.dumps(info))
+    """, tmp_path)
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert "unusable" in out["warnings"][0] and f.name in out["warnings"][0]
+    assert out["nvrtc_compiles"] == 2 and out["disk_corrupt"] == 2
+    # The rewritten file is whole again: a third process loads it from disk.
+    third = run_py(COMPILE_AXPY, tmp_path)
+    assert third["nvrtc_compiles"] == 0 and third["disk_hits"] == 1
+
+
+def test_processes_racing_on_one_entry_never_tear_the_file(tmp_path):
+    code = COMPILE_AXPY
+    env = dict(os.environ, KFORGE_CACHE_DIR=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        assert "unusable" not in err
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1, files  # no temp files left behind
+    after = run_py(COMPILE_AXPY, tmp_path)
+    assert after["disk_hits"] == 1 and after["nvrtc_compiles"] == 0 and after["disk_corrupt"] == 0
+
+
+def test_header_change_invalidates_cache(tmp_path, fresh_cache):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "helper.cuh").write_text("#define KF_SCALE 2.0f\n")
+    (src / "scale.cu").write_text(
+        '#include "helper.cuh"\n'
+        'template <typename T> __global__ void scale_kernel(T* x) { x[threadIdx.x] *= KF_SCALE; }\n')
+    kforge._C.compile_source("scale", str(src), ["scale_kernel<float>"], 90)
+    kforge._C.compile_source("scale", str(src), ["scale_kernel<float>"], 90)
+    assert kforge.cache_info()["nvrtc_compiles"] == 1  # same sources: served from cache
+    (src / "helper.cuh").write_text("#define KF_SCALE 3.0f\n")
+    kforge._C.compile_source("scale", str(src), ["scale_kernel<float>"], 90)
+    assert kforge.cache_info()["nvrtc_compiles"] == 2
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+def test_compile_error_names_kernel_and_carries_log(tmp_path, fresh_cache):
+    (tmp_path / "broken.cu").write_text(
+        "__global__ void broken_kernel(float* x) {\n  x[0] = undefined_thing;\n}\n")
+    with pytest.raises(kforge.KernelCompileError) as e:
+        kforge._C.compile_source("broken", str(tmp_path), [], 90)
+    msg = str(e.value)
+    assert '"broken"' in msg and "broken.cu" in msg and "sm_90" in msg
+    assert "NVRTC log" in msg and "undefined_thing" in msg and "undefined" in msg
+    assert isinstance(e.value, kforge.KforgeError) and isinstance(e.value, RuntimeError)
+
+
+def test_unknown_kernel_name():
+    with pytest.raises(kforge.KforgeError, match='unknown kernel "no_such_kernel"'):
+        kforge._C.compile("no_such_kernel", 90)
+
+
+def test_missing_source_file(tmp_path, fresh_cache):
+    with pytest.raises(kforge.KforgeError, match="not found"):
+        kforge._C.compile_source("absent", str(tmp_path), [], 90)
+
+
+def test_missing_header(tmp_path, fresh_cache):
+    (tmp_path / "needs.cu").write_text('#include "nowhere.cuh"\n')
+    with pytest.raises(kforge.KforgeError, match='header "nowhere.cuh" not found'):
+        kforge._C.compile_source("needs", str(tmp_path), [], 90)
+
+
+def test_unsupported_arch(fresh_cache):
+    with pytest.raises(kforge.KforgeError, match="cannot compile for sm_11"):
+        kforge._C.compile("axpy", 11)
+
+
+def test_nvrtc_not_found_is_explained(tmp_path):
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import kforge
+        kforge._C.configure(kforge.kernel_dir(), "", False, ["/nonexistent/libnvrtc.so.13"])
+        kforge._C.compile("axpy", 90)
+    """)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "NVRTC not found" in r.stderr and "/nonexistent/libnvrtc.so.13" in r.stderr
+
+
+def test_import_without_gpu_and_clear_errors():
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import torch, kforge
+        assert not torch.cuda.is_available()
+        try:
+            kforge._C.axpy(torch.ones(3), torch.ones(3))
+        except kforge.KforgeError as e:
+            print("CPU:", e)
+        try:
+            kforge._C.device_arch(0)
+        except kforge.KforgeError as e:
+            print("DEV:", e)
+    """)], capture_output=True, text=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert r.returncode == 0, r.stderr
+    assert "CPU: kforge.axpy: x must be a CUDA tensor, got cpu" in r.stdout
+    assert "DEV: kforge: no" in r.stdout  # no CUDA driver / no usable CUDA device
+
+
+def test_unsupported_dtype_is_rejected_before_device_checks():
+    with pytest.raises(kforge.KforgeError, match="kforge.axpy: x must be a CUDA tensor"):
+        kforge._C.axpy(torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+
+
+def test_compile_all_reports_every_kernel(fresh_cache):
+    out = kforge.compile_all(90)
+    assert set(out) == set(kforge.kernel_names())
+    assert all(ms > 0 for ms in out.values())
+    again = kforge.compile_all(90)
+    assert all(ms == 0 for ms in again.values())  # second time: all from cache
+
+
+# ---- GPU: launch, streams, graphs, warm start ---------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 7, 8, 1000, 4097, 1 << 20])
+def test_axpy_matches_torch(dtype, n):
+    x = torch.randn(n, device="cuda").to(dtype)
+    y = torch.randn(n, device="cuda").to(dtype)
+    out = kforge._C.axpy(x, y, 0.75)
+    ref = (0.75 * x.double() + y.double()).to(dtype)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0) if dtype == torch.float32 else \
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert torch.isfinite(out).all()
+
+
+@gpu
+def test_axpy_misaligned_and_strided_inputs():
+    base = torch.randn(1001, device="cuda", dtype=torch.bfloat16)
+    x, y = base[1:], torch.randn(1000, device="cuda", dtype=torch.bfloat16)  # x is 2 bytes off
+    out = kforge._C.axpy(x, y, 2.0)
+    torch.testing.assert_close(out.float(), (2 * x.float() + y.float()), rtol=1e-2, atol=1e-2)
+    xt = torch.randn(64, 48, device="cuda").t()  # non-contiguous: made contiguous by the launcher
+    yt = torch.randn(48, 64, device="cuda")
+    torch.testing.assert_close(kforge._C.axpy(xt, yt, 1.0), xt + yt)
+
+
+@gpu
+def test_launch_uses_current_stream():
+    # If the kernel ran on the default stream it would read x before the side stream's
+    # (deliberately delayed) fill and the result would be stale.
+    s = torch.cuda.Stream()
+    x = torch.zeros(1 << 20, device="cuda")
+    y = torch.ones(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)
+        x.fill_(3.0)
+        out = kforge._C.axpy(x, y, 2.0)
+    s.synchronize()
+    assert torch.all(out == 7.0)
+
+
+@gpu
+def test_cuda_graph_capture_and_replay():
+    x = torch.randn(4096, device="cuda")
+    y = torch.randn(4096, device="cuda")
+    kforge._C.axpy(x, y, 1.5)  # warm up: compile and load outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = kforge._C.axpy(x, y, 1.5)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, 1.5 * x + y)
+
+
+@gpu
+def test_launch_error_names_kernel_and_cuda_error():
+    x = torch.randn(100, device="cuda")
+    with pytest.raises(kforge.KforgeError) as e:
+        kforge._C.axpy(x, x, 1.0, block=4096)  # more threads per block than any GPU allows
+    msg = str(e.value)
+    assert "axpy_kernel" in msg and "CUDA_ERROR" in msg and "cuda:0" in msg
+
+
+@gpu
+def test_wrong_device_and_dtype_errors():
+    x = torch.randn(10, device="cuda")
+    with pytest.raises(kforge.KforgeError, match="y must be a CUDA tensor on cuda:0"):
+        kforge._C.axpy(x, torch.randn(10))
+    with pytest.raises(kforge.KforgeError, match="dtype"):
+        kforge._C.axpy(x, torch.randn(10, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(kforge.KforgeError, match="Double is not supported"):
+        kforge._C.axpy(x.double(), x.double())
+
+
+@gpu
+def test_warm_start_from_disk_skips_nvrtc(tmp_path):
+    code = """
+        import json, torch, kforge
+        x = torch.randn(1000, device="cuda")
+        out = kforge._C.axpy(x, x, 1.0)
+        assert torch.allclose(out, 2 * x)
+        print(json.dumps(kforge.cache_info()))
+    """
+    cold = run_py(code, tmp_path)
+    assert cold["nvrtc_compiles"] == 1
+    warm = run_py(code, tmp_path)
+    assert warm["nvrtc_compiles"] == 0 and warm["disk_hits"] == 1
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (per-device module loading)")
+def test_launch_on_second_device_uses_its_module():
+    for dev in ("cuda:1", "cuda:0", "cuda:1"):
+        x = torch.randn(1000, device=dev)
+        torch.testing.assert_close(kforge._C.axpy(x, x, 1.0), 2 * x)
+    with torch.cuda.device(0):  # current device 0, tensors on 1: the launcher follows the tensors
+        x = torch.randn(1000, device="cuda:1")
+        torch.testing.assert_close(kforge._C.axpy(x, x, 1.0), 2 * x)
