@@ -1,0 +1,303 @@
+// layernorm over the last dim C of N = numel / C rows: y = (x - mean) * rstd * weight + bias,
+// rstd = 1 / sqrt(var + eps) (biased variance); weight and bias are optional (nullptr).
+// Forward saves mean and rstd (fp32, one per row). Backward recomputes xhat = (x - mean) * rstd from
+// x and the saved stats, writes dx, and leaves per-block fp32 partial sums of dweight (dout * xhat)
+// and dbias (dout) in a scratch tensor; a second kernel adds those partials in a fixed order, so
+// dweight / dbias are bitwise reproducible (no float atomics).
+//
+// Layout shared by forward and backward: blockDim.x threads (a multiple of 32) share one row, thread
+// t owning the row's units t, t + blockDim.x, ... (a unit is a 16-byte pack when VEC, else one
+// element: VEC needs C % pack == 0 and 16-byte aligned pointers); blockDim.y rows per block; blocks
+// stride over groups of blockDim.y rows. FITS: a thread owns at most kRegElems elements, so its part
+// of the row stays in registers and x / dout are read from DRAM once; otherwise (very long rows) the
+// later passes re-read them, mostly from L2.
+#include "common.cuh"
+
+// Elements one thread keeps in registers per row on the FITS path. src/ops/layernorm.cpp sizes
+// blocks with the same constant.
+constexpr int kRegElems = 8;
+// Most rows one block works on at once (blockDim.y); sizes the reduction scratch.
+constexpr int kMaxRowsPerBlock = 16;
+
+// One element viewed as a unit of size 1, so the scalar and the 16-byte paths share their code.
+template <typename T>
+struct Elem1 {
+  static constexpr int size = 1;
+  T v[1];
+  KF_DEVICE float f(int) const { return to_float(v[0]); }
+  KF_DEVICE void set(int, float x) { v[0] = from_float<T>(x); }
+};
+template <bool VEC, typename T> struct UnitOf { using type = Elem1<T>; };
+template <typename T> struct UnitOf<true, T> { using type = Pack128<T>; };
+template <typename T, bool VEC> using Unit = typename UnitOf<VEC, T>::type;
+
+template <typename T> KF_DEVICE void load_unit(Pack128<T>& r, const T* p) { r = load128(p); }
+template <typename T> KF_DEVICE void load_unit(Elem1<T>& r, const T* p) { r.v[0] = *p; }
+// Last read of data that is not needed again soon (evict-first for the 16-byte path).
+template <typename T> KF_DEVICE void load_unit_last(Pack128<T>& r, const T* p) { r = load128cs(p); }
+template <typename T> KF_DEVICE void load_unit_last(Elem1<T>& r, const T* p) { r.v[0] = *p; }
+template <typename T> KF_DEVICE void store_unit(T* p, const Pack128<T>& r) { store128(p, r); }
+template <typename T> KF_DEVICE void store_unit(T* p, const Elem1<T>& r) { *p = r.v[0]; }
+
+// Units of registers per thread on the FITS path (1 for a bf16/half pack, 2 fp32 packs, 8 scalars).
+template <typename T, bool VEC, bool FITS>
+constexpr int reg_units() {
+  return FITS ? (kRegElems / Unit<T, VEC>::size > 0 ? kRegElems / Unit<T, VEC>::size : 1) : 1;
+}
+
+// Sum of (a, b) over the blockDim.x threads sharing this row (threadIdx.y). Every one of them gets
+// the same bits: warp butterflies, then the per-warp sums added in warp order. Contains
+// __syncthreads, so every thread of the block must call it the same number of times.
+KF_DEVICE void row_sum2(float& a, float& b, float (*red)[kMaxRowsPerBlock][32]) {
+  a = warp_sum(a);
+  b = warp_sum(b);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (lane == 0) {
+    red[0][threadIdx.y][warp] = a;
+    red[1][threadIdx.y][warp] = b;
+  }
+  __syncthreads();
+  a = 0.0f;
+  b = 0.0f;
+  for (int w = 0; w < nwarps; ++w) {
+    a += red[0][threadIdx.y][w];
+    b += red[1][threadIdx.y][w];
+  }
+  __syncthreads();  // red is reused by the next call
+}
+KF_DEVICE float row_sum(float a, float (*red)[kMaxRowsPerBlock][32]) {
+  float unused = 0.0f;
+  row_sum2(a, unused, red);
+  return a;
+}
+
+// Forward: two-pass mean / variance from registers (FITS) or re-reads, then normalise and store.
+template <typename T, bool VEC, bool FITS>
+__global__ void layernorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+                                         const T* __restrict__ bias, T* __restrict__ out,
+                                         float* __restrict__ mean, float* __restrict__ rstd,
+                                         long long N, int C, float eps) {
+  using U = Unit<T, VEC>;
+  constexpr int V = U::size;
+  constexpr int KR = reg_units<T, VEC, FITS>();
+  __shared__ float red[2][kMaxRowsPerBlock][32];
+  const int units = C / V, tpr = blockDim.x, tx = threadIdx.x;
+  const int K = FITS ? KR : (units + tpr - 1) / tpr;  // FITS: the launcher ensured units <= KR * tpr
+  // The loop bound is the same for the whole block, so every thread reaches every __syncthreads;
+  // row slots past N just contribute nothing.
+  for (i64 base = (i64)blockIdx.x * blockDim.y; base < N; base += (i64)gridDim.x * blockDim.y) {
+    const i64 row = base + threadIdx.y;
+    const bool active = row < N;
+    const T* xr = x + (active ? row : 0) * C;
+    U xs[KR];
+
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int u = tx + k * tpr;
+      if (active && u < units) {
+        U a;
+        if constexpr (FITS) {
+          load_unit_last(a, xr + u * V);
+          xs[k] = a;
+        } else {
+          load_unit(a, xr + (i64)u * V);
+        }
+#pragma unroll
+        for (int i = 0; i < V; ++i) s += a.f(i);
+      }
+    }
+    const float mu = row_sum(s, red) / (float)C;
+
+    // Variance around the mean (not E[x^2] - mean^2, which cancels badly when |mean| >> std).
+    float q = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int u = tx + k * tpr;
+      if (active && u < units) {
+        U a;
+        if constexpr (FITS) a = xs[k]; else load_unit(a, xr + (i64)u * V);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float d = a.f(i) - mu;
+          q += d * d;
+        }
+      }
+    }
+    const float rs = rsqrtf(row_sum(q, red) / (float)C + eps);
+
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int u = tx + k * tpr;
+      if (active && u < units) {
+        U a, w, b, o;
+        if constexpr (FITS) a = xs[k]; else load_unit_last(a, xr + (i64)u * V);
+        if (weight) load_unit(w, weight + (i64)u * V);
+        if (bias) load_unit(b, bias + (i64)u * V);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          float y = (a.f(i) - mu) * rs;
+          if (weight) y *= w.f(i);
+          if (bias) y += b.f(i);
+          o.set(i, y);
+        }
+        store_unit(out + row * C + (i64)u * V, o);
+      }
+    }
+    if (active && tx == 0) {
+      mean[row] = mu;
+      rstd[row] = rs;
+    }
+  }
+}
+
+// Backward: dx = rstd * (dout*w - mean(dout*w) - xhat * mean(dout*w*xhat)) per row, and this
+// block's sums of dout*xhat / dout per column into partial[blockIdx.x] = [dweight part | dbias part]
+// (2C floats; partial is nullptr when neither is needed). FITS keeps the column sums in registers
+// and folds the row slots into the partial row in slot order at the end; otherwise the launcher uses
+// one row slot per block and each thread accumulates its own columns of the partial row in place.
+// Either way each column is summed by one thread in row order: the result is reproducible.
+template <typename T, bool VEC, bool FITS>
+__global__ void layernorm_backward_kernel(const T* __restrict__ dout, const T* __restrict__ x,
+                                          const T* __restrict__ weight,
+                                          const float* __restrict__ mean,
+                                          const float* __restrict__ rstd, T* __restrict__ dx,
+                                          float* __restrict__ partial, long long N, int C,
+                                          int need_dweight, int need_dbias) {
+  using U = Unit<T, VEC>;
+  constexpr int V = U::size;
+  constexpr int KR = reg_units<T, VEC, FITS>();
+  __shared__ float red[2][kMaxRowsPerBlock][32];
+  const int units = C / V, tpr = blockDim.x, tx = threadIdx.x;
+  const int K = FITS ? KR : (units + tpr - 1) / tpr;
+  float* prow = partial ? partial + (i64)blockIdx.x * 2 * C : nullptr;
+
+  float acc_w[KR * V], acc_b[KR * V];  // FITS: this thread's columns, summed over its rows
+#pragma unroll
+  for (int j = 0; j < KR * V; ++j) acc_w[j] = acc_b[j] = 0.0f;
+  if constexpr (!FITS) {
+    if (prow) {
+      for (int k = 0; k < K; ++k) {
+        const int u = tx + k * tpr;
+        if (u < units)
+          for (int i = 0; i < V; ++i) {
+            if (need_dweight) prow[u * V + i] = 0.0f;
+            if (need_dbias) prow[C + u * V + i] = 0.0f;
+          }
+      }
+    }
+  }
+
+  for (i64 base = (i64)blockIdx.x * blockDim.y; base < N; base += (i64)gridDim.x * blockDim.y) {
+    const i64 row = base + threadIdx.y;
+    const bool active = row < N;
+    const i64 off = (active ? row : 0) * C;
+    const float mu = active ? mean[row] : 0.0f, rs = active ? rstd[row] : 0.0f;
+    U xs[KR], gs[KR];
+
+    float s_gw = 0.0f, s_gwx = 0.0f;  // row sums of dout*w and dout*w*xhat
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int u = tx + k * tpr;
+      if (active && u < units) {
+        U a, g, w;
+        if constexpr (FITS) {
+          load_unit_last(a, x + off + u * V);
+          load_unit_last(g, dout + off + u * V);
+          xs[k] = a;
+          gs[k] = g;
+        } else {
+          load_unit(a, x + off + (i64)u * V);
+          load_unit(g, dout + off + (i64)u * V);
+        }
+        if (weight) load_unit(w, weight + (i64)u * V);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float xh = (a.f(i) - mu) * rs, gi = g.f(i);
+          const float gw = weight ? gi * w.f(i) : gi;
+          s_gw += gw;
+          s_gwx += gw * xh;
+          if constexpr (FITS) {
+            acc_w[k * V + i] += gi * xh;
+            acc_b[k * V + i] += gi;
+          } else if (prow) {
+            if (need_dweight) prow[u * V + i] += gi * xh;
+            if (need_dbias) prow[C + u * V + i] += gi;
+          }
+        }
+      }
+    }
+    row_sum2(s_gw, s_gwx, red);
+    const float m_gw = s_gw / (float)C, m_gwx = s_gwx / (float)C;
+
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int u = tx + k * tpr;
+      if (active && u < units) {
+        U a, g, w, o;
+        if constexpr (FITS) {
+          a = xs[k];
+          g = gs[k];
+        } else {
+          load_unit_last(a, x + off + (i64)u * V);
+          load_unit_last(g, dout + off + (i64)u * V);
+        }
+        if (weight) load_unit(w, weight + (i64)u * V);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float xh = (a.f(i) - mu) * rs, gi = g.f(i);
+          const float gw = weight ? gi * w.f(i) : gi;
+          o.set(i, rs * (gw - m_gw - xh * m_gwx));
+        }
+        store_unit(dx + off + (i64)u * V, o);
+      }
+    }
+  }
+
+  if constexpr (FITS) {
+    if (prow) {
+      // Row slot 0 writes the block's partial row, slots 1.. add to it in turn. The barrier after
+      // each slot makes its global writes visible to the next (same block).
+      for (int y = 0; y < (int)blockDim.y; ++y) {
+        if ((int)threadIdx.y == y) {
+#pragma unroll
+          for (int k = 0; k < KR; ++k) {
+            const int u = tx + k * tpr;
+            if (u < units)
+#pragma unroll
+              for (int i = 0; i < V; ++i) {
+                const int c = u * V + i;
+                if (need_dweight) prow[c] = (y ? prow[c] : 0.0f) + acc_w[k * V + i];
+                if (need_dbias) prow[C + c] = (y ? prow[C + c] : 0.0f) + acc_b[k * V + i];
+              }
+          }
+        }
+        __syncthreads();
+      }
+    }
+  }
+}
+
+// dweight / dbias = column sums of the G per-block partial rows, always in the same order.
+// Layout: blockDim (32, 16): threadIdx.x is a column of a 32-wide tile of [dweight | dbias] (2C
+// columns), threadIdx.y strides over the partial rows; the 16 strided sums are then added in order.
+template <typename T>
+__global__ void layernorm_param_grad_kernel(const float* __restrict__ partial,
+                                            T* __restrict__ dweight, T* __restrict__ dbias, int G,
+                                            int C) {
+  __shared__ float red[16][33];
+  const int j = blockIdx.x * 32 + threadIdx.x;
+  T* dst = j < C ? dweight : dbias;
+  const bool valid = j < 2 * C && dst != nullptr;
+  float s = 0.0f;
+  if (valid)
+#pragma unroll 4
+    for (int b = threadIdx.y; b < G; b += blockDim.y) s += partial[(i64)b * 2 * C + j];
+  red[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && valid) {
+    float t = 0.0f;
+    for (int y = 0; y < (int)blockDim.y; ++y) t += red[y][threadIdx.x];
+    dst[j < C ? j : j - C] = from_float<T>(t);
+  }
+}

@@ -1,0 +1,183 @@
+// cross_entropy launchers (see kernels_src/cross_entropy.cu): forward -> (loss, lse, n_valid),
+// backward -> dlogits, and the fused forward + gradient for callers that know dloss up front.
+#include <algorithm>
+#include <tuple>
+
+#include "../runtime/torch_launch.h"
+
+namespace kforge {
+namespace {
+
+Program prog("cross_entropy");
+Kernel fwd(prog, "cross_entropy_forward_kernel<{T}, false>");
+Kernel fused(prog, "cross_entropy_forward_kernel<{T}, true>");
+Kernel bwd(prog, "cross_entropy_backward_kernel<{T}>");
+Kernel reduce(prog, "cross_entropy_reduce_kernel<{T}>");
+
+enum class Reduction { none, mean, sum };
+
+Reduction parse_reduction(const std::string& r, const char* op) {
+  if (r == "mean") return Reduction::mean;
+  if (r == "sum") return Reduction::sum;
+  if (r == "none") return Reduction::none;
+  fail(op, "reduction must be \"mean\", \"sum\" or \"none\", got \"", r, "\"");
+}
+
+void* ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+struct Problem {
+  at::Tensor logits, targets;
+  DType dt;
+  long long N, V;
+};
+
+Problem check_problem(const at::Tensor& logits_, const at::Tensor& targets_, const char* op) {
+  Problem p;
+  p.logits = input(logits_, op, "logits");
+  p.dt = dtype_of(p.logits, op);
+  KF_CHECK(p.logits.dim() == 2, op, "logits must be 2-D (N, V), got shape ", p.logits.sizes());
+  p.N = p.logits.size(0);
+  p.V = p.logits.size(1);
+  KF_CHECK(p.N > 0 && p.V > 0, op, "logits must be non-empty, got shape ", p.logits.sizes());
+  KF_CHECK(p.N <= std::numeric_limits<int>::max(), op, "at most 2^31 - 1 rows (one block each), got ", p.N);
+  // Rows are split at 16-byte boundaries counted in whole elements.
+  KF_CHECK(reinterpret_cast<uintptr_t>(p.logits.data_ptr()) % p.logits.element_size() == 0, op,
+           "logits data pointer is not aligned to its element size");
+  KF_CHECK(targets_.defined() && targets_.is_cuda() && targets_.device() == p.logits.device(), op,
+           "targets must be a CUDA tensor on ", p.logits.device());
+  KF_CHECK(targets_.scalar_type() == at::kLong, op, "targets must be int64, got ", targets_.scalar_type());
+  KF_CHECK(targets_.dim() == 1 && targets_.size(0) == p.N, op, "targets must have shape (", p.N,
+           "), got ", targets_.sizes());
+  p.targets = targets_.contiguous();
+  return p;
+}
+
+// The gradient of the loss: N values for "none", one for "mean" / "sum"; the logits' dtype.
+at::Tensor check_grad(const at::Tensor& grad_, const Problem& p, Reduction red, const char* op) {
+  const at::Tensor g = input_like(grad_, p.logits, op, "grad");
+  if (red == Reduction::none)
+    KF_CHECK(g.numel() == p.N, op, "grad must have N = ", p.N, " elements for reduction \"none\", got shape ",
+             g.sizes());
+  else
+    KF_CHECK(g.numel() == 1, op, "grad must have one element for reduction \"mean\" / \"sum\", got shape ",
+             g.sizes());
+  return g;
+}
+
+at::Tensor check_f32(const at::Tensor& t, const Problem& p, int64_t numel, const char* op, const char* name) {
+  KF_CHECK(t.defined() && t.is_cuda() && t.device() == p.logits.device(), op, name,
+           " must be a CUDA tensor on ", p.logits.device());
+  KF_CHECK(t.scalar_type() == at::kFloat && t.numel() == numel, op, name, " must be float32 with ", numel,
+           " elements, got ", t.scalar_type(), " ", t.sizes());
+  return t.contiguous();
+}
+
+// One block per row: one 16-byte pack per thread for short rows, 512 threads for long ones.
+unsigned row_block(const Problem& p) {
+  const int64_t packs = (p.V * p.logits.element_size() + 15) / 16;
+  return static_cast<unsigned>(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, 512));
+}
+
+// Single-block count of non-ignored targets into n_valid, plus the mean / sum of row_loss into loss
+// when both are given.
+void launch_reduce(const Problem& p, const LaunchOn& on, const at::Tensor& row_loss, const at::Tensor& loss,
+                   const at::Tensor& n_valid, long long ignore_index, Reduction red) {
+  reduce.launch(p.dt, on.device, on.stream, Dim3(1), Dim3(1024), 0, ptr(row_loss), ptr(p.targets), ptr(loss),
+                ptr(n_valid), p.N, ignore_index, static_cast<int>(red == Reduction::mean));
+}
+
+std::vector<int64_t> loss_shape(const Problem& p, Reduction red) {
+  return red == Reduction::none ? std::vector<int64_t>{p.N} : std::vector<int64_t>{};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits,
+                                                                     const at::Tensor& targets,
+                                                                     int64_t ignore_index,
+                                                                     const std::string& reduction) {
+  const char* op = "cross_entropy_forward";
+  const Reduction red = parse_reduction(reduction, op);
+  const Problem p = check_problem(logits, targets, op);
+  LaunchOn on(p.logits);
+  const auto f32 = p.logits.options().dtype(at::kFloat);
+  at::Tensor loss = new_output(loss_shape(p, red), p.logits.options());
+  at::Tensor lse = new_output({p.N}, f32);
+  at::Tensor n_valid = new_output({}, f32);
+  at::Tensor row_loss = red == Reduction::none ? at::Tensor() : new_output({p.N}, f32);
+  const long long ii = ignore_index;
+  void* const null = nullptr;
+  fwd.launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.N)), Dim3(row_block(p)), 0,
+             ptr(p.logits), ptr(p.targets), ptr(lse), ptr(row_loss),
+             red == Reduction::none ? ptr(loss) : null, null, null, 0LL, null, p.V, ii, 0);
+  launch_reduce(p, on, row_loss, red == Reduction::none ? at::Tensor() : loss, n_valid, ii, red);
+  return {loss, lse, n_valid};
+}
+
+at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
+                                  const at::Tensor& lse_, const at::Tensor& n_valid_, int64_t ignore_index,
+                                  const std::string& reduction) {
+  const char* op = "cross_entropy_backward";
+  const Reduction red = parse_reduction(reduction, op);
+  const Problem p = check_problem(logits, targets, op);
+  const at::Tensor g = check_grad(grad, p, red, op);
+  const at::Tensor lse = check_f32(lse_, p, p.N, op, "lse");
+  const at::Tensor n_valid = check_f32(n_valid_, p, 1, op, "n_valid");
+  LaunchOn on(p.logits);
+  at::Tensor dlogits = new_output_like(p.logits);
+  // 16-byte packs need logits and dlogits rows to sit at the same offset from a 16-byte boundary.
+  const int vec = (reinterpret_cast<uintptr_t>(ptr(p.logits)) & 15) == (reinterpret_cast<uintptr_t>(ptr(dlogits)) & 15);
+  bwd.launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.N)), Dim3(row_block(p)), 0, ptr(g),
+             red == Reduction::none ? 1LL : 0LL, red == Reduction::mean ? ptr(n_valid) : nullptr, ptr(p.logits),
+             ptr(p.targets), ptr(lse), ptr(dlogits), p.V, static_cast<long long>(ignore_index), vec);
+  return dlogits;
+}
+
+std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_backward(const at::Tensor& logits,
+                                                                  const at::Tensor& targets,
+                                                                  const at::Tensor& grad, int64_t ignore_index,
+                                                                  const std::string& reduction) {
+  const char* op = "cross_entropy_forward_backward";
+  const Reduction red = parse_reduction(reduction, op);
+  const Problem p = check_problem(logits, targets, op);
+  const at::Tensor g = check_grad(grad, p, red, op);
+  LaunchOn on(p.logits);
+  const auto f32 = p.logits.options().dtype(at::kFloat);
+  at::Tensor loss = new_output(loss_shape(p, red), p.logits.options());
+  at::Tensor dlogits = new_output_like(p.logits);
+  at::Tensor lse = new_output({p.N}, f32);  // written by the kernel, not returned
+  at::Tensor n_valid = new_output({}, f32);
+  at::Tensor row_loss = red == Reduction::none ? at::Tensor() : new_output({p.N}, f32);
+  const long long ii = ignore_index;
+  void* const null = nullptr;
+  // The mean's 1/n_valid is needed by every row's gradient: count first.
+  if (red == Reduction::mean) launch_reduce(p, on, at::Tensor(), at::Tensor(), n_valid, ii, red);
+  const int vec = (reinterpret_cast<uintptr_t>(ptr(p.logits)) & 15) == (reinterpret_cast<uintptr_t>(ptr(dlogits)) & 15);
+  fused.launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.N)), Dim3(row_block(p)), 0,
+               ptr(p.logits), ptr(p.targets), ptr(lse), ptr(row_loss),
+               red == Reduction::none ? ptr(loss) : null, ptr(dlogits), ptr(g),
+               red == Reduction::none ? 1LL : 0LL, red == Reduction::mean ? ptr(n_valid) : null, p.V, ii, vec);
+  if (red != Reduction::none) launch_reduce(p, on, row_loss, loss, n_valid, ii, red);
+  return {loss, dlogits};
+}
+
+}  // namespace
+
+KFORGE_BIND_OP(cross_entropy) {
+  namespace py = pybind11;
+  m.def("cross_entropy_forward", &cross_entropy_forward,
+        "Cross entropy of logits (N, V) and int64 targets (N,). Returns (loss, lse, n_valid): loss in the "
+        "logits dtype, shape () for mean/sum or (N,) for none; lse = per-row logsumexp (N,) float32; "
+        "n_valid = count of targets != ignore_index, () float32. Out-of-range targets give NaN losses.",
+        py::arg("logits"), py::arg("targets"), py::arg("ignore_index") = -100, py::arg("reduction") = "mean");
+  m.def("cross_entropy_backward", &cross_entropy_backward,
+        "dlogits = (softmax(logits) - onehot(targets)) * dloss from the forward's lse and n_valid; grad is "
+        "the loss gradient ((N,) for none, one element otherwise). Ignored rows get 0, out-of-range rows NaN.",
+        py::arg("grad"), py::arg("logits"), py::arg("targets"), py::arg("lse"), py::arg("n_valid"),
+        py::arg("ignore_index") = -100, py::arg("reduction") = "mean");
+  m.def("cross_entropy_forward_backward", &cross_entropy_forward_backward,
+        "Fused forward + backward for a loss gradient known up front: returns (loss, dlogits), reading the "
+        "logits once from memory (the second read hits L2).",
+        py::arg("logits"), py::arg("targets"), py::arg("grad"), py::arg("ignore_index") = -100,
+        py::arg("reduction") = "mean");
+}
+
+}  // namespace kforge
