@@ -179,11 +179,12 @@ __global__ void layernorm_backward_kernel(const T* __restrict__ dout, const T* _
     if (prow) {
       for (int k = 0; k < K; ++k) {
         const int u = tx + k * tpr;
-        if (u < units)
+        if (u < units) {
           for (int i = 0; i < V; ++i) {
             if (need_dweight) prow[u * V + i] = 0.0f;
             if (need_dbias) prow[C + u * V + i] = 0.0f;
           }
+        }
       }
     }
   }
@@ -263,13 +264,14 @@ __global__ void layernorm_backward_kernel(const T* __restrict__ dout, const T* _
 #pragma unroll
           for (int k = 0; k < KR; ++k) {
             const int u = tx + k * tpr;
-            if (u < units)
+            if (u < units) {
 #pragma unroll
               for (int i = 0; i < V; ++i) {
                 const int c = u * V + i;
                 if (need_dweight) prow[c] = (y ? prow[c] : 0.0f) + acc_w[k * V + i];
                 if (need_dbias) prow[C + c] = (y ? prow[C + c] : 0.0f) + acc_b[k * V + i];
               }
+            }
           }
         }
         __syncthreads();
@@ -290,9 +292,10 @@ __global__ void layernorm_param_grad_kernel(const float* __restrict__ partial,
   T* dst = j < C ? dweight : dbias;
   const bool valid = j < 2 * C && dst != nullptr;
   float s = 0.0f;
-  if (valid)
+  if (valid) {
 #pragma unroll 4
     for (int b = threadIdx.y; b < G; b += blockDim.y) s += partial[(i64)b * 2 * C + j];
+  }
   red[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && valid) {

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (no network): install carried wheels, build kforge, then the given steps.
+#   scripts/gpu_run.sh test [pytest args...]   full GPU suite, log in $OUT/pytest.log
+#   scripts/gpu_run.sh bench <args...>         python -m kforge.bench <args>, log in $OUT/bench-*.log
+#   scripts/gpu_run.sh sh '<command>'          anything else after the build
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+if [ ! -f /tmp/kforge-built ]; then
+  t0=$(date +%s)
+  MAX_JOBS=16 python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+    || { tail -50 "$OUT/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - t0 )) s"
+  touch /tmp/kforge-built
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, thunder; print('torch', torch.__version__, 'thunder', thunder.__version__)" 2>&1 | grep -v transformer_engine
+rc=0
+while [ $# -gt 0 ]; do
+  step=$1; shift
+  case "$step" in
+    test)
+      args=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      python3 -m pytest -q -ra -p no:cacheprovider "${args[@]:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -60
+      rc=$(( rc | ${PIPESTATUS[0]} ));;
+    bench)
+      args=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      python3 -m kforge.bench "${args[@]}" 2>&1 | tee "$OUT/bench-${args[0]}.log" | tail -40
+      rc=$(( rc | ${PIPESTATUS[0]} ));;
+    sh)
+      bash -c "$1" 2>&1; rc=$(( rc | $? )); shift; [ $# -gt 0 ] && [ "$1" == "--" ] && shift;;
+    *) echo "unknown step $step"; exit 2;;
+  esac
+done
+exit $rc
