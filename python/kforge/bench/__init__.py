@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m kforge.bench {ops,gpt2,llama,launch}` (GPU)."""

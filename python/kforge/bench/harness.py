@@ -1,0 +1,269 @@
+"""Timing machinery for `python -m kforge.bench`: CUDA-event medians, copy bandwidth, op sweeps,
+model training steps, launch overhead, and the Markdown / plot output."""
+from __future__ import annotations
+
+import gc
+import importlib
+import pkgutil
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+from tabulate import tabulate
+from tqdm import tqdm
+
+from .cases import BenchCase
+
+DTYPES = {"fp32": [torch.float32], "bf16": [torch.bfloat16], "both": [torch.float32, torch.bfloat16]}
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+# ---- timing --------------------------------------------------------------------------------------
+def time_cuda(fn: Callable[[], Any], *, warmup: int = 5, reps: int = 30) -> float:
+    """Median milliseconds of `fn()` over `reps` runs, each timed with its own pair of CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = time_cuda(lambda: dst.copy_(src), warmup=3, reps=20)
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+# ---- ops -----------------------------------------------------------------------------------------
+def op_modules(only: list[str] | None = None) -> list[Any]:
+    from .. import ops
+
+    mods = []
+    for info in sorted(pkgutil.iter_modules(ops.__path__), key=lambda m: m.name):
+        if only and info.name not in only:
+            continue
+        mod = importlib.import_module(f"{ops.__name__}.{info.name}")
+        if hasattr(mod, "bench_cases"):
+            mods.append(mod)
+    return mods
+
+
+def bench_ops(args) -> dict:
+    copy_bw = copy_bandwidth_gbs()
+    cases: list[tuple[torch.dtype, BenchCase]] = []
+    for mod in op_modules(args.op):
+        for dt in DTYPES[args.dtype]:
+            cases += [(dt, c) for c in mod.bench_cases(dt, args.quick)]
+    rows = []
+    for dt, c in tqdm(cases, desc="ops", unit="case", leave=False):
+        inputs = c.make_inputs()
+        row = dict(op=c.op, dir=c.direction, shape=c.shape, dtype=SHORT[dt], bytes=c.bytes)
+        impls: dict[str, Callable] = {"kforge": c.kforge, "eager": c.eager}
+        if c.compile_ok and not args.no_compile:
+            impls["compile"] = torch.compile(c.eager, dynamic=False)
+        for name, fn in impls.items():
+            try:
+                ms = time_cuda(lambda: fn(*inputs))
+                row[f"{name}_us"] = ms * 1e3
+                row[f"{name}_gbs"] = c.bytes / (ms * 1e-3) / 1e9
+            except Exception as e:  # report, keep going: one broken baseline must not stop the sweep
+                row[f"{name}_us"] = None
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+        row["kforge_pct_copy"] = (100 * row["kforge_gbs"] / copy_bw) if row.get("kforge_us") else None
+        rows.append(row)
+        del inputs
+        torch.cuda.empty_cache()
+    if args.plot:
+        plot_ops(rows, args.plot, copy_bw)
+    return {"kind": "ops", "copy_gbs": copy_bw, "rows": rows}
+
+
+def plot_ops(rows: list[dict], out_dir: str, copy_bw: float) -> list[str]:
+    """One PNG per (op, direction, dtype): GB/s per implementation across the benchmarked sizes."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["dir"], r["dtype"]), []).append(r)
+    paths = []
+    for (op, d, dt), rs in groups.items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        xs = list(range(len(rs)))
+        for impl in ("kforge", "eager", "compile"):
+            ys = [r.get(f"{impl}_gbs") for r in rs]
+            if any(y is not None for y in ys):
+                ax.plot(xs, [y or float("nan") for y in ys], marker="o", label=impl)
+        ax.axhline(copy_bw, color="gray", linestyle="--", label=f"copy {copy_bw:.0f} GB/s")
+        ax.set_xticks(xs, [r["shape"] for r in rs], rotation=20, fontsize=8)
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{op} {d} ({dt})")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{op}_{d}_{dt}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ---- models --------------------------------------------------------------------------------------
+def _build_model(which: str, attention: str, small: bool):
+    if which == "gpt2":
+        from ..models import gpt2
+
+        cfg = gpt2.GPTConfig.preset("tiny" if small else "124M", attention=attention)
+        return gpt2.GPT(cfg), cfg, gpt2.random_batch
+    from ..models import llama
+
+    cfg = llama.LlamaConfig.preset("tiny" if small else "bench", attention=attention)
+    return llama.Llama(cfg), cfg, llama.random_batch
+
+
+def _wrap(backend: str, model: torch.nn.Module):
+    if backend == "eager":
+        return model
+    if backend == "torch.compile":
+        return torch.compile(model)
+    import thunder
+
+    if backend == "thunder":
+        return thunder.jit(model)
+    if backend == "thunder+kforge":
+        import kforge
+
+        return thunder.jit(model, executors=[kforge.executor, *thunder.get_default_executors()])
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def train_step_timing(model_fn: Callable, params, batch, steps: int, warmup: int = 3) -> dict:
+    """Median ms per training step (forward + backward + fused AdamW) and peak memory."""
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    idx, targets = batch
+
+    def step():
+        _, loss = model_fn(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        loss = step()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+        losses.append(loss.item())
+    return {"ms": statistics.median(times), "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "warmup_s": warm_s, "final_loss": losses[-1]}
+
+
+def bench_model(which: str, args) -> dict:
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    attns = ["manual", "sdpa"] if args.attention == "both" else [args.attention]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    rows = []
+    for attn in attns:
+        for backend in tqdm(backends, desc=f"{which}/{attn}", leave=False):
+            torch.manual_seed(0)
+            model, cfg, random_batch = _build_model(which, attn, args.small)
+            model = model.to(device="cuda", dtype=dtype)
+            seq = min(args.seq, cfg.block_size)
+            batch = random_batch(cfg, args.batch, seq, device="cuda")
+            row = dict(model=which, attention=attn, backend=backend, batch=args.batch, seq=seq,
+                       dtype=args.dtype)
+            try:
+                row.update(train_step_timing(_wrap(backend, model), list(model.parameters()), batch,
+                                             args.steps))
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            del model, batch
+            gc.collect()
+            torch.cuda.empty_cache()
+    return {"kind": "model", "rows": rows}
+
+
+# ---- launch overhead -------------------------------------------------------------------------------
+def bench_launch(args) -> dict:
+    """Host microseconds per launch from Python: kforge's axpy vs torch.add on 1024 elements."""
+    import kforge
+
+    x, y = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
+    rows = []
+    for name, fn in (("kforge._C.axpy", lambda: kforge._C.axpy(x, y, 1.0)),
+                     ("torch.add", lambda: torch.add(x, y, alpha=1.0))):
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(5):
+            n = 20000
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples.append((time.perf_counter() - t) / n * 1e6)
+            torch.cuda.synchronize()
+        rows.append({"launcher": name, "host_us_per_launch": statistics.median(samples)})
+    return {"kind": "launch", "rows": rows}
+
+
+# ---- output --------------------------------------------------------------------------------------
+def _fmt(v, nd=1):
+    return "—" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else v)
+
+
+def markdown(header: dict, result: dict) -> str:
+    lines = [f"### `{header['command']}`", "",
+             f"{header['device']} · torch {header['torch']} · Python {header['python']} · {header['date']}", ""]
+    kind = result["kind"]
+    if kind == "ops":
+        bw = result["copy_gbs"]
+        lines.append(f"Measured device-to-device copy bandwidth: **{bw:.0f} GB/s** (read + write).")
+        lines.append("")
+        table = [[r["op"], r["dir"], r["shape"], r["dtype"], _fmt(r.get("kforge_us")), _fmt(r.get("kforge_gbs"), 0),
+                  _fmt(r.get("kforge_pct_copy"), 0), _fmt(r.get("eager_us")), _fmt(r.get("eager_gbs"), 0),
+                  _fmt(r.get("compile_us")), _fmt(r.get("compile_gbs"), 0)] for r in result["rows"]]
+        lines.append(tabulate(table, headers=["op", "dir", "shape", "dtype", "kforge µs", "kforge GB/s",
+                                              "% copy", "eager µs", "eager GB/s", "compile µs",
+                                              "compile GB/s"], tablefmt="github"))
+        errs = [f"- {r['op']} {r['dir']} {r['shape']}: {k[:-6]}: {v}" for r in result["rows"]
+                for k, v in r.items() if k.endswith("_error")]
+        if errs:
+            lines += ["", "Errors:", *errs]
+    elif kind == "model":
+        table = [[r["model"], r["attention"], r["backend"], f"{r['batch']}x{r['seq']}", r["dtype"],
+                  _fmt(r.get("ms"), 2), _fmt(r.get("peak_gib"), 2), _fmt(r.get("warmup_s"), 0),
+                  _fmt(r.get("final_loss"), 3), r.get("error", "")] for r in result["rows"]]
+        lines.append(tabulate(table, headers=["model", "attention", "backend", "B x T", "dtype",
+                                              "ms/step", "peak GiB", "warm-up s", "loss", "error"],
+                              tablefmt="github"))
+    else:
+        table = [[r["launcher"], _fmt(r["host_us_per_launch"], 2)] for r in result["rows"]]
+        lines.append(tabulate(table, headers=["launcher", "host µs / launch"], tablefmt="github"))
+    return "\n".join(lines)
