@@ -175,7 +175,7 @@ KFORGE_BIND_OP(cross_entropy) {
         py::arg("ignore_index") = -100, py::arg("reduction") = "mean");
   m.def("cross_entropy_forward_backward", &cross_entropy_forward_backward,
         "Fused forward + backward for a loss gradient known up front: returns (loss, dlogits), reading the "
-        "logits once from memory (the second read hits L2).",
+        "logits once from DRAM (its second read of each row is meant to hit L2).",
         py::arg("logits"), py::arg("targets"), py::arg("grad"), py::arg("ignore_index") = -100,
         py::arg("reduction") = "mean");
 }

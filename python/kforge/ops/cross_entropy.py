@@ -1,0 +1,160 @@
+"""cross_entropy: softmax + negative log-likelihood over (N, V) logits with int64 class targets.
+
+Forward (`kforge_cross_entropy_forward`) reads the logits once and returns the loss, the per-row
+logsumexp (fp32) and the device-side count of non-ignored targets; backward
+(`kforge_cross_entropy_backward`) recomputes softmax from the saved logsumexp in one read of the
+logits and one write of the gradient. See kernels_src/cross_entropy.cu for the kernels and for why
+the gradient is not computed during the forward pass (Liger / llm.c style) here.
+
+Claims `thunder.torch.cross_entropy` for 2-D logits (GPT-2's `F.cross_entropy(logits.view(-1, V),
+targets.view(-1), ignore_index=-1)` reaches Thunder as (N, V) with (N,)), weight=None,
+label_smoothing=0, reduction mean / sum / none, any ignore_index. Targets outside [0, V) that are not
+ignore_index give a NaN loss (and NaN gradient rows) instead of PyTorch's device-side assert.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import thunder.torch as ltorch
+from thunder.core import dtypes
+from thunder.core.proxies import NumberProxy, TensorProxy
+from thunder.core.transforms import get_grad, put_grad
+
+from .. import _C
+from .._thunder import Claim, OpSpec, operator, tensor_problem
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _forward_meta(logits: TensorProxy, targets: TensorProxy, ignore_index: int, reduction: str):
+    n = logits.shape[0]
+    loss = TensorProxy(like=logits, shape=(n,) if reduction == "none" else ())
+    lse = TensorProxy(like=logits, shape=(n,), dtype=dtypes.float32)
+    n_valid = TensorProxy(like=logits, shape=(), dtype=dtypes.float32)
+    return loss, lse, n_valid
+
+
+def _backward_meta(grad: TensorProxy, logits: TensorProxy, targets: TensorProxy, lse: TensorProxy,
+                   n_valid: TensorProxy, ignore_index: int, reduction: str) -> TensorProxy:
+    return TensorProxy(like=logits)
+
+
+# (logits, targets, ignore_index, reduction) -> (loss, lse (N,) f32, n_valid () f32)
+cross_entropy_forward = operator("cross_entropy_forward", meta=_forward_meta, fn=_C.cross_entropy_forward)
+# (grad, logits, targets, lse, n_valid, ignore_index, reduction) -> dlogits
+cross_entropy_backward = operator("cross_entropy_backward", meta=_backward_meta, fn=_C.cross_entropy_backward)
+
+
+def _checker(a: Any, target: Any, weight: Any = None, size_average: Any = None, ignore_index: Any = -100,
+             reduce: Any = None, reduction: str = "mean", label_smoothing: float = 0.0) -> str | None:
+    """None when kforge takes `ltorch.cross_entropy(a, target, ...)`, else why not."""
+    if weight is not None:
+        return "class weights are not supported"
+    if size_average is not None or reduce is not None:
+        return "deprecated size_average / reduce are not supported"
+    if not (isinstance(label_smoothing, (int, float)) and label_smoothing == 0):
+        return f"label_smoothing={label_smoothing} is not supported"
+    if reduction not in _REDUCTIONS:
+        return f"reduction={reduction!r} is not supported"
+    ignore_type = ignore_index.python_type if isinstance(ignore_index, NumberProxy) else type(ignore_index)
+    if ignore_type is not int:
+        return f"ignore_index {ignore_index!r} is not an int"
+    if (problem := tensor_problem(a, "input")) is not None:
+        return problem
+    if not isinstance(target, TensorProxy):
+        return "target is not a tensor"
+    if dtypes.is_float_dtype(target.dtype):
+        return "probability (soft) targets are not supported"
+    if dtypes.to_torch_dtype(target.dtype) is not torch.int64:
+        return f"target dtype {dtypes.to_torch_dtype(target.dtype)} is not int64"
+    if target.device != a.device:
+        return f"target is on {target.device}, input on {a.device}"
+    if a.ndim != 2:
+        return f"input is {a.ndim}-D: only (N, V) logits (torch puts classes on dim 1 of N-d input)"
+    if target.ndim != 1 or target.shape[0] != a.shape[0]:
+        return f"target shape {tuple(target.shape)} does not match input rows {a.shape[0]}"
+    if a.shape[0] > 2**31 - 1:
+        return f"{a.shape[0]} rows exceed one CUDA grid (2^31 - 1)"
+    return None
+
+
+def _execution(a: TensorProxy, target: TensorProxy, weight: Any = None, size_average: Any = None,
+               ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+               label_smoothing: float = 0.0) -> TensorProxy:
+    loss, _, _ = cross_entropy_forward(a, target, ignore_index, reduction)
+    return loss
+
+
+def _grad(a: TensorProxy, target: TensorProxy, weight: Any = None, size_average: Any = None,
+          ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+          label_smoothing: float = 0.0) -> TensorProxy:
+    # Saved for backward: logits, targets, lse (N floats), n_valid (one float).
+    loss, lse, n_valid = cross_entropy_forward(a, target, ignore_index, reduction)
+    g = get_grad(loss)
+    put_grad(a, cross_entropy_backward(g, a, target, lse, n_valid, ignore_index, reduction))
+    return loss
+
+
+SPEC = OpSpec("cross_entropy", (Claim(ltorch.cross_entropy, _checker, _execution, _grad),))
+
+
+def bench_cases(dtype: torch.dtype, quick: bool) -> list:
+    """Forward, backward, and forward+backward (separate kernels vs the fused launcher) at 8192 rows."""
+    from ..bench.cases import BenchCase
+
+    shapes = [(8192, 50257)] if quick else [(8192, 50257), (8192, 32000)]
+    es = torch.finfo(dtype).bits // 8
+    cases: list[BenchCase] = []
+    for n, v in shapes:
+        shape = f"{n}x{v}"
+
+        def logits_targets(n: int = n, v: int = v) -> tuple[torch.Tensor, torch.Tensor]:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            logits = (2 * torch.randn(n, v, device="cuda", generator=gen)).to(dtype)
+            targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+            return logits, targets
+
+        def make_bwd(lt=logits_targets):
+            logits, targets = lt()
+            loss, lse, n_valid = _C.cross_entropy_forward(logits, targets, -100, "mean")
+            grad = torch.ones((), device="cuda", dtype=dtype)
+            # Eager's backward starts from the log_softmax output autograd saved.
+            return grad, logits, targets, lse, n_valid, torch.log_softmax(logits, -1)
+
+        def eager_bwd(grad, logits, targets, lse, n_valid, logp):
+            total = n_valid.to(logp.dtype)
+            dlogp = torch.ops.aten.nll_loss_backward(grad, logp, targets, None, 1, -100, total)
+            return torch.ops.aten._log_softmax_backward_data(dlogp, logp, 1, logp.dtype)
+
+        def eager_fwd_bwd(logits, targets):
+            x = logits.detach().requires_grad_(True)
+            loss = F.cross_entropy(x, targets)
+            return loss, torch.autograd.grad(loss, x)[0]
+
+        def separate(logits, targets):
+            loss, lse, n_valid = _C.cross_entropy_forward(logits, targets, -100, "mean")
+            grad = torch.ones((), device="cuda", dtype=dtype)
+            return loss, _C.cross_entropy_backward(grad, logits, targets, lse, n_valid, -100, "mean")
+
+        def fused(logits, targets):
+            grad = torch.ones((), device="cuda", dtype=dtype)
+            return _C.cross_entropy_forward_backward(logits, targets, grad, -100, "mean")
+
+        big = n * v * es  # one pass over the logits
+        rows = n * (8 + 4)  # targets + lse
+        cases += [
+            BenchCase("cross_entropy", "fwd", shape, logits_targets,
+                      lambda x, t: _C.cross_entropy_forward(x, t, -100, "mean"),
+                      lambda x, t: F.cross_entropy(x, t), big + rows),
+            BenchCase("cross_entropy", "bwd", shape, make_bwd,
+                      lambda g, x, t, lse, nv, logp: _C.cross_entropy_backward(g, x, t, lse, nv, -100, "mean"),
+                      eager_bwd, 2 * big + rows),
+            # The fused-gradient option: loss and dlogits in one kernel when dloss is known up front.
+            BenchCase("cross_entropy", "fwd+bwd", shape + " separate", logits_targets, separate,
+                      eager_fwd_bwd, 2 * big + rows, compile_ok=False),
+            BenchCase("cross_entropy", "fwd+bwd", shape + " fused", logits_targets, fused,
+                      eager_fwd_bwd, 2 * big + rows, compile_ok=False),
+        ]
+    return cases
