@@ -13,7 +13,8 @@
 //   registers (rows up to blockDim.x * P packs);
 // - softmax_{forward,backward}_stream_kernel<T>: one block per row for rows too long for registers:
 //   pass 1 reads the row once (online max and sum, or <dy, y>), pass 2 reads it again back to front,
-//   so the part pass 1 read last (most likely still in L1/L2) is read first, and writes.
+//   so the part pass 1 read last (most likely still in L1/L2) is read first, and writes with
+//   streaming stores that do not push the rest of the row out of L2.
 // Rows need not start 16-byte aligned (C = 50257): each row is split into up to V-1 leading scalars,
 // aligned packs, and up to V-1 trailing scalars; x, y (and dy) rows share one alignment because the
 // launcher checks their base pointers agree modulo 16 (`vec`; else packs are moved element-wise).
@@ -67,6 +68,17 @@ KF_DEVICE void store_pack(T* p, const Pack128<T>& x, int vec) {
   for (int i = 0; i < Pack128<T>::size; ++i) p[i] = x[i];
 }
 
+// Streaming store: the stream kernels' outputs must not evict the row that pass 2 re-reads from L2.
+template <typename T>
+KF_DEVICE void store_pack_cs(T* p, const Pack128<T>& x, int vec) {
+  if (vec) {
+    store128cs(p, x);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < Pack128<T>::size; ++i) p[i] = x[i];
+}
+
 template <bool WarpRow>
 KF_DEVICE float row_max(float v, float* scratch) {
   return WarpRow ? warp_max(v) : block_max(v, scratch);
@@ -95,7 +107,7 @@ KF_DEVICE void online_add(float& m, float& s, const float (&v)[N], float vmax) {
 // Register-resident rows. WarpRow: one warp per row, blockDim.x / 32 rows per block; else one block
 // per row. Lane `lane` of the W threads of a row holds packs lane, lane + W, ..., lane + (P-1) W.
 template <typename T, int P, bool WarpRow>
-__global__ void __launch_bounds__(WarpRow ? 256 : 1024)
+__global__ void __launch_bounds__(WarpRow ? 256 : 512)
     softmax_forward_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, int C,
                            int causal, float scale, int vec) {
   constexpr int V = Pack128<T>::size;
@@ -158,7 +170,7 @@ __global__ void __launch_bounds__(WarpRow ? 256 : 1024)
 
 // Streaming rows: one block per row, U packs in flight per thread per step.
 template <typename T>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(512, 2)
     softmax_forward_stream_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, int C,
                                   int causal, float scale, int vec) {
   constexpr int V = Pack128<T>::size, U = 4;
@@ -220,7 +232,7 @@ __global__ void __launch_bounds__(1024)
         Pack128<T> o;
 #pragma unroll
         for (int i = 0; i < V; ++i) o.set(i, e + i < L ? __expf(scale * b[u].f(i) - M) * inv : 0.f);
-        store_pack(yr + e, o, vec);
+        store_pack_cs(yr + e, o, vec);
       }
     }
   }
@@ -231,7 +243,7 @@ __global__ void __launch_bounds__(1024)
 // ---- backward -----------------------------------------------------------------------------------
 // dx = scale * y * (dy - <dy, y>) over the counted elements, 0 elsewhere. Same layouts as forward.
 template <typename T, int P, bool WarpRow>
-__global__ void __launch_bounds__(WarpRow ? 256 : 1024)
+__global__ void __launch_bounds__(WarpRow ? 256 : 512)
     softmax_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
                             long long rows, int C, int causal, float scale, int vec) {
   constexpr int V = Pack128<T>::size;
@@ -280,11 +292,13 @@ __global__ void __launch_bounds__(WarpRow ? 256 : 1024)
 }
 
 template <typename T>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(512, 2)
     softmax_backward_stream_kernel(const T* __restrict__ dy, const T* __restrict__ y,
                                    T* __restrict__ dx, long long rows, int C, int causal,
                                    float scale, int vec) {
-  constexpr int V = Pack128<T>::size, U = 4;
+  // U packs of y and of dy in flight per thread per step; 16-bit types hold them as 2x more
+  // fp32 values, so fewer packs keep two 512-thread blocks per SM without spills.
+  constexpr int V = Pack128<T>::size, U = sizeof(T) == 4 ? 4 : 2;
   __shared__ float scratch[32];
   const int W = blockDim.x, lane = threadIdx.x;
   const long long off = (long long)blockIdx.x * C;
@@ -339,7 +353,7 @@ __global__ void __launch_bounds__(1024)
 #pragma unroll
         for (int i = 0; i < V; ++i)
           o.set(i, e + i < L ? scale * by[u].f(i) * (bg[u].f(i) - dot) : 0.f);
-        store_pack(dx + off + e, o, vec);
+        store_pack_cs(dx + off + e, o, vec);
       }
     }
   }

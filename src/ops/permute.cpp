@@ -2,6 +2,8 @@
 // (B, NH, T, HS) -> (B, T, C), forward and backward (see kernels_src/permute.cu).
 #include "../runtime/torch_launch.h"
 
+#include <optional>
+
 namespace kforge {
 namespace {
 
@@ -51,18 +53,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv_forward(const at::Tenso
   return {heads[0], heads[1], heads[2]};
 }
 
-// dq, dk, dv (B, NH, T, HS) -> dqkv (B, T, 3C).
-at::Tensor split_qkv_backward(const at::Tensor& dq_, const at::Tensor& dk_, const at::Tensor& dv_) {
+// dq, dk, dv (B, NH, T, HS) -> dqkv (B, T, 3C). A missing gradient (None: that output was unused)
+// counts as zeros; at least one must be given.
+at::Tensor split_qkv_backward(const std::optional<at::Tensor>& dq_, const std::optional<at::Tensor>& dk_,
+                              const std::optional<at::Tensor>& dv_) {
   const char* op = "split_qkv_backward";
-  const at::Tensor dq = input(dq_, op, "dq");
-  const at::Tensor dk = input_like(dk_, dq, op, "dk");
-  const at::Tensor dv = input_like(dv_, dq, op, "dv");
-  KF_CHECK(dq.dim() == 4, op, "dq must be (B, NH, T, HS), got ", dq.sizes());
-  KF_CHECK(dk.sizes() == dq.sizes() && dv.sizes() == dq.sizes(), op, "dq, dk, dv sizes differ: ",
-           dq.sizes(), ", ", dk.sizes(), ", ", dv.sizes());
-  const int64_t B = dq.size(0), NH = dq.size(1), T = dq.size(2), HS = dq.size(3);
-  at::Tensor dqkv = new_output({B, T, 3 * NH * HS}, dq.options());
-  launch(false, dqkv, {dq, dk, dv}, B, T, NH, HS, op);
+  const std::optional<at::Tensor>* given[3] = {&dq_, &dk_, &dv_};
+  const char* names[3] = {"dq", "dk", "dv"};
+  int first = -1;
+  for (int p = 0; p < 3 && first < 0; ++p)
+    if (given[p]->has_value() && (*given[p])->defined()) first = p;
+  KF_CHECK(first >= 0, op, "dq, dk and dv are all None");
+  const at::Tensor ref = input(**given[first], op, names[first]);
+  KF_CHECK(ref.dim() == 4, op, names[first], " must be (B, NH, T, HS), got ", ref.sizes());
+  std::vector<at::Tensor> heads;
+  for (int p = 0; p < 3; ++p) {
+    if (!(given[p]->has_value() && (*given[p])->defined())) {
+      heads.push_back(at::zeros_like(ref, at::MemoryFormat::Contiguous));
+      continue;
+    }
+    heads.push_back(input_like(**given[p], ref, op, names[p]));
+    KF_CHECK(heads.back().sizes() == ref.sizes(), op, names[p], " has shape ", heads.back().sizes(),
+             ", expected ", ref.sizes());
+  }
+  const int64_t B = ref.size(0), NH = ref.size(1), T = ref.size(2), HS = ref.size(3);
+  at::Tensor dqkv = new_output({B, T, 3 * NH * HS}, ref.options());
+  launch(false, dqkv, heads, B, T, NH, HS, op);
   return dqkv;
 }
 
@@ -96,7 +112,7 @@ KFORGE_BIND_OP(permute) {
   m.def("split_qkv_forward", &split_qkv_forward,
         "qkv (B, T, 3C) -> q, k, v, each (B, n_head, T, C / n_head) contiguous",
         pybind11::arg("qkv"), pybind11::arg("n_head"));
-  m.def("split_qkv_backward", &split_qkv_backward, "dq, dk, dv (B, NH, T, HS) -> dqkv (B, T, 3 NH HS)",
+  m.def("split_qkv_backward", &split_qkv_backward, "dq, dk, dv (B, NH, T, HS; None counts as zeros) -> dqkv (B, T, 3 NH HS)",
         pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"));
   m.def("merge_heads_forward", &merge_heads_forward, "y (B, NH, T, HS) -> (B, T, NH HS) contiguous",
         pybind11::arg("y"));

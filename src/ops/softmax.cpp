@@ -8,18 +8,18 @@ namespace {
 Program prog("softmax", ProgramOptions{/*fast_math=*/false});
 
 // Register-resident rows: one warp per row (P packs per lane), one block per row (4 per thread).
-constexpr int kWarpP[] = {1, 2, 4, 8};
-constexpr int kBlockP = 4, kMaxBlock = 1024, kWarpBlock = 256;
+// Up to 4 packs per thread: more would hold 64+ fp32 values per thread for bf16 rows (the compiler
+// keeps them converted), cut occupancy or spill. Block sizes match the kernels' __launch_bounds__.
+constexpr int kWarpP[] = {1, 2, 4};
+constexpr int kBlockP = 4, kMaxBlock = 512, kWarpBlock = 256;
 Kernel fwd_warp[] = {{prog, "softmax_forward_kernel<{T}, 1, true>"},
                      {prog, "softmax_forward_kernel<{T}, 2, true>"},
-                     {prog, "softmax_forward_kernel<{T}, 4, true>"},
-                     {prog, "softmax_forward_kernel<{T}, 8, true>"}};
+                     {prog, "softmax_forward_kernel<{T}, 4, true>"}};
 Kernel fwd_block(prog, "softmax_forward_kernel<{T}, 4, false>");
 Kernel fwd_stream(prog, "softmax_forward_stream_kernel<{T}>");
 Kernel bwd_warp[] = {{prog, "softmax_backward_kernel<{T}, 1, true>"},
                      {prog, "softmax_backward_kernel<{T}, 2, true>"},
-                     {prog, "softmax_backward_kernel<{T}, 4, true>"},
-                     {prog, "softmax_backward_kernel<{T}, 8, true>"}};
+                     {prog, "softmax_backward_kernel<{T}, 4, true>"}};
 Kernel bwd_block(prog, "softmax_backward_kernel<{T}, 4, false>");
 Kernel bwd_stream(prog, "softmax_backward_stream_kernel<{T}>");
 
@@ -32,7 +32,7 @@ struct Plan {
 Plan plan(int64_t rows, int64_t C, int64_t elem_size, bool forward) {
   const int64_t V = 16 / elem_size;
   const int64_t packs = (C + V - 1) / V;  // >= whole packs of any split of the row
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 3; ++i)
     if (packs <= 32 * kWarpP[i])
       return {forward ? &fwd_warp[i] : &bwd_warp[i], ceil_div(rows, kWarpBlock / 32), kWarpBlock};
   if (packs <= int64_t(kMaxBlock) * kBlockP) {

@@ -1,0 +1,185 @@
+"""The attention head split and merge as single copy kernels (kernels_src/permute.cu).
+
+- `split_qkv(qkv, n_head)`: qkv (B, T, 3C) -> q, k, v, each (B, NH, T, HS) and contiguous, where
+  eager PyTorch returns strided views that every later consumer has to gather through.
+- `merge_heads(y)`: y (B, NH, T, HS) -> (B, T, C), the `transpose(1, 2).contiguous().view()` copy.
+
+Both are plain PyTorch helpers for models to call; the operators `kforge_split_qkv` and
+`kforge_merge_heads` are registered with `replaces=` them, so `thunder.jit` with the kforge executor
+swaps in the kernels. Nothing is saved for backward: the backward of each copy is the inverse copy
+(dqkv from dq, dk, dv; dy from d(B, T, C)).
+"""
+from __future__ import annotations
+
+import torch
+import thunder.torch as ltorch
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grad
+
+from .. import _C
+from ..bench.cases import BenchCase
+from .._thunder import Claim, OpSpec, operator, tensor_problem
+
+_INT_MAX = 2**31 - 1
+
+
+def split_qkv(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the fused QKV projection (B, T, 3C) into q, k, v of shape (B, n_head, T, C // n_head).
+    Plain PyTorch (views); under `thunder.jit` with the kforge executor, one copy kernel that returns
+    contiguous tensors."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    q, k, v = qkv.split(C, dim=2)
+    HS = C // n_head
+    return tuple(t.view(B, T, n_head, HS).transpose(1, 2) for t in (q, k, v))
+
+
+def merge_heads(y: torch.Tensor) -> torch.Tensor:
+    """Merge attention heads (B, NH, T, HS) back into (B, T, NH * HS). Plain PyTorch; under
+    `thunder.jit` with the kforge executor, one copy kernel."""
+    B, NH, T, HS = y.shape
+    return y.transpose(1, 2).contiguous().view(B, T, NH * HS)
+
+
+# The helpers in Thunder's torch language: what the operators decompose into when kforge declines
+# them, so other executors and autodiff can still run them.
+def _split_qkv_like(qkv: TensorProxy, n_head: int) -> tuple[TensorProxy, TensorProxy, TensorProxy]:
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    return tuple(
+        ltorch.transpose(ltorch.reshape(t, (B, T, n_head, C // n_head)), 1, 2)
+        for t in ltorch.split(qkv, C, 2)
+    )
+
+
+def _merge_heads_like(y: TensorProxy) -> TensorProxy:
+    B, NH, T, HS = y.shape
+    return ltorch.reshape(ltorch.contiguous(ltorch.transpose(y, 1, 2)), (B, T, NH * HS))
+
+
+def _split_forward_meta(qkv: TensorProxy, n_head: int) -> tuple[TensorProxy, TensorProxy, TensorProxy]:
+    B, T, C3 = qkv.shape
+    shape = (B, n_head, T, C3 // (3 * n_head))
+    return tuple(TensorProxy(like=qkv, shape=shape) for _ in range(3))
+
+
+def _split_backward_meta(dq: TensorProxy | None, dk: TensorProxy | None,
+                         dv: TensorProxy | None) -> TensorProxy:
+    # A missing cotangent (None: that output was unused) counts as zeros.
+    g = next(t for t in (dq, dk, dv) if t is not None)
+    B, NH, T, HS = g.shape
+    return TensorProxy(like=g, shape=(B, T, 3 * NH * HS))
+
+
+def _merge_forward_meta(y: TensorProxy) -> TensorProxy:
+    B, NH, T, HS = y.shape
+    return TensorProxy(like=y, shape=(B, T, NH * HS))
+
+
+def _merge_backward_meta(dout: TensorProxy, n_head: int) -> TensorProxy:
+    B, T, C = dout.shape
+    return TensorProxy(like=dout, shape=(B, n_head, T, C // n_head))
+
+
+# (qkv, n_head) -> (q, k, v)
+split_qkv_forward = operator("split_qkv_forward", meta=_split_forward_meta, fn=_C.split_qkv_forward)
+# (dq, dk, dv) -> dqkv
+split_qkv_backward = operator("split_qkv_backward", meta=_split_backward_meta, fn=_C.split_qkv_backward)
+# (y) -> (B, T, C)
+merge_heads_forward = operator("merge_heads_forward", meta=_merge_forward_meta, fn=_C.merge_heads_forward)
+# (dout, n_head) -> dy
+merge_heads_backward = operator("merge_heads_backward", meta=_merge_backward_meta, fn=_C.merge_heads_backward)
+
+split_qkv_op = operator("split_qkv", like=_split_qkv_like, fn=split_qkv, replaces=split_qkv)
+merge_heads_op = operator("merge_heads", like=_merge_heads_like, fn=merge_heads, replaces=merge_heads)
+
+
+# ---- checkers ----------------------------------------------------------------------------------
+def _sizes_problem(B: int, T: int, row: int) -> str | None:
+    if B * T > _INT_MAX or row > _INT_MAX:
+        return f"B*T = {B * T} or row length {row} exceeds 2^31-1"
+    return None
+
+
+def _split_checker(qkv: TensorProxy, n_head: int) -> str | None:
+    if (p := tensor_problem(qkv, "qkv")) is not None:
+        return p
+    if qkv.ndim != 3:
+        return f"qkv has shape {tuple(qkv.shape)}, not (B, T, 3C)"
+    if not isinstance(n_head, int) or isinstance(n_head, bool) or n_head <= 0:
+        return f"n_head={n_head!r} is not a positive int"
+    B, T, C3 = qkv.shape
+    if C3 % (3 * n_head):
+        return f"last dim {C3} is not 3 * n_head * head_size (n_head={n_head})"
+    return _sizes_problem(B, T, C3)
+
+
+def _merge_checker(y: TensorProxy) -> str | None:
+    if (p := tensor_problem(y, "y")) is not None:
+        return p
+    if y.ndim != 4:
+        return f"y has shape {tuple(y.shape)}, not (B, NH, T, HS)"
+    B, NH, T, HS = y.shape
+    return _sizes_problem(B, T, NH * HS)
+
+
+# ---- execution and grad transforms -----------------------------------------------------------
+def _split_execution(qkv: TensorProxy, n_head: int):
+    return split_qkv_forward(qkv, n_head)
+
+
+def _split_grad(qkv: TensorProxy, n_head: int):
+    q, k, v = split_qkv_forward(qkv, n_head)
+    put_grad(qkv, split_qkv_backward(get_grad(q), get_grad(k), get_grad(v)))
+    return q, k, v
+
+
+def _merge_execution(y: TensorProxy) -> TensorProxy:
+    return merge_heads_forward(y)
+
+
+def _merge_grad(y: TensorProxy) -> TensorProxy:
+    out = merge_heads_forward(y)
+    put_grad(y, merge_heads_backward(get_grad(out), y.shape[1]))
+    return out
+
+
+SPEC = OpSpec(
+    "permute",
+    (
+        Claim(split_qkv_op, _split_checker, _split_execution, _split_grad),
+        Claim(merge_heads_op, _merge_checker, _merge_execution, _merge_grad),
+    ),
+)
+
+
+# ---- benchmarks ----------------------------------------------------------------------------------
+def bench_cases(dtype: torch.dtype, quick: bool) -> list[BenchCase]:
+    """split_qkv and merge_heads on GPT-2 124M attention (B=8, T=1024, NH=12, HS=64), forward and
+    backward; the eager baselines make the same contiguous copies."""
+    B, T, NH, HS = 8, 1024, 12, 64
+    C = NH * HS
+    es = torch.empty((), dtype=dtype).element_size()
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    def eager_split(qkv):
+        return tuple(t.contiguous() for t in split_qkv(qkv, NH))
+
+    def eager_split_bwd(dq, dk, dv):
+        return merge_heads(torch.cat((dq, dk, dv), dim=1))  # heads p * NH + h: the qkv layout
+
+    shape = f"{B}x{T}x{NH}x{HS}"
+    n = B * T * C
+    return [
+        BenchCase("permute", "fwd", f"split_qkv {shape}", lambda: (rnd(B, T, 3 * C),),
+                  lambda qkv: _C.split_qkv_forward(qkv, NH), eager_split, 2 * 3 * n * es),
+        BenchCase("permute", "bwd", f"split_qkv {shape}", lambda: tuple(rnd(B, NH, T, HS) for _ in range(3)),
+                  _C.split_qkv_backward, eager_split_bwd, 2 * 3 * n * es),
+        BenchCase("permute", "fwd", f"merge_heads {shape}", lambda: (rnd(B, NH, T, HS),),
+                  _C.merge_heads_forward, merge_heads, 2 * n * es),
+        BenchCase("permute", "bwd", f"merge_heads {shape}", lambda: (rnd(B, T, C),),
+                  lambda dout: _C.merge_heads_backward(dout, NH),
+                  lambda dout: dout.view(B, T, NH, HS).transpose(1, 2).contiguous(), 2 * n * es),
+    ]

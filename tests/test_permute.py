@@ -1,0 +1,270 @@
+"""split_qkv / merge_heads: the copy kernels against PyTorch's views (exact: they only move data), in
+both directions, on 16-byte packs (HS a multiple of the pack) and element-wise (odd HS, misaligned
+views), and the Thunder operators that replace the model helpers.
+
+CPU tests: the helpers, decline reasons, the fallback to torch on CPU tensors, launcher errors, and
+the Thunder plumbing (metas, grad transforms) with the launchers swapped for torch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import thunder
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+
+import kforge
+from conftest import DTYPES, assert_close, gpu, randn
+from kforge import _thunder
+from kforge.ops import permute as pm
+from kforge.ops.permute import merge_heads, split_qkv
+
+
+def ref_split(qkv: torch.Tensor, n_head: int) -> list[torch.Tensor]:
+    """q, k, v (B, NH, T, HS) by explicit indexing: q[b, h, t, s] = qkv[b, t, h * HS + s]."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    return [qkv[:, :, p * C:(p + 1) * C].reshape(B, T, n_head, C // n_head).permute(0, 2, 1, 3)
+            for p in range(3)]
+
+
+def ref_merge(y: torch.Tensor) -> torch.Tensor:
+    B, NH, T, HS = y.shape
+    return y.permute(0, 2, 1, 3).reshape(B, T, NH * HS)
+
+
+def assert_same(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """A copy is exact: same shape, dtype, contiguous, every element equal."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (what, out.shape, ref.shape)
+    assert out.is_contiguous(), what
+    assert torch.equal(out, ref), f"{what}: {(out.double() - ref.double()).abs().max()} max difference"
+
+
+# GPT-2 124M; HS a multiple of the 16-byte pack for both dtypes (64, 16), for fp32 only (12), or for
+# neither (5, 6, 1); T = 1 and odd T.
+SHAPES = [(8, 1024, 12, 64), (1, 1, 1, 1), (2, 5, 3, 8), (3, 7, 12, 64), (2, 33, 4, 6), (2, 17, 5, 12),
+          (1, 1000, 12, 64), (2, 9, 16, 5), (1, 3, 2, 16)]
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_split_and_merge_match_torch(dtype, shape):
+    B, T, NH, HS = shape
+    C = NH * HS
+    qkv = randn(B, T, 3 * C, dtype=dtype)
+    for out, ref, name in zip(kforge._C.split_qkv_forward(qkv, NH), ref_split(qkv, NH), "qkv"):
+        assert_same(out, ref.contiguous(), f"split {name}")
+    dq, dk, dv = (randn(B, NH, T, HS, dtype=dtype) for _ in range(3))
+    assert_same(kforge._C.split_qkv_backward(dq, dk, dv), torch.cat([ref_merge(g) for g in (dq, dk, dv)], -1),
+                "dqkv")
+    y = randn(B, NH, T, HS, dtype=dtype)
+    assert_same(kforge._C.merge_heads_forward(y), ref_merge(y).contiguous(), "merge")
+    dout = randn(B, T, C, dtype=dtype)
+    assert_same(kforge._C.merge_heads_backward(dout, NH), dout.view(B, T, NH, HS).transpose(1, 2).contiguous(),
+                "dy")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_misaligned_and_strided_inputs(dtype):
+    """Views 1 element off a 16-byte boundary take the element-wise path; strided views are copied."""
+    B, T, NH, HS = 2, 7, 12, 64
+
+    def off(t):
+        return torch.empty(t.numel() + 1, dtype=dtype, device="cuda")[1:].view(t.shape).copy_(t)
+
+    qkv = randn(B, T, 3 * NH * HS, dtype=dtype)
+    assert off(qkv).data_ptr() % 16 != 0
+    for out, ref in zip(kforge._C.split_qkv_forward(off(qkv), NH), ref_split(qkv, NH)):
+        assert_same(out, ref.contiguous(), "split (misaligned)")
+    y = randn(B, NH, T, HS, dtype=dtype)
+    assert_same(kforge._C.merge_heads_forward(off(y)), ref_merge(y).contiguous(), "merge (misaligned)")
+    # q, k, v straight from the eager helper: strided views of qkv.
+    q, k, v = split_qkv(qkv, NH)
+    assert_same(kforge._C.split_qkv_backward(q, k, v), qkv, "split backward of strided views")
+    assert_same(kforge._C.merge_heads_forward(q), ref_merge(q).contiguous(), "merge of a strided view")
+
+
+@gpu
+def test_round_trips_and_missing_gradients():
+    B, T, NH, HS = 2, 31, 12, 64
+    qkv = randn(B, T, 3 * NH * HS, dtype=torch.bfloat16)
+    q, k, v = kforge._C.split_qkv_forward(qkv, NH)
+    assert_same(kforge._C.split_qkv_backward(q, k, v), qkv, "split then inverse")
+    y = randn(B, NH, T, HS, dtype=torch.bfloat16)
+    assert_same(kforge._C.merge_heads_backward(kforge._C.merge_heads_forward(y), NH), y, "merge then inverse")
+    # An unused output's gradient (None) counts as zeros.
+    dqkv = kforge._C.split_qkv_backward(None, k, None)
+    C = NH * HS
+    assert_same(dqkv[..., C:2 * C].contiguous(), qkv[..., C:2 * C].contiguous(), "dk part")
+    assert (dqkv[..., :C] == 0).all() and (dqkv[..., 2 * C:] == 0).all()
+
+
+@gpu
+def test_launchers_reject_bad_arguments():
+    qkv = randn(2, 5, 36)
+    with pytest.raises(kforge.KforgeError, match=r"\(B, T, 3C\)"):
+        kforge._C.split_qkv_forward(qkv.view(10, 36), 3)
+    with pytest.raises(kforge.KforgeError, match="not 3 \\* n_head"):
+        kforge._C.split_qkv_forward(qkv, 5)
+    with pytest.raises(kforge.KforgeError, match="n_head must be positive"):
+        kforge._C.split_qkv_forward(qkv, 0)
+    q = randn(2, 3, 5, 4)
+    with pytest.raises(kforge.KforgeError, match="all None"):
+        kforge._C.split_qkv_backward(None, None, None)
+    with pytest.raises(kforge.KforgeError, match="dk has shape"):
+        kforge._C.split_qkv_backward(q, randn(2, 3, 5, 5), q)
+    with pytest.raises(kforge.KforgeError, match="dv has dtype"):
+        kforge._C.split_qkv_backward(q, q, q.bfloat16())
+    with pytest.raises(kforge.KforgeError, match=r"\(B, NH, T, HS\)"):
+        kforge._C.merge_heads_forward(qkv)
+    with pytest.raises(kforge.KforgeError, match="not a multiple of n_head"):
+        kforge._C.merge_heads_backward(qkv, 5)
+    with pytest.raises(kforge.KforgeError, match="not supported"):
+        kforge._C.merge_heads_forward(q.double())
+    q0, _, _ = kforge._C.split_qkv_forward(randn(2, 0, 36), 3)
+    assert q0.shape == (2, 3, 0, 4)
+
+
+# ---- Thunder, GPU ---------------------------------------------------------------------------------
+def attention_like(x, w, n_head):
+    """The helpers as the reference GPT-2 uses them, with something differentiable in between."""
+    q, k, v = split_qkv(x @ w, n_head)
+    return merge_heads(q * k + v.sin())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_jit_replaces_split_and_merge(dtype):
+    B, T, NH, HS = 2, 65, 12, 64
+    C = NH * HS
+    x = randn(B, T, C, dtype=dtype).requires_grad_(True)
+    w = randn(C, 3 * C, dtype=dtype, scale=C ** -0.5).requires_grad_(True)
+    dout = randn(B, T, C, dtype=dtype)
+    jfn = thunder.jit(attention_like, executors=[kforge.executor])
+    out = jfn(x, w, NH)
+    dx, dw = torch.autograd.grad(out, (x, w), dout)
+    fwd, bwd = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    for name in ("kforge_split_qkv_forward", "kforge_merge_heads_forward"):
+        assert name in fwd, fwd
+    for name in ("kforge_split_qkv_backward", "kforge_merge_heads_backward"):
+        assert name in bwd, bwd
+    x64, w64 = (t.detach().double().requires_grad_(True) for t in (x, w))
+    ref = attention_like(x64, w64, NH)
+    rx, rw = torch.autograd.grad(ref, (x64, w64), dout.double())
+    tol = None if dtype == torch.float32 else 2e-2  # bf16: the matmuls and products round too
+    assert_close(out, ref, dtype, "out", tol=tol)
+    assert_close(dx, rx, dtype, "dx", tol=tol)
+    assert_close(dw, rw, dtype, "dw", tol=tol)
+
+
+# ---- CPU: helpers, declines, fallback, plumbing --------------------------------------------------
+def test_helpers_are_the_head_split_and_merge():
+    B, T, NH, HS = 2, 5, 3, 4
+    qkv = randn(B, T, 3 * NH * HS, device="cpu")
+    q, k, v = split_qkv(qkv, NH)
+    for p, t in enumerate((q, k, v)):
+        for h in range(NH):
+            torch.testing.assert_close(t[:, h], qkv[:, :, p * NH * HS + h * HS:p * NH * HS + (h + 1) * HS],
+                                       rtol=0, atol=0)
+    torch.testing.assert_close(merge_heads(q), qkv[..., :NH * HS], rtol=0, atol=0)
+
+
+def test_launchers_reject_cpu_tensors():
+    with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
+        kforge._C.split_qkv_forward(randn(2, 3, 12, device="cpu"), 2)
+    with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
+        kforge._C.merge_heads_forward(randn(2, 2, 3, 2, device="cpu"))
+
+
+def proxy(shape, dtype=torch.float32, device="cuda:0") -> TensorProxy:
+    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
+                       requires_grad=False)
+
+
+def test_checkers_accept_and_decline_with_reasons():
+    with tracectx(TraceCtx()):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert pm._split_checker(proxy((8, 1024, 2304), dtype), 12) is None
+            assert pm._merge_checker(proxy((8, 12, 1024, 64), dtype)) is None
+        cases = {
+            "not (B, T, 3C)": pm._split_checker(proxy((8, 2304)), 12),
+            "not 3 * n_head * head_size": pm._split_checker(proxy((2, 3, 30)), 4),
+            "not a positive int": pm._split_checker(proxy((2, 3, 36)), 0),
+            "not CUDA": pm._split_checker(proxy((2, 3, 36), device="cpu"), 2),
+            "float64": pm._split_checker(proxy((2, 3, 36), torch.float64), 2),
+            "empty": pm._merge_checker(proxy((2, 3, 0, 4))),
+            "not (B, NH, T, HS)": pm._merge_checker(proxy((2, 3, 4))),
+        }
+    for expected, reason in cases.items():
+        assert reason is not None and expected in reason, (expected, reason)
+
+
+def test_cpu_tensors_fall_back_to_torch():
+    _thunder.reset_declines()
+    x = randn(2, 5, 12, device="cpu").requires_grad_(True)
+    w = randn(12, 36, device="cpu").requires_grad_(True)
+    dout = randn(2, 5, 12, device="cpu")
+    jfn = thunder.jit(attention_like, executors=[kforge.executor])
+    out = jfn(x, w, 3)
+    grads = torch.autograd.grad(out, (x, w), dout)
+    assert "kforge_" not in str(thunder.last_traces(jfn)[-1])
+    ref = attention_like(x, w, 3)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, torch.autograd.grad(ref, (x, w), dout)):
+        torch.testing.assert_close(g, r)
+    declines = _thunder.declines()
+    for key in ("kforge_split_qkv", "kforge_merge_heads"):
+        assert any(r.startswith("permute: ") and "not CUDA" in r for r in declines[key]), declines
+    with torch.no_grad():  # inference: the declined operators run their torch definitions
+        jinf = thunder.jit(attention_like, executors=[kforge.executor])
+        torch.testing.assert_close(jinf(x, w, 3), ref)
+
+
+# Thunder plumbing without a GPU: the operators' metas and grad transforms run for real; only the
+# kforge launchers are swapped for torch and the checkers accept CPU tensors.
+def _call_ctx(sym) -> dict:
+    """The {name: fn} dict Thunder's register_operator binds to every call of `sym`."""
+    for cell in sym._bind_postprocess.__closure__ or ():
+        if isinstance(cell.cell_contents, dict) and sym.name in cell.cell_contents:
+            return cell.cell_contents
+    raise AssertionError(f"no call context for {sym.name}")
+
+
+@pytest.fixture
+def cpu_reference_launchers(monkeypatch):
+    swaps = {
+        pm.split_qkv_forward: lambda qkv, nh: tuple(t.contiguous() for t in ref_split(qkv, nh)),
+        pm.split_qkv_backward: lambda dq, dk, dv: torch.cat([ref_merge(g) for g in (dq, dk, dv)], -1),
+        pm.merge_heads_forward: lambda y: ref_merge(y).contiguous(),
+        pm.merge_heads_backward: lambda d, nh: d.view(d.shape[0], d.shape[1], nh, -1).transpose(1, 2).contiguous(),
+    }
+    saved = {sym: _call_ctx(sym)[sym.name] for sym in swaps}
+    for sym, fn in swaps.items():
+        _call_ctx(sym)[sym.name] = fn
+    real = pm.tensor_problem
+    monkeypatch.setattr(pm, "tensor_problem",
+                        lambda t, name="input": None if t.device.devicetype == devices.DeviceType.CPU else real(t, name))
+    yield
+    for sym, fn in saved.items():
+        _call_ctx(sym)[sym.name] = fn
+
+
+def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):
+    x = randn(2, 5, 12, device="cpu", dtype=torch.float64).requires_grad_(True)
+    w = randn(12, 36, device="cpu", dtype=torch.float64).requires_grad_(True)
+    dout = randn(2, 5, 12, device="cpu", dtype=torch.float64)
+    jfn = thunder.jit(attention_like, executors=[kforge.executor])
+    out = jfn(x, w, 3)
+    grads = torch.autograd.grad(out, (x, w), dout)
+    fwd, bwd = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    for name in ("kforge_split_qkv_forward", "kforge_merge_heads_forward"):
+        assert name in fwd, fwd
+    for name in ("kforge_split_qkv_backward", "kforge_merge_heads_backward"):
+        assert name in bwd, bwd
+    ref = attention_like(x, w, 3)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, torch.autograd.grad(ref, (x, w), dout)):
+        torch.testing.assert_close(g, r)

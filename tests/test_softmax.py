@@ -1,0 +1,418 @@
+"""softmax over the last dim and the fused causal attention softmax: launchers against float64
+references (forward and backward) on every kernel layout (warp rows, block rows, streamed rows; rows
+off a 16-byte boundary; misaligned views), exact zeros above the diagonal, and the Thunder claims.
+
+CPU tests: the causal_softmax helper, decline reasons, the fallback to torch on CPU tensors, launcher
+errors, and the Thunder plumbing (metas, grad transforms) with the launchers swapped for torch.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import thunder
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+
+import kforge
+from conftest import DTYPES, assert_close, gpu, randn
+from kforge import _thunder
+from kforge.ops import softmax as sm
+from kforge.ops.softmax import causal_softmax
+
+
+# ---- references ---------------------------------------------------------------------------------
+def causal_mask(T: int, device) -> torch.Tensor:
+    """True above the diagonal: the entries row i must not see."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+
+
+def ref_forward(x: torch.Tensor, causal: bool = False, scale: float = 1.0) -> torch.Tensor:
+    x64 = x.double() * scale
+    if causal:
+        x64 = x64.masked_fill(causal_mask(x.size(-1), x.device), float("-inf"))
+    return torch.softmax(x64, -1)
+
+
+def ref_backward(dy: torch.Tensor, y: torch.Tensor, causal: bool = False, scale: float = 1.0) -> torch.Tensor:
+    """float64 scale * y * (dy - sum(dy * y)) from the same (rounded) dy and y; 0 where masked."""
+    dy64, y64 = dy.double(), y.double()
+    if causal:
+        mask = causal_mask(y.size(-1), y.device)
+        dy64, y64 = dy64.masked_fill(mask, 0.0), y64.masked_fill(mask, 0.0)  # they must not count
+    return scale * y64 * (dy64 - (dy64 * y64).sum(-1, keepdim=True))
+
+
+def probs(*shape, dtype, causal=False, scale=1.0) -> torch.Tensor:
+    """A realistic backward input: softmax rows (rounded to dtype)."""
+    return ref_forward(randn(*shape, dtype=dtype, scale=2.0), causal, scale).to(dtype)
+
+
+def check_plain(x: torch.Tensor, dy: torch.Tensor, y_in: torch.Tensor, dtype) -> None:
+    y = kforge._C.softmax_forward(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, ref_forward(x), dtype, f"y {tuple(x.shape)}")
+    dx = kforge._C.softmax_backward(dy, y_in)
+    assert dx.dtype == dtype and dx.shape == x.shape
+    assert_close(dx, ref_backward(dy, y_in), dtype, f"dx {tuple(x.shape)}")
+
+
+# ---- plain softmax, GPU -------------------------------------------------------------------------
+# Row lengths chosen per layout (V = 4 fp32 / 8 bf16 elements per 16-byte pack): one warp per row
+# with 1, 2, 4 packs per lane (<= 32V, 64V, 128V), one block per row (<= 2048 packs), streamed rows
+# beyond; odd lengths put every row start off a 16-byte boundary (leading and trailing scalars).
+ROW_LENGTHS = [1, 3, 7, 33, 100, 200, 257, 500, 777, 1000, 1024, 1025, 2049, 8192, 8193, 16384,
+               16385, 50257]
+
+
+@gpu
+@pytest.mark.parametrize("C", ROW_LENGTHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softmax_matches_float64_reference(dtype, C):
+    rows = 37 if C <= 8193 else 5
+    x = randn(rows, C, dtype=dtype, scale=3.0)
+    check_plain(x, randn(rows, C, dtype=dtype), probs(rows, C, dtype=dtype), dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_softmax_many_dims_and_rows(dtype):
+    shape = (2, 3, 129, 64)  # 774 rows: several warp rows per block, a partial last block
+    check_plain(randn(*shape, dtype=dtype, scale=3.0), randn(*shape, dtype=dtype),
+                probs(*shape, dtype=dtype), dtype)
+
+
+@gpu
+@pytest.mark.parametrize("C", [64, 1000, 5000, 20000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softmax_misaligned_and_strided_views(dtype, C):
+    """Inputs 1 element off a 16-byte boundary (element-wise packs) and transposed views (copied)."""
+    rows = 6
+
+    def off(t):
+        buf = torch.empty(t.numel() + 1, dtype=dtype, device="cuda")[1:]
+        return buf.view(t.shape).copy_(t)
+
+    x, dy, y = randn(rows, C, dtype=dtype, scale=3.0), randn(rows, C, dtype=dtype), probs(rows, C, dtype=dtype)
+    assert off(x).data_ptr() % 16 != 0
+    check_plain(off(x), off(dy), y, dtype)
+    check_plain(x, dy, off(y), dtype)
+    check_plain(x.t().contiguous().t(), dy, y, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("C", [100, 1000, 50257])
+def test_softmax_extremes(C):
+    """-inf entries give exact zeros (also when the first packs of a streamed row are all -inf), large
+    logits do not overflow, an all -inf row is NaN as in PyTorch."""
+    x = randn(4, C, scale=30.0)
+    x[0, : C // 2] = float("-inf")
+    x[1, ::3] = float("-inf")
+    x[2, -1] = 1e4
+    x[3] = float("-inf")
+    y = kforge._C.softmax_forward(x)
+    ref = torch.softmax(x.double(), -1)
+    assert_close(y[:3], ref[:3], torch.float32, "finite rows")
+    assert (y[0, : C // 2] == 0).all() and (y[1, ::3] == 0).all()
+    assert torch.isnan(y[3]).all()
+
+
+@gpu
+def test_softmax_on_side_stream():
+    x = randn(64, 1000)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = kforge._C.softmax_forward(x)
+    torch.cuda.current_stream().wait_stream(s)
+    assert_close(y, ref_forward(x), torch.float32, "y")
+
+
+@gpu
+def test_softmax_launcher_rejects_bad_arguments():
+    x = randn(4, 16)
+    with pytest.raises(kforge.KforgeError, match="dy and y sizes differ"):
+        kforge._C.softmax_backward(randn(4, 15), x)
+    with pytest.raises(kforge.KforgeError, match="dy has dtype"):
+        kforge._C.softmax_backward(randn(4, 16, dtype=torch.bfloat16), x)
+    with pytest.raises(kforge.KforgeError, match="not supported"):
+        kforge._C.softmax_forward(x.double())
+    with pytest.raises(kforge.KforgeError, match="0-d"):
+        kforge._C.softmax_forward(randn(1).view(()))
+    with pytest.raises(kforge.KforgeError, match=r"\(\.\.\., T, T\)"):
+        kforge._C.causal_softmax_forward(randn(2, 4, 5), 1.0)
+    with pytest.raises(kforge.KforgeError, match=r"\(\.\.\., T, T\)"):
+        kforge._C.causal_softmax_backward(randn(4), randn(4), 1.0)
+    assert kforge._C.softmax_forward(randn(3, 0)).shape == (3, 0)
+
+
+# ---- fused causal softmax, GPU --------------------------------------------------------------------
+CAUSAL_SHAPES = [(1, 1, 1, 1), (2, 3, 7, 7), (1, 12, 64, 64), (2, 12, 100, 100), (1, 2, 1000, 1000),
+                 (1, 12, 1024, 1024), (1, 1, 2049, 2049), (1, 1, 8192, 8192), (1, 1, 8193, 8193)]
+
+
+def check_causal(preatt, dy, y_in, scale, dtype):
+    y = kforge._C.causal_softmax_forward(preatt, scale)
+    mask = causal_mask(preatt.size(-1), preatt.device).expand_as(preatt)
+    assert y.dtype == dtype and y.shape == preatt.shape
+    assert (y[mask] == 0).all(), "forward: masked entries must be exactly 0"
+    assert_close(y, ref_forward(preatt, True, scale), dtype, f"y {tuple(preatt.shape)}")
+    dx = kforge._C.causal_softmax_backward(dy, y_in, scale)
+    assert (dx[mask] == 0).all(), "backward: masked entries must be exactly 0"
+    assert_close(dx, ref_backward(dy, y_in, True, scale), dtype, f"dx {tuple(preatt.shape)}")
+
+
+@gpu
+@pytest.mark.parametrize("shape", CAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_causal_softmax_matches_float64_reference(dtype, shape):
+    scale = 1.0 / math.sqrt(64)
+    preatt = randn(*shape, dtype=dtype, scale=8.0)
+    dy = randn(*shape, dtype=dtype)
+    y_in = probs(*shape, dtype=dtype, causal=True, scale=scale)
+    check_causal(preatt, dy, y_in, scale, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("T", [5, 1000, 8193])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_causal_softmax_never_uses_masked_entries(dtype, T):
+    """NaN above the diagonal of preatt (forward) and of y and dy (backward) must not leak: those
+    entries are neither used nor copied, and the outputs there are exactly 0."""
+    scale = 0.37
+    mask = causal_mask(T, "cuda")
+    preatt = randn(2, T, T, dtype=dtype, scale=4.0).masked_fill(mask, float("nan"))
+    dy = randn(2, T, T, dtype=dtype).masked_fill(mask, float("nan"))
+    y_in = probs(2, T, T, dtype=dtype, causal=True, scale=scale).masked_fill(mask, float("nan"))
+    y = kforge._C.causal_softmax_forward(preatt, scale)
+    dx = kforge._C.causal_softmax_backward(dy, y_in, scale)
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all()
+    assert (y[:, mask] == 0).all() and (dx[:, mask] == 0).all()
+    assert_close(y, ref_forward(preatt.masked_fill(mask, 0.0), True, scale), dtype, "y")
+    assert_close(dx, ref_backward(dy.masked_fill(mask, 0.0), y_in.masked_fill(mask, 0.0), True, scale),
+                 dtype, "dx")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_causal_softmax_matches_the_helper(dtype):
+    """The kernel computes what the model helper computes (the thing it replaces)."""
+    preatt = randn(2, 12, 257, 257, dtype=dtype, scale=8.0)
+    y = kforge._C.causal_softmax_forward(preatt, 0.125)
+    assert_close(y, causal_softmax(preatt.double(), 0.125), dtype, "y vs helper")
+
+
+# ---- Thunder, GPU ---------------------------------------------------------------------------------
+def traces(jfn) -> tuple[str, str]:
+    return str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+
+
+@gpu
+@pytest.mark.parametrize("spelling", ["torch.softmax", "Tensor.softmax", "F.softmax", "nn.Softmax"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_jit_claims_softmax(dtype, spelling):
+    fns = {
+        "torch.softmax": lambda x: torch.softmax(x, dim=-1),
+        "Tensor.softmax": lambda x: x.softmax(-1),
+        "F.softmax": lambda x: F.softmax(x, dim=2),
+        "nn.Softmax": torch.nn.Softmax(dim=-1),
+    }
+    fn = fns[spelling]
+    x = randn(4, 33, 1000, dtype=dtype, scale=3.0).requires_grad_(True)
+    dy = randn(4, 33, 1000, dtype=dtype)
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    y = jfn(x)
+    (dx,) = torch.autograd.grad(y, (x,), dy)
+    fwd, bwd = traces(jfn)
+    assert "kforge_softmax_forward" in fwd and "kforge_softmax_backward" in bwd, (fwd, bwd)
+    x64 = x.detach().double().requires_grad_(True)
+    r = torch.softmax(x64, -1)
+    (rdx,) = torch.autograd.grad(r, (x64,), dy.double())
+    assert_close(y, r, dtype, "y")
+    # dx from the bf16-rounded y: one more rounding than the reference path.
+    assert_close(dx, rdx, dtype, "dx", tol=None if dtype == torch.float32 else 1.5e-2)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_jit_replaces_causal_softmax(dtype):
+    B, NH, T, HS = 2, 12, 129, 64
+    q = randn(B, NH, T, HS, dtype=dtype).requires_grad_(True)
+    k = randn(B, NH, T, HS, dtype=dtype).requires_grad_(True)
+    dy = randn(B, NH, T, T, dtype=dtype)
+    scale = 1.0 / math.sqrt(HS)
+
+    def fn(q, k):
+        return causal_softmax(q @ k.transpose(-2, -1), scale)
+
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    y = jfn(q, k)
+    dq, dk = torch.autograd.grad(y, (q, k), dy)
+    fwd, bwd = traces(jfn)
+    assert "kforge_causal_softmax_forward" in fwd and "kforge_causal_softmax_backward" in bwd, (fwd, bwd)
+    assert "masked_fill" not in fwd and "where" not in fwd
+    assert (y[:, :, causal_mask(T, "cuda")] == 0).all()
+    q64, k64 = (t.detach().double().requires_grad_(True) for t in (q, k))
+    r = fn(q64, k64)
+    rq, rk = torch.autograd.grad(r, (q64, k64), dy.double())
+    tol = None if dtype == torch.float32 else 2e-2  # bf16: the matmuls round too
+    assert_close(y, r, dtype, "y", tol=tol)
+    assert_close(dq, rq, dtype, "dq", tol=tol)
+    assert_close(dk, rk, dtype, "dk", tol=tol)
+    with torch.no_grad():  # inference: the execution transform
+        jinf = thunder.jit(fn, executors=[kforge.executor])
+        assert_close(jinf(q, k), r, dtype, "inference y", tol=tol)
+        assert "kforge_causal_softmax_forward" in str(thunder.last_traces(jinf)[-1])
+
+
+@gpu
+def test_thunder_inline_masked_fill_pattern_still_uses_plain_softmax():
+    """The inline GPT-2 pattern (masked_fill from a mask buffer, then softmax) cannot be fused (the
+    mask is runtime data), but its softmax is still claimed, and the -inf entries come out as 0."""
+    T = 65
+    bias = torch.tril(torch.ones(T, T, device="cuda")).view(1, 1, T, T)
+    att = randn(2, 3, T, T, scale=3.0)
+
+    def fn(att, bias):
+        return F.softmax(att.masked_fill(bias == 0, float("-inf")), dim=-1)
+
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    y = jfn(att, bias)
+    assert "kforge_softmax_forward" in str(thunder.last_traces(jfn)[-1])
+    assert (y[:, :, causal_mask(T, "cuda")] == 0).all()
+    assert_close(y, ref_forward(att, True), torch.float32, "y")
+
+
+@gpu
+def test_thunder_declines_other_dims_on_gpu():
+    _thunder.reset_declines()
+    x = randn(8, 16, 32)
+    jfn = thunder.jit(lambda x: torch.softmax(x, dim=1), executors=[kforge.executor])
+    torch.testing.assert_close(jfn(x), torch.softmax(x, dim=1))
+    assert "kforge_" not in str(thunder.last_traces(jfn)[-1])
+    assert any("dim=1 is not the last dim" in r for r in _thunder.declines()["_softmax"])
+
+
+# ---- CPU: helper, declines, fallback, plumbing ---------------------------------------------------
+def test_causal_softmax_helper_is_causal_softmax():
+    """The helper (the op's definition) against a per-row loop, with exact zeros above the diagonal."""
+    T, scale = 9, 0.3
+    att = randn(2, 3, T, T, device="cpu", dtype=torch.float64, scale=3.0)
+    y = causal_softmax(att, scale)
+    for i in range(T):
+        torch.testing.assert_close(y[..., i, : i + 1], torch.softmax(scale * att[..., i, : i + 1], -1))
+        assert (y[..., i, i + 1:] == 0).all()
+
+
+def test_launchers_reject_cpu_tensors():
+    x = randn(4, 8, device="cpu")
+    with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
+        kforge._C.softmax_forward(x)
+    with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
+        kforge._C.causal_softmax_backward(x, x, 1.0)
+
+
+def proxy(shape, dtype=torch.float32, device="cuda:0") -> TensorProxy:
+    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
+                       requires_grad=False)
+
+
+def test_checkers_accept_and_decline_with_reasons():
+    with tracectx(TraceCtx()):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert sm._softmax_checker(proxy((8, 50257), dtype), -1) is None
+            assert sm._causal_checker(proxy((2, 12, 64, 64), dtype), 0.125) is None
+        assert sm._softmax_checker(proxy((4, 5, 6)), 2) is None
+        assert sm._softmax_checker(proxy((4, 5, 6)), -1, dtype=torch.float32) is None
+        cases = {
+            "dim=1 is not the last dim": sm._softmax_checker(proxy((4, 5, 6)), 1),
+            "dim=-2 is not the last dim": sm._softmax_checker(proxy((4, 5, 6)), -2),
+            "dtype=torch.float32 differs": sm._softmax_checker(proxy((4, 6), torch.bfloat16), -1,
+                                                               dtype=torch.float32),
+            "not CUDA": sm._softmax_checker(proxy((4, 6), device="cpu"), -1),
+            "float64": sm._softmax_checker(proxy((4, 6), torch.float64), -1),
+            "empty": sm._softmax_checker(proxy((0, 6)), -1),
+            "0-d": sm._softmax_checker(proxy(()), 0),
+            "is not (..., T, T)": sm._causal_checker(proxy((2, 3, 4, 5)), 0.5),
+            "not a real number": sm._causal_checker(proxy((2, 3, 4, 4)), "0.5"),
+            "att is on": sm._causal_checker(proxy((2, 4, 4), device="cpu"), 0.5),
+        }
+    for expected, reason in cases.items():
+        assert reason is not None and expected in reason, (expected, reason)
+
+
+@pytest.mark.parametrize("which", ["softmax", "causal"])
+def test_cpu_tensors_fall_back_to_torch(which):
+    _thunder.reset_declines()
+    x = randn(2, 3, 6, 6, device="cpu", scale=3.0).requires_grad_(True)
+    dy = randn(2, 3, 6, 6, device="cpu")
+    fn = (lambda x: torch.softmax(x, -1)) if which == "softmax" else (lambda x: causal_softmax(x, 0.5))
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    y = jfn(x)
+    (dx,) = torch.autograd.grad(y, (x,), dy)
+    assert "kforge_" not in str(thunder.last_traces(jfn)[-1])
+    ref = fn(x)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(dx, torch.autograd.grad(ref, (x,), dy)[0])
+    key = "_softmax" if which == "softmax" else "kforge_causal_softmax"
+    assert any(r.startswith("softmax: ") and "not CUDA" in r for r in _thunder.declines()[key])
+    with torch.no_grad():  # inference: the declined operator runs its torch definition
+        jinf = thunder.jit(fn, executors=[kforge.executor])
+        torch.testing.assert_close(jinf(x), ref)
+
+
+# Thunder plumbing without a GPU: the claims' metas and grad transforms run for real; only the kforge
+# launchers are swapped for torch and the checkers accept CPU tensors.
+def _call_ctx(sym) -> dict:
+    """The {name: fn} dict Thunder's register_operator binds to every call of `sym`."""
+    for cell in sym._bind_postprocess.__closure__ or ():
+        if isinstance(cell.cell_contents, dict) and sym.name in cell.cell_contents:
+            return cell.cell_contents
+    raise AssertionError(f"no call context for {sym.name}")
+
+
+def _torch_backward(dy, y):
+    return y * (dy - (dy * y).sum(-1, keepdim=True))
+
+
+@pytest.fixture
+def cpu_reference_launchers(monkeypatch):
+    swaps = {
+        sm.softmax_forward: lambda x: torch.softmax(x, -1),
+        sm.softmax_backward: _torch_backward,
+        sm.causal_softmax_forward: lambda x, scale: torch.softmax(
+            (x * scale).masked_fill(causal_mask(x.size(-1), x.device), float("-inf")), -1),
+        sm.causal_softmax_backward: lambda dy, y, scale: scale * _torch_backward(dy, y),
+    }
+    saved = {sym: _call_ctx(sym)[sym.name] for sym in swaps}
+    for sym, fn in swaps.items():
+        _call_ctx(sym)[sym.name] = fn
+    real = sm.tensor_problem
+    monkeypatch.setattr(sm, "tensor_problem",
+                        lambda t, name="input": None if t.device.devicetype == devices.DeviceType.CPU else real(t, name))
+    yield
+    for sym, fn in saved.items():
+        _call_ctx(sym)[sym.name] = fn
+
+
+def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):
+    x = randn(2, 3, 7, 7, device="cpu", dtype=torch.float64, scale=3.0).requires_grad_(True)
+    dy = randn(2, 3, 7, 7, device="cpu", dtype=torch.float64)
+
+    def fn(x):
+        return causal_softmax(x * 2, 0.3).softmax(-1)
+
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    y = jfn(x)
+    (dx,) = torch.autograd.grad(y, (x,), dy)
+    fwd, bwd = traces(jfn)
+    for name in ("kforge_causal_softmax_forward", "kforge_softmax_forward"):
+        assert name in fwd, fwd
+    for name in ("kforge_causal_softmax_backward", "kforge_softmax_backward"):
+        assert name in bwd, bwd
+    ref = fn(x)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(dx, torch.autograd.grad(ref, (x,), dy)[0])
