@@ -16,7 +16,6 @@
 #include <cstring>
 #include <fstream>
 #include <random>
-#include <regex>
 #include <set>
 #include <sstream>
 
@@ -50,18 +49,28 @@ bool read_file(const std::string& path, std::string& out) {
   return true;
 }
 
+// `#include "name"` on this line -> name, else "". Hand-parsed: std::regex has crashed inside
+// LibTorch processes (libstdc++ locale / ABI mismatch), and the grammar here is tiny.
+std::string quoted_include(const std::string& line) {
+  size_t i = line.find_first_not_of(" \t");
+  if (i == std::string::npos || line[i] != '#') return "";
+  i = line.find_first_not_of(" \t", i + 1);
+  if (i == std::string::npos || line.compare(i, 7, "include") != 0) return "";
+  i = line.find_first_not_of(" \t", i + 7);
+  if (i == std::string::npos || line[i] != '"') return "";
+  size_t end = line.find('"', i + 1);
+  return end == std::string::npos ? "" : line.substr(i + 1, end - i - 1);
+}
+
 // Headers included with quotes, recursively, relative to the kernel directory.
 void collect_headers(const std::string& dir, const std::string& text,
                      std::vector<std::pair<std::string, std::string>>& headers,
                      std::set<std::string>& seen) {
-  static const std::regex inc(R"re(^\s*#\s*include\s*"([^"]+)")re");
   std::istringstream lines(text);
   std::string line;
   while (std::getline(lines, line)) {
-    std::smatch m;
-    if (!std::regex_search(line, m, inc)) continue;
-    std::string name = m[1];
-    if (!seen.insert(name).second) continue;
+    std::string name = quoted_include(line);
+    if (name.empty() || !seen.insert(name).second) continue;
     std::string body;
     if (!read_file(dir + "/" + name, body))
       throw Error("kforge: header \"" + name + "\" not found in " + dir);
