@@ -23,6 +23,7 @@ __all__ = [
     "compile_all",
     "kernel_names",
     "executor",
+    "thunderfx",
     "kernel_dir",
     "cache_dir",
 ]
@@ -61,4 +62,8 @@ def __getattr__(name: str):
         from ._thunder import get_executor
 
         return get_executor()
+    if name == "thunderfx":  # Thunder's Dynamo path with kforge first and the Llama trace patterns on
+        from .transforms import thunderfx
+
+        return thunderfx
     raise AttributeError(f"module 'kforge' has no attribute {name!r}")
