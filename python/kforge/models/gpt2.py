@@ -165,7 +165,9 @@ class GPT(nn.Module):
                 m.weight.fill_(1.0)
                 m.bias.zero_()
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if idx.dim() != 2:
             raise ValueError(f"GPT.forward: idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
         B, T = idx.shape
