@@ -18,6 +18,9 @@
 constexpr int kRegElems = 8;
 // Most rows one block works on at once (blockDim.y); sizes the reduction scratch.
 constexpr int kMaxRowsPerBlock = 16;
+// Largest block per path: FITS kernels hold more registers, so they are capped at 512 threads
+// (<= 128 registers each); the others at 1024. The launcher respects both.
+#define KF_LN_BOUNDS __launch_bounds__(FITS ? 512 : 1024)
 
 // One element viewed as a unit of size 1, so the scalar and the 16-byte paths share their code.
 template <typename T>
@@ -38,12 +41,6 @@ template <typename T> KF_DEVICE void load_unit_last(Pack128<T>& r, const T* p) {
 template <typename T> KF_DEVICE void load_unit_last(Elem1<T>& r, const T* p) { r.v[0] = *p; }
 template <typename T> KF_DEVICE void store_unit(T* p, const Pack128<T>& r) { store128(p, r); }
 template <typename T> KF_DEVICE void store_unit(T* p, const Elem1<T>& r) { *p = r.v[0]; }
-
-// Units of registers per thread on the FITS path (1 for a bf16/half pack, 2 fp32 packs, 8 scalars).
-template <typename T, bool VEC, bool FITS>
-constexpr int reg_units() {
-  return FITS ? (kRegElems / Unit<T, VEC>::size > 0 ? kRegElems / Unit<T, VEC>::size : 1) : 1;
-}
 
 // Sum of (a, b) over the blockDim.x threads sharing this row (threadIdx.y). Every one of them gets
 // the same bits: warp butterflies, then the per-warp sums added in warp order. Contains
@@ -73,13 +70,15 @@ KF_DEVICE float row_sum(float a, float (*red)[kMaxRowsPerBlock][32]) {
 
 // Forward: two-pass mean / variance from registers (FITS) or re-reads, then normalise and store.
 template <typename T, bool VEC, bool FITS>
-__global__ void layernorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+__global__ void KF_LN_BOUNDS layernorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
                                          const T* __restrict__ bias, T* __restrict__ out,
                                          float* __restrict__ mean, float* __restrict__ rstd,
                                          long long N, int C, float eps) {
   using U = Unit<T, VEC>;
   constexpr int V = U::size;
-  constexpr int KR = reg_units<T, VEC, FITS>();
+  // Units a thread keeps in registers: 1 bf16/half pack, 2 fp32 packs or 8 scalars (FITS).
+  constexpr int KR = FITS ? kRegElems / V : 1;
+  static_assert(kRegElems % V == 0, "a thread's registers hold whole units");
   __shared__ float red[2][kMaxRowsPerBlock][32];
   const int units = C / V, tpr = blockDim.x, tx = threadIdx.x;
   const int K = FITS ? KR : (units + tpr - 1) / tpr;  // FITS: the launcher ensured units <= KR * tpr
@@ -154,11 +153,12 @@ __global__ void layernorm_forward_kernel(const T* __restrict__ x, const T* __res
 // Backward: dx = rstd * (dout*w - mean(dout*w) - xhat * mean(dout*w*xhat)) per row, and this
 // block's sums of dout*xhat / dout per column into partial[blockIdx.x] = [dweight part | dbias part]
 // (2C floats; partial is nullptr when neither is needed). FITS keeps the column sums in registers
-// and folds the row slots into the partial row in slot order at the end; otherwise the launcher uses
-// one row slot per block and each thread accumulates its own columns of the partial row in place.
+// and folds the row slots in slot order at the end (dynamic shared memory: 2C floats); otherwise the
+// launcher uses one row slot per block and each thread accumulates its own columns of the partial
+// row in place.
 // Either way each column is summed by one thread in row order: the result is reproducible.
 template <typename T, bool VEC, bool FITS>
-__global__ void layernorm_backward_kernel(const T* __restrict__ dout, const T* __restrict__ x,
+__global__ void KF_LN_BOUNDS layernorm_backward_kernel(const T* __restrict__ dout, const T* __restrict__ x,
                                           const T* __restrict__ weight,
                                           const float* __restrict__ mean,
                                           const float* __restrict__ rstd, T* __restrict__ dx,
@@ -166,7 +166,9 @@ __global__ void layernorm_backward_kernel(const T* __restrict__ dout, const T* _
                                           int need_dweight, int need_dbias) {
   using U = Unit<T, VEC>;
   constexpr int V = U::size;
-  constexpr int KR = reg_units<T, VEC, FITS>();
+  // Units a thread keeps in registers: 1 bf16/half pack, 2 fp32 packs or 8 scalars (FITS).
+  constexpr int KR = FITS ? kRegElems / V : 1;
+  static_assert(kRegElems % V == 0, "a thread's registers hold whole units");
   __shared__ float red[2][kMaxRowsPerBlock][32];
   const int units = C / V, tpr = blockDim.x, tx = threadIdx.x;
   const int K = FITS ? KR : (units + tpr - 1) / tpr;
@@ -257,8 +259,9 @@ __global__ void layernorm_backward_kernel(const T* __restrict__ dout, const T* _
 
   if constexpr (FITS) {
     if (prow) {
-      // Row slot 0 writes the block's partial row, slots 1.. add to it in turn. The barrier after
-      // each slot makes its global writes visible to the next (same block).
+      // Fold the row slots' column sums in slot order through shared memory (2C floats, dynamic),
+      // then write the block's partial row with the whole block, coalesced.
+      extern __shared__ float fold[];
       for (int y = 0; y < (int)blockDim.y; ++y) {
         if ((int)threadIdx.y == y) {
 #pragma unroll
@@ -268,32 +271,36 @@ __global__ void layernorm_backward_kernel(const T* __restrict__ dout, const T* _
 #pragma unroll
               for (int i = 0; i < V; ++i) {
                 const int c = u * V + i;
-                if (need_dweight) prow[c] = (y ? prow[c] : 0.0f) + acc_w[k * V + i];
-                if (need_dbias) prow[C + c] = (y ? prow[C + c] : 0.0f) + acc_b[k * V + i];
+                fold[c] = (y ? fold[c] : 0.0f) + acc_w[k * V + i];
+                fold[C + c] = (y ? fold[C + c] : 0.0f) + acc_b[k * V + i];
               }
             }
           }
         }
         __syncthreads();
       }
+      const int nthreads = blockDim.x * blockDim.y;
+      for (int c = threadIdx.y * blockDim.x + tx; c < 2 * C; c += nthreads)
+        if (c < C ? need_dweight : need_dbias) prow[c] = fold[c];
     }
   }
 }
 
 // dweight / dbias = column sums of the G per-block partial rows, always in the same order.
-// Layout: blockDim (32, 16): threadIdx.x is a column of a 32-wide tile of [dweight | dbias] (2C
-// columns), threadIdx.y strides over the partial rows; the 16 strided sums are then added in order.
+// Layout: blockDim (32, 32): threadIdx.x is a column of a 32-wide tile of [dweight | dbias] (2C
+// columns), threadIdx.y strides over the partial rows (a few loads each, all in flight at once);
+// the 32 strided sums are then added in order.
 template <typename T>
 __global__ void layernorm_param_grad_kernel(const float* __restrict__ partial,
                                             T* __restrict__ dweight, T* __restrict__ dbias, int G,
                                             int C) {
-  __shared__ float red[16][33];
+  __shared__ float red[32][33];
   const int j = blockIdx.x * 32 + threadIdx.x;
   T* dst = j < C ? dweight : dbias;
   const bool valid = j < 2 * C && dst != nullptr;
   float s = 0.0f;
   if (valid) {
-#pragma unroll 4
+#pragma unroll 8
     for (int b = threadIdx.y; b < G; b += blockDim.y) s += partial[(i64)b * 2 * C + j];
   }
   red[threadIdx.y][threadIdx.x] = s;

@@ -1,0 +1,85 @@
+"""gelu, tanh approximation (GPT-2's `F.gelu(x, approximate="tanh")`).
+
+Forward (`kforge_gelu_forward`) saves nothing of its own: backward (`kforge_gelu_backward`)
+recomputes gelu'(x) from the input, so only x is kept for the backward pass. Both kernels move 16
+bytes per thread per access with a scalar tail, and index with 64 bits (any numel).
+Kernels: kernels_src/gelu.cu.
+
+Claims `thunder.torch.gelu` only for approximate="tanh"; the exact erf form is declined.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import thunder.torch as ltorch
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grad
+
+from .. import _C
+from .._thunder import Claim, OpSpec, operator, tensor_problem
+
+
+def _forward_meta(x: TensorProxy) -> TensorProxy:
+    return TensorProxy(like=x)
+
+
+def _backward_meta(dout: TensorProxy, x: TensorProxy) -> TensorProxy:
+    return TensorProxy(like=x)
+
+
+# (x) -> out
+gelu_forward = operator("gelu_forward", meta=_forward_meta, fn=_C.gelu_forward)
+# (dout, x) -> dx
+gelu_backward = operator("gelu_backward", meta=_backward_meta, fn=_C.gelu_backward)
+
+
+def _checker(a: Any, *, approximate: str = "none") -> str | None:
+    """None when kforge takes `ltorch.gelu(a, approximate=...)`, else why not."""
+    if approximate != "tanh":
+        return f"approximate={approximate!r}: only the tanh approximation is implemented"
+    return tensor_problem(a, "input")
+
+
+def _execution(a: TensorProxy, *, approximate: str = "none") -> TensorProxy:
+    return gelu_forward(a)
+
+
+def _grad(a: TensorProxy, *, approximate: str = "none") -> TensorProxy:
+    # Saved for backward: x only (gelu' is recomputed from it).
+    out = gelu_forward(a)
+    put_grad(a, gelu_backward(get_grad(out), a))
+    return out
+
+
+SPEC = OpSpec("gelu", (Claim(ltorch.gelu, _checker, _execution, _grad),))
+
+
+def bench_cases(dtype: torch.dtype, quick: bool) -> list:
+    """Forward and backward on GPT-2's MLP activation (8192 x 3072) and a 4096-wide model's (x 16384)."""
+    from ..bench.cases import BenchCase
+
+    shapes = [(8192, 3072)] if quick else [(8192, 3072), (8192, 16384)]
+    es = torch.finfo(dtype).bits // 8
+    cases: list[BenchCase] = []
+    for n, c in shapes:
+        shape = f"{n}x{c}"
+
+        def fwd_inputs(n: int = n, c: int = c) -> tuple[torch.Tensor]:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            return (torch.randn(n, c, device="cuda", generator=gen).to(dtype),)
+
+        def bwd_inputs(n: int = n, c: int = c) -> tuple[torch.Tensor, torch.Tensor]:
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            dout = torch.randn(n, c, device="cuda", generator=gen).to(dtype)
+            return dout, torch.randn(n, c, device="cuda", generator=gen).to(dtype)
+
+        size = n * c * es
+        cases += [
+            BenchCase("gelu", "fwd", shape, fwd_inputs, _C.gelu_forward,
+                      lambda x: F.gelu(x, approximate="tanh"), 2 * size),
+            BenchCase("gelu", "bwd", shape, bwd_inputs, _C.gelu_backward,
+                      lambda dout, x: torch.ops.aten.gelu_backward(dout, x, approximate="tanh"), 3 * size),
+        ]
+    return cases

@@ -1,0 +1,177 @@
+// layernorm launchers (see kernels_src/layernorm.cu): forward -> (out, mean, rstd); backward ->
+// (dx, dweight, dbias) with deterministic weight / bias gradients (per-block partials, fixed-order
+// reduce).
+#include <algorithm>
+#include <optional>
+#include <tuple>
+
+#include "../runtime/torch_launch.h"
+
+namespace kforge {
+namespace {
+
+constexpr const char* kFwd = "layernorm_forward";
+constexpr const char* kBwd = "layernorm_backward";
+
+Program prog("layernorm");
+// [vec][fits]: 16-byte units or scalars; row slice held in registers or re-read.
+Kernel fwd_kernels[2][2] = {
+    {Kernel(prog, "layernorm_forward_kernel<{T}, false, false>"),
+     Kernel(prog, "layernorm_forward_kernel<{T}, false, true>")},
+    {Kernel(prog, "layernorm_forward_kernel<{T}, true, false>"),
+     Kernel(prog, "layernorm_forward_kernel<{T}, true, true>")}};
+Kernel bwd_kernels[2][2] = {
+    {Kernel(prog, "layernorm_backward_kernel<{T}, false, false>"),
+     Kernel(prog, "layernorm_backward_kernel<{T}, false, true>")},
+    {Kernel(prog, "layernorm_backward_kernel<{T}, true, false>"),
+     Kernel(prog, "layernorm_backward_kernel<{T}, true, true>")}};
+Kernel param_grad_kernel(prog, "layernorm_param_grad_kernel<{T}>");
+
+// Must match kernels_src/layernorm.cu.
+constexpr int kRegElems = 8;
+constexpr int kMaxRowsPerBlock = 16;
+constexpr int64_t kMaxC = int64_t(1) << 30;  // keeps every in-row index (and 2C) in an int
+
+// How a row is split over a block (see the layout note in kernels_src/layernorm.cu).
+struct RowLayout {
+  bool vec;   // 16-byte units
+  bool fits;  // a thread's units fit in kRegElems registers
+  int tpr;    // threads per row (blockDim.x)
+};
+
+RowLayout row_layout(int64_t C, int64_t elem_size, bool aligned) {
+  RowLayout L;
+  const int64_t pack = 16 / elem_size;
+  L.vec = aligned && C % pack == 0;  // rows then start 16-byte aligned too
+  const int64_t v = L.vec ? pack : 1, units = C / v, regs = kRegElems / v;
+  const int64_t tpr_fit = (ceil_div(units, regs) + 31) / 32 * 32;
+  L.fits = tpr_fit <= 512;  // FITS kernels are launch-bounded to 512 threads
+  L.tpr = static_cast<int>(L.fits ? tpr_fit : 1024);
+  return L;
+}
+
+// Optional 1-D parameter of size C, same device / dtype as x; undefined tensor when absent.
+at::Tensor param(const std::optional<at::Tensor>& p, const at::Tensor& x, int64_t C, const char* op,
+                 const char* name) {
+  if (!p.has_value() || !p->defined()) return at::Tensor();
+  at::Tensor t = input_like(*p, x, op, name);
+  KF_CHECK(t.dim() == 1 && t.size(0) == C, op, name, " must have shape (", C, "), got ", t.sizes());
+  return t;
+}
+
+// Rows N and row length C of x (normalising the last dim).
+std::pair<int64_t, int64_t> rows_cols(const at::Tensor& x, const char* op) {
+  KF_CHECK(x.dim() >= 1, op, "x must have at least one dimension");
+  const int64_t C = x.size(-1);
+  KF_CHECK(C >= 1 && C <= kMaxC, op, "last dim C=", C, " must be in [1, 2^30]");
+  return {x.numel() / C, C};
+}
+
+const void* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+bool aligned_or_absent(const at::Tensor& t) { return !t.defined() || aligned16(t); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
+    const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
+    const std::optional<at::Tensor>& bias_, double eps) {
+  const at::Tensor x = input(x_, kFwd, "x");
+  const auto [N, C] = rows_cols(x, kFwd);
+  const at::Tensor w = param(weight_, x, C, kFwd, "weight");
+  const at::Tensor b = param(bias_, x, C, kFwd, "bias");
+  KF_CHECK(eps >= 0, kFwd, "eps must be >= 0, got ", eps);
+  LaunchOn on(x);
+  at::Tensor out = new_output_like(x);
+  at::Tensor mean = new_output({N}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = new_output({N}, x.options().dtype(at::kFloat));
+  if (N == 0) return {out, mean, rstd};
+
+  const RowLayout L = row_layout(
+      C, x.element_size(), aligned16(x) && aligned16(out) && aligned_or_absent(w) && aligned_or_absent(b));
+  // Small blocks pack the SMs best; several rows per block when rows are short.
+  const int rows = L.fits ? std::clamp(256 / L.tpr, 1, kMaxRowsPerBlock) : 1;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((N + rows - 1) / rows, INT32_MAX));
+  fwd_kernels[L.vec][L.fits].launch(dtype_of(x, kFwd), on.device, on.stream, Dim3(grid),
+                                    Dim3(L.tpr, rows), 0, x.data_ptr(), ptr_or_null(w),
+                                    ptr_or_null(b), out.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+                                    static_cast<long long>(N), static_cast<int>(C),
+                                    static_cast<float>(eps));
+  return {out, mean, rstd};
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> layernorm_backward(
+    const at::Tensor& dout_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
+    const std::optional<at::Tensor>& bias_, const at::Tensor& mean_, const at::Tensor& rstd_) {
+  const at::Tensor x = input(x_, kBwd, "x");
+  const at::Tensor dout = input_like(dout_, x, kBwd, "dout");
+  KF_CHECK(dout.sizes() == x.sizes(), kBwd, "dout has shape ", dout.sizes(), ", x has ", x.sizes());
+  const auto [N, C] = rows_cols(x, kBwd);
+  const at::Tensor w = param(weight_, x, C, kBwd, "weight");
+  const at::Tensor b = param(bias_, x, C, kBwd, "bias");  // only its presence matters
+  for (const auto& [t, name] : {std::pair{&mean_, "mean"}, std::pair{&rstd_, "rstd"}}) {
+    KF_CHECK(t->defined() && t->is_cuda() && t->device() == x.device(), kBwd, name,
+             " must be a CUDA tensor on ", x.device());
+    KF_CHECK(t->scalar_type() == at::kFloat && t->numel() == N, kBwd, name,
+             " must be float32 with one value per row (", N, "), got ", t->scalar_type(), " ",
+             t->sizes());
+  }
+  const at::Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
+  LaunchOn on(x);
+  const DType dt = dtype_of(x, kBwd);
+  at::Tensor dx = new_output_like(x);
+  std::optional<at::Tensor> dweight, dbias;
+  if (w.defined()) dweight = new_output({C}, w.options());
+  if (b.defined()) dbias = new_output({C}, b.options());
+  if (N == 0) {  // no rows: the parameter gradients are empty sums
+    if (dweight) dweight->zero_();
+    if (dbias) dbias->zero_();
+    return {dx, dweight, dbias};
+  }
+
+  const RowLayout L = row_layout(C, x.element_size(),
+                                 aligned16(x) && aligned16(dout) && aligned16(dx) && aligned_or_absent(w));
+  // More rows per block than the forward: each block leaves one partial row of 2C floats, so the
+  // grid should be about one wave of resident blocks, each looping over several row groups.
+  const int rows = L.fits ? std::clamp(512 / L.tpr, 1, kMaxRowsPerBlock) : 1;
+  const int64_t threads = int64_t(L.tpr) * rows;
+  // ~1024 resident threads per SM (the FITS backward uses up to 64 registers per thread); at most
+  // one partial row per 8 rows, so the scratch never outgrows the input.
+  const int64_t max_grid = std::max<int64_t>(
+      1, std::min<int64_t>(sm_count(on.device) * std::max<int64_t>(1, 1024 / threads), (N + 7) / 8));
+  const int64_t groups = (N + rows - 1) / rows;
+  const int64_t iters = (groups + max_grid - 1) / max_grid;
+  const int64_t grid = (groups + iters - 1) / iters;  // every block gets `iters` groups (last: fewer)
+
+  const bool need_dw = w.defined(), need_db = b.defined();
+  at::Tensor partial;
+  if (need_dw || need_db) partial = new_output({grid, 2 * C}, x.options().dtype(at::kFloat));
+  // FITS folds the row slots' column sums in shared memory: 2C floats (C <= 4096 there: 32 KiB).
+  const size_t smem = L.fits && partial.defined() ? 2 * C * sizeof(float) : 0;
+  bwd_kernels[L.vec][L.fits].launch(
+      dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)), Dim3(L.tpr, rows), smem,
+      dout.data_ptr(), x.data_ptr(), ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(),
+      dx.data_ptr(), ptr_or_null(partial), static_cast<long long>(N), static_cast<int>(C),
+      static_cast<int>(need_dw), static_cast<int>(need_db));
+  if (partial.defined()) {
+    param_grad_kernel.launch(dt, on.device, on.stream, Dim3(ceil_div(2 * C, 32)), Dim3(32, 32), 0,
+                             static_cast<const void*>(partial.data_ptr()),
+                             dweight ? dweight->data_ptr() : nullptr,
+                             dbias ? dbias->data_ptr() : nullptr, static_cast<int>(grid),
+                             static_cast<int>(C));
+  }
+  return {dx, dweight, dbias};
+}
+
+}  // namespace
+
+KFORGE_BIND_OP(layernorm) {
+  m.def("layernorm_forward", &layernorm_forward,
+        "LayerNorm over the last dim: returns (out, mean, rstd); mean / rstd are float32 (N,)",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
+        pybind11::arg("eps") = 1e-5);
+  m.def("layernorm_backward", &layernorm_backward,
+        "LayerNorm backward: returns (dx, dweight or None, dbias or None); bias is only used to "
+        "decide whether dbias is wanted",
+        pybind11::arg("dout"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
+        pybind11::arg("mean"), pybind11::arg("rstd"));
+}
+
+}  // namespace kforge

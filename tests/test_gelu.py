@@ -1,0 +1,237 @@
+"""gelu (tanh approximation): launchers against a float64 reference (forward and backward), the
+16-byte / scalar-tail paths, saturation, > 2^31 elements, and the Thunder claim.
+
+CPU tests: decline reasons (exact gelu, CPU tensors, fp64), the fallback to torch on CPU tensors, and
+the Thunder plumbing (metas, grad transform) with the launchers swapped for a torch reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import thunder
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+
+import kforge
+from conftest import DTYPES, assert_close, gpu, randn
+from kforge import _thunder
+from kforge.ops import gelu as ge
+
+
+def reference(x, dout):
+    """float64 gelu(x) and dout * gelu'(x) from the same (rounded) inputs."""
+    x64 = x.detach().double().requires_grad_(True)
+    out = F.gelu(x64, approximate="tanh")
+    out.backward(dout.double())
+    return out.detach(), x64.grad
+
+
+def check_against_reference(x, dout, dtype):
+    out = kforge._C.gelu_forward(x)
+    dx = kforge._C.gelu_backward(dout, x)
+    r_out, r_dx = reference(x, dout)
+    assert out.dtype == dx.dtype == dtype and out.shape == dx.shape == x.shape
+    assert_close(out, r_out, dtype, "out")
+    assert_close(dx, r_dx, dtype, "dx")
+
+
+# 16-byte packs plus every scalar-tail length; 1-element and 3-D inputs; multi-step grid-stride loops.
+SHAPES = [(1,), (7,), (1000,), (8, 3072), (3, 5, 771), ((1 << 20) + 3,), (64, 16384 + 5)]
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_matches_float64_reference(dtype, shape):
+    x = randn(*shape, dtype=dtype, scale=3.0)
+    dout = randn(*shape, dtype=dtype)
+    check_against_reference(x, dout, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_saturation_and_extremes(dtype):
+    """Far tails: gelu -> x / 0 and gelu' -> 1 / 0 without inf or NaN from the exp overflowing."""
+    vals = [-1e4, -100.0, -20.0, -10.0, -5.0, -1.0, -0.75, -1e-3, 0.0, 1e-3, 0.5, 3.0, 10.0, 100.0, 1e4]
+    x = torch.tensor(vals, device="cuda").to(dtype)
+    dout = torch.ones_like(x)
+    out, dx = kforge._C.gelu_forward(x), kforge._C.gelu_backward(dout, x)
+    r_out, r_dx = reference(x, dout)
+    assert torch.isfinite(out).all() and torch.isfinite(dx).all()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), r_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(dx.double(), r_dx, rtol=tol, atol=tol)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_misaligned_and_strided_inputs(dtype):
+    """A view off a 16-byte boundary takes the scalar path; a strided view is copied first."""
+    n = 4099
+    x, dout = randn(n, dtype=dtype, scale=3.0), randn(n, dtype=dtype)
+    x_off = torch.empty(n + 1, dtype=dtype, device="cuda")[1:].copy_(x)
+    assert x_off.data_ptr() % 16 != 0
+    check_against_reference(x_off, dout, dtype)
+    check_against_reference(x, torch.empty(n + 1, dtype=dtype, device="cuda")[1:].copy_(dout), dtype)
+    xs, ds = randn(96, 64, dtype=dtype).t(), randn(96, 64, dtype=dtype).t()
+    check_against_reference(xs, ds, dtype)
+
+
+@gpu
+def test_more_than_2_31_elements():
+    """64-bit offsets: the packs and the scalar tail past element 2^31 are right."""
+    n = (1 << 31) + (1 << 20) + 5
+    need = 4 * n * 2 + (2 << 30)  # x, dout, out, dx in bf16, plus slack for the references
+    free, _ = torch.cuda.mem_get_info()
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB free GPU memory, {free / 2**30:.1f} GiB free")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16).mul_(3)
+    dout = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    out = kforge._C.gelu_forward(x)
+    dx = kforge._C.gelu_backward(dout, x)
+    for start in (0, (1 << 31) - (1 << 16), n - (1 << 16)):  # head, across 2^31, tail
+        sl = slice(start, start + (1 << 17))
+        r_out, r_dx = reference(x[sl], dout[sl])
+        assert_close(out[sl], r_out, torch.bfloat16, f"out[{start}:]")
+        assert_close(dx[sl], r_dx, torch.bfloat16, f"dx[{start}:]")
+
+
+@gpu
+def test_launcher_rejects_bad_arguments():
+    x = randn(16)
+    with pytest.raises(kforge.KforgeError, match="dout has shape"):
+        kforge._C.gelu_backward(randn(15), x)
+    with pytest.raises(kforge.KforgeError, match="dout has dtype"):
+        kforge._C.gelu_backward(randn(16, dtype=torch.bfloat16), x)
+    with pytest.raises(kforge.KforgeError, match="not supported"):
+        kforge._C.gelu_forward(x.double())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_jit_uses_kforge(dtype):
+    x = randn(4, 33, 3072, dtype=dtype, scale=3.0).requires_grad_(True)
+    dout = randn(4, 33, 3072, dtype=dtype)
+
+    def fn(x):
+        return F.gelu(x, approximate="tanh")
+
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    out = jfn(x)
+    (dx,) = torch.autograd.grad(out, (x,), dout)
+    assert "kforge_gelu_forward" in str(thunder.last_traces(jfn)[-1])
+    assert "kforge_gelu_backward" in str(thunder.last_backward_traces(jfn)[-1])
+    r_out, r_dx = reference(x, dout)
+    assert_close(out, r_out, dtype, "out")
+    assert_close(dx, r_dx, dtype, "dx")
+    with torch.no_grad():  # inference: the execution transform
+        jinf = thunder.jit(fn, executors=[kforge.executor])
+        assert_close(jinf(x), r_out, dtype, "inference out")
+        assert "kforge_gelu_forward" in str(thunder.last_traces(jinf)[-1])
+
+
+@gpu
+def test_thunder_leaves_exact_gelu_to_torch_on_gpu():
+    _thunder.reset_declines()
+    x = randn(8, 64)
+    jfn = thunder.jit(lambda x: F.gelu(x), executors=[kforge.executor])
+    torch.testing.assert_close(jfn(x), F.gelu(x))
+    assert "kforge_gelu" not in str(thunder.last_traces(jfn)[-1])
+    assert any("approximate='none'" in r for r in _thunder.declines()["gelu"])
+
+
+# ---- CPU: declines, fallback, plumbing ----------------------------------------------------------------
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_cpu_tensors_fall_back_to_torch(approximate):
+    _thunder.reset_declines()
+    x = randn(5, 37, device="cpu", scale=3.0).requires_grad_(True)
+    dout = randn(5, 37, device="cpu")
+
+    def fn(x):
+        return F.gelu(x, approximate=approximate)
+
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    out = jfn(x)
+    (dx,) = torch.autograd.grad(out, (x,), dout)
+    assert "kforge_" not in str(thunder.last_traces(jfn)[-1])
+    ref = fn(x)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(dx, torch.autograd.grad(ref, (x,), dout)[0])
+    expected = "not CUDA" if approximate == "tanh" else "approximate='none'"
+    reasons = _thunder.declines()["gelu"]
+    assert any(r.startswith("gelu: ") and expected in r for r in reasons), reasons
+
+
+def test_launchers_reject_cpu_tensors():
+    x = randn(16, device="cpu")
+    with pytest.raises(kforge.KforgeError, match="gelu_forward: x must be a CUDA tensor"):
+        kforge._C.gelu_forward(x)
+    with pytest.raises(kforge.KforgeError, match="gelu_backward: x must be a CUDA tensor"):
+        kforge._C.gelu_backward(x, x)
+
+
+def proxy(shape, dtype=torch.float32, device="cuda:0"):
+    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
+                       requires_grad=False)
+
+
+def test_checker_accepts_and_declines_with_reasons():
+    check = ge._checker
+    with tracectx(TraceCtx()):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert check(proxy((8, 3072), dtype), approximate="tanh") is None
+        cases = {
+            "approximate='none'": check(proxy((8, 3072))),
+            "not CUDA": check(proxy((8, 3072), device="cpu"), approximate="tanh"),
+            "float64": check(proxy((8, 3072), torch.float64), approximate="tanh"),
+            "empty": check(proxy((0, 3072)), approximate="tanh"),
+        }
+    for expected, reason in cases.items():
+        assert reason is not None and expected in reason, (expected, reason)
+
+
+# Thunder plumbing without a GPU: the claim's metas and grad transform run for real; only the kforge
+# launchers are swapped for torch and the checker accepts CPU tensors.
+def _call_ctx(sym) -> dict:
+    """The {name: fn} dict Thunder's register_operator binds to every call of `sym`."""
+    for cell in sym._bind_postprocess.__closure__ or ():
+        if isinstance(cell.cell_contents, dict) and sym.name in cell.cell_contents:
+            return cell.cell_contents
+    raise AssertionError(f"no call context for {sym.name}")
+
+
+@pytest.fixture
+def cpu_reference_launchers(monkeypatch):
+    swaps = {
+        ge.gelu_forward: lambda x: F.gelu(x, approximate="tanh"),
+        ge.gelu_backward: lambda dout, x: torch.ops.aten.gelu_backward(dout, x, approximate="tanh"),
+    }
+    saved = {sym: _call_ctx(sym)[sym.name] for sym in swaps}
+    for sym, fn in swaps.items():
+        _call_ctx(sym)[sym.name] = fn
+    real = ge.tensor_problem
+    monkeypatch.setattr(ge, "tensor_problem",
+                        lambda t, name="input": None if t.device.devicetype == devices.DeviceType.CPU else real(t, name))
+    yield
+    for sym, fn in saved.items():
+        _call_ctx(sym)[sym.name] = fn
+
+
+def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):
+    x = randn(3, 40, device="cpu", scale=3.0).requires_grad_(True)
+    dout = randn(3, 40, device="cpu")
+
+    def fn(x):
+        return F.gelu(x, approximate="tanh") * 2
+
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    out = jfn(x)
+    (dx,) = torch.autograd.grad(out, (x,), dout)
+    fwd, bwd = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    assert "kforge_gelu_forward" in fwd and "kforge_gelu_backward" in bwd, (fwd, bwd)
+    ref = fn(x)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(dx, torch.autograd.grad(ref, (x,), dout)[0])

@@ -1,0 +1,321 @@
+"""layernorm: launchers against a float64 reference (forward, dx, dweight, dbias), the layouts the
+launcher picks (16-byte / scalar, registers / re-read), determinism, and the Thunder claim.
+
+CPU tests: the checker's decline reasons, the fallback to torch on CPU tensors, and the Thunder
+plumbing (metas, grad transform) with the launchers swapped for a torch reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import thunder
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+
+import kforge
+from conftest import DTYPES, assert_close, gpu, randn
+from kforge import _thunder
+from kforge.ops import layernorm as ln
+
+EPS = 1e-5
+AFFINE = ["weight+bias", "weight", "bias", "none"]
+
+
+def make_inputs(shape, dtype, affine="weight+bias", device="cuda"):
+    """x with a non-zero mean (exercises the two-pass variance), weight near 1, small bias, dout."""
+    c = shape[-1]
+    x = (randn(*shape, device=device) * 2 + 0.3).to(dtype)
+    w = (1 + 0.5 * randn(c, device=device)).to(dtype) if "weight" in affine else None
+    b = (0.5 * randn(c, device=device)).to(dtype) if "bias" in affine else None
+    dout = randn(*shape, dtype=dtype, device=device)
+    return x, w, b, dout
+
+
+def reference(x, w, b, dout):
+    """float64 forward output, mean, rstd and gradients from the same (rounded) inputs."""
+    c = x.shape[-1]
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = None if w is None else w.detach().double().requires_grad_(True)
+    b64 = None if b is None else b.detach().double().requires_grad_(True)
+    out = F.layer_norm(x64, (c,), w64, b64, EPS)
+    out.backward(dout.double())
+    rows = x64.detach().reshape(-1, c)
+    mean = rows.mean(-1)
+    rstd = (rows.var(-1, unbiased=False) + EPS).rsqrt()
+    grad = lambda t: None if t is None else t.grad  # noqa: E731
+    return out.detach(), mean, rstd, x64.grad, grad(w64), grad(b64)
+
+
+def check_against_reference(x, w, b, dout, dtype):
+    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
+    dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+    r_out, r_mean, r_rstd, r_dx, r_dw, r_db = reference(x, w, b, dout)
+    n = x.numel() // x.shape[-1]
+    assert out.dtype == dtype and mean.dtype == rstd.dtype == torch.float32
+    assert mean.shape == rstd.shape == (n,)
+    assert_close(out, r_out, dtype, "out")
+    # The stats are fp32 whatever the input dtype.
+    assert_close(mean, r_mean, torch.float32, "mean")
+    assert_close(rstd, r_rstd, torch.float32, "rstd")
+    assert_close(dx, r_dx, dtype, "dx")
+    assert (dw is None) == (w is None) and (db is None) == (b is None)
+    if w is not None:
+        assert dw.dtype == w.dtype
+        assert_close(dw, r_dw, dtype, "dweight")
+    if b is not None:
+        assert db.dtype == b.dtype
+        assert_close(db, r_db, dtype, "dbias")
+
+
+# Shapes pick every layout: 768 (16-byte units in registers, one or two per thread), 1000 (fp32
+# units, last one partial), 771 / 3 (scalars in registers), 4100 (fp32: 16-byte re-read; bf16:
+# scalar re-read), 4099 (scalar re-read), 20000 (16-byte re-read); N=1 and 3-D inputs; N=1000,
+# 300 and 8192 loop several row groups per block in backward (8192 / 5 rows: a partial last group).
+SHAPES = [(8, 768), (1, 768), (2, 5, 768), (16, 1000), (1000, 771), (7, 3), (3, 4100), (300, 4100),
+          (2, 4099), (4, 20000), (8192, 768)]
+
+
+@gpu
+@pytest.mark.parametrize("affine", AFFINE)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_float64_reference(dtype, shape, affine):
+    check_against_reference(*make_inputs(shape, dtype, affine), dtype)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(64, 768), (33, 771)], ids=str)
+def test_float16(shape):
+    check_against_reference(*make_inputs(shape, torch.float16), torch.float16)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_misaligned_and_strided_inputs(dtype):
+    """Views 2 / 4 bytes off a 16-byte boundary take the scalar path; strided views are copied."""
+    n, c = 64, 768
+    x, w, b, dout = make_inputs((n, c), dtype)
+    x_off = torch.empty(n * c + 1, dtype=dtype, device="cuda")[1:].view(n, c).copy_(x)
+    w_off = torch.empty(c + 1, dtype=dtype, device="cuda")[1:].copy_(w)
+    assert x_off.data_ptr() % 16 != 0 and w_off.data_ptr() % 16 != 0
+    check_against_reference(x_off, w, b, dout, dtype)
+    check_against_reference(x, w_off, b, dout, dtype)
+    x_t = x.t().contiguous().t()  # same values, column-major
+    check_against_reference(x_t, w, b, dout.t().contiguous().t(), dtype)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(8192, 768), (4096, 4100)], ids=str)
+def test_backward_is_deterministic(shape):
+    x, w, b, dout = make_inputs(shape, torch.float32)
+    _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
+    first = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+    for _ in range(3):
+        again = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+        for a, r in zip(first, again):
+            assert torch.equal(a, r)
+
+
+@gpu
+def test_cuda_graph_capture_of_backward():
+    """The backward allocates its partial-sum scratch from PyTorch's allocator: capturable."""
+    x, w, b, dout = make_inputs((512, 768), torch.bfloat16)
+    _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
+    expected = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compile, load) outside the capture
+        kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, r in zip(captured, expected):
+        assert torch.equal(a, r)
+
+
+@gpu
+def test_launcher_rejects_bad_arguments():
+    x, w, b, dout = make_inputs((4, 8), torch.float32)
+    with pytest.raises(kforge.KforgeError, match="weight must have shape"):
+        kforge._C.layernorm_forward(x, torch.ones(9, device="cuda"), b, EPS)
+    with pytest.raises(kforge.KforgeError, match="bias has dtype"):
+        kforge._C.layernorm_forward(x, w, b.to(torch.bfloat16), EPS)
+    _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
+    with pytest.raises(kforge.KforgeError, match="mean must be float32"):
+        kforge._C.layernorm_backward(dout, x, w, b, mean.double(), rstd)
+    with pytest.raises(kforge.KforgeError, match="dout has shape"):
+        kforge._C.layernorm_backward(dout[:2], x, w, b, mean, rstd)
+
+
+@gpu
+@pytest.mark.parametrize("affine", ["weight+bias", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_jit_uses_kforge(dtype, affine):
+    shape = (4, 33, 768)
+    x, w, b, dout = make_inputs(shape, dtype, affine)
+    params = [t for t in (w, b) if t is not None]
+    for t in (x, *params):
+        t.requires_grad_(True)
+
+    def fn(x, w, b):
+        return F.layer_norm(x, (shape[-1],), w, b, EPS)
+
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    out = jfn(x, w, b)
+    grads = torch.autograd.grad(out, (x, *params), dout)
+    assert "kforge_layernorm_forward" in str(thunder.last_traces(jfn)[-1])
+    assert "kforge_layernorm_backward" in str(thunder.last_backward_traces(jfn)[-1])
+    r_out, _, _, r_dx, r_dw, r_db = reference(x, w, b, dout)
+    assert_close(out, r_out, dtype, "out")
+    for g, r, what in zip(grads, [r_dx] + [r for r in (r_dw, r_db) if r is not None], ["dx", "dw", "db"]):
+        assert_close(g, r, dtype, what)
+    # Eager torch agrees too (same tolerance against float64).
+    assert_close(fn(x, w, b).detach(), r_out, dtype, "eager out")
+
+    with torch.no_grad():  # inference: the execution transform (forward kernel only)
+        jinf = thunder.jit(fn, executors=[kforge.executor])
+        assert_close(jinf(x, w, b), r_out, dtype, "inference out")
+        assert "kforge_layernorm_forward" in str(thunder.last_traces(jinf)[-1])
+
+
+@gpu
+def test_thunder_leaves_multi_dim_normalized_shape_to_torch():
+    x, _, _, _ = make_inputs((8, 4, 64), torch.float32)
+    w, b = 1 + 0.5 * randn(4, 64), 0.5 * randn(4, 64)
+    _thunder.reset_declines()
+    jfn = thunder.jit(lambda x, w, b: F.layer_norm(x, (4, 64), w, b), executors=[kforge.executor])
+    out = jfn(x, w, b)
+    assert "kforge_layernorm" not in str(thunder.last_traces(jfn)[-1])
+    assert any("spans 2 dims" in r for r in _thunder.declines()["layer_norm"])
+    assert_close(out, F.layer_norm(x.double(), (4, 64), w.double(), b.double()), torch.float32, "torch")
+
+
+# ---- CPU: declines, fallback, plumbing ----------------------------------------------------------------
+def test_cpu_tensors_fall_back_to_torch():
+    _thunder.reset_declines()
+    x, w, b, dout = make_inputs((3, 7, 16), torch.float32, device="cpu")
+    for t in (x, w, b):
+        t.requires_grad_(True)
+
+    def fn(x, w, b):
+        return F.layer_norm(x, (16,), w, b, EPS)
+
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    out = jfn(x, w, b)
+    grads = torch.autograd.grad(out, (x, w, b), dout)
+    assert "kforge_" not in str(thunder.last_traces(jfn)[-1])
+    ref = fn(x, w, b)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, torch.autograd.grad(ref, (x, w, b), dout)):
+        torch.testing.assert_close(g, r)
+    reasons = _thunder.declines()["layer_norm"]
+    assert any(r.startswith("layernorm: ") and "not CUDA" in r for r in reasons), reasons
+
+
+def test_launchers_reject_cpu_tensors():
+    x = randn(4, 8, device="cpu")
+    with pytest.raises(kforge.KforgeError, match="layernorm_forward: x must be a CUDA tensor"):
+        kforge._C.layernorm_forward(x, None, None, EPS)
+    stats = torch.ones(4)
+    with pytest.raises(kforge.KforgeError, match="layernorm_backward: x must be a CUDA tensor"):
+        kforge._C.layernorm_backward(x, x, None, None, stats, stats)
+
+
+def proxy(shape, dtype=torch.float32, device="cuda:0"):
+    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
+                       requires_grad=False)
+
+
+def test_checker_accepts_and_declines_with_reasons():
+    check = ln._checker
+    with tracectx(TraceCtx()):
+        a = proxy((8, 768))
+        w, b = proxy((768,)), proxy((768,))
+        assert check(a, (768,), w, b, EPS) is None
+        assert check(a, (768,), None, None, EPS) is None
+        assert check(a, [768], w, None) is None
+        assert check(proxy((768,)), (768,), w, b) is None  # 1-D input: one row
+        cases = {
+            "not CUDA": check(proxy((8, 768), device="cpu"), (768,), None, None),
+            "float64": check(proxy((8, 768), torch.float64), (768,), None, None),
+            "spans 2 dims": check(proxy((8, 4, 192)), (4, 192), None, None),
+            "does not match the last dim": check(a, (767,), None, None),
+            "weight shape": check(a, (768,), proxy((2, 384)), None),
+            "weight dtype": check(a, (768,), proxy((768,), torch.bfloat16), None),
+            "bias is on": check(a, (768,), w, proxy((768,), device="cuda:1")),
+            "empty": check(proxy((0, 768)), (768,), None, None),
+            "0-D": check(proxy(()), (), None, None),
+        }
+    for expected, reason in cases.items():
+        assert reason is not None and expected in reason, (expected, reason)
+
+
+# Thunder plumbing without a GPU: the claim's metas and grad transform run for real; only the kforge
+# launchers are swapped for a torch reference and the checker accepts CPU tensors.
+def _ref_forward(x, w, b, eps):
+    c = x.shape[-1]
+    rows = x.float().reshape(-1, c)
+    mean, rstd = rows.mean(-1), (rows.var(-1, unbiased=False) + eps).rsqrt()
+    y = (rows - mean[:, None]) * rstd[:, None]
+    y = y * w.float() if w is not None else y
+    y = y + b.float() if b is not None else y
+    return y.to(x.dtype).reshape(x.shape), mean, rstd
+
+
+def _ref_backward(dout, x, w, b, mean, rstd):
+    c = x.shape[-1]
+    rows, g = x.float().reshape(-1, c), dout.float().reshape(-1, c)
+    xh = (rows - mean[:, None]) * rstd[:, None]
+    gw = g * w.float() if w is not None else g
+    dx = rstd[:, None] * (gw - gw.mean(-1, keepdim=True) - xh * (gw * xh).mean(-1, keepdim=True))
+    dw = None if w is None else (g * xh).sum(0).to(w.dtype)
+    db = None if b is None else g.sum(0).to(b.dtype)
+    return dx.to(x.dtype).reshape(x.shape), dw, db
+
+
+def _call_ctx(sym) -> dict:
+    """The {name: fn} dict Thunder's register_operator binds to every call of `sym`."""
+    for cell in sym._bind_postprocess.__closure__ or ():
+        if isinstance(cell.cell_contents, dict) and sym.name in cell.cell_contents:
+            return cell.cell_contents
+    raise AssertionError(f"no call context for {sym.name}")
+
+
+@pytest.fixture
+def cpu_reference_launchers(monkeypatch):
+    swaps = {ln.layernorm_forward: _ref_forward, ln.layernorm_backward: _ref_backward}
+    saved = {sym: _call_ctx(sym)[sym.name] for sym in swaps}
+    for sym, fn in swaps.items():
+        _call_ctx(sym)[sym.name] = fn
+    real = ln.tensor_problem
+    monkeypatch.setattr(ln, "tensor_problem",
+                        lambda t, name="input": None if t.device.devicetype == devices.DeviceType.CPU else real(t, name))
+    yield
+    for sym, fn in saved.items():
+        _call_ctx(sym)[sym.name] = fn
+
+
+@pytest.mark.parametrize("affine", AFFINE)
+def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers, affine):
+    x, w, b, dout = make_inputs((2, 3, 16), torch.float32, affine, device="cpu")
+    params = [t for t in (x, w, b) if t is not None]
+    for t in params:
+        t.requires_grad_(True)
+
+    def fn(x, w, b):
+        return F.layer_norm(x, (16,), w, b, EPS)
+
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    out = jfn(x, w, b)
+    grads = torch.autograd.grad(out, params, dout)
+    fwd, bwd = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    assert "kforge_layernorm_forward" in fwd and "kforge_layernorm_backward" in bwd, (fwd, bwd)
+    ref = fn(x, w, b)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, torch.autograd.grad(ref, params, dout)):
+        torch.testing.assert_close(g, r)
