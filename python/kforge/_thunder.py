@@ -113,7 +113,7 @@ def tensor_problem(t: Any, name: str = "input") -> str | None:
     if not isinstance(t, TensorProxy):
         return f"{name} is not a tensor"
     if t.device.devicetype != devices.DeviceType.CUDA:
-        return f"{name} is on {t.device}, not CUDA"
+        return f"{name} is on {t.device.device_str()}, not CUDA"
     tdt = dtypes.to_torch_dtype(t.dtype)
     if tdt not in SUPPORTED_DTYPES:
         return f"{name} dtype {tdt} not supported (float32, bfloat16, float16)"

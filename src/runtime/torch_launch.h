@@ -10,8 +10,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
 
+#include <cstdio>
 #include <limits>
-#include <sstream>
+#include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -19,13 +21,35 @@
 
 namespace kforge {
 
-// KF_CHECK(cond, "op", "message parts", ...) throws kforge::Error("op: message").
+// Message pieces are formatted without iostreams: on the GPU machine's toolchain, locale facets used
+// from this module (ostream number formatting, std::regex) crashed, while to_string / snprintf work.
+inline std::string to_str(const char* s) { return s; }
+inline std::string to_str(const std::string& s) { return s; }
+inline std::string to_str(char c) { return std::string(1, c); }
+inline std::string to_str(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+inline std::string to_str(float v) { return to_str(static_cast<double>(v)); }
+template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
+std::string to_str(T v) {
+  return std::to_string(v);
+}
+inline std::string to_str(c10::ScalarType t) { return c10::toString(t); }
+inline std::string to_str(const c10::Device& d) { return d.str(); }
+inline std::string to_str(c10::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+
+// KF_CHECK(cond, "op", "message parts", ...) throws kforge::Error("kforge.op: message").
 template <typename... Parts>
 [[noreturn]] void fail(const char* op, const Parts&... parts) {
-  std::ostringstream ss;
-  ss << "kforge." << op << ": ";
-  (ss << ... << parts);
-  throw Error(ss.str());
+  std::string msg = std::string("kforge.") + op + ": ";
+  ((msg += to_str(parts)), ...);
+  throw Error(msg);
 }
 #define KF_CHECK(cond, op, ...)                     \
   do {                                              \
