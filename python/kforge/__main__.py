@@ -1,0 +1,493 @@
+"""python -m kforge <verb>: the everyday commands.
+
+  demo      compile every kernel; on a GPU also run GPT-2 through thunder.jit + kforge and print the
+            claimed symbols, the tie-out and ms/step against eager
+  inspect   which kforge symbols a model's traces hold, and what kforge declined and why
+  tieout    eager vs Thunder + kforge: outputs, loss and every parameter gradient against tolerance
+            (exit status 1 when anything is out of tolerance)
+  profile   kernel time per category / region / op of a training step (GPU)
+  bench     python -m kforge.bench (ops, gpt2, llama, launch); arguments are passed through
+
+Models for inspect / tieout / profile:
+  gpt2       kforge.models.gpt2.GPT, thunder.jit            --size tiny (default), micro, 124M, 350M, ...
+  llama      kforge.models.llama.Llama, thunder.jit         --size tiny (default), micro, hf-test, bench
+  hf-llama   transformers LlamaForCausalLM, Thunder's Dynamo path with kforge's Llama patterns
+             (kforge.transforms.thunderfx)                 --size hf-test (default), micro, tiny, bench
+  --model package.module:factory    your own model, see below
+
+A factory is any callable `factory(**kw)` returning `(model, inputs)` or `(model, inputs, options)`:
+  kw       whichever of device (torch.device), dtype (torch.dtype or None), batch, seq and seed its
+           signature accepts; when it takes no `device` / `dtype`, kforge moves the model and input
+           tensors to --device and, with --dtype given, casts the model's floating parameters.
+  model    a torch.nn.Module; deterministic (no active dropout).
+  inputs   one tensor, a tuple of positional arguments, or a dict of keyword arguments.
+  options  optional dict: "mode" ("jit" for thunder.jit, the default, or "dynamo" for
+           torch.compile with Thunder as backend) and "loss_fn" (output -> scalar to backpropagate;
+           default: an output named `loss`, else the first scalar output, else a fixed random
+           projection of the outputs, as in kforge.tieout).
+
+Examples:
+  python -m kforge demo
+  python -m kforge inspect gpt2 --size tiny --show-traces
+  python -m kforge tieout llama --dtype bf16
+  python -m kforge tieout --model mypkg.models:make_model --device cuda
+  python -m kforge profile gpt2 --size 124M --batch 8 --seq 1024 --dtype bf16
+  python -m kforge bench ops --quick
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect as pyinspect
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+MODELS = ("gpt2", "llama", "hf-llama")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+DEFAULT_SIZE = {"gpt2": "tiny", "llama": "tiny", "hf-llama": "hf-test"}
+
+
+class UsageError(Exception):
+    """A bad command line that argparse cannot see (unknown preset, bad factory): exit status 2."""
+
+
+# ---- workloads -----------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    """A model and the inputs of one step. mode: "jit" (thunder.jit) or "dynamo" (Thunder's Dynamo
+    path; `kforge.transforms.thunderfx` for inspect / profile)."""
+
+    name: str
+    model: Any
+    inputs: Any  # tuple of positional arguments or dict of keyword arguments
+    mode: str = "jit"
+    loss_fn: Callable | None = None
+
+    def call(self, fn: Callable) -> Any:
+        return fn(**self.inputs) if isinstance(self.inputs, dict) else fn(*self.inputs)
+
+
+def _torch_dtype(name: str | None):
+    import torch
+
+    return None if name is None else getattr(torch, DTYPES[name])
+
+
+def _device(name: str | None):
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _to_device(x: Any, device) -> Any:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_device(v, device) for v in x)
+    return x
+
+
+def _load_factory(spec: str) -> Callable:
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise UsageError(f"--model must look like package.module:factory, got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UsageError(f"--model {spec}: cannot import {mod_name!r}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"--model {spec}: {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"--model {spec}: {attr!r} is not callable")
+    return obj
+
+
+def _user_workload(args: argparse.Namespace) -> Workload:
+    import torch
+
+    factory = _load_factory(args.model_spec)
+    device, dtype = _device(args.device), _torch_dtype(args.dtype)
+    offered = dict(device=device, dtype=dtype, batch=args.batch, seq=args.seq, seed=args.seed)
+    params = pyinspect.signature(factory).parameters
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    kw = {k: v for k, v in offered.items() if takes_all or k in params}
+    out = factory(**kw)
+    if not (isinstance(out, tuple) and len(out) in (2, 3)):
+        raise UsageError(f"--model {args.model_spec}: the factory must return (model, inputs) or "
+                         f"(model, inputs, options), got {type(out).__name__}")
+    model, inputs, options = out[0], out[1], (out[2] if len(out) == 3 else {})
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"--model {args.model_spec}: the factory returned {type(model).__name__}, not an nn.Module")
+    if not isinstance(options, dict) or set(options) - {"mode", "loss_fn"}:
+        raise UsageError(f"--model {args.model_spec}: options must be a dict with keys mode / loss_fn, got {options!r}")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list, dict)):
+        raise UsageError(f"--model {args.model_spec}: inputs must be a tensor, a tuple or a dict, got {type(inputs).__name__}")
+    if "device" not in kw:
+        model, inputs = model.to(device), _to_device(inputs, device)
+    if "dtype" not in kw and dtype is not None:
+        model = model.to(dtype=dtype)
+    mode = options.get("mode", args.mode or "jit")
+    if mode not in ("jit", "dynamo"):
+        raise UsageError(f"--model {args.model_spec}: mode must be 'jit' or 'dynamo', got {mode!r}")
+    return Workload(args.model_spec, model, tuple(inputs) if isinstance(inputs, list) else inputs, mode,
+                    options.get("loss_fn"))
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    """The model and inputs a command line names (built-in model or --model factory)."""
+    import torch
+
+    if args.model_spec:
+        return _user_workload(args)
+    which = args.model
+    device = _device(args.device)
+    dtype = _torch_dtype(args.dtype) or torch.float32
+    size = args.size or DEFAULT_SIZE[which]
+    if which == "gpt2":
+        from .models import gpt2
+
+        if size not in gpt2.PRESETS:
+            raise UsageError(f"unknown gpt2 --size {size!r}; choose from {', '.join(gpt2.PRESETS)}")
+        cfg = gpt2.GPTConfig.preset(size, attention=args.attention)
+        model = gpt2.GPT(cfg, seed=args.seed).to(device=device, dtype=dtype)
+        seq = min(args.seq or 256, cfg.block_size)
+        return Workload(f"gpt2-{size}", model, gpt2.random_batch(cfg, args.batch, seq, seed=args.seed, device=device),
+                        args.mode or "jit")
+    from .models import llama
+
+    if size not in llama.PRESETS:
+        raise UsageError(f"unknown {which} --size {size!r}; choose from {', '.join(llama.PRESETS)}")
+    cfg = llama.LlamaConfig.preset(size, attention=args.attention)
+    seq = min(args.seq or 256, cfg.block_size)
+    idx, targets = llama.random_batch(cfg, args.batch, seq, seed=args.seed, device=device)
+    if which == "llama":
+        model = llama.Llama(cfg, seed=args.seed).to(device=device, dtype=dtype)
+        return Workload(f"llama-{size}", model, (idx, targets), args.mode or "jit")
+    if args.mode == "jit":
+        raise UsageError("hf-llama runs on Thunder's Dynamo path only (thunder.jit cannot trace "
+                         "transformers' LlamaForCausalLM); drop --mode jit")
+    attn = {"manual": "eager", "sdpa": "sdpa"}[args.attention]
+    model = llama.hf_llama(cfg, attn_implementation=attn, seed=args.seed, dtype=dtype, device=device)
+    # HF shifts the labels itself: labels = input_ids.
+    return Workload(f"hf-llama-{size}", model, {"input_ids": idx, "labels": idx}, "dynamo")
+
+
+def compile_workload(w: Workload, backend: str = "kforge") -> Any:
+    """The model compiled for `backend`: kforge (thunder.jit, or kforge.transforms.thunderfx on the
+    Dynamo path), thunder (Thunder's default executors), torch.compile, or eager."""
+    import torch
+
+    if backend == "eager":
+        return w.model
+    if backend == "torch.compile":
+        return torch.compile(w.model)
+    import thunder
+
+    from .tieout import default_executors
+
+    executors = default_executors() if backend == "kforge" else thunder.get_default_executors()
+    if w.mode == "jit":
+        return thunder.jit(w.model, executors=executors)
+    if backend == "kforge":
+        from .transforms import thunderfx
+
+        return thunderfx(w.model)
+    from thunder.dynamo import thunderfx as plain_thunderfx
+
+    return plain_thunderfx(w.model, executors=executors)
+
+
+def loss_of(out: Any, loss_fn: Callable | None = None):
+    """The scalar to backpropagate, chosen as kforge.tieout chooses it."""
+    from .tieout import _pick_loss
+
+    return _pick_loss(out, loss_fn)[2]
+
+
+# ---- verbs ---------------------------------------------------------------------------------------
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    from .inspect import inspect
+
+    w = build_workload(args)
+    compiled = compile_workload(w)
+    if args.no_grad:
+        with torch.no_grad():
+            w.call(compiled)
+    else:
+        loss_of(w.call(compiled), w.loss_fn).backward()
+    report = inspect(compiled, show_traces=args.show_traces, save_dir=args.save_dir)
+    print(f"{w.name} [{w.mode}]")
+    print(report)
+    return 0
+
+
+def _tolerances(args: argparse.Namespace):
+    from .tieout import TOLERANCES, Tolerance
+
+    if args.rel_tol is None and args.elem_tol is None:
+        return None
+    return {dt: Tolerance(rel=t.rel if args.rel_tol is None else args.rel_tol,
+                          elem=t.elem if args.elem_tol is None else args.elem_tol)
+            for dt, t in TOLERANCES.items()}
+
+
+def cmd_tieout(args: argparse.Namespace) -> int:
+    import torch
+
+    from .tieout import tieout
+
+    w = build_workload(args)
+    extra: dict[str, Any] = {}
+    if args.perturb:
+        def perturb(m: torch.nn.Module, rel: float = args.perturb) -> None:
+            # Scale every floating parameter of the compiled copy: a deliberate, known difference.
+            for p in m.parameters():
+                if p.is_floating_point():
+                    p.mul_(1 + rel)
+        extra["perturb_compiled"] = perturb
+    if w.mode == "dynamo":
+        if "transforms" in pyinspect.signature(tieout).parameters:
+            from .transforms import LlamaPatternTransform
+
+            extra["transforms"] = [LlamaPatternTransform()]
+        else:
+            print("note: kforge.tieout takes no transforms= yet, so this Dynamo-path tie-out runs without "
+                  "kforge's Llama pattern rewrite", file=sys.stderr)
+    report = tieout(w.model, w.inputs, mode=w.mode, tolerances=_tolerances(args), loss_fn=w.loss_fn, **extra)
+    print(f"{w.name} [{w.mode}]" + (f", compiled copy perturbed by {args.perturb:g}" if args.perturb else ""))
+    print(report.table(failures_only=args.failures_only) if report.rows else "no rows")
+    print(report.summary())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(ok=report.ok, mode=report.mode, kforge_symbols=dict(report.kforge_symbols),
+                           rows=[dict(name=r.name, dtype=str(r.dtype), shape=list(r.shape), max_abs=r.max_abs,
+                                      max_abs_tol=r.max_abs_tol, rel=r.rel, rel_tol=r.tol, ok=r.ok, note=r.note)
+                                 for r in report.rows]), f, indent=1)
+    return 0 if report.ok else 1
+
+
+def _train_step(w: Workload, compiled: Any) -> Callable[[], None]:
+    from .tieout import adamw
+
+    opt = adamw(list(w.model.parameters()), lr=1e-4)
+
+    def step() -> None:
+        loss_of(w.call(compiled), w.loss_fn).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from .profile import profile
+
+    if not torch.cuda.is_available():
+        print("kforge profile needs a CUDA GPU; none is visible.", file=sys.stderr)
+        return 2
+    w = build_workload(args)
+    compiled = compile_workload(w, args.backend)
+    report = profile(_train_step(w, compiled), steps=args.steps, warmup=args.warmup, trace_file=args.trace)
+    print(f"{w.name} [{args.backend}, {w.mode}]: forward + backward + AdamW step")
+    print(report.summary())
+    print()
+    print(report.table(top=args.top))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+    return 0
+
+
+# ---- demo ----------------------------------------------------------------------------------------
+def _compile_kernels(arch: int, fresh: bool) -> list[tuple]:
+    """Compile every kernel for sm_<arch> with a progress bar (fresh: bypassing the memory and disk
+    caches, so NVRTC runs for each); rows for the table."""
+    from tqdm import tqdm
+
+    import kforge
+    from ._runtime import disk_cache_enabled
+
+    rows = []
+    if fresh:
+        kforge._C.clear_memory_cache()
+        kforge._C.set_cache(kforge.cache_dir(), False)
+    try:
+        for name in tqdm(kforge.kernel_names(), desc=f"NVRTC sm_{arch}", unit="kernel"):
+            t = time.perf_counter()
+            kforge._C.compile(name, arch)
+            rows.append([name, (time.perf_counter() - t) * 1e3])
+    finally:
+        if fresh:
+            kforge._C.set_cache(kforge.cache_dir(), disk_cache_enabled())
+    out = []
+    for name, wall in rows:
+        entries = [e for e in kforge.cache_info()["entries"] if e["name"] == name and e["arch"] == f"sm_{arch}"]
+        entry = entries[-1] if entries else {}
+        out.append((name, entry.get("source", "?"), f"{entry.get('compile_ms', 0.0):.0f}", f"{wall:.0f}",
+                    f"{entry.get('cubin_bytes', 0) / 1024:.0f}"))
+    return out
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+    from tabulate import tabulate
+
+    import kforge
+
+    gpu = torch.cuda.is_available()
+    arch = args.arch or (kforge._C.device_arch(torch.cuda.current_device()) if gpu else 90)
+    if not gpu:
+        print("No CUDA GPU is visible. kforge compiles its kernels without one (NVRTC, below); running\n"
+              "them, and the GPT-2 part of this demo, needs an NVIDIA GPU (sm_80 or newer).\n")
+    print(f"== 1. Compile every kforge kernel for sm_{arch} (cache: {kforge.cache_dir()})")
+    rows = _compile_kernels(arch, args.fresh)
+    print(tabulate(rows, headers=("kernel", "from", "NVRTC ms", "wall ms", "CUBIN KiB"), disable_numparse=True))
+    if not args.fresh and any(r[1] != "nvrtc" for r in rows):
+        print("(\"disk\": compiled by an earlier run and loaded from the cache; --fresh recompiles with NVRTC)")
+    if not gpu:
+        print(f"\n{len(rows)} kernels compiled for sm_{arch}. Run `python -m kforge demo` on a GPU machine for the rest.")
+        return 0
+
+    from .bench.harness import train_step_timing
+    from .inspect import inspect
+    from .models import gpt2
+    from .tieout import default_executors, tieout
+
+    import thunder
+
+    print(f"\n== 2. GPT-2 ({args.attention} attention) through thunder.jit with kforge first: tie-out vs eager")
+    cfg = gpt2.GPTConfig.preset("tiny", attention=args.attention)
+    small = gpt2.GPT(cfg).cuda()
+    batch = gpt2.random_batch(cfg, 4, cfg.block_size, device="cuda")
+    report = tieout(small, batch)
+    print(f"fp32, {cfg.n_layer} layers, C={cfg.n_embd}, vocab {cfg.vocab_size}, B=4, T={cfg.block_size}")
+    print(report)
+
+    print("\n== 3. What kforge claimed (final forward / backward traces) and declined")
+    print(inspect(report.compiled))
+
+    dtype = _torch_dtype(args.dtype)
+    cfg = gpt2.GPTConfig(block_size=args.seq, n_layer=args.layers, attention=args.attention)
+    print(f"\n== 4. Training step, GPT-2 width {cfg.n_embd}, {cfg.n_layer} layers, B={args.batch}, T={args.seq}, "
+          f"{args.dtype}, fused AdamW: eager vs thunder.jit + kforge")
+    timings = []
+    for name in ("eager", "thunder+kforge"):
+        torch.manual_seed(0)
+        model = gpt2.GPT(cfg).to(device="cuda", dtype=dtype)
+        fn = model if name == "eager" else thunder.jit(model, executors=default_executors())
+        batch = gpt2.random_batch(cfg, args.batch, args.seq, device="cuda")
+        t = time.perf_counter()
+        r = train_step_timing(fn, list(model.parameters()), batch, args.steps)
+        timings.append((name, r["ms"], r["peak_gib"], time.perf_counter() - t))
+        del model, fn
+        torch.cuda.empty_cache()
+    eager_ms = timings[0][1]
+    print(tabulate([(n, f"{ms:.2f}", f"{eager_ms / ms:.2f}x", f"{gib:.2f}", f"{s:.0f}") for n, ms, gib, s in timings],
+                   headers=("backend", "ms/step", "speed vs eager", "peak GiB", "wall s (incl. compile)"),
+                   disable_numparse=True))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, thunder {thunder.__version__}")
+    return 0 if report.ok else 1
+
+
+# ---- argument parsing ----------------------------------------------------------------------------
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("model", nargs="?", choices=MODELS, help="a built-in model (or use --model)")
+    g.add_argument("--model", dest="model_spec", metavar="PKG.MODULE:FACTORY",
+                   help="your own model: a factory returning (model, inputs[, options])")
+    g.add_argument("--size", help="preset: gpt2 tiny|micro|124M|350M|774M|1558M; llama / hf-llama "
+                                  "tiny|micro|hf-test|bench")
+    g.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default fp32; --model: as the factory makes it)")
+    g.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
+    g.add_argument("--seq", type=int, help="sequence length (default min(256, block size))")
+    g.add_argument("--attention", choices=("manual", "sdpa"), default="manual",
+                   help="manual (matmul + causal softmax: every kforge kernel) or sdpa")
+    g.add_argument("--device", help="cuda (default when a GPU is visible) or cpu")
+    g.add_argument("--mode", choices=("jit", "dynamo"),
+                   help="thunder.jit (default) or Thunder's Dynamo path (hf-llama: always dynamo)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kforge", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="verb", required=True, metavar="{demo,inspect,tieout,profile,bench}")
+
+    d = sub.add_parser("demo", help="compile every kernel; on a GPU run GPT-2 with kforge (tie-out, symbols, ms/step)")
+    d.add_argument("--arch", type=int, help="sm_XY to compile for (default: the GPU's, else 90)")
+    d.add_argument("--fresh", action="store_true", help="bypass the kernel caches: every kernel through NVRTC")
+    d.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="timing dtype (default bf16)")
+    d.add_argument("--layers", type=int, default=4, help="GPT-2 layers for the timing (default 4, width 768)")
+    d.add_argument("--batch", type=int, default=8)
+    d.add_argument("--seq", type=int, default=256)
+    d.add_argument("--steps", type=int, default=10, help="timed steps per backend")
+    d.add_argument("--attention", choices=("manual", "sdpa"), default="manual")
+
+    i = sub.add_parser("inspect", help="kforge symbols in the traces, declines with reasons")
+    _add_model_args(i)
+    i.add_argument("--show-traces", action="store_true", help="print the final forward / backward traces")
+    i.add_argument("--save-dir", metavar="DIR", help="write the final traces there")
+    i.add_argument("--no-grad", action="store_true", help="forward only (inference traces)")
+
+    t = sub.add_parser("tieout", help="eager vs Thunder + kforge; exit 1 when out of tolerance")
+    _add_model_args(t)
+    t.add_argument("--rel-tol", type=float, help="override the relative tolerance of every dtype")
+    t.add_argument("--elem-tol", type=float, help="override the element tolerance of every dtype")
+    t.add_argument("--perturb", type=float, metavar="REL",
+                   help="scale the compiled copy's parameters by 1+REL first (shows that the check fails)")
+    t.add_argument("--failures-only", action="store_true", help="print only the rows out of tolerance")
+    t.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+
+    pr = sub.add_parser("profile", help="kernel time per category / region / op of a training step (GPU)")
+    _add_model_args(pr)
+    pr.add_argument("--backend", choices=("kforge", "thunder", "torch.compile", "eager"), default="kforge")
+    pr.add_argument("--steps", type=int, default=5)
+    pr.add_argument("--warmup", type=int, default=2)
+    pr.add_argument("--top", type=int, default=20, help="rows of the per-op table")
+    pr.add_argument("--trace", metavar="FILE", help="also write a Chrome trace (Perfetto)")
+    pr.add_argument("--json", metavar="FILE", help="write the summary as JSON")
+
+    sub.add_parser("bench", help="python -m kforge.bench {ops,gpt2,llama,launch} ...", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":  # everything after `bench` belongs to kforge.bench's own parser
+        from .bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
+    p = parser()
+    args = p.parse_args(argv)
+    if args.verb in ("inspect", "tieout", "profile"):
+        sp = p._subparsers._group_actions[0].choices[args.verb]  # the verb's parser, for its usage line
+        if bool(args.model) == bool(args.model_spec):
+            sp.error(f"{args.verb}: name one model: {' | '.join(MODELS)} or --model package.module:factory")
+        if args.batch < 1 or (args.seq is not None and args.seq < 1):
+            sp.error(f"{args.verb}: --batch and --seq must be positive")
+    try:
+        return {"demo": cmd_demo, "inspect": cmd_inspect, "tieout": cmd_tieout, "profile": cmd_profile}[args.verb](args)
+    except UsageError as e:
+        print(f"python -m kforge {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

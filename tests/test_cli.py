@@ -1,0 +1,271 @@
+"""python -m kforge <verb>: demo, inspect, tieout, profile, bench.
+
+CPU: argument errors, the no-GPU demo (compiles every kernel, exit 0), inspect / tieout of built-in
+and user (--model factory) models on CPU tensors (declines "not CUDA", tie-out PASS), a tie-out made to
+fail on purpose (--perturb; exit status 1), profile and bench refusing to run without a GPU, bench's
+arguments passed through. GPU: the full demo, tie-outs with kforge symbols (and a perturbed one that
+fails), inspect listing every GPT-2 kernel symbol, profile's kforge row, the HF Llama route.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import kforge
+from conftest import gpu
+from kforge.__main__ import main
+
+PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(kforge.__file__)))
+
+
+def run_cli(*args: str, gpu_visible: bool = True, extra_path: str | None = None, timeout: int = 900):
+    """`python -m kforge ARGS` in a fresh process; returns (exit status, stdout, stderr)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, PKG_ROOT, env.get("PYTHONPATH")) if p)
+    if not gpu_visible:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    r = subprocess.run([sys.executable, "-m", "kforge", *args], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    return r.returncode, r.stdout, r.stderr
+
+
+FACTORIES = textwrap.dedent('''
+    import torch
+    import torch.nn.functional as F
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(24, 40)
+            self.ln = torch.nn.LayerNorm(40)
+
+        def forward(self, x):
+            return F.gelu(self.ln(self.fc(x)), approximate="tanh")
+
+    def make(batch=3):
+        torch.manual_seed(0)
+        return Net(), torch.randn(batch, 24)
+
+    def make_kwargs(device, dtype, seed):
+        torch.manual_seed(seed)
+        net = Net().to(device=device, dtype=dtype or torch.float32)
+        x = torch.randn(5, 24, device=device, dtype=dtype or torch.float32)
+        return net, {"x": x}, {"loss_fn": lambda out: out.square().mean()}
+
+    def not_a_model():
+        return 42
+
+    def bad_options():
+        return Net(), torch.randn(2, 24), {"colour": "red"}
+''')
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    (tmp_path / "kf_user_models.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return str(tmp_path)
+
+
+# ---- arguments ---------------------------------------------------------------------------------
+def test_help_lists_every_verb():
+    rc, out, _ = run_cli("--help")
+    assert rc == 0
+    for verb in ("demo", "inspect", "tieout", "profile", "bench", "package.module:factory"):
+        assert verb in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "required"),
+    (["inspect"], "name one model"),
+    (["tieout", "gpt2", "--model", "a.b:c"], "name one model"),
+    (["inspect", "gpt3"], "invalid choice"),
+    (["tieout", "gpt2", "--dtype", "fp8"], "invalid choice"),
+    (["profile", "gpt2", "--batch", "0"], "must be positive"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_argument_errors_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["inspect", "gpt2", "--size", "huge", "--device", "cpu"], "unknown gpt2 --size 'huge'; choose from"),
+    (["inspect", "llama", "--size", "124M", "--device", "cpu"], "unknown llama --size '124M'"),
+    (["tieout", "hf-llama", "--mode", "jit", "--device", "cpu"], "Dynamo path only"),
+    (["tieout", "--model", "kf_user_models", "--device", "cpu"], "package.module:factory"),
+    (["tieout", "--model", "kf_no_such_module:make", "--device", "cpu"], "cannot import"),
+    (["tieout", "--model", "kf_user_models:nope", "--device", "cpu"], "has no attribute 'nope'"),
+    (["tieout", "--model", "kf_user_models:not_a_model", "--device", "cpu"], "must return (model, inputs)"),
+    (["tieout", "--model", "kf_user_models:bad_options", "--device", "cpu"], "options must be a dict"),
+])
+def test_usage_errors_exit_2(argv, message, factories, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---- demo --------------------------------------------------------------------------------------
+def test_demo_without_gpu_says_so_and_compiles_every_kernel():
+    rc, out, err = run_cli("demo", gpu_visible=False, timeout=1800)
+    assert rc == 0, err
+    assert "No CUDA GPU is visible" in out
+    assert "Compile every kforge kernel for sm_90" in out
+    table = out[out.index("kernel "):]
+    for name in kforge.kernel_names():
+        assert f"\n{name} " in table, name
+    assert f"{len(kforge.kernel_names())} kernels compiled for sm_90" in out
+
+
+# ---- inspect / tieout on CPU tensors -------------------------------------------------------------
+def test_inspect_cpu_gpt2_shows_declines_and_saves_traces(tmp_path, capsys):
+    assert main(["inspect", "gpt2", "--size", "micro", "--device", "cpu", "--batch", "2", "--seq", "8",
+                 "--save-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2-micro [jit]" in out and "declined symbol" in out
+    assert "layernorm: input is on" in out and "not CUDA" in out
+    assert "no kforge symbol in the final traces" in out
+    assert sorted(os.listdir(tmp_path)) == ["backward.py", "forward.py"]
+
+
+def test_inspect_user_model_no_grad(factories, capsys):
+    assert main(["inspect", "--model", "kf_user_models:make", "--device", "cpu", "--no-grad"]) == 0
+    out = capsys.readouterr().out
+    assert "layer_norm" in out and "gelu" in out and "not CUDA" in out
+
+
+def test_tieout_cpu_passes_and_perturbed_tieout_fails(tmp_path, capsys):
+    common = ["tieout", "gpt2", "--size", "micro", "--device", "cpu", "--batch", "2", "--seq", "8"]
+    assert main(common + ["--json", str(tmp_path / "ok.json")]) == 0
+    out = capsys.readouterr().out
+    assert "tie-out PASS" in out and "transformer.h.0.attn.c_attn.weight.grad" in out
+    rows = json.loads((tmp_path / "ok.json").read_text())
+    assert rows["ok"] and all(r["ok"] for r in rows["rows"]) and len(rows["rows"]) >= 10
+
+    # The same model with the compiled copy's parameters scaled by 1 + 1e-2: the check must fail.
+    assert main(common + ["--perturb", "1e-2", "--failures-only"]) == 1
+    out = capsys.readouterr().out
+    assert "tie-out FAIL" in out
+    table = [line for line in out.splitlines() if line.endswith("FAIL")]
+    assert table and all(" ok" not in line for line in table)  # --failures-only
+
+
+def test_tieout_failure_exit_status_from_a_fresh_process():
+    """What a shell or CI sees: exit status 1 on an out-of-tolerance tie-out."""
+    rc, out, err = run_cli("tieout", "gpt2", "--size", "micro", "--device", "cpu", "--batch", "2", "--seq", "8",
+                           "--perturb", "1e-3")
+    assert rc == 1, (out, err)
+    assert "tie-out FAIL" in out
+
+
+def test_tieout_tolerance_override(factories, capsys):
+    """A tolerance below the difference that is really there fails; the default fp32 bound passes it."""
+    common = ["tieout", "--model", "kf_user_models:make_kwargs", "--device", "cpu", "--perturb", "1e-6"]
+    assert main(common) == 0  # 1e-6 relative is inside the fp32 bound (1e-4)
+    assert "tie-out PASS" in capsys.readouterr().out
+    assert main(common + ["--rel-tol", "1e-8", "--elem-tol", "1e-8"]) == 1
+    assert "tie-out FAIL" in capsys.readouterr().out
+
+
+def test_tieout_user_factory_with_kwargs_inputs_and_loss_fn(factories, capsys):
+    assert main(["tieout", "--model", "kf_user_models:make_kwargs", "--device", "cpu", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "tie-out PASS" in out and "fc.weight.grad" in out and "ln.bias.grad" in out
+
+
+@pytest.mark.timeout(900)
+def test_inspect_hf_llama_on_cpu_reports_llama_patterns():
+    """The Dynamo route of an unmodified transformers Llama (1 layer): every Llama step is found and
+    left alone on CPU, with kforge's reason."""
+    rc, out, err = run_cli("inspect", "hf-llama", "--size", "micro", "--device", "cpu", "--batch", "1",
+                           "--seq", "8", gpu_visible=False)
+    assert rc == 0, err
+    assert "hf-llama-micro [dynamo]" in out
+    for kind in ("rms_norm", "rope", "swiglu", "repeat_kv"):
+        assert any(line.startswith(kind) and "not CUDA" in line for line in out.splitlines()), (kind, out)
+
+
+# ---- profile / bench without a GPU ---------------------------------------------------------------
+def test_profile_and_bench_need_a_gpu():
+    rc, _, err = run_cli("profile", "gpt2", "--size", "micro", gpu_visible=False)
+    assert rc == 2 and "needs a CUDA GPU" in err
+    rc, _, err = run_cli("bench", "ops", "--quick", gpu_visible=False)
+    assert rc == 2 and "needs a CUDA GPU" in err
+
+
+def test_bench_arguments_pass_through():
+    rc, out, _ = run_cli("bench", "--help")
+    assert rc == 0 and "python -m kforge.bench" in out and "launch" in out
+    rc, _, err = run_cli("bench", "gpt2", "--attention", "nope")
+    assert rc == 2 and "invalid choice" in err
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+@gpu
+def test_demo_on_gpu():
+    rc, out, err = run_cli("demo", "--steps", "5")
+    assert rc == 0, out[-4000:] + err[-4000:]
+    assert "tie-out PASS" in out
+    assert "kforge_layernorm_forward" in out and "kforge_cross_entropy_backward" in out
+    assert "ms/step" in out and "thunder+kforge" in out
+
+
+@gpu
+@pytest.mark.parametrize("model,extra", [("gpt2", []), ("llama", []), ("gpt2", ["--attention", "sdpa", "--dtype", "bf16"])])
+def test_tieout_gpu_passes_with_kforge_symbols(model, extra, tmp_path):
+    rc, out, err = run_cli("tieout", model, "--size", "tiny", "--batch", "2", "--seq", "64", "--json",
+                           str(tmp_path / "r.json"), *extra)
+    assert rc == 0, out + err
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["ok"] and sum(data["kforge_symbols"].values()) > 0, data["kforge_symbols"]
+
+
+@gpu
+def test_tieout_gpu_hf_llama_dynamo_path():
+    rc, out, err = run_cli("tieout", "hf-llama", "--batch", "2", "--seq", "64")
+    assert rc == 0, out + err
+    assert "mode=dynamo" in out and "tie-out PASS" in out
+
+
+@gpu
+def test_tieout_gpu_perturbed_fails():
+    rc, out, err = run_cli("tieout", "gpt2", "--size", "tiny", "--batch", "2", "--seq", "64", "--perturb", "1e-2")
+    assert rc == 1, out + err
+    assert "tie-out FAIL" in out
+
+
+@gpu
+def test_inspect_gpu_gpt2_lists_every_kernel_symbol():
+    rc, out, err = run_cli("inspect", "gpt2", "--size", "tiny", "--batch", "2", "--seq", "64")
+    assert rc == 0, err
+    for op in ("layernorm", "split_qkv", "causal_softmax", "merge_heads", "gelu", "cross_entropy"):
+        for d in ("forward", "backward"):
+            assert f"kforge_{op}_{d}" in out, (op, d, out)
+    assert "no declines" in out
+
+
+@gpu
+def test_inspect_gpu_hf_llama_claims_llama_kernels():
+    rc, out, err = run_cli("inspect", "hf-llama", "--size", "hf-test", "--batch", "2", "--seq", "64")
+    assert rc == 0, err
+    for sym in ("kforge_rmsnorm_forward", "kforge_rmsnorm_backward", "kforge_rope_forward", "kforge_swiglu_backward"):
+        assert sym in out, (sym, out)
+    assert "replaced by kforge" in out
+
+
+@gpu
+def test_profile_gpu_gpt2(tmp_path):
+    rc, out, err = run_cli("profile", "gpt2", "--size", "tiny", "--steps", "3", "--json", str(tmp_path / "p.json"))
+    assert rc == 0, err
+    assert "kforge kernels" in out and "matmul" in out
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert {"kforge.layernorm.forward", "kforge.layernorm.backward"} <= {o["op"] for o in data["by_op"]}
+    cats = {c["category"]: c for c in data["by_category"]}
+    assert cats["kforge"]["ms"] > 0 and cats["matmul"]["ms"] > 0
+    assert {"forward", "backward", "optimizer"} <= {r["region"] for r in data["by_region"]}

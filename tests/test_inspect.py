@@ -1,0 +1,217 @@
+"""kforge.inspect: kforge symbols in the final traces, claims, and declines with the checkers' reasons.
+
+CPU: a GPT-2 jitted on CPU tensors (every claim declined "not CUDA"), the Dynamo path, traces with
+CUDA proxies built by hand (claims accepted, fp64 / non-last-dim declines: no GPU needed to ask a
+checker), bad arguments. GPU: the manual-attention GPT-2's every kforge forward and backward symbol.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import thunder
+import torch
+
+import kforge
+from conftest import gpu
+from kforge.inspect import InspectReport, _walk_offers, inspect, range_name, recording, thunder_functions
+from kforge.models import gpt2
+
+
+
+
+def executors() -> list:
+    return [kforge.executor, *thunder.get_default_executors()]
+
+
+def micro_gpt(device: str = "cpu", dtype: torch.dtype = torch.float32):
+    cfg = gpt2.GPTConfig.preset("micro")
+    return gpt2.GPT(cfg).to(device=device, dtype=dtype), gpt2.random_batch(cfg, 2, 8, device=device)
+
+
+@pytest.fixture(scope="module")
+def cpu_jitted():
+    model, (idx, targets) = micro_gpt()
+    jm = thunder.jit(model, executors=executors())
+    with recording() as log:
+        _, loss = jm(idx, targets)
+        loss.backward()
+    return jm, log
+
+
+def test_cpu_model_reports_every_decline_with_its_reason(cpu_jitted):
+    jm, _ = cpu_jitted
+    report = inspect(jm)
+    assert isinstance(report, InspectReport) and report.mode == "jit" and report.functions == 1
+    assert not report.symbols and not report.claimed, "kforge claimed CPU tensors"
+    by_symbol = Counter()
+    for d in report.declines:
+        assert "not CUDA" in d.reason and "cpu" in d.reason, d
+        by_symbol[d.symbol] += d.count
+    # One micro GPT-2 layer: ln_1, ln_2, ln_f; one causal softmax, split, merge, GELU, cross-entropy.
+    assert by_symbol["layer_norm"] == 3, by_symbol
+    for sym in ("gelu", "cross_entropy", "kforge_split_qkv", "kforge_merge_heads", "kforge_causal_softmax"):
+        assert by_symbol[sym] == 1, (sym, by_symbol)
+    text = str(report)
+    assert "declined symbol" in text and "layernorm: input is on" in text and "not CUDA" in text
+    assert "no kforge symbol in the final traces" in text
+
+
+def test_rechecked_declines_agree_with_thunders_own_log(cpu_jitted):
+    """The re-asked checkers give the reasons Thunder recorded while compiling this function."""
+    jm, log = cpu_jitted
+    rechecked = {(d.symbol, d.reason) for d in inspect(jm).declines}
+    recorded = {(s, r) for s, rs in log.items() for r in rs}
+    assert recorded and rechecked == recorded
+    from_log = inspect(jm, declines=log)
+    assert {(d.symbol, d.reason) for d in from_log.declines} == recorded
+    assert sum(d.count for d in from_log.declines) == sum(n for rs in log.values() for n in rs.values())
+
+
+def test_recording_captures_only_its_block():
+    model, (idx, targets) = micro_gpt()
+    jm = thunder.jit(model, executors=executors())
+    with recording() as before_call:
+        pass
+    assert before_call == {}
+    with recording() as log:
+        jm(idx, targets)
+    assert "layer_norm" in log
+    with recording() as again:
+        jm(idx, targets)  # cached: no compilation, no checker calls
+    assert again == {}
+
+
+def test_traces_printed_and_saved(cpu_jitted, tmp_path, capsys):
+    jm, _ = cpu_jitted
+    report = inspect(jm, show_traces=True, save_dir=tmp_path / "traces")
+    out = capsys.readouterr().out
+    assert "# ---- final forward trace ----" in out and "# ---- final backward trace ----" in out
+    assert sorted(os.listdir(tmp_path / "traces")) == ["backward.py", "forward.py"]
+    fwd = (tmp_path / "traces" / "forward.py").read_text()
+    assert fwd == str(thunder.last_traces(jm)[-1]) and "def computation" in fwd
+    compile((tmp_path / "traces" / "backward.py").read_text(), "backward.py", "exec")
+    assert len(report.saved) == 2
+
+
+def test_dynamo_path_module_function_and_backend():
+    from thunder.dynamo import ThunderCompiler
+
+    torch._dynamo.reset()
+    model, (idx, targets) = micro_gpt()
+    backend = ThunderCompiler(executors=executors())
+    cm = torch.compile(model, backend=backend)
+    cm(idx, targets)[1].backward()
+    for obj in (cm, backend):
+        report = inspect(obj)
+        assert report.mode == "dynamo" and report.functions >= 1
+        assert any(d.symbol == "layer_norm" and "not CUDA" in d.reason for d in report.declines)
+
+    def step(i, t):
+        return model(i, t)[1]
+
+    cf = torch.compile(step, backend=ThunderCompiler(executors=executors()))
+    cf(idx, targets).backward()
+    assert thunder_functions(cf)[0] == "dynamo"
+    assert any(d.symbol == "cross_entropy" for d in inspect(cf).declines)
+    torch._dynamo.reset()
+
+
+def test_tieout_report_is_accepted():
+    from kforge.tieout import tieout
+
+    model, batch = micro_gpt()
+    report = tieout(model, batch, executors=executors())
+    assert report.ok
+    assert any(d.symbol == "layer_norm" for d in inspect(report).declines)
+
+
+def test_not_compiled_or_not_called_is_a_clear_error():
+    model, _ = micro_gpt()
+    with pytest.raises(TypeError, match="not a Thunder-compiled function"):
+        inspect(model)
+    with pytest.raises(ValueError, match="call it first"):
+        inspect(thunder.jit(model, executors=executors()))
+
+
+def _cuda_trace(dtype):
+    """A trace of layer_norm + softmax over dim 0 and over the last dim on CUDA proxies: checkers only
+    look at proxies' metadata, so this runs without a GPU."""
+    import thunder.core.devices as devices
+    import thunder.torch as ltorch
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+
+    trc = TraceCtx()
+    dev = devices.Device("cuda:0")
+    with tracectx(trc):
+        x = TensorProxy(shape=(4, 40), device=dev, dtype=dtype, requires_grad=False)
+        w = TensorProxy(shape=(40,), device=dev, dtype=dtype, requires_grad=False)
+        y = ltorch.layer_norm(x, (40,), w, w, 1e-5)
+        ltorch.softmax(y, 0)
+        ltorch.softmax(y, -1)
+    return trc
+
+
+def test_walk_claims_and_declines_on_cuda_proxies():
+    from thunder.core import dtypes
+
+    claimed, declined = _walk_offers(_cuda_trace(dtypes.float32), executors())
+    assert claimed == Counter({"layer_norm": 1, "_softmax": 1})
+    assert declined == Counter({("_softmax", "softmax: dim=0 is not the last dim"): 1})
+
+    claimed, declined = _walk_offers(_cuda_trace(dtypes.float64), executors())
+    assert not claimed
+    reasons = {r for (_, r) in declined}
+    assert any(r.startswith("layernorm:") and "float64 not supported" in r for r in reasons), reasons
+    # fp64 softmax: both calls declined; Thunder's torch executor runs them whole, so no descent.
+    assert sum(n for (s, _), n in declined.items() if s == "_softmax") == 2
+
+
+def test_walk_respects_executor_order():
+    """An executor listed before kforge that takes the symbol means kforge is never asked."""
+    from thunder.core import dtypes
+
+    torchex = thunder.extend.get_executor("torch")
+    claimed, declined = _walk_offers(_cuda_trace(dtypes.float32), [torchex, kforge.executor])
+    assert not claimed and not declined
+
+
+def test_range_name():
+    assert range_name("kforge_layernorm_forward") == "kforge.layernorm.forward"
+    assert range_name("kforge_causal_softmax_backward") == "kforge.causal_softmax.backward"
+    assert range_name("kforge_split_qkv") == "kforge.split_qkv"
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+GPT2_SYMBOLS = ("layernorm", "split_qkv", "causal_softmax", "merge_heads", "gelu", "cross_entropy")
+
+
+@gpu
+def test_gpt2_manual_attention_every_kforge_symbol_forward_and_backward(tmp_path):
+    cfg = gpt2.GPTConfig.preset("tiny")
+    model = gpt2.GPT(cfg).cuda()
+    idx, targets = gpt2.random_batch(cfg, 2, 64, device="cuda")
+    jm = thunder.jit(model, executors=executors())
+    jm(idx, targets)[1].backward()
+    report = inspect(jm, save_dir=tmp_path)
+    for op in GPT2_SYMBOLS:
+        assert report.forward[f"kforge_{op}_forward"] >= 1, (op, report.forward)
+        assert report.backward[f"kforge_{op}_backward"] >= 1, (op, report.backward)
+    assert report.forward["kforge_layernorm_forward"] == 2 * cfg.n_layer + 1
+    assert report.backward["kforge_layernorm_backward"] == 2 * cfg.n_layer + 1
+    assert report.claimed["layer_norm"] == 2 * cfg.n_layer + 1
+    assert not report.declines, report.declines_table()
+    assert "kforge_layernorm_forward" in (tmp_path / "forward.py").read_text()
+    assert "kforge.layernorm.forward" in report.symbols_table()
+
+
+@gpu
+def test_gpu_declines_name_the_unsupported_dtype():
+    model, (idx, targets) = micro_gpt("cuda", torch.float64)
+    jm = thunder.jit(model, executors=executors())
+    jm(idx, targets)[1].backward()
+    report = inspect(jm)
+    assert not report.symbols
+    assert any(d.symbol == "layer_norm" and "float64 not supported" in d.reason for d in report.declines)
