@@ -1,0 +1,203 @@
+"""RMSNorm (Llama) on kforge's rmsnorm kernels (kernels_src/rmsnorm.cu).
+
+Model helper (plain PyTorch; `thunder.jit` swaps it for kforge when kforge is an executor):
+    rms_norm(x, weight, eps=1e-6)      Hugging Face LlamaRMSNorm semantics
+
+Thunder symbols:
+    kforge_rms_norm(x, weight, eps=1e-6) -> y
+        registered with `replaces=rms_norm`; decomposes into thunder.torch ops when declined.
+    kforge_rmsnorm_forward(x, weight, eps, normalized_ndim, cast_before_weight) -> (y, rstd)
+    kforge_rmsnorm_backward(dy, x, weight, rstd, normalized_ndim, cast_before_weight) -> (dx, dweight)
+        the kernels (kforge._C.rmsnorm_forward / rmsnorm_backward); rstd is float32 of shape (rows,),
+        weight may be None (then dweight is None). cast_before_weight=True: y = weight * T(x * rstd)
+        (HF); False: y = T(x * rstd * weight) (torch F.rms_norm, thunder.torch.rms_norm).
+
+Claims: `kforge_rms_norm` (the helper) and `thunder.torch.rms_norm` (F.rms_norm), forward and
+backward. Saved for backward: x, weight, rstd.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Number
+from typing import Any
+
+import torch
+import thunder.torch as ltorch
+from thunder.core import dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grad
+
+from .. import _C
+from .._thunder import Claim, OpSpec, operator, same_dtype_device, tensor_problem
+
+# Longest row the kernels take: 2048 chunks of 16 bytes (16384 bf16/fp16 or 8192 fp32 elements).
+MAX_ROW_BYTES = 2048 * 16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Hugging Face `LlamaRMSNorm.forward`: statistics in fp32, the normalised x cast back to x's dtype
+    *before* the weight multiplies it; the result dtype is torch's promotion of weight and x.
+
+    Under `thunder.jit(..., executors=[kforge.executor, ...])` calls to this function become
+    `kforge_rms_norm` (kforge's kernels, or this computation when the checker declines)."""
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(input_dtype)
+
+
+def _rms_norm_like(x: TensorProxy, weight: TensorProxy, eps: float = 1e-6) -> TensorProxy:
+    # rms_norm written in thunder.torch ops: kforge_rms_norm's meta and its decomposition.
+    hidden = ltorch.to(x, dtypes.float32)
+    variance = ltorch.mean(ltorch.pow(hidden, 2), -1, keepdim=True)
+    hidden = hidden * ltorch.rsqrt(variance + eps)
+    return weight * ltorch.to(hidden, x.dtype)
+
+
+# ---- kernel operators --------------------------------------------------------------------------------
+def _forward_meta(x, weight, eps, normalized_ndim, cast_before_weight):
+    rows = math.prod(x.shape[: x.ndim - normalized_ndim])
+    return TensorProxy(like=x), TensorProxy(like=x, shape=(rows,), dtype=dtypes.float32)
+
+
+def _backward_meta(dy, x, weight, rstd, normalized_ndim, cast_before_weight):
+    return TensorProxy(like=x), None if weight is None else TensorProxy(like=weight)
+
+
+rmsnorm_forward = operator("rmsnorm_forward", meta=_forward_meta, fn=_C.rmsnorm_forward)
+rmsnorm_backward = operator("rmsnorm_backward", meta=_backward_meta, fn=_C.rmsnorm_backward)
+# fn: what a declined call runs when no gradient is needed (with one, thunder differentiates the
+# decomposition instead).
+kforge_rms_norm = operator("rms_norm", like=_rms_norm_like, fn=rms_norm, replaces=rms_norm)
+
+
+# ---- checkers ---------------------------------------------------------------------------------------
+def _eps_problem(eps: Any) -> str | None:
+    if eps is None or (isinstance(eps, Number) and not isinstance(eps, bool)):
+        return None
+    return f"eps must be a Python number, got {type(eps).__name__}"
+
+
+def _row_problem(x: TensorProxy, shape: tuple[int, ...]) -> str | None:
+    """Why rows of the trailing `shape` of x are not normalizable by the kernels, or None."""
+    nd = len(shape)
+    if nd == 0 or nd > x.ndim or tuple(x.shape[x.ndim - nd :]) != shape:
+        return f"normalized shape {shape} is not the trailing shape of input {tuple(x.shape)}"
+    n = math.prod(shape)
+    limit = MAX_ROW_BYTES // dtypes.to_torch_dtype(x.dtype).itemsize
+    if n > limit:
+        return f"rows of {n} elements are longer than the kernels take ({limit} for {dtypes.to_torch_dtype(x.dtype)})"
+    return None
+
+
+def _weight_problem(x: TensorProxy, weight: Any, shape: tuple[int, ...]) -> str | None:
+    if not isinstance(weight, TensorProxy):
+        return f"weight is {type(weight).__name__}, not a tensor"
+    if tuple(weight.shape) != shape:
+        return f"weight shape {tuple(weight.shape)} is not the normalized shape {shape}"
+    return same_dtype_device(x, weight, "weight")
+
+
+def _check_rms_norm(x: Any, weight: Any, eps: float = 1e-6) -> str | None:
+    return (
+        tensor_problem(x, "x")
+        or (None if x.ndim >= 1 else "x is 0-d")
+        or _weight_problem(x, weight, (x.shape[-1],))
+        or (_eps_problem(eps) if eps is not None else "eps is None")
+        or _row_problem(x, (x.shape[-1],))
+    )
+
+
+def _normalized(normalized_shape: Any) -> tuple[int, ...]:
+    if isinstance(normalized_shape, Sequence):
+        return tuple(normalized_shape)
+    return (normalized_shape,)
+
+
+# thunder.torch.rms_norm takes eps=None as torch's default: fp32's epsilon (thunder computes bf16/fp16
+# inputs in fp32, so their default is fp32's too).
+def _f_eps(eps: float | None) -> float:
+    return float(torch.finfo(torch.float32).eps) if eps is None else float(eps)
+
+
+def _check_f_rms_norm(a: Any, normalized_shape: Any, weight: Any = None, eps: Any = None) -> str | None:
+    problem = tensor_problem(a, "input")
+    if problem:
+        return problem
+    shape = _normalized(normalized_shape)
+    if not all(isinstance(s, int) for s in shape):
+        return f"normalized_shape {shape} is not a tuple of ints"
+    return (
+        _row_problem(a, shape)
+        or (None if weight is None else _weight_problem(a, weight, shape))
+        or _eps_problem(eps)
+    )
+
+
+# ---- execution and grad transforms -------------------------------------------------------------------
+def _rms_norm_execution(x, weight, eps=1e-6):
+    return rmsnorm_forward(x, weight, float(eps), 1, True)[0]
+
+
+def _rms_norm_grad(x, weight, eps=1e-6):
+    y, rstd = rmsnorm_forward(x, weight, float(eps), 1, True)
+    dx, dweight = rmsnorm_backward(get_grad(y), x, weight, rstd, 1, True)
+    put_grad(x, dx)
+    put_grad(weight, dweight)
+    return y
+
+
+def _f_rms_norm_execution(a, normalized_shape, weight=None, eps=None):
+    return rmsnorm_forward(a, weight, _f_eps(eps), len(_normalized(normalized_shape)), False)[0]
+
+
+def _f_rms_norm_grad(a, normalized_shape, weight=None, eps=None):
+    nd = len(_normalized(normalized_shape))
+    y, rstd = rmsnorm_forward(a, weight, _f_eps(eps), nd, False)
+    da, dweight = rmsnorm_backward(get_grad(y), a, weight, rstd, nd, False)
+    put_grad(a, da)
+    if weight is not None:
+        put_grad(weight, dweight)
+    return y
+
+
+_claims = [Claim(kforge_rms_norm, _check_rms_norm, _rms_norm_execution, _rms_norm_grad)]
+if hasattr(ltorch, "rms_norm"):  # thunder registers it when torch has F.rms_norm
+    _claims.append(Claim(ltorch.rms_norm, _check_f_rms_norm, _f_rms_norm_execution, _f_rms_norm_grad))
+SPEC = OpSpec("rmsnorm", tuple(_claims))
+
+
+# ---- benchmarks ---------------------------------------------------------------------------------------
+def bench_cases(dtype: torch.dtype, quick: bool) -> list:
+    """RMSNorm forward and backward at 8192 tokens x 4096 (Llama 3 8B), and 8192 x 768 unless quick."""
+    from ..bench.cases import BenchCase
+
+    eps = 1e-6
+    cases = []
+    for rows, hidden in [(8192, 4096)] + ([] if quick else [(8192, 768)]):
+        es = torch.tensor([], dtype=dtype).element_size()
+
+        def make(rows=rows, hidden=hidden):
+            x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+            w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+            dy = torch.randn_like(x)
+            _, rstd = _C.rmsnorm_forward(x, w, eps)
+            xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+            y = rms_norm(xr, wr, eps)  # eager graph, for the eager backward
+            return x, w, dy, rstd, xr, wr, y
+
+        shape = f"{rows}x{hidden}"
+        cases.append(BenchCase(
+            "rmsnorm", "fwd", shape, make,
+            kforge=lambda x, w, dy, rstd, *_: _C.rmsnorm_forward(x, w, eps),
+            eager=lambda x, w, *_: rms_norm(x, w, eps),
+            bytes=2 * rows * hidden * es + hidden * es + rows * 4))
+        cases.append(BenchCase(
+            "rmsnorm", "bwd", shape, make,
+            kforge=lambda x, w, dy, rstd, *_: _C.rmsnorm_backward(dy, x, w, rstd),
+            eager=lambda x, w, dy, rstd, xr, wr, y: torch.autograd.grad(y, (xr, wr), dy, retain_graph=True),
+            bytes=3 * rows * hidden * es + 2 * hidden * es + rows * 4,
+            compile_ok=False))
+    return cases

@@ -1,0 +1,156 @@
+// rope launchers: rotary embedding of q and k in one launch, forward and backward (the transposed
+// rotation); see kernels_src/rope.cu for the table layouts.
+#include <pybind11/stl.h>
+
+#include <optional>
+
+#include "../runtime/torch_launch.h"
+
+namespace kforge {
+namespace {
+
+Program prog("rope");
+Kernel same_dtype_tables(prog, "rope_kernel<{T}>");
+Kernel f32_tables(prog, "rope_f32tab_kernel<{T}>", {DType::bf16, DType::f16});
+
+bool multiple(int64_t v, int64_t m) { return v % m == 0; }
+
+constexpr int64_t kHeadsInFlight = 4;  // as in kernels_src/rope.cu
+
+// q / k (or their gradients) as (B, H, T, D) with a dense last dim; other strides are kept (HF passes
+// transposed (B, T, H, D) views), so no copy is made for them.
+at::Tensor head_rows(const at::Tensor& t, const at::Tensor* ref, const char* op, const char* name) {
+  KF_CHECK(t.defined() && t.is_cuda(), op, name, " must be a CUDA tensor, got ",
+           t.defined() ? t.device() : at::Device(at::kCPU));
+  dtype_of(t, op);
+  if (ref)
+    KF_CHECK(t.device() == ref->device() && t.scalar_type() == ref->scalar_type(), op, name,
+             " must match q's device and dtype (", ref->device(), ", ", ref->scalar_type(), "), got ",
+             t.device(), ", ", t.scalar_type());
+  KF_CHECK(t.dim() == 4, op, name, " must be (B, H, T, D), got shape ", t.sizes());
+  return t.stride(3) == 1 ? t : t.contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q_, const at::Tensor& k_,
+                                        const at::Tensor& cos_, const at::Tensor& sin_,
+                                        const std::optional<at::Tensor>& position_ids,
+                                        bool interleaved, bool inverse, const char* op) {
+  const at::Tensor q = head_rows(q_, nullptr, op, "q");
+  const at::Tensor k = head_rows(k_, &q, op, "k");
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
+  KF_CHECK(k.size(0) == B && k.size(2) == T && k.size(3) == D, op, "k shape ", k.sizes(),
+           " does not match q shape ", q.sizes(), " in B, T or D");
+  KF_CHECK(D > 0 && D % 2 == 0, op, "head dim D must be even, got ", D);
+  KF_CHECK(B * T <= std::numeric_limits<int>::max() && Hq + Hkv <= std::numeric_limits<int>::max(),
+           op, "too many tokens or heads");
+
+  const int64_t Dc = interleaved ? D / 2 : D;
+  KF_CHECK(cos_.defined() && sin_.defined() && cos_.is_cuda() && cos_.device() == q.device() &&
+               sin_.device() == cos_.device(),
+           op, "cos and sin must be CUDA tensors on ", q.device());
+  KF_CHECK(cos_.scalar_type() == sin_.scalar_type() &&
+               (cos_.scalar_type() == q.scalar_type() || cos_.scalar_type() == at::kFloat),
+           op, "cos / sin dtype must be q's (", q.scalar_type(), ") or float32, got ",
+           cos_.scalar_type(), " / ", sin_.scalar_type());
+  KF_CHECK(cos_.sizes() == sin_.sizes(), op, "cos and sin shapes differ: ", cos_.sizes(), " vs ",
+           sin_.sizes());
+  const at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous();
+  KF_CHECK((cos.dim() == 2 || cos.dim() == 3) && cos.size(-1) == Dc, op, "cos / sin must be (",
+           position_ids ? "P" : "[B or 1,] T", ", ", Dc, ") for ",
+           interleaved ? "interleaved" : "rotate_half", " rope with D = ", D, ", got ", cos.sizes());
+
+  int tab_batched = 0;
+  int64_t n_pos = 0, pos_sb = 0;
+  at::Tensor pos;
+  if (position_ids) {
+    KF_CHECK(cos.dim() == 2, op, "with position_ids, cos / sin are (P, ", Dc, ") tables, got ",
+             cos.sizes());
+    n_pos = cos.size(0);
+    const at::Tensor& p = *position_ids;
+    KF_CHECK(p.defined() && p.is_cuda() && p.device() == q.device(), op,
+             "position_ids must be a CUDA tensor on ", q.device());
+    KF_CHECK(p.scalar_type() == at::kLong || p.scalar_type() == at::kInt, op,
+             "position_ids must be int64 or int32, got ", p.scalar_type());
+    KF_CHECK((p.dim() == 1 && p.size(0) == T) ||
+                 (p.dim() == 2 && (p.size(0) == 1 || p.size(0) == B) && p.size(1) == T),
+             op, "position_ids must be (T,), (1, T) or (B, T) with B = ", B, ", T = ", T, ", got ",
+             p.sizes());
+    pos = p.to(at::kLong).contiguous();
+    pos_sb = p.dim() == 2 && p.size(0) > 1 ? T : 0;
+  } else if (cos.dim() == 2) {
+    KF_CHECK(cos.size(0) == T, op, "cos / sin (T, ", Dc, ") must have T = ", T, " rows, got ",
+             cos.sizes());
+  } else {
+    KF_CHECK((cos.size(0) == 1 || cos.size(0) == B) && cos.size(1) == T, op,
+             "cos / sin must be (B or 1, T, ", Dc, ") with B = ", B, ", T = ", T, ", got ",
+             cos.sizes());
+    tab_batched = cos.size(0) > 1;
+  }
+
+  LaunchOn on(q);
+  at::Tensor q_out = new_output({B, Hq, T, D}, q.options());
+  at::Tensor k_out = new_output({B, Hkv, T, D}, k.options());
+  if (B * T == 0 || (Hq + Hkv) == 0) return {q_out, k_out};
+
+  // 16-byte chunks need every head row (and, for rotate_half, its second half) to start aligned.
+  const int64_t V = 16 / q.element_size();
+  bool vec = multiple(interleaved ? D : D / 2, V) && aligned16(q) && aligned16(k);
+  for (int d = 0; d < 3; ++d) vec = vec && multiple(q.stride(d), V) && multiple(k.stride(d), V);
+  const bool f32tab = cos.scalar_type() != q.scalar_type();
+  const int tvec = vec && aligned16(cos) && aligned16(sin) && multiple(Dc * cos.element_size(), 16);
+
+  // threadIdx.x over a row's chunks, threadIdx.y over heads, each thread kHeadsInFlight heads at a
+  // time (the kernel's batch; any block shape is correct, this one leaves few slots idle).
+  const int64_t width = vec ? V : (interleaved ? 2 : 1);
+  const int64_t nchunk = (interleaved ? D : D / 2) / width;
+  const int64_t H = Hq + Hkv;
+  const unsigned tx = static_cast<unsigned>(std::min<int64_t>(nchunk, 128));
+  int64_t ty = std::min<int64_t>(std::max<int64_t>(1, 128 / tx), (H + kHeadsInFlight - 1) / kHeadsInFlight);
+  const int64_t batches = (H + kHeadsInFlight * ty - 1) / (kHeadsInFlight * ty);
+  ty = (H + kHeadsInFlight * batches - 1) / (kHeadsInFlight * batches);
+  Kernel& kernel = f32tab ? f32_tables : same_dtype_tables;
+  kernel.launch(dtype_of(q, op), on.device, on.stream, static_cast<unsigned>(B * T),
+                Dim3(tx, static_cast<unsigned>(ty)), 0, q.data_ptr(), k.data_ptr(),
+                q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                position_ids ? pos.data_ptr() : nullptr, static_cast<int>(T),
+                static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(D),
+                static_cast<long long>(q.stride(0)), static_cast<long long>(q.stride(1)),
+                static_cast<long long>(q.stride(2)), static_cast<long long>(k.stride(0)),
+                static_cast<long long>(k.stride(1)), static_cast<long long>(k.stride(2)),
+                tab_batched, static_cast<long long>(n_pos), static_cast<long long>(pos_sb),
+                int(interleaved), int(inverse), int(vec), tvec);
+  return {q_out, k_out};
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_forward(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                const std::optional<at::Tensor>& position_ids,
+                                                bool interleaved) {
+  return rope(q, k, cos, sin, position_ids, interleaved, /*inverse=*/false, "rope_forward");
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_backward(const at::Tensor& dq_out, const at::Tensor& dk_out,
+                                                 const at::Tensor& cos, const at::Tensor& sin,
+                                                 const std::optional<at::Tensor>& position_ids,
+                                                 bool interleaved) {
+  return rope(dq_out, dk_out, cos, sin, position_ids, interleaved, /*inverse=*/true,
+              "rope_backward");
+}
+
+}  // namespace
+
+KFORGE_BIND_OP(rope) {
+  m.def("rope_forward", &rope_forward,
+        "Rotary embedding of q (B, Hq, T, D) and k (B, Hkv, T, D) in one launch; returns "
+        "contiguous (q_rot, k_rot). rotate_half (interleaved=False): cos / sin have D entries per "
+        "row; interleaved pairs: D / 2. Rows: (B or 1, T, Dc) or (T, Dc) tables, or a (P, Dc) table "
+        "indexed by position_ids (T,) / (1, T) / (B, T).",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("position_ids") = pybind11::none(), pybind11::arg("interleaved") = false);
+  m.def("rope_backward", &rope_backward,
+        "Gradients (dq, dk) of rope_forward from (dq_rot, dk_rot): the transposed rotation.",
+        pybind11::arg("dq_rot"), pybind11::arg("dk_rot"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("position_ids") = pybind11::none(), pybind11::arg("interleaved") = false);
+}
+
+}  // namespace kforge

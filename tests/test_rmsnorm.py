@@ -1,0 +1,275 @@
+"""rmsnorm: Hugging Face Llama RMSNorm and F.rms_norm on kforge's kernels.
+
+GPU: forward (y, rstd) and backward (dx, dweight) against float64 references, both rounding
+conventions, odd / misaligned / strided inputs, deterministic dweight, thunder.jit traces.
+CPU: checker declines with reasons, thunder.jit falling back to the helper's decomposition, launcher
+errors.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import thunder
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+
+import kforge
+from kforge import _thunder
+from kforge.ops import rmsnorm as op
+from conftest import DTYPES, REL_TOL, assert_close, gpu, randn
+
+EPS = 1e-5
+
+
+def reference(x, weight, eps, dy, nd=1):
+    """float64 (y, rstd, dx, dweight) of y = x * rsqrt(mean(x^2) + eps) * weight over the last nd dims."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = None if weight is None else weight.detach().double().requires_grad_()
+    dims = tuple(range(x.ndim - nd, x.ndim))
+    rstd = torch.rsqrt(x64.pow(2).mean(dims, keepdim=True) + eps)
+    y = x64 * rstd * (1.0 if w64 is None else w64)
+    y.backward(dy.double())
+    return y.detach(), rstd.detach().reshape(-1), x64.grad, None if w64 is None else w64.grad
+
+
+def check(x, weight, dy, cast_before_weight, nd=1, what=""):
+    dtype = x.dtype
+    y, rstd = kforge._C.rmsnorm_forward(x, weight, EPS, nd, cast_before_weight)
+    dx, dw = kforge._C.rmsnorm_backward(dy, x, weight, rstd, nd, cast_before_weight)
+    ry, rrstd, rdx, rdw = reference(x, weight, EPS, dy, nd)
+    assert y.dtype == dtype and rstd.dtype == torch.float32 and dx.dtype == dtype
+    assert_close(y, ry, dtype, f"y {what}")
+    assert_close(rstd, rrstd, torch.float32, f"rstd {what}")
+    assert_close(dx, rdx, dtype, f"dx {what}")
+    if weight is None:
+        assert dw is None
+    else:
+        assert dw.dtype == dtype
+        assert_close(dw, rdw, dtype, f"dweight {what}")
+
+
+# ---- GPU: kernels against float64 ---------------------------------------------------------------------
+SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056)]
+
+
+@gpu
+@pytest.mark.parametrize("cast_before_weight", [True, False], ids=["hf", "torch"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_backward(dtype, shape, cast_before_weight):
+    x = randn(*shape, dtype=dtype)
+    w = randn(shape[-1], dtype=dtype, scale=0.5) + 1
+    dy = randn(*shape, dtype=dtype)
+    check(x, w, dy, cast_before_weight, what=str(shape))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_longest_rows(dtype):
+    D = op.MAX_ROW_BYTES // torch.tensor([], dtype=dtype).element_size()
+    x, dy = randn(3, D, dtype=dtype), randn(3, D, dtype=dtype)
+    check(x, randn(D, dtype=dtype), dy, True, what=f"D={D}")
+    with pytest.raises(kforge.KforgeError, match="too long"):
+        kforge._C.rmsnorm_forward(randn(2, D + 1, dtype=dtype), None, EPS)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_llama_size_many_rows(dtype):
+    # 8192 x 4096 (the bench size): the persistent backward grid walks many rows per block.
+    x, dy = randn(8192, 4096, dtype=dtype), randn(8192, 4096, dtype=dtype)
+    check(x, randn(4096, dtype=dtype, scale=0.5) + 1, dy, True, what="8192x4096")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_without_weight_and_multidim(dtype):
+    x, dy = randn(6, 5, 32, dtype=dtype), randn(6, 5, 32, dtype=dtype)
+    check(x, None, dy, False, what="no weight")
+    check(x, randn(5, 32, dtype=dtype), dy, False, nd=2, what="normalized (5, 32)")
+    check(x, None, dy, True, nd=3, what="normalized (6, 5, 32)")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_misaligned_and_strided_inputs(dtype):
+    D = 4096
+    buf = randn(4 * D + 1, dtype=dtype)
+    x = buf[1:].view(4, D)  # 2-byte / 4-byte offset: the element-wise path
+    check(x, randn(D, dtype=dtype), randn(4, D, dtype=dtype), True, what="misaligned")
+    xt = randn(D, 6, dtype=dtype).t()  # non-contiguous: copied by the launcher
+    check(xt, randn(D, dtype=dtype), randn(6, D, dtype=dtype), True, what="transposed")
+
+
+@gpu
+def test_hf_rounding_matches_the_helper():
+    # cast_before_weight rounds x * rstd to bf16 before the weight, as HF does: the kernel and the eager
+    # helper then differ only by fp32 rounding noise, while F.rms_norm's convention differs more.
+    x = randn(64, 4096, dtype=torch.bfloat16)
+    w = randn(4096, dtype=torch.bfloat16, scale=3)
+    hf = op.rms_norm(x, w, EPS).double()
+    y_hf, _ = kforge._C.rmsnorm_forward(x, w, EPS, 1, True)
+    y_f, _ = kforge._C.rmsnorm_forward(x, w, EPS, 1, False)
+    assert (y_hf.double() - hf).abs().gt(0).float().mean() < 0.01
+    assert (y_f.double() - hf).abs().gt(0).float().mean() > 0.05
+    assert_close(y_f, F.rms_norm(x.double(), (4096,), w.double(), EPS), torch.bfloat16)
+
+
+@gpu
+def test_dweight_is_deterministic():
+    x, dy = randn(4096, 4096, dtype=torch.bfloat16), randn(4096, 4096, dtype=torch.bfloat16)
+    w = randn(4096, dtype=torch.bfloat16)
+    _, rstd = kforge._C.rmsnorm_forward(x, w, EPS)
+    runs = [kforge._C.rmsnorm_backward(dy, x, w, rstd)[1] for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+@gpu
+def test_gpu_argument_errors():
+    x, w = randn(4, 64), randn(64)
+    with pytest.raises(kforge.KforgeError, match="weight has 63 elements"):
+        kforge._C.rmsnorm_forward(x, w[:63], EPS)
+    with pytest.raises(kforge.KforgeError, match="weight has dtype"):
+        kforge._C.rmsnorm_forward(x, w.bfloat16(), EPS)
+    y, rstd = kforge._C.rmsnorm_forward(x, w, EPS)
+    with pytest.raises(kforge.KforgeError, match="rstd must be a float32"):
+        kforge._C.rmsnorm_backward(y, x, w, rstd[:3])
+    with pytest.raises(kforge.KforgeError, match="normalized_ndim"):
+        kforge._C.rmsnorm_forward(x, w, EPS, 3)
+
+
+# ---- GPU: thunder.jit ----------------------------------------------------------------------------------
+def _names(trace) -> set[str]:
+    return {b.sym.name for b in trace.bound_symbols}
+
+
+def _jit_check(fn, args, grads_of, dtype):
+    """thunder.jit(fn) with kforge: the kforge rmsnorm kernels appear in the forward and backward
+    traces, and outputs and gradients match eager torch."""
+    args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    jargs = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    out = jf(*jargs)
+    ref = fn(*args)
+    g = randn(*ref.shape, dtype=ref.dtype)
+    out.backward(g)
+    ref.backward(g)
+    assert "kforge_rmsnorm_forward" in _names(thunder.last_traces(jf)[-1])
+    assert "kforge_rmsnorm_backward" in _names(thunder.last_backward_traces(jf)[-1])
+    assert_close(out, ref, dtype, "output", tol=2 * REL_TOL[dtype])
+    for i in grads_of:
+        assert_close(jargs[i].grad, args[i].grad, dtype, f"grad {i}", tol=2 * REL_TOL[dtype])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_helper(dtype):
+    x = randn(2, 7, 4096, dtype=dtype).requires_grad_()
+    w = (randn(4096, dtype=dtype, scale=0.5) + 1).requires_grad_()
+    _jit_check(lambda x, w: op.rms_norm(x, w, 1e-6) * 2, [x, w], [0, 1], dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_f_rms_norm(dtype):
+    x = randn(2, 5, 768, dtype=dtype).requires_grad_()
+    w = randn(768, dtype=dtype).requires_grad_()
+    _jit_check(lambda x, w: F.rms_norm(x, (768,), w, 1e-6), [x, w], [0, 1], dtype)
+    _jit_check(lambda x: F.rms_norm(x, (5, 768)), [x], [0], dtype)  # eps=None, no weight
+
+
+# ---- CPU: checkers, fallback, launcher errors -----------------------------------------------------------
+@pytest.fixture
+def trace():
+    with tracectx(TraceCtx()):
+        yield
+
+
+def proxy(*shape, dtype=torch.bfloat16, device="cuda:0", requires_grad=False) -> TensorProxy:
+    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
+                       requires_grad=requires_grad)
+
+
+def test_helper_checker(trace):
+    check_helper, check_f = (c.checker for c in op.SPEC.claims)
+    x, w = proxy(8, 4096), proxy(4096)
+    assert check_helper(x, w, 1e-6) is None
+    assert "not CUDA" in check_helper(proxy(8, 4096, device="cpu"), proxy(4096, device="cpu"), 1e-6)
+    assert "float64" in check_helper(proxy(8, 16, dtype=torch.float64), proxy(16, dtype=torch.float64))
+    assert "weight dtype" in check_helper(x, proxy(4096, dtype=torch.float32))
+    assert "weight shape" in check_helper(x, proxy(4095))
+    assert "not a tensor" in check_helper(x, None)
+    assert "longer than" in check_helper(proxy(2, 16385), proxy(16385))
+    assert check_helper(proxy(2, 8192, dtype=torch.float32), proxy(8192, dtype=torch.float32)) is None
+    assert "longer than" in check_helper(proxy(2, 8193, dtype=torch.float32), proxy(8193, dtype=torch.float32))
+    assert "eps" in check_helper(x, w, None)
+    assert "empty" in check_helper(proxy(0, 4096), w)
+
+
+def test_f_rms_norm_checker(trace):
+    _, check_f = (c.checker for c in op.SPEC.claims)
+    x = proxy(2, 5, 64)
+    assert check_f(x, (64,), proxy(64), 1e-5) is None
+    assert check_f(x, [5, 64]) is None
+    assert check_f(x, 64, None, None) is None
+    assert "trailing shape" in check_f(x, (5,))
+    assert "weight shape" in check_f(x, (5, 64), proxy(64))
+    assert "weight dtype" in check_f(x, (64,), proxy(64, dtype=torch.float32))
+
+
+def _jit_cpu(fn, *args):
+    _thunder.reset_declines()
+    jargs = [a.detach().clone().requires_grad_() for a in args]
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    out = jf(*jargs)
+    ref = fn(*args)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    for a, j in zip(args, jargs):
+        torch.testing.assert_close(j.grad, a.grad)
+    names = _names(thunder.last_traces(jf)[-1]) | _names(thunder.last_backward_traces(jf)[-1])
+    assert not any(n.startswith("kforge_rmsnorm") for n in names)
+    return _thunder.declines()
+
+
+def test_cpu_fallback_helper():
+    x, w = torch.randn(3, 7, 40, requires_grad=True), torch.randn(40, requires_grad=True)
+    declines = _jit_cpu(lambda x, w: op.rms_norm(x, w, 1e-6), x, w)
+    assert any("not CUDA" in r for r in declines["kforge_rms_norm"])
+
+
+def test_cpu_fallback_without_grad():
+    # Declined without autograd, the trace keeps kforge_rms_norm and runs the helper itself.
+    x, w = torch.randn(3, 7, 40), torch.randn(40)
+    jf = thunder.jit(lambda x, w: op.rms_norm(x, w, 1e-6), executors=[kforge.executor])
+    with torch.no_grad():
+        torch.testing.assert_close(jf(x, w), op.rms_norm(x, w, 1e-6))
+        torch.testing.assert_close(thunder.jit(lambda x: F.rms_norm(x, (40,)), executors=[kforge.executor])(x),
+                                   F.rms_norm(x, (40,)))
+
+
+def test_cpu_fallback_f_rms_norm():
+    x, w = torch.randn(3, 7, 40, requires_grad=True), torch.randn(40, requires_grad=True)
+    declines = _jit_cpu(lambda x, w: F.rms_norm(x, (40,), w, 1e-6), x, w)
+    assert any("not CUDA" in r for r in declines["rms_norm"])
+
+
+def test_helper_is_hf_llama_rmsnorm():
+    # HF LlamaRMSNorm: fp32 statistics, cast back to the input dtype, then the weight.
+    x = torch.randn(4, 64).bfloat16()
+    w = (torch.randn(64) * 3).bfloat16()
+    xf = x.float()
+    hf = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).bfloat16()
+    assert torch.equal(op.rms_norm(x, w, EPS), hf)
+    assert op.rms_norm(x, w.float(), EPS).dtype == torch.float32  # torch promotion
+
+
+def test_launcher_rejects_cpu_tensors():
+    with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
+        kforge._C.rmsnorm_forward(torch.randn(2, 8), torch.randn(8), EPS)
+    with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
+        kforge._C.rmsnorm_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2))
+

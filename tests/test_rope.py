@@ -1,0 +1,315 @@
+"""rope: rotary embedding of q and k in one launch (rotate_half and interleaved layouts).
+
+GPU: forward and backward (dq, dk) against a float64 reference (complex multiplication for the
+interleaved layout), every table layout, position_ids, GQA head counts, odd / strided / misaligned
+inputs, invalid positions, thunder.jit traces. CPU: checker declines, thunder.jit fallback, helper
+semantics (HF and Meta references), launcher errors.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import thunder
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+
+import kforge
+from kforge import _thunder
+from kforge.ops import rope as op
+from conftest import DTYPES, REL_TOL, assert_close, gpu, randn
+
+
+def reference(x, cos, sin, interleaved, position_ids=None):
+    """float64 rope of x (B, H, T, D): HF's x * cos + rotate_half(x) * sin, or Meta's pairs as complex
+    numbers times cos + i sin."""
+    x, cos, sin = x.double(), cos.double(), sin.double()
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    if cos.ndim == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if interleaved:
+        xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(xc * torch.complex(cos, sin)).flatten(-2)
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
+
+
+def tables(kind, B, T, D, interleaved, dtype, device="cuda"):
+    """(cos, sin, position_ids) for a table layout: 'bt' (B, T, Dc), '1t' (1, T, Dc), 't' (T, Dc), or
+    (P, Dc) tables with position ids 'pos' (B, T), 'pos1' (1, T), 'posT' (T,). Random angles (and, for
+    rotate_half, independent halves: the kernel must not assume HF's repeated halves)."""
+    dc = D // 2 if interleaved else D
+    g = torch.Generator().manual_seed(B * 1000 + T * 10 + D)
+    pos = None
+    if kind.startswith("pos"):
+        P = T + 11
+        shape = {"pos": (B, T), "pos1": (1, T), "posT": (T,)}[kind]
+        pos = torch.randint(0, P, shape, generator=g).to(device)
+        tshape = (P, dc)
+    else:
+        tshape = {"bt": (B, T, dc), "1t": (1, T, dc), "t": (T, dc)}[kind]
+    ang = torch.rand(*tshape, generator=g) * 6.3
+    amp = 0.5 + torch.rand(*tshape, generator=g)
+    return (amp * ang.cos()).to(device, dtype), (amp * ang.sin()).to(device, dtype), pos
+
+
+def check(q, k, cos, sin, interleaved, pos, what=""):
+    dtype = q.dtype
+    q_rot, k_rot = kforge._C.rope_forward(q, k, cos, sin, pos, interleaved)
+    q64 = q.detach().double().requires_grad_()
+    k64 = k.detach().double().requires_grad_()
+    rq, rk = reference(q64, cos, sin, interleaved, pos), reference(k64, cos, sin, interleaved, pos)
+    assert q_rot.dtype == dtype and q_rot.shape == q.shape and q_rot.is_contiguous()
+    assert_close(q_rot, rq, dtype, f"q_rot {what}")
+    assert_close(k_rot, rk, dtype, f"k_rot {what}")
+    gq, gk = randn(*q.shape, dtype=dtype), randn(*k.shape, dtype=dtype)
+    dq, dk = kforge._C.rope_backward(gq, gk, cos, sin, pos, interleaved)
+    torch.autograd.backward((rq, rk), (gq.double(), gk.double()))
+    assert_close(dq, q64.grad, dtype, f"dq {what}")
+    assert_close(dk, k64.grad, dtype, f"dk {what}")
+
+
+# (B, Hq, Hkv, T, D, table layout)
+CASES = [
+    (2, 8, 2, 16, 128, "bt"),
+    (1, 4, 4, 1, 64, "1t"),      # seq 1, MHA
+    (2, 6, 2, 1000, 64, "t"),    # seq 1000
+    (3, 4, 1, 7, 96, "pos"),
+    (2, 2, 1, 5, 6, "pos1"),     # D / 2 odd: element-wise path
+    (1, 3, 1, 9, 10, "posT"),
+    (2, 32, 8, 33, 128, "pos"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("table_dtype", ["same", "float32"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_backward(dtype, interleaved, case, table_dtype):
+    B, Hq, Hkv, T, D, kind = case
+    tdt = dtype if table_dtype == "same" else torch.float32
+    cos, sin, pos = tables(kind, B, T, D, interleaved, tdt)
+    q, k = randn(B, Hq, T, D, dtype=dtype), randn(B, Hkv, T, D, dtype=dtype)
+    check(q, k, cos, sin, interleaved, pos, what=str(case))
+
+
+@gpu
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_llama_size(dtype, interleaved):
+    # The bench size: 4 x 2048 tokens, 32 q heads + 8 kv heads of dim 128, HF (1, T, D) tables.
+    B, T = 4, 2048
+    cos, sin, _ = tables("1t", B, T, 128, interleaved, dtype)
+    check(randn(B, 32, T, 128, dtype=dtype), randn(B, 8, T, 128, dtype=dtype), cos, sin, interleaved,
+          None, "4x2048 32+8 heads")
+
+
+@gpu
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_and_misaligned_inputs(dtype, interleaved):
+    B, Hq, Hkv, T, D = 2, 4, 2, 6, 64
+    cos, sin, pos = tables("pos", B, T, D, interleaved, dtype)
+    # HF layout: (B, T, H, D) projections viewed as (B, H, T, D).
+    q = randn(B, T, Hq, D, dtype=dtype).transpose(1, 2)
+    k = randn(B, T, Hkv, D, dtype=dtype).transpose(1, 2)
+    check(q, k, cos, sin, interleaved, pos, "transposed")
+    # Rows starting off 16-byte boundaries: the element-wise path.
+    qm = randn(B * Hq * T * D + 1, dtype=dtype)[1:].view(B, Hq, T, D)
+    check(qm, k, cos, sin, interleaved, pos, "misaligned q")
+    # Non-dense last dim: copied by the launcher.
+    qs = randn(B, Hq, T, 2 * D, dtype=dtype)[..., ::2]
+    check(qs, k, cos, sin, interleaved, pos, "strided last dim")
+    # int32 position ids and misaligned tables.
+    cbuf = torch.cat((cos.new_zeros(1), cos.flatten()))[1:].view(cos.shape)
+    check(q, k, cbuf, sin, interleaved, pos.int(), "int32 ids, misaligned cos")
+
+
+@gpu
+def test_invalid_positions_give_nan_rows():
+    B, Hq, Hkv, T, D = 1, 2, 1, 4, 16
+    cos, sin, _ = tables("t", 1, 8, D, False, torch.float32)  # 8 positions
+    pos = torch.tensor([[0, 8, -1, 7]], device="cuda")
+    q_rot, k_rot = kforge._C.rope_forward(randn(B, Hq, T, D), randn(B, Hkv, T, D), cos, sin, pos)
+    bad = torch.tensor([False, True, True, False], device="cuda")
+    for out in (q_rot, k_rot):
+        assert torch.isnan(out[:, :, bad]).all() and torch.isfinite(out[:, :, ~bad]).all()
+
+
+@gpu
+def test_backward_of_hf_tables_is_rotation_by_minus_theta():
+    # With HF's repeated halves, the transpose is the inverse rotation: forward with -sin.
+    B, Hq, Hkv, T, D = 2, 4, 2, 8, 64
+    ang = torch.rand(1, T, D // 2, device="cuda") * 6
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    g, h = randn(B, Hq, T, D), randn(B, Hkv, T, D)
+    dq, dk = kforge._C.rope_backward(g, h, cos, sin)
+    fq, fk = kforge._C.rope_forward(g, h, cos, -sin)
+    assert_close(dq, fq.double(), torch.float32, "dq")
+    assert_close(dk, fk.double(), torch.float32, "dk")
+
+
+@gpu
+def test_gpu_argument_errors():
+    q, k = randn(1, 2, 4, 8), randn(1, 1, 4, 8)
+    cos, sin, _ = tables("t", 1, 4, 8, False, torch.float32)
+    with pytest.raises(kforge.KforgeError, match="even"):
+        kforge._C.rope_forward(randn(1, 2, 4, 7), randn(1, 1, 4, 7), cos[:, :7], sin[:, :7])
+    with pytest.raises(kforge.KforgeError, match="does not match q"):
+        kforge._C.rope_forward(q, randn(1, 1, 5, 8), cos, sin)
+    with pytest.raises(kforge.KforgeError, match=r"cos / sin must be"):
+        kforge._C.rope_forward(q, k, cos, sin, None, True)  # interleaved wants D / 2 entries
+    with pytest.raises(kforge.KforgeError, match="position_ids must be"):
+        kforge._C.rope_forward(q, k, cos, sin, torch.zeros(3, dtype=torch.long, device="cuda"))
+    with pytest.raises(kforge.KforgeError, match="dtype must be q's"):
+        kforge._C.rope_forward(q.bfloat16(), k.bfloat16(), cos.half(), sin.half())
+
+
+# ---- GPU: thunder.jit ----------------------------------------------------------------------------------
+def _names(trace) -> set[str]:
+    return {b.sym.name for b in trace.bound_symbols}
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["1t", "pos"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_jit(dtype, interleaved, kind):
+    B, Hq, Hkv, T, D = 2, 8, 2, 12, 64
+    cos, sin, pos = tables(kind, B, T, D, interleaved, dtype)
+
+    def fn(q, k):
+        q_rot, k_rot = op.apply_rope(q, k, cos, sin, interleaved, pos)
+        return q_rot * 2 + 1, k_rot
+
+    q = randn(B, T, Hq, D, dtype=dtype).transpose(1, 2).requires_grad_()
+    k = randn(B, Hkv, T, D, dtype=dtype).requires_grad_()
+    jq, jk = (t.detach().clone().requires_grad_() for t in (q, k))
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    out, ref = jf(jq, jk), fn(q, k)
+    grads = (randn(B, Hq, T, D, dtype=dtype), randn(B, Hkv, T, D, dtype=dtype))
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(ref, grads)
+    assert "kforge_rope_forward" in _names(thunder.last_traces(jf)[-1])
+    assert "kforge_rope_backward" in _names(thunder.last_backward_traces(jf)[-1])
+    for o, r, name in [(out[0], ref[0], "q"), (out[1], ref[1], "k"), (jq.grad, q.grad, "dq"), (jk.grad, k.grad, "dk")]:
+        assert_close(o, r, dtype, name, tol=2 * REL_TOL[dtype])
+
+
+# ---- CPU: checker, fallback, helper semantics, launcher errors ------------------------------------------
+@pytest.fixture
+def trace():
+    with tracectx(TraceCtx()):
+        yield
+
+
+def proxy(*shape, dtype=torch.bfloat16, device="cuda:0", requires_grad=False) -> TensorProxy:
+    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
+                       requires_grad=requires_grad)
+
+
+def test_checker(trace):
+    (claim,) = op.SPEC.claims
+    c = claim.checker
+    q, k = proxy(2, 8, 16, 128), proxy(2, 2, 16, 128)
+    cos, sin = proxy(2, 16, 128), proxy(2, 16, 128)
+    assert c(q, k, cos, sin) is None
+    assert c(q, k, proxy(16, 128, dtype=torch.float32), proxy(16, 128, dtype=torch.float32)) is None
+    assert c(q, k, proxy(1, 16, 64), proxy(1, 16, 64), True) is None
+    assert c(q, k, proxy(40, 128), proxy(40, 128), False, proxy(2, 16, dtype=torch.int64)) is None
+    assert c(q, k, proxy(40, 64), proxy(40, 64), True, proxy(16, dtype=torch.int32)) is None
+    cpu = proxy(2, 8, 16, 128, device="cpu")
+    assert "not CUDA" in c(cpu, proxy(2, 2, 16, 128, device="cpu"), cos, sin)
+    assert "differs from q" in c(q, proxy(2, 2, 16, 128, dtype=torch.float16), cos, sin)
+    assert "differ in B, T or D" in c(q, proxy(2, 2, 15, 128), cos, sin)
+    assert "odd" in c(proxy(2, 8, 16, 7), proxy(2, 2, 16, 7), proxy(16, 7), proxy(16, 7))
+    assert "(B, H, T, D)" in c(proxy(16, 128), proxy(16, 128), cos, sin)
+    assert "is not" in c(q, k, cos, sin, True)  # interleaved tables have D / 2 entries
+    assert "is not" in c(q, k, proxy(3, 16, 128), proxy(3, 16, 128))
+    assert "float32" in c(q, k, proxy(16, 128, dtype=torch.float16), proxy(16, 128, dtype=torch.float16))
+    assert "require grad" in c(q, k, proxy(16, 128, requires_grad=True), proxy(16, 128))
+    assert "int64 or int32" in c(q, k, proxy(40, 128), proxy(40, 128), False, proxy(16, dtype=torch.float32))
+    assert "position_ids shape" in c(q, k, proxy(40, 128), proxy(40, 128), False, proxy(3, 16, dtype=torch.int64))
+    assert "with position_ids" in c(q, k, cos, sin, False, proxy(2, 16, dtype=torch.int64))
+    assert "Python bool" in c(q, k, cos, sin, 1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+def test_cpu_fallback(interleaved):
+    B, Hq, Hkv, T, D = 2, 4, 2, 5, 8
+    cos, sin, pos = tables("pos", B, T, D, interleaved, torch.float32, device="cpu")
+
+    def fn(q, k):
+        q_rot, k_rot = op.apply_rope(q, k, cos, sin, interleaved, pos)
+        return (q_rot.sum(1, keepdim=True) * k_rot).sum()
+
+    q, k = torch.randn(B, Hq, T, D, requires_grad=True), torch.randn(B, Hkv, T, D, requires_grad=True)
+    jq, jk = (t.detach().clone().requires_grad_() for t in (q, k))
+    _thunder.reset_declines()
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    out, ref = jf(jq, jk), fn(q, k)
+    out.backward()
+    ref.backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(jq.grad, q.grad)
+    torch.testing.assert_close(jk.grad, k.grad)
+    assert any("not CUDA" in r for r in _thunder.declines()["kforge_apply_rope"])
+    assert "kforge_rope_forward" not in _names(thunder.last_traces(jf)[-1])
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+def test_cpu_fallback_without_grad(interleaved):
+    # Declined without autograd, the trace keeps kforge_apply_rope and runs the helper itself.
+    B, Hq, Hkv, T, D = 2, 4, 2, 5, 8
+    cos, sin, _ = tables("1t", B, T, D, interleaved, torch.float32, device="cpu")
+    q, k = torch.randn(B, Hq, T, D), torch.randn(B, Hkv, T, D)
+    jf = thunder.jit(op.apply_rope, executors=[kforge.executor])
+    with torch.no_grad():
+        for o, r in zip(jf(q, k, cos, sin, interleaved), op.apply_rope(q, k, cos, sin, interleaved)):
+            torch.testing.assert_close(o, r)
+
+
+def test_helper_rotate_half_is_hf():
+    # transformers' apply_rotary_pos_emb with unsqueeze_dim=1, tables as LlamaRotaryEmbedding builds them.
+    B, Hq, Hkv, T, D = 2, 4, 2, 6, 16
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    pos = torch.arange(T)[None].expand(B, T)
+    freqs = pos[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    q, k = torch.randn(B, Hq, T, D).bfloat16(), torch.randn(B, Hkv, T, D).bfloat16()
+
+    def rotate_half(x):
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        return torch.cat((-x2, x1), dim=-1)
+
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    hq, hk = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+    oq, ok = op.apply_rope(q, k, cos, sin)
+    assert torch.equal(oq, hq) and torch.equal(ok, hk)
+
+
+def test_helper_interleaved_is_meta():
+    # Meta's llama reference: precompute_freqs_cis + apply_rotary_emb (complex64).
+    B, Hq, Hkv, T, D = 2, 4, 2, 6, 16
+    freqs = 1.0 / (10000 ** (torch.arange(0, D, 2)[: D // 2].float() / D))
+    freqs_cis = torch.polar(torch.ones(T, D // 2), torch.outer(torch.arange(T).float(), freqs))
+    q, k = torch.randn(B, Hq, T, D), torch.randn(B, Hkv, T, D)
+
+    def meta(x):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs_cis).flatten(3).type_as(x)
+
+    oq, ok = op.apply_rope(q, k, freqs_cis.real, freqs_cis.imag, interleaved=True)
+    torch.testing.assert_close(oq, meta(q))
+    torch.testing.assert_close(ok, meta(k))
+
+
+def test_launcher_rejects_cpu_tensors():
+    q, k, c = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(4, 8)
+    with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
+        kforge._C.rope_forward(q, k, c, c)
+    with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
+        kforge._C.rope_backward(q, k, c, c, None, False)

@@ -1,0 +1,161 @@
+"""swiglu: out = silu(gate) * up and its one-pass backward (d_gate, d_up).
+
+GPU: forward and backward against float64 for fp32 / bf16, any numel (odd sizes, misaligned
+pointers, > 2^31-element offsets), thunder.jit traces. CPU: checker declines, thunder.jit fallback,
+launcher errors.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import thunder
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+
+import kforge
+from kforge import _thunder
+from kforge.ops import swiglu as op
+from conftest import DTYPES, REL_TOL, assert_close, gpu, randn
+
+
+def check(gate, up, dout, what=""):
+    dtype = gate.dtype
+    out = kforge._C.swiglu_forward(gate, up)
+    d_gate, d_up = kforge._C.swiglu_backward(dout, gate, up)
+    g64 = gate.detach().double().requires_grad_()
+    u64 = up.detach().double().requires_grad_()
+    ref = F.silu(g64) * u64
+    ref.backward(dout.double())
+    assert out.dtype == dtype and d_gate.dtype == dtype and d_up.dtype == dtype
+    assert_close(out, ref, dtype, f"out {what}")
+    assert_close(d_gate, g64.grad, dtype, f"d_gate {what}")
+    assert_close(d_up, u64.grad, dtype, f"d_up {what}")
+
+
+SHAPES = [(8, 14336), (1, 1), (3, 7), (5, 1000), (2, 3, 4099), (1, 11008)]
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_backward(dtype, shape):
+    # gate spans both tails of the sigmoid.
+    check(randn(*shape, dtype=dtype, scale=4), randn(*shape, dtype=dtype), randn(*shape, dtype=dtype),
+          str(shape))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_llama_size(dtype):
+    n = (8192, 14336)
+    check(randn(*n, dtype=dtype, scale=3), randn(*n, dtype=dtype), randn(*n, dtype=dtype), "8192x14336")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_misaligned_and_strided(dtype):
+    n = 4096 + 5
+    g = randn(n + 1, dtype=dtype)[1:]  # off 16-byte boundaries: the scalar loop
+    check(g, randn(n, dtype=dtype), randn(n, dtype=dtype), "misaligned gate")
+    gt = randn(64, 96, dtype=dtype).t()  # non-contiguous: copied by the launcher
+    check(gt, randn(96, 64, dtype=dtype), randn(96, 64, dtype=dtype), "transposed gate")
+
+
+@gpu
+def test_saturated_inputs():
+    g = torch.tensor([-200.0, -90.0, -20.0, 0.0, 20.0, 90.0, 200.0], device="cuda")
+    u, d = torch.ones_like(g), torch.ones_like(g)
+    out = kforge._C.swiglu_forward(g, u)
+    d_gate, d_up = kforge._C.swiglu_backward(d, g, u)
+    assert torch.isfinite(out).all() and torch.isfinite(d_gate).all() and torch.isfinite(d_up).all()
+    torch.testing.assert_close(out, F.silu(g))
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory < 40 * 2**30,
+                    reason="needs 40 GiB of GPU memory")
+def test_more_than_2_pow_31_elements():
+    n = 2**31 + 24  # packs and scalars past the 32-bit offset range
+    g = torch.full((n,), 1.5, device="cuda", dtype=torch.bfloat16)
+    u = torch.full((n,), -2.0, device="cuda", dtype=torch.bfloat16)
+    g[-3:] = 4.0
+    out = kforge._C.swiglu_forward(g, u)
+    expect = (F.silu(torch.tensor([1.5, 4.0])) * -2.0).bfloat16().cuda()
+    torch.testing.assert_close(out[[0, 2**31 - 1, n - 1]], expect[[0, 0, 1]])
+    del out
+    d_gate, d_up = kforge._C.swiglu_backward(u, g, u)  # dout = up
+    assert torch.isfinite(d_gate[-8:]).all()
+    torch.testing.assert_close(d_up[[0, n - 1]], expect[[0, 1]])
+
+
+@gpu
+def test_gpu_argument_errors():
+    with pytest.raises(kforge.KforgeError, match="shapes differ"):
+        kforge._C.swiglu_forward(randn(4, 8), randn(4, 9))
+    with pytest.raises(kforge.KforgeError, match="dtype"):
+        kforge._C.swiglu_forward(randn(4, 8), randn(4, 8, dtype=torch.bfloat16))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_jit(dtype):
+    def fn(gate, up):
+        return op.swiglu(gate, up) * 3
+
+    g, u = randn(4, 9, 1000, dtype=dtype, scale=3).requires_grad_(), randn(4, 9, 1000, dtype=dtype).requires_grad_()
+    jg, ju = (t.detach().clone().requires_grad_() for t in (g, u))
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    out, ref = jf(jg, ju), fn(g, u)
+    dout = randn(*ref.shape, dtype=dtype)
+    out.backward(dout)
+    ref.backward(dout)
+    assert "kforge_swiglu_forward" in {b.sym.name for b in thunder.last_traces(jf)[-1].bound_symbols}
+    assert "kforge_swiglu_backward" in {b.sym.name for b in thunder.last_backward_traces(jf)[-1].bound_symbols}
+    for o, r, name in [(out, ref, "out"), (jg.grad, g.grad, "d_gate"), (ju.grad, u.grad, "d_up")]:
+        assert_close(o, r, dtype, name, tol=2 * REL_TOL[dtype])
+
+
+# ---- CPU ---------------------------------------------------------------------------------------------------
+def proxy(*shape, dtype=torch.bfloat16, device="cuda:0") -> TensorProxy:
+    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype), requires_grad=False)
+
+
+def test_checker():
+    (claim,) = op.SPEC.claims
+    with tracectx(TraceCtx()):
+        assert claim.checker(proxy(8, 14336), proxy(8, 14336)) is None
+        assert "not CUDA" in claim.checker(proxy(8, 16, device="cpu"), proxy(8, 16, device="cpu"))
+        assert "float64" in claim.checker(proxy(8, 16, dtype=torch.float64), proxy(8, 16, dtype=torch.float64))
+        assert "up dtype" in claim.checker(proxy(8, 16), proxy(8, 16, dtype=torch.float32))
+        assert "broadcasting" in claim.checker(proxy(8, 16), proxy(1, 16))
+        assert "empty" in claim.checker(proxy(0, 16), proxy(0, 16))
+
+
+def test_cpu_fallback():
+    g, u = torch.randn(3, 50, requires_grad=True), torch.randn(3, 50, requires_grad=True)
+    jg, ju = (t.detach().clone().requires_grad_() for t in (g, u))
+    _thunder.reset_declines()
+    jf = thunder.jit(op.swiglu, executors=[kforge.executor])
+    out, ref = jf(jg, ju), op.swiglu(g, u)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(jg.grad, g.grad)
+    torch.testing.assert_close(ju.grad, u.grad)
+    assert any("not CUDA" in r for r in _thunder.declines()["kforge_swiglu"])
+
+
+def test_cpu_fallback_without_grad():
+    g, u = torch.randn(3, 50), torch.randn(3, 50)
+    jf = thunder.jit(op.swiglu, executors=[kforge.executor])
+    with torch.no_grad():
+        torch.testing.assert_close(jf(g, u), op.swiglu(g, u))
+
+
+def test_launcher_rejects_cpu_tensors():
+    with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
+        kforge._C.swiglu_forward(torch.randn(4), torch.randn(4))
+    with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
+        kforge._C.swiglu_backward(torch.randn(4), torch.randn(4), torch.randn(4))
