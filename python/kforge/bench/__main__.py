@@ -1,7 +1,8 @@
 """python -m kforge.bench {ops,gpt2,llama,launch} — benchmarks on a CUDA GPU.
 
-Kernel times are medians of CUDA-event timings of CUDA-graph replays (so host launch overhead is
-not counted) over input sets rotated through more memory than L2 holds; bandwidth is reported against the
+Kernel times are medians of CUDA-event timings of back-to-back calls queued behind a sleep kernel
+(so host launch overhead is not counted), over input sets rotated through more memory than L2 holds;
+bandwidth is reported against the
 device-to-device copy bandwidth measured in the same run. Model steps are medians of whole training
 steps (forward, backward, fused AdamW). Every run prints a Markdown block (device, torch version,
 date, command) ready to paste into BENCHMARKS.md unchanged; --json writes the raw numbers.

@@ -36,37 +36,37 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 5, reps: int = 30) -> floa
     return statistics.median(times)
 
 
-def time_op(fn: Callable[..., Any], input_sets: list[tuple], *, reps: int = 20) -> float:
+def time_op(fn: Callable[..., Any], input_sets: list[tuple], *, rounds: int = 7, calls: int = 48) -> float:
     """Median microseconds per call of `fn` on the GPU alone.
 
-    One call per input set is captured into a CUDA graph and the graph is replayed, so host launch
-    overhead (several µs from Python) is not counted, and the sets rotate through more memory than
-    L2 holds, so repeated calls do not measure the cache. Falls back to back-to-back eager calls
-    between one pair of events when `fn` cannot be captured."""
-    for inputs in input_sets:  # warm-up: compile, load modules, autotune outside the capture
+    Each round first queues a sleep kernel long enough for the host to enqueue all `calls` calls
+    behind it, so the calls then run back to back and the events between them measure device time,
+    not Python launch overhead. The calls rotate over `input_sets`, which together exceed L2, so
+    repeated calls do not measure the cache. (CUDA-graph replay would also hide launch overhead, but
+    a baseline that cannot be captured leaves the RNG's capture state broken for the rest of the run.)
+    """
+    n = max(calls, len(input_sets))
+    for inputs in input_sets:  # warm-up: compile, load modules, autotune
         fn(*inputs)
     torch.cuda.synchronize()
-    run: Callable[[], Any]
-    try:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for inputs in input_sets:
-                fn(*inputs)
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-            for inputs in input_sets:
-                fn(*inputs)
-        run = g.replay
-    except Exception:
-        torch.cuda.synchronize()
-
-        def run():
-            for inputs in input_sets:
-                fn(*inputs)
-    ms = time_cuda(run, warmup=2, reps=reps)
-    return ms * 1e3 / len(input_sets)
+    t0 = time.perf_counter()  # host cost of one round, to size the sleep
+    for i in range(n):
+        fn(*input_sets[i % len(input_sets)])
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    # Twice the host time at a 2 GHz upper bound on the SM clock: at a lower clock it only sleeps longer.
+    cycles = int(2 * host_s * 2.0e9) + 1_000_000
+    per_call = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        for i in range(n):
+            fn(*input_sets[i % len(input_sets)])
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / n)
+    return statistics.median(per_call)
 
 
 def input_sets_for(case: BenchCase, l2_bytes: int) -> list[tuple]:
