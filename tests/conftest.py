@@ -1,4 +1,9 @@
-"""Shared test machinery: the GPU marker, per-dtype tolerances, references and poisoned outputs."""
+"""Shared test machinery: the GPU marker, per-dtype tolerances, references and poisoned outputs;
+Thunder helpers (proxies for checker tests, launchers swapped for torch on CPU, jit-vs-eager checks);
+and the model tie-out helpers that the GPT-2 and Llama tests share.
+
+Thunder and kforge are imported inside the helpers, so collecting tests that need neither stays cheap.
+"""
 from __future__ import annotations
 
 import os
@@ -54,3 +59,149 @@ def _poison_outputs():
     kforge._C.set_poison_outputs(True)
     yield
     kforge._C.set_poison_outputs(False)
+
+
+# ---- Thunder: checkers, and the claims' wiring without a GPU ------------------------------------------
+def proxy(*shape, dtype=torch.float32, device="cuda:0", requires_grad=False):
+    """A Thunder TensorProxy for checker tests (no GPU needed, whatever the device).
+
+    The shape is ints or one tuple: `proxy(8, 768)`, `proxy((8, 768))`, `proxy(())` for 0-D. `dtype`
+    (a torch or thunder dtype), `device` and `requires_grad` are keywords. Test files whose checkers
+    mostly see another dtype bind it: `proxy = functools.partial(conftest.proxy, dtype=torch.bfloat16)`.
+    Create proxies inside a trace context (the `trace_ctx` fixture, or `with tracectx(TraceCtx()):`).
+    """
+    from thunder.core import devices, dtypes
+    from thunder.core.proxies import TensorProxy
+
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    if not all(isinstance(n, int) for n in shape):
+        raise TypeError(f"proxy: the shape is ints or one tuple of ints, got {shape!r} (dtype is a keyword)")
+    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
+                       requires_grad=requires_grad)
+
+
+@pytest.fixture
+def trace_ctx():
+    """Runs the test inside a fresh Thunder trace context (where proxies can be made and checked)."""
+    from thunder.core.trace import TraceCtx, tracectx
+
+    with tracectx(TraceCtx()):
+        yield
+
+
+def symbol_names(trace) -> set[str]:
+    """Names of the symbols a Thunder trace binds at its top level."""
+    return {b.sym.name for b in trace.bound_symbols}
+
+
+def call_ctx(sym) -> dict:
+    """The {name: fn} dict that Thunder's register_operator binds into every call of operator `sym`:
+    `call_ctx(sym)[sym.name]` is what the operator runs (a kforge launcher)."""
+    for cell in sym._bind_postprocess.__closure__ or ():
+        if isinstance(cell.cell_contents, dict) and sym.name in cell.cell_contents:
+            return cell.cell_contents
+    raise AssertionError(f"no call context for {sym.name}")
+
+
+def swap_launchers(monkeypatch, op_module, swaps: dict) -> None:
+    """Thunder plumbing without a GPU: each kforge operator in `swaps` ({symbol: torch stand-in}) runs
+    its stand-in instead of its launcher, and `op_module.tensor_problem` passes CPU tensors, so the
+    module's checkers accept CPU inputs while the claims' metas and grad transforms run for real.
+
+    `monkeypatch` undoes both at teardown. If Thunder binds some operator differently (see `call_ctx`),
+    the AssertionError comes before anything is swapped.
+    """
+    from thunder.core import devices
+
+    contexts = {sym: call_ctx(sym) for sym in swaps}
+    for sym, fn in swaps.items():
+        monkeypatch.setitem(contexts[sym], sym.name, fn)
+    real = op_module.tensor_problem
+    monkeypatch.setattr(op_module, "tensor_problem",
+                        lambda t, name="input": None if t.device.devicetype == devices.DeviceType.CPU else real(t, name))
+
+
+def check_jit_matches_eager(fn, args, dtype, forward_symbol: str, backward_symbol: str,
+                            names: list[str] | None = None) -> None:
+    """thunder.jit(fn) with kforge against eager `fn`, each on its own copy of `args` (same strides,
+    same `requires_grad`): `forward_symbol` is in the final forward trace and `backward_symbol` in the
+    final backward trace, and after backward of the same random output gradients, the outputs (one
+    tensor or a tuple) and then the gradients of the args that require grad match eager within
+    2 * REL_TOL[dtype] (both sides round). `names` labels those in failure messages (default
+    "output", "grad <arg index>")."""
+    import thunder
+
+    import kforge
+
+    ref_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    jit_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    out, ref = jf(*jit_args), fn(*ref_args)
+    outs, refs = (tuple(out), tuple(ref)) if isinstance(ref, tuple) else ((out,), (ref,))
+    grads = [randn(*r.shape, dtype=r.dtype, device=r.device) for r in refs]
+    torch.autograd.backward(outs, grads)
+    torch.autograd.backward(refs, grads)
+    assert forward_symbol in symbol_names(thunder.last_traces(jf)[-1])
+    assert backward_symbol in symbol_names(thunder.last_backward_traces(jf)[-1])
+    grad_of = [i for i, a in enumerate(args) if a.requires_grad]
+    got = [*outs, *(jit_args[i].grad for i in grad_of)]
+    want = [*refs, *(ref_args[i].grad for i in grad_of)]
+    if names is None:
+        names = [f"output {k}" for k in range(len(outs))] if len(outs) > 1 else ["output"]
+        names += [f"grad {i}" for i in grad_of]
+    assert len(names) == len(got), f"{len(names)} names for {len(got)} outputs and gradients"
+    for o, r, name in zip(got, want, names):
+        assert_close(o, r, dtype, name, tol=2 * REL_TOL[dtype])
+
+
+# ---- model tie-outs (GPT-2, Llama) --------------------------------------------------------------------
+def kforge_executors() -> list:
+    """kforge first, then Thunder's defaults: what the model tests jit with."""
+    import thunder
+
+    import kforge
+
+    return [kforge.executor, *thunder.get_default_executors()]
+
+
+def tieout_failures(report) -> str:
+    """A tie-out report's failing rows and summary, for an assertion message."""
+    return f"\n{report.table(failures_only=True)}\n{report.summary()}"
+
+
+def assert_cpu_tieout_falls_back(model, batch):
+    """tieout(model, batch) under kforge on CPU tensors: every kforge checker declines, Thunder runs
+    torch, and eager is matched. Returns the report."""
+    from kforge.tieout import tieout
+
+    report = tieout(model, batch, executors=kforge_executors())
+    assert report.ok, tieout_failures(report)
+    assert not report.kforge_symbols, f"kforge ran on CPU tensors: {dict(report.kforge_symbols)}"
+    return report
+
+
+def assert_loss_ignores_targets_and_is_causal(model, idx, targets, t: int = 7) -> None:
+    """A language model's `model(idx, targets) -> (logits, loss)`: targets of -1 are left out of the
+    mean cross-entropy, and changing token `t` leaves the logits of earlier positions alone (and
+    changes later ones)."""
+    import torch.nn.functional as F
+
+    assert (targets == -1).any()
+    logits, loss = model(idx, targets)
+    vocab_size = logits.shape[-1]
+    keep = targets.view(-1) != -1
+    torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, vocab_size)[keep], targets.view(-1)[keep]))
+    idx2 = idx.clone()
+    idx2[:, t] = (idx2[:, t] + 1) % vocab_size
+    logits2, _ = model(idx2)
+    torch.testing.assert_close(logits2[:, :t], logits[:, :t], rtol=0, atol=0)
+    assert not torch.allclose(logits2[:, t:], logits[:, t:])
+
+
+def assert_rejects_bad_token_shapes(model, block_size: int) -> None:
+    """A sequence longer than `block_size` and token ids that are not (B, T) raise ValueError."""
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        model(torch.zeros(1, block_size + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\(B, T\)"):
+        model(torch.zeros(4, dtype=torch.long))

@@ -10,12 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import thunder
-from thunder.core import devices, dtypes
-from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
-from conftest import DTYPES, assert_close, gpu, randn
+from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers
 from kforge import _thunder
 from kforge.ops import gelu as ge
 
@@ -173,20 +171,15 @@ def test_launchers_reject_cpu_tensors():
         kforge._C.gelu_backward(x, x)
 
 
-def proxy(shape, dtype=torch.float32, device="cuda:0"):
-    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
-                       requires_grad=False)
-
-
 def test_checker_accepts_and_declines_with_reasons():
     check = ge._checker
     with tracectx(TraceCtx()):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            assert check(proxy((8, 3072), dtype), approximate="tanh") is None
+            assert check(proxy((8, 3072), dtype=dtype), approximate="tanh") is None
         cases = {
             "approximate='none'": check(proxy((8, 3072))),
             "not CUDA": check(proxy((8, 3072), device="cpu"), approximate="tanh"),
-            "float64": check(proxy((8, 3072), torch.float64), approximate="tanh"),
+            "float64": check(proxy((8, 3072), dtype=torch.float64), approximate="tanh"),
             "empty": check(proxy((0, 3072)), approximate="tanh"),
         }
     for expected, reason in cases.items():
@@ -195,29 +188,12 @@ def test_checker_accepts_and_declines_with_reasons():
 
 # Thunder plumbing without a GPU: the claim's metas and grad transform run for real; only the kforge
 # launchers are swapped for torch and the checker accepts CPU tensors.
-def _call_ctx(sym) -> dict:
-    """The {name: fn} dict Thunder's register_operator binds to every call of `sym`."""
-    for cell in sym._bind_postprocess.__closure__ or ():
-        if isinstance(cell.cell_contents, dict) and sym.name in cell.cell_contents:
-            return cell.cell_contents
-    raise AssertionError(f"no call context for {sym.name}")
-
-
 @pytest.fixture
 def cpu_reference_launchers(monkeypatch):
-    swaps = {
+    swap_launchers(monkeypatch, ge, {
         ge.gelu_forward: lambda x: F.gelu(x, approximate="tanh"),
         ge.gelu_backward: lambda dout, x: torch.ops.aten.gelu_backward(dout, x, approximate="tanh"),
-    }
-    saved = {sym: _call_ctx(sym)[sym.name] for sym in swaps}
-    for sym, fn in swaps.items():
-        _call_ctx(sym)[sym.name] = fn
-    real = ge.tensor_problem
-    monkeypatch.setattr(ge, "tensor_problem",
-                        lambda t, name="input": None if t.device.devicetype == devices.DeviceType.CPU else real(t, name))
-    yield
-    for sym, fn in saved.items():
-        _call_ctx(sym)[sym.name] = fn
+    })
 
 
 def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):

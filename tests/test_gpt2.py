@@ -15,10 +15,9 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-import kforge
-from conftest import gpu
+from conftest import assert_cpu_tieout_falls_back, assert_loss_ignores_targets_and_is_causal, assert_rejects_bad_token_shapes
+from conftest import gpu, kforge_executors, tieout_failures
 from kforge.models.gpt2 import GPT, GPTConfig, random_batch
 from kforge.tieout import (
     TOLERANCES,
@@ -68,12 +67,6 @@ def make_model(config: GPTConfig, dtype: torch.dtype = torch.float32, device: st
     return model.to(device=device, dtype=dtype)
 
 
-def executors() -> list:
-    import thunder
-
-    return [kforge.executor, *thunder.get_default_executors()]
-
-
 def op_symbols(op: str, keep) -> tuple[set[str], set[str]]:
     """(forward, backward) names of the kforge operators that `kforge.ops.<op>` runs, filtered by
     `keep`. Operators that its SPEC claims (the `replaces=` stand-ins for model helpers such as
@@ -87,10 +80,6 @@ def op_symbols(op: str, keep) -> tuple[set[str], set[str]]:
              and keep(v.name)}
     bwd = {n for n in names if "backward" in n}
     return names - bwd, bwd
-
-
-def failed(report) -> str:
-    return f"\n{report.table(failures_only=True)}\n{report.summary()}"
 
 
 # ==== the reference model (CPU) =====================================================================
@@ -154,27 +143,13 @@ def test_manual_and_sdpa_attention_agree():
 def test_ignore_index_and_future_tokens():
     """Targets of -1 are left out of the loss, and changing a later token leaves earlier logits alone."""
     cfg = GPTConfig.preset("micro")
-    m = make_model(cfg, torch.float64, "cpu")
     idx, targets = random_batch(cfg, 2, 12, seed=5, ignore_fraction=0.3)
-    assert (targets == -1).any()
-    logits, loss = m(idx, targets)
-    keep = targets.view(-1) != -1
-    ref = F.cross_entropy(logits.view(-1, cfg.vocab_size)[keep], targets.view(-1)[keep])
-    torch.testing.assert_close(loss, ref)
-    idx2 = idx.clone()
-    idx2[:, 7] = (idx2[:, 7] + 1) % cfg.vocab_size
-    logits2, _ = m(idx2)
-    torch.testing.assert_close(logits2[:, :7], logits[:, :7], rtol=0, atol=0)
-    assert not torch.allclose(logits2[:, 7:], logits[:, 7:])
+    assert_loss_ignores_targets_and_is_causal(make_model(cfg, torch.float64, "cpu"), idx, targets)
 
 
 def test_bad_shapes_raise():
     cfg = GPTConfig.preset("micro")
-    m = GPT(cfg)
-    with pytest.raises(ValueError, match="exceeds block_size"):
-        m(torch.zeros(1, cfg.block_size + 1, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"\(B, T\)"):
-        m(torch.zeros(4, dtype=torch.long))
+    assert_rejects_bad_token_shapes(GPT(cfg), cfg.block_size)
 
 
 # ==== bad input through Thunder + kforge (CPU, runs in CI) ===========================================
@@ -184,9 +159,7 @@ def test_cpu_model_falls_back_and_matches_eager(attention, dtype):
     """CPU tensors: every kforge checker declines, thunder.jit runs torch, and eager is matched."""
     cfg = GPTConfig.preset("micro", attention=attention)
     idx, targets = random_batch(cfg, 2, 16, seed=3, ignore_fraction=0.1)
-    report = tieout(make_model(cfg, dtype, "cpu"), (idx, targets), executors=executors())
-    assert report.ok, failed(report)
-    assert not report.kforge_symbols, f"kforge ran on CPU tensors: {dict(report.kforge_symbols)}"
+    report = assert_cpu_tieout_falls_back(make_model(cfg, dtype, "cpu"), (idx, targets))
     assert len(report.rows) == 2 + len(list(make_model(cfg, dtype, "cpu").parameters()))
 
 
@@ -194,8 +167,8 @@ def test_cpu_model_dynamo_path_falls_back():
     torch._dynamo.reset()  # a fresh Dynamo cache: past the recompile limit Dynamo would run eagerly
     cfg = GPTConfig.preset("micro")
     idx, targets = random_batch(cfg, 2, 9, seed=4)
-    report = tieout(make_model(cfg, torch.float32, "cpu"), (idx, targets), executors=executors(), mode="dynamo")
-    assert report.ok, failed(report)
+    report = tieout(make_model(cfg, torch.float32, "cpu"), (idx, targets), executors=kforge_executors(), mode="dynamo")
+    assert report.ok, tieout_failures(report)
     assert report.backend.subgraph_infos, "Dynamo never handed a graph to Thunder"
     assert not report.kforge_symbols
 
@@ -204,7 +177,7 @@ def test_cpu_loss_curves_track():
     cfg = GPTConfig.preset("micro")
     idx, targets = random_batch(cfg, 2, 16, seed=6)
     curves = loss_curves(make_model(cfg, torch.float32, "cpu"), (idx, targets), steps=10, lr=1e-2,
-                         executors=executors())
+                         executors=kforge_executors())
     assert curves.max_rel_diff() <= CURVE_TOL[torch.float32], curves.table()
     assert curves.eager[-1] < 0.9 * curves.eager[0], f"did not train:\n{curves.table()}"
 
@@ -217,7 +190,7 @@ def test_empty_batch_is_a_clear_error_cpu():
     cfg = GPTConfig.preset("micro")
     idx, targets = random_batch(cfg, 2, 8)
     m = make_model(cfg, torch.float32, "cpu")
-    jm = thunder.jit(m, executors=executors())
+    jm = thunder.jit(m, executors=kforge_executors())
     for fn in (m, jm):
         with pytest.raises(ValueError, match="empty batch"):
             fn(idx[:0], targets[:0])
@@ -233,7 +206,7 @@ def test_tieout_fails_on_a_perturbed_parameter():
     def perturb(m: GPT) -> None:
         m.transformer.h[0].mlp.c_fc.weight[3, 5] += 0.05
 
-    report = tieout(make_model(cfg, torch.float32, "cpu"), (idx, targets), executors=executors(),
+    report = tieout(make_model(cfg, torch.float32, "cpu"), (idx, targets), executors=kforge_executors(),
                     perturb_compiled=perturb)
     assert not report.ok
     failing = {r.name for r in report.failures}
@@ -245,7 +218,7 @@ def test_tieout_fails_with_an_impossible_tolerance():
     """Thunder's decompositions round differently from eager, so zero tolerance cannot be met."""
     cfg = GPTConfig.preset("micro")
     idx, targets = random_batch(cfg, 2, 16, seed=8)
-    report = tieout(make_model(cfg, torch.float32, "cpu"), (idx, targets), executors=executors(),
+    report = tieout(make_model(cfg, torch.float32, "cpu"), (idx, targets), executors=kforge_executors(),
                     tolerances=Tolerance(rel=0.0, elem=0.0))
     assert not report.ok and any(r.max_abs > 0 for r in report.rows)
 
@@ -283,8 +256,8 @@ def test_tieout_input_gradients_and_projection_loss():
     that require grad get gradient rows."""
     lin = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh())
     x = torch.randn(4, 6, requires_grad=True)
-    report = tieout(lin, (x,), executors=executors())
-    assert report.ok, failed(report)
+    report = tieout(lin, (x,), executors=kforge_executors())
+    assert report.ok, tieout_failures(report)
     names = [r.name for r in report.rows]
     assert names[:3] == ["output", "loss (random projection of outputs)", "input[0].grad"], names
     assert x.grad is None  # the caller's tensor is untouched
@@ -298,8 +271,8 @@ def test_gpt2_tieout_jit(case, dtype):
     attention, overrides, B, T = GPU_CASES[case]
     cfg = GPTConfig.preset("tiny", attention=attention, **overrides)
     idx, targets = random_batch(cfg, B, T, seed=11, device="cuda", ignore_fraction=0.05)
-    report = tieout(make_model(cfg, dtype), (idx, targets), executors=executors())
-    assert report.ok, failed(report)
+    report = tieout(make_model(cfg, dtype), (idx, targets), executors=kforge_executors())
+    assert report.ok, tieout_failures(report)
     n_params = len(list(make_model(cfg, dtype, "cpu").parameters()))
     assert len(report.rows) == 2 + n_params  # logits, loss, every parameter gradient
     # kforge must have run: a tie-out of Thunder's own fallbacks proves nothing about our kernels.
@@ -321,7 +294,7 @@ def test_gpt2_manual_attention_trace_has_every_kforge_symbol():
 
     cfg = GPTConfig.preset("tiny")
     idx, targets = random_batch(cfg, 2, 64, seed=12, device="cuda")
-    jm = thunder.jit(make_model(cfg, torch.bfloat16), executors=executors())
+    jm = thunder.jit(make_model(cfg, torch.bfloat16), executors=kforge_executors())
     _, loss = jm(idx, targets)
     loss.backward()
     fwd_seen = symbol_counts(thunder.last_traces(jm)[-1])
@@ -342,7 +315,7 @@ def test_gpt2_adamw_curves_track_eager(attention, dtype):
     cfg = GPTConfig.preset("tiny", attention=attention)
     idx, targets = random_batch(cfg, 4, 64, seed=13, device="cuda")
     curves = loss_curves(make_model(cfg, dtype), (idx, targets), steps=10, lr=1e-3, weight_decay=0.1,
-                         executors=executors())
+                         executors=kforge_executors())
     assert curves.max_rel_diff() <= CURVE_TOL[dtype], f"\n{curves.table()}"
     assert curves.eager[-1] < 0.9 * curves.eager[0], f"did not train:\n{curves.table()}"
 
@@ -356,8 +329,8 @@ def test_gpt2_tieout_dynamo(attention, dtype):
     torch._dynamo.reset()  # a fresh Dynamo cache: past the recompile limit Dynamo would run eagerly
     cfg = GPTConfig.preset("tiny", attention=attention)
     idx, targets = random_batch(cfg, 4, 64, seed=14, device="cuda")
-    report = tieout(make_model(cfg, dtype), (idx, targets), executors=executors(), mode="dynamo")
-    assert report.ok, failed(report)
+    report = tieout(make_model(cfg, dtype), (idx, targets), executors=kforge_executors(), mode="dynamo")
+    assert report.ok, tieout_failures(report)
     for op in ("layernorm", "gelu", "cross_entropy"):
         fwd, bwd = op_symbols(op, lambda n: True)
         assert (fwd | bwd) <= set(report.kforge_symbols), (
@@ -369,8 +342,8 @@ def test_gpt2_tieout_dynamo(attention, dtype):
 def test_fp64_model_falls_back():
     cfg = GPTConfig.preset("tiny")
     idx, targets = random_batch(cfg, 2, 32, seed=15, device="cuda")
-    report = tieout(make_model(cfg, torch.float64), (idx, targets), executors=executors())
-    assert report.ok, failed(report)
+    report = tieout(make_model(cfg, torch.float64), (idx, targets), executors=kforge_executors())
+    assert report.ok, tieout_failures(report)
     assert not report.kforge_symbols, f"kforge ran on fp64: {dict(report.kforge_symbols)}"
 
 
@@ -380,7 +353,7 @@ def test_empty_batch_is_a_clear_error_cuda():
 
     cfg = GPTConfig.preset("tiny")
     idx, targets = random_batch(cfg, 2, 8, device="cuda")
-    jm = thunder.jit(make_model(cfg, torch.bfloat16), executors=executors())
+    jm = thunder.jit(make_model(cfg, torch.bfloat16), executors=kforge_executors())
     with pytest.raises(ValueError, match="empty batch"):
         jm(idx[:0], targets[:0])
 
@@ -391,14 +364,14 @@ def test_tieout_fails_on_gpu():
     torch's), and so does one perturbed weight."""
     cfg = GPTConfig.preset("tiny")
     idx, targets = random_batch(cfg, 2, 64, seed=16, device="cuda")
-    report = tieout(make_model(cfg, torch.float32), (idx, targets), executors=executors(),
+    report = tieout(make_model(cfg, torch.float32), (idx, targets), executors=kforge_executors(),
                     tolerances=Tolerance(rel=0.0, elem=0.0))
     assert not report.ok and report.kforge_symbols
 
     def perturb(m: GPT) -> None:
         m.transformer.h[1].mlp.c_fc.weight[3, 5] += 0.1
 
-    report = tieout(make_model(cfg, torch.float32), (idx, targets), executors=executors(),
+    report = tieout(make_model(cfg, torch.float32), (idx, targets), executors=kforge_executors(),
                     perturb_compiled=perturb)
     assert not report.ok
-    assert "transformer.h.1.mlp.c_fc.weight.grad" in {r.name for r in report.failures}, failed(report)
+    assert "transformer.h.1.mlp.c_fc.weight.grad" in {r.name for r in report.failures}, tieout_failures(report)

@@ -6,17 +6,21 @@ thunder.jit fallback, launcher errors.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import thunder
-from thunder.core import devices, dtypes
-from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
 from kforge import _thunder
 from kforge.ops import gqa as op
-from conftest import DTYPES, REL_TOL, assert_close, gpu, randn
+import conftest
+from conftest import DTYPES, assert_close, check_jit_matches_eager, gpu, randn
+
+# Proxies in this file are bf16 unless a test says otherwise (conftest.proxy defaults to fp32).
+proxy = functools.partial(conftest.proxy, dtype=torch.bfloat16)
 
 
 def check(x, n_rep, what=""):
@@ -88,23 +92,11 @@ def test_thunder_jit(dtype, n_rep):
     B, T, H, D = 2, 12, 2, 64
     k = randn(B, T, H, D, dtype=dtype).transpose(1, 2).requires_grad_()
     v = randn(B, H, T, D, dtype=dtype).requires_grad_()
-    jk, jv = (t.detach().clone().requires_grad_() for t in (k, v))
-    jf = thunder.jit(fn, executors=[kforge.executor])
-    out, ref = jf(jk, jv), fn(k, v)
-    g = randn(*ref.shape, dtype=dtype)
-    out.backward(g)
-    ref.backward(g)
-    assert "kforge_repeat_kv_forward" in {b.sym.name for b in thunder.last_traces(jf)[-1].bound_symbols}
-    assert "kforge_repeat_kv_backward" in {b.sym.name for b in thunder.last_backward_traces(jf)[-1].bound_symbols}
-    for o, r, name in [(out, ref, "out"), (jk.grad, k.grad, "dk"), (jv.grad, v.grad, "dv")]:
-        assert_close(o, r, dtype, name, tol=2 * REL_TOL[dtype])
+    check_jit_matches_eager(fn, [k, v], dtype, "kforge_repeat_kv_forward", "kforge_repeat_kv_backward",
+                            ["out", "dk", "dv"])
 
 
 # ---- CPU ---------------------------------------------------------------------------------------------------
-def proxy(*shape, dtype=torch.bfloat16, device="cuda:0") -> TensorProxy:
-    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype), requires_grad=False)
-
-
 def test_checker():
     (claim,) = op.SPEC.claims
     with tracectx(TraceCtx()):

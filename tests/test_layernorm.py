@@ -10,12 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import thunder
-from thunder.core import devices, dtypes
-from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
-from conftest import DTYPES, assert_close, gpu, randn
+from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers
 from kforge import _thunder
 from kforge.ops import layernorm as ln
 
@@ -226,11 +224,6 @@ def test_launchers_reject_cpu_tensors():
         kforge._C.layernorm_backward(x, x, None, None, stats, stats)
 
 
-def proxy(shape, dtype=torch.float32, device="cuda:0"):
-    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
-                       requires_grad=False)
-
-
 def test_checker_accepts_and_declines_with_reasons():
     check = ln._checker
     with tracectx(TraceCtx()):
@@ -242,11 +235,11 @@ def test_checker_accepts_and_declines_with_reasons():
         assert check(proxy((768,)), (768,), w, b) is None  # 1-D input: one row
         cases = {
             "not CUDA": check(proxy((8, 768), device="cpu"), (768,), None, None),
-            "float64": check(proxy((8, 768), torch.float64), (768,), None, None),
+            "float64": check(proxy((8, 768), dtype=torch.float64), (768,), None, None),
             "spans 2 dims": check(proxy((8, 4, 192)), (4, 192), None, None),
             "does not match the last dim": check(a, (767,), None, None),
             "weight shape": check(a, (768,), proxy((2, 384)), None),
-            "weight dtype": check(a, (768,), proxy((768,), torch.bfloat16), None),
+            "weight dtype": check(a, (768,), proxy((768,), dtype=torch.bfloat16), None),
             "bias is on": check(a, (768,), w, proxy((768,), device="cuda:1")),
             "empty": check(proxy((0, 768)), (768,), None, None),
             "0-D": check(proxy(()), (), None, None),
@@ -278,26 +271,9 @@ def _ref_backward(dout, x, w, b, mean, rstd):
     return dx.to(x.dtype).reshape(x.shape), dw, db
 
 
-def _call_ctx(sym) -> dict:
-    """The {name: fn} dict Thunder's register_operator binds to every call of `sym`."""
-    for cell in sym._bind_postprocess.__closure__ or ():
-        if isinstance(cell.cell_contents, dict) and sym.name in cell.cell_contents:
-            return cell.cell_contents
-    raise AssertionError(f"no call context for {sym.name}")
-
-
 @pytest.fixture
 def cpu_reference_launchers(monkeypatch):
-    swaps = {ln.layernorm_forward: _ref_forward, ln.layernorm_backward: _ref_backward}
-    saved = {sym: _call_ctx(sym)[sym.name] for sym in swaps}
-    for sym, fn in swaps.items():
-        _call_ctx(sym)[sym.name] = fn
-    real = ln.tensor_problem
-    monkeypatch.setattr(ln, "tensor_problem",
-                        lambda t, name="input": None if t.device.devicetype == devices.DeviceType.CPU else real(t, name))
-    yield
-    for sym, fn in saved.items():
-        _call_ctx(sym)[sym.name] = fn
+    swap_launchers(monkeypatch, ln, {ln.layernorm_forward: _ref_forward, ln.layernorm_backward: _ref_backward})
 
 
 @pytest.mark.parametrize("affine", AFFINE)

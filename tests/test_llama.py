@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-import kforge
 import kforge.transforms as kt
-from conftest import gpu
+from conftest import assert_cpu_tieout_falls_back, assert_loss_ignores_targets_and_is_causal, assert_rejects_bad_token_shapes
+from conftest import gpu, kforge_executors, tieout_failures
 from kforge.models.llama import Llama, LlamaConfig, hf_config, hf_llama, random_batch, rope_tables
 from kforge.tieout import TOLERANCES, Tolerance, adamw, compare, loss_curves, symbol_counts, thunder_traces, tieout
 
@@ -44,10 +44,6 @@ LLAMA_SYMBOLS = {
     "repeat_kv": ("kforge_repeat_kv_forward", "kforge_repeat_kv_backward"),
 }
 CAUSAL_SOFTMAX = ("kforge_causal_softmax_forward", "kforge_causal_softmax_backward")
-
-
-def executors() -> list:
-    return [kforge.executor, *thunder.get_default_executors()]
 
 
 def randomize_norms(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
@@ -72,10 +68,6 @@ def hf_batch(config="hf-test", B=2, T=16, seed=0, device="cpu"):
     """Random token ids for `model(input_ids=idx, labels=idx)` (HF shifts the labels itself)."""
     cfg = LlamaConfig.preset(config) if isinstance(config, str) else config
     return torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed)).to(device)
-
-
-def failed(report) -> str:
-    return f"\n{report.table(failures_only=True)}\n{report.summary()}"
 
 
 # ==== the reference model (CPU) =====================================================================
@@ -160,26 +152,14 @@ def test_manual_and_sdpa_attention_agree():
 
 def test_causality_and_ignore_index():
     cfg = LlamaConfig.preset("micro")
-    m = make_ref(cfg, torch.float64, "cpu")
     idx, targets = random_batch(cfg, 2, 12, seed=5, ignore_fraction=0.3)
-    assert (targets == -1).any()
-    logits, loss = m(idx, targets)
-    keep = targets.view(-1) != -1
-    torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, cfg.vocab_size)[keep], targets.view(-1)[keep]))
-    idx2 = idx.clone()
-    idx2[:, 7] = (idx2[:, 7] + 1) % cfg.vocab_size
-    logits2, _ = m(idx2)
-    torch.testing.assert_close(logits2[:, :7], logits[:, :7], rtol=0, atol=0)
-    assert not torch.allclose(logits2[:, 7:], logits[:, 7:])
+    assert_loss_ignores_targets_and_is_causal(make_ref(cfg, torch.float64, "cpu"), idx, targets)
 
 
 def test_bad_shapes_raise():
     cfg = LlamaConfig.preset("micro")
     m = Llama(cfg)
-    with pytest.raises(ValueError, match="exceeds block_size"):
-        m(torch.zeros(1, cfg.block_size + 1, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"\(B, T\)"):
-        m(torch.zeros(4, dtype=torch.long))
+    assert_rejects_bad_token_shapes(m, cfg.block_size)
     with pytest.raises(ValueError, match="empty batch"):
         m(torch.zeros(0, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="attn_implementation"):
@@ -192,9 +172,7 @@ def test_bad_shapes_raise():
 def test_cpu_reference_falls_back_and_matches_eager(attention, dtype):
     cfg = LlamaConfig.preset("micro", attention=attention)
     idx, targets = random_batch(cfg, 2, 16, seed=3, ignore_fraction=0.1)
-    report = tieout(make_ref(cfg, dtype, "cpu"), (idx, targets), executors=executors())
-    assert report.ok, failed(report)
-    assert not report.kforge_symbols, f"kforge ran on CPU tensors: {dict(report.kforge_symbols)}"
+    report = assert_cpu_tieout_falls_back(make_ref(cfg, dtype, "cpu"), (idx, targets))
     # Each helper did become its kforge operator (then declined): the first trace holds them all.
     first = Counter(b.sym.name for b in thunder.last_traces(report.compiled)[0].bound_symbols)
     L = cfg.n_layer
@@ -208,7 +186,7 @@ def test_cpu_reference_no_grad_falls_back():
     cfg = LlamaConfig.preset("micro")
     m = make_ref(cfg, torch.float32, "cpu")
     idx, targets = random_batch(cfg, 2, 16, seed=3)
-    jm = thunder.jit(m, executors=executors())
+    jm = thunder.jit(m, executors=kforge_executors())
     with torch.no_grad():
         logits, loss = jm(idx, targets)
         ref_logits, ref_loss = m(idx, targets)
@@ -334,7 +312,7 @@ def test_rewrite_to_kforge_operators_keeps_numerics():
     no decomposed Llama step is left in the rewritten trace."""
     gm, inputs, _ = hf_graph("eager", torch.float32, n_layer=2)
     transform = kt.LlamaPatternTransform(require_claim=False)
-    jf = thunder.jit(gm, transforms=[transform], executors=executors())
+    jf = thunder.jit(gm, transforms=[transform], executors=kforge_executors())
     out = jf(*inputs)
     ref = gm(*inputs)
     assert [r.reason for r in transform.rewrites] == [None] * len(_hf_layer_kinds(2))
@@ -563,8 +541,8 @@ def _expected_symbols(attention: str) -> set[str]:
 def test_reference_llama_tieout(attention, dtype):
     cfg = LlamaConfig.preset("tiny", attention=attention)
     idx, targets = random_batch(cfg, 3, 97, seed=7, device="cuda", ignore_fraction=0.05)
-    report = tieout(make_ref(cfg, dtype), (idx, targets), executors=executors())
-    assert report.ok, failed(report)
+    report = tieout(make_ref(cfg, dtype), (idx, targets), executors=kforge_executors())
+    assert report.ok, tieout_failures(report)
     assert len(report.rows) == 2 + len(list(Llama(cfg).parameters()))
     missing = _expected_symbols(attention) - set(report.kforge_symbols)
     assert not missing, f"not in the traces: {sorted(missing)}; found {dict(report.kforge_symbols)}"
@@ -583,7 +561,7 @@ def test_reference_llama_tieout(attention, dtype):
 def test_reference_llama_adamw_tracks_eager(attention, dtype):
     cfg = LlamaConfig.preset("tiny", attention=attention)
     idx, targets = random_batch(cfg, 4, 128, seed=8, device="cuda")
-    curves = loss_curves(make_ref(cfg, dtype), (idx, targets), steps=10, executors=executors())
+    curves = loss_curves(make_ref(cfg, dtype), (idx, targets), steps=10, executors=kforge_executors())
     assert curves.eager[-1] < curves.eager[0] - 0.05, f"eager did not train:\n{curves.table()}"
     assert curves.max_rel_diff() <= CURVE_TOL[dtype], f"\n{curves.table()}"
 

@@ -10,12 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import thunder
-from thunder.core import devices, dtypes
-from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
-from conftest import DTYPES, assert_close, gpu, randn
+from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers
 from kforge import _thunder
 from kforge.ops import permute as pm
 from kforge.ops.permute import merge_heads, split_qkv
@@ -179,22 +177,17 @@ def test_launchers_reject_cpu_tensors():
         kforge._C.merge_heads_forward(randn(2, 2, 3, 2, device="cpu"))
 
 
-def proxy(shape, dtype=torch.float32, device="cuda:0") -> TensorProxy:
-    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
-                       requires_grad=False)
-
-
 def test_checkers_accept_and_decline_with_reasons():
     with tracectx(TraceCtx()):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            assert pm._split_checker(proxy((8, 1024, 2304), dtype), 12) is None
-            assert pm._merge_checker(proxy((8, 12, 1024, 64), dtype)) is None
+            assert pm._split_checker(proxy((8, 1024, 2304), dtype=dtype), 12) is None
+            assert pm._merge_checker(proxy((8, 12, 1024, 64), dtype=dtype)) is None
         cases = {
             "not (B, T, 3C)": pm._split_checker(proxy((8, 2304)), 12),
             "not 3 * n_head * head_size": pm._split_checker(proxy((2, 3, 30)), 4),
             "not a positive int": pm._split_checker(proxy((2, 3, 36)), 0),
             "not CUDA": pm._split_checker(proxy((2, 3, 36), device="cpu"), 2),
-            "float64": pm._split_checker(proxy((2, 3, 36), torch.float64), 2),
+            "float64": pm._split_checker(proxy((2, 3, 36), dtype=torch.float64), 2),
             "empty": pm._merge_checker(proxy((2, 3, 0, 4))),
             "not (B, NH, T, HS)": pm._merge_checker(proxy((2, 3, 4))),
         }
@@ -225,31 +218,14 @@ def test_cpu_tensors_fall_back_to_torch():
 
 # Thunder plumbing without a GPU: the operators' metas and grad transforms run for real; only the
 # kforge launchers are swapped for torch and the checkers accept CPU tensors.
-def _call_ctx(sym) -> dict:
-    """The {name: fn} dict Thunder's register_operator binds to every call of `sym`."""
-    for cell in sym._bind_postprocess.__closure__ or ():
-        if isinstance(cell.cell_contents, dict) and sym.name in cell.cell_contents:
-            return cell.cell_contents
-    raise AssertionError(f"no call context for {sym.name}")
-
-
 @pytest.fixture
 def cpu_reference_launchers(monkeypatch):
-    swaps = {
+    swap_launchers(monkeypatch, pm, {
         pm.split_qkv_forward: lambda qkv, nh: tuple(t.contiguous() for t in ref_split(qkv, nh)),
         pm.split_qkv_backward: lambda dq, dk, dv: torch.cat([ref_merge(g) for g in (dq, dk, dv)], -1),
         pm.merge_heads_forward: lambda y: ref_merge(y).contiguous(),
         pm.merge_heads_backward: lambda d, nh: d.view(d.shape[0], d.shape[1], nh, -1).transpose(1, 2).contiguous(),
-    }
-    saved = {sym: _call_ctx(sym)[sym.name] for sym in swaps}
-    for sym, fn in swaps.items():
-        _call_ctx(sym)[sym.name] = fn
-    real = pm.tensor_problem
-    monkeypatch.setattr(pm, "tensor_problem",
-                        lambda t, name="input": None if t.device.devicetype == devices.DeviceType.CPU else real(t, name))
-    yield
-    for sym, fn in saved.items():
-        _call_ctx(sym)[sym.name] = fn
+    })
 
 
 def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):

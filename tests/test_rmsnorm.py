@@ -7,20 +7,23 @@ errors.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 import thunder
-from thunder.core import devices, dtypes
-from thunder.core.proxies import TensorProxy
-from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
 from kforge import _thunder
 from kforge.ops import rmsnorm as op
-from conftest import DTYPES, REL_TOL, assert_close, gpu, randn
+import conftest
+from conftest import DTYPES, assert_close, check_jit_matches_eager, gpu, randn, symbol_names
 
 EPS = 1e-5
+
+# Proxies in this file are bf16 unless a test says otherwise (conftest.proxy defaults to fp32).
+proxy = functools.partial(conftest.proxy, dtype=torch.bfloat16)
 
 
 def reference(x, weight, eps, dy, nd=1):
@@ -141,26 +144,10 @@ def test_gpu_argument_errors():
 
 
 # ---- GPU: thunder.jit ----------------------------------------------------------------------------------
-def _names(trace) -> set[str]:
-    return {b.sym.name for b in trace.bound_symbols}
-
-
-def _jit_check(fn, args, grads_of, dtype):
+def _jit_check(fn, args, dtype):
     """thunder.jit(fn) with kforge: the kforge rmsnorm kernels appear in the forward and backward
-    traces, and outputs and gradients match eager torch."""
-    args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
-    jargs = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
-    jf = thunder.jit(fn, executors=[kforge.executor])
-    out = jf(*jargs)
-    ref = fn(*args)
-    g = randn(*ref.shape, dtype=ref.dtype)
-    out.backward(g)
-    ref.backward(g)
-    assert "kforge_rmsnorm_forward" in _names(thunder.last_traces(jf)[-1])
-    assert "kforge_rmsnorm_backward" in _names(thunder.last_backward_traces(jf)[-1])
-    assert_close(out, ref, dtype, "output", tol=2 * REL_TOL[dtype])
-    for i in grads_of:
-        assert_close(jargs[i].grad, args[i].grad, dtype, f"grad {i}", tol=2 * REL_TOL[dtype])
+    traces, and the output and the gradients of `args` match eager torch."""
+    check_jit_matches_eager(fn, args, dtype, "kforge_rmsnorm_forward", "kforge_rmsnorm_backward")
 
 
 @gpu
@@ -168,7 +155,7 @@ def _jit_check(fn, args, grads_of, dtype):
 def test_thunder_helper(dtype):
     x = randn(2, 7, 4096, dtype=dtype).requires_grad_()
     w = (randn(4096, dtype=dtype, scale=0.5) + 1).requires_grad_()
-    _jit_check(lambda x, w: op.rms_norm(x, w, 1e-6) * 2, [x, w], [0, 1], dtype)
+    _jit_check(lambda x, w: op.rms_norm(x, w, 1e-6) * 2, [x, w], dtype)
 
 
 @gpu
@@ -176,23 +163,12 @@ def test_thunder_helper(dtype):
 def test_thunder_f_rms_norm(dtype):
     x = randn(2, 5, 768, dtype=dtype).requires_grad_()
     w = randn(768, dtype=dtype).requires_grad_()
-    _jit_check(lambda x, w: F.rms_norm(x, (768,), w, 1e-6), [x, w], [0, 1], dtype)
-    _jit_check(lambda x: F.rms_norm(x, (5, 768)), [x], [0], dtype)  # eps=None, no weight
+    _jit_check(lambda x, w: F.rms_norm(x, (768,), w, 1e-6), [x, w], dtype)
+    _jit_check(lambda x: F.rms_norm(x, (5, 768)), [x], dtype)  # eps=None, no weight
 
 
 # ---- CPU: checkers, fallback, launcher errors -----------------------------------------------------------
-@pytest.fixture
-def trace():
-    with tracectx(TraceCtx()):
-        yield
-
-
-def proxy(*shape, dtype=torch.bfloat16, device="cuda:0", requires_grad=False) -> TensorProxy:
-    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
-                       requires_grad=requires_grad)
-
-
-def test_helper_checker(trace):
+def test_helper_checker(trace_ctx):
     check_helper, check_f = (c.checker for c in op.SPEC.claims)
     x, w = proxy(8, 4096), proxy(4096)
     assert check_helper(x, w, 1e-6) is None
@@ -208,7 +184,7 @@ def test_helper_checker(trace):
     assert "empty" in check_helper(proxy(0, 4096), w)
 
 
-def test_f_rms_norm_checker(trace):
+def test_f_rms_norm_checker(trace_ctx):
     _, check_f = (c.checker for c in op.SPEC.claims)
     x = proxy(2, 5, 64)
     assert check_f(x, (64,), proxy(64), 1e-5) is None
@@ -230,7 +206,7 @@ def _jit_cpu(fn, *args):
     torch.testing.assert_close(out, ref)
     for a, j in zip(args, jargs):
         torch.testing.assert_close(j.grad, a.grad)
-    names = _names(thunder.last_traces(jf)[-1]) | _names(thunder.last_backward_traces(jf)[-1])
+    names = symbol_names(thunder.last_traces(jf)[-1]) | symbol_names(thunder.last_backward_traces(jf)[-1])
     assert not any(n.startswith("kforge_rmsnorm") for n in names)
     return _thunder.declines()
 

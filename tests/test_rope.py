@@ -7,17 +7,20 @@ semantics (HF and Meta references), launcher errors.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import thunder
-from thunder.core import devices, dtypes
-from thunder.core.proxies import TensorProxy
-from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
 from kforge import _thunder
 from kforge.ops import rope as op
-from conftest import DTYPES, REL_TOL, assert_close, gpu, randn
+import conftest
+from conftest import DTYPES, assert_close, check_jit_matches_eager, gpu, randn, symbol_names
+
+# Proxies in this file are bf16 unless a test says otherwise (conftest.proxy defaults to fp32).
+proxy = functools.partial(conftest.proxy, dtype=torch.bfloat16)
 
 
 def reference(x, cos, sin, interleaved, position_ids=None):
@@ -168,10 +171,6 @@ def test_gpu_argument_errors():
 
 
 # ---- GPU: thunder.jit ----------------------------------------------------------------------------------
-def _names(trace) -> set[str]:
-    return {b.sym.name for b in trace.bound_symbols}
-
-
 @gpu
 @pytest.mark.parametrize("kind", ["1t", "pos"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
@@ -186,31 +185,11 @@ def test_thunder_jit(dtype, interleaved, kind):
 
     q = randn(B, T, Hq, D, dtype=dtype).transpose(1, 2).requires_grad_()
     k = randn(B, Hkv, T, D, dtype=dtype).requires_grad_()
-    jq, jk = (t.detach().clone().requires_grad_() for t in (q, k))
-    jf = thunder.jit(fn, executors=[kforge.executor])
-    out, ref = jf(jq, jk), fn(q, k)
-    grads = (randn(B, Hq, T, D, dtype=dtype), randn(B, Hkv, T, D, dtype=dtype))
-    torch.autograd.backward(out, grads)
-    torch.autograd.backward(ref, grads)
-    assert "kforge_rope_forward" in _names(thunder.last_traces(jf)[-1])
-    assert "kforge_rope_backward" in _names(thunder.last_backward_traces(jf)[-1])
-    for o, r, name in [(out[0], ref[0], "q"), (out[1], ref[1], "k"), (jq.grad, q.grad, "dq"), (jk.grad, k.grad, "dk")]:
-        assert_close(o, r, dtype, name, tol=2 * REL_TOL[dtype])
+    check_jit_matches_eager(fn, [q, k], dtype, "kforge_rope_forward", "kforge_rope_backward", ["q", "k", "dq", "dk"])
 
 
 # ---- CPU: checker, fallback, helper semantics, launcher errors ------------------------------------------
-@pytest.fixture
-def trace():
-    with tracectx(TraceCtx()):
-        yield
-
-
-def proxy(*shape, dtype=torch.bfloat16, device="cuda:0", requires_grad=False) -> TensorProxy:
-    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
-                       requires_grad=requires_grad)
-
-
-def test_checker(trace):
+def test_checker(trace_ctx):
     (claim,) = op.SPEC.claims
     c = claim.checker
     q, k = proxy(2, 8, 16, 128), proxy(2, 2, 16, 128)
@@ -256,7 +235,7 @@ def test_cpu_fallback(interleaved):
     torch.testing.assert_close(jq.grad, q.grad)
     torch.testing.assert_close(jk.grad, k.grad)
     assert any("not CUDA" in r for r in _thunder.declines()["kforge_apply_rope"])
-    assert "kforge_rope_forward" not in _names(thunder.last_traces(jf)[-1])
+    assert "kforge_rope_forward" not in symbol_names(thunder.last_traces(jf)[-1])
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])

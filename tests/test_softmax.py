@@ -13,12 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import thunder
-from thunder.core import devices, dtypes
-from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
-from conftest import DTYPES, assert_close, gpu, randn
+from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers
 from kforge import _thunder
 from kforge.ops import softmax as sm
 from kforge.ops.softmax import causal_softmax
@@ -315,25 +313,20 @@ def test_launchers_reject_cpu_tensors():
         kforge._C.causal_softmax_backward(x, x, 1.0)
 
 
-def proxy(shape, dtype=torch.float32, device="cuda:0") -> TensorProxy:
-    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype),
-                       requires_grad=False)
-
-
 def test_checkers_accept_and_decline_with_reasons():
     with tracectx(TraceCtx()):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            assert sm._softmax_checker(proxy((8, 50257), dtype), -1) is None
-            assert sm._causal_checker(proxy((2, 12, 64, 64), dtype), 0.125) is None
+            assert sm._softmax_checker(proxy((8, 50257), dtype=dtype), -1) is None
+            assert sm._causal_checker(proxy((2, 12, 64, 64), dtype=dtype), 0.125) is None
         assert sm._softmax_checker(proxy((4, 5, 6)), 2) is None
         assert sm._softmax_checker(proxy((4, 5, 6)), -1, dtype=torch.float32) is None
         cases = {
             "dim=1 is not the last dim": sm._softmax_checker(proxy((4, 5, 6)), 1),
             "dim=-2 is not the last dim": sm._softmax_checker(proxy((4, 5, 6)), -2),
-            "dtype=torch.float32 differs": sm._softmax_checker(proxy((4, 6), torch.bfloat16), -1,
+            "dtype=torch.float32 differs": sm._softmax_checker(proxy((4, 6), dtype=torch.bfloat16), -1,
                                                                dtype=torch.float32),
             "not CUDA": sm._softmax_checker(proxy((4, 6), device="cpu"), -1),
-            "float64": sm._softmax_checker(proxy((4, 6), torch.float64), -1),
+            "float64": sm._softmax_checker(proxy((4, 6), dtype=torch.float64), -1),
             "empty": sm._softmax_checker(proxy((0, 6)), -1),
             "0-d": sm._softmax_checker(proxy(()), 0),
             "is not (..., T, T)": sm._causal_checker(proxy((2, 3, 4, 5)), 0.5),
@@ -366,36 +359,19 @@ def test_cpu_tensors_fall_back_to_torch(which):
 
 # Thunder plumbing without a GPU: the claims' metas and grad transforms run for real; only the kforge
 # launchers are swapped for torch and the checkers accept CPU tensors.
-def _call_ctx(sym) -> dict:
-    """The {name: fn} dict Thunder's register_operator binds to every call of `sym`."""
-    for cell in sym._bind_postprocess.__closure__ or ():
-        if isinstance(cell.cell_contents, dict) and sym.name in cell.cell_contents:
-            return cell.cell_contents
-    raise AssertionError(f"no call context for {sym.name}")
-
-
 def _torch_backward(dy, y):
     return y * (dy - (dy * y).sum(-1, keepdim=True))
 
 
 @pytest.fixture
 def cpu_reference_launchers(monkeypatch):
-    swaps = {
+    swap_launchers(monkeypatch, sm, {
         sm.softmax_forward: lambda x: torch.softmax(x, -1),
         sm.softmax_backward: _torch_backward,
         sm.causal_softmax_forward: lambda x, scale: torch.softmax(
             (x * scale).masked_fill(causal_mask(x.size(-1), x.device), float("-inf")), -1),
         sm.causal_softmax_backward: lambda dy, y, scale: scale * _torch_backward(dy, y),
-    }
-    saved = {sym: _call_ctx(sym)[sym.name] for sym in swaps}
-    for sym, fn in swaps.items():
-        _call_ctx(sym)[sym.name] = fn
-    real = sm.tensor_problem
-    monkeypatch.setattr(sm, "tensor_problem",
-                        lambda t, name="input": None if t.device.devicetype == devices.DeviceType.CPU else real(t, name))
-    yield
-    for sym, fn in saved.items():
-        _call_ctx(sym)[sym.name] = fn
+    })
 
 
 def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):

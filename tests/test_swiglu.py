@@ -6,18 +6,22 @@ launcher errors.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 import thunder
-from thunder.core import devices, dtypes
-from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
 from kforge import _thunder
 from kforge.ops import swiglu as op
-from conftest import DTYPES, REL_TOL, assert_close, gpu, randn
+import conftest
+from conftest import DTYPES, assert_close, check_jit_matches_eager, gpu, randn
+
+# Proxies in this file are bf16 unless a test says otherwise (conftest.proxy defaults to fp32).
+proxy = functools.partial(conftest.proxy, dtype=torch.bfloat16)
 
 
 def check(gate, up, dout, what=""):
@@ -105,23 +109,11 @@ def test_thunder_jit(dtype):
         return op.swiglu(gate, up) * 3
 
     g, u = randn(4, 9, 1000, dtype=dtype, scale=3).requires_grad_(), randn(4, 9, 1000, dtype=dtype).requires_grad_()
-    jg, ju = (t.detach().clone().requires_grad_() for t in (g, u))
-    jf = thunder.jit(fn, executors=[kforge.executor])
-    out, ref = jf(jg, ju), fn(g, u)
-    dout = randn(*ref.shape, dtype=dtype)
-    out.backward(dout)
-    ref.backward(dout)
-    assert "kforge_swiglu_forward" in {b.sym.name for b in thunder.last_traces(jf)[-1].bound_symbols}
-    assert "kforge_swiglu_backward" in {b.sym.name for b in thunder.last_backward_traces(jf)[-1].bound_symbols}
-    for o, r, name in [(out, ref, "out"), (jg.grad, g.grad, "d_gate"), (ju.grad, u.grad, "d_up")]:
-        assert_close(o, r, dtype, name, tol=2 * REL_TOL[dtype])
+    check_jit_matches_eager(fn, [g, u], dtype, "kforge_swiglu_forward", "kforge_swiglu_backward",
+                            ["out", "d_gate", "d_up"])
 
 
 # ---- CPU ---------------------------------------------------------------------------------------------------
-def proxy(*shape, dtype=torch.bfloat16, device="cuda:0") -> TensorProxy:
-    return TensorProxy(shape=shape, device=devices.Device(device), dtype=dtypes.to_dtype(dtype), requires_grad=False)
-
-
 def test_checker():
     (claim,) = op.SPEC.claims
     with tracectx(TraceCtx()):

@@ -12,13 +12,15 @@ Weights are random (seeded, llm.c's scheme); nothing is downloaded. lm_head shar
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kforge.models._common import ModelConfig
+from kforge.models._common import random_batch  # noqa: F401  (part of this module's API)
 from kforge.ops.permute import merge_heads, split_qkv
 from kforge.ops.softmax import causal_softmax
 
@@ -38,8 +40,12 @@ PRESETS: dict[str, dict] = {
 
 
 @dataclass(frozen=True)
-class GPTConfig:
-    """GPT-2 sizes; the defaults are GPT-2 124M."""
+class GPTConfig(ModelConfig):
+    """GPT-2 sizes; the defaults are GPT-2 124M. `GPTConfig.preset(name, **overrides)` gives a named
+    size from PRESETS ("124M", ..., "tiny", "micro"); `config.with_(**overrides)` a changed copy."""
+
+    PRESETS = PRESETS
+    MODEL_NAME = "GPT-2"
 
     block_size: int = 1024  # longest sequence (rows of the position embedding)
     vocab_size: int = 50257
@@ -49,28 +55,13 @@ class GPTConfig:
     attention: Attention = "manual"
 
     def __post_init__(self) -> None:
-        for f in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"GPTConfig.{f} must be positive, got {getattr(self, f)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
-        if self.attention not in ("manual", "sdpa"):
-            raise ValueError(f"GPTConfig.attention must be 'manual' or 'sdpa', got {self.attention!r}")
+        self._require_positive("block_size", "vocab_size", "n_layer", "n_head", "n_embd")
+        self._require_multiple("n_embd", "n_head")
+        self._require_choice("attention", ("manual", "sdpa"))
 
     @property
     def head_size(self) -> int:
         return self.n_embd // self.n_head
-
-    @classmethod
-    def preset(cls, name: str, **overrides) -> "GPTConfig":
-        """A named size from PRESETS ("124M", ..., "tiny", "micro"), with fields overridden."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown GPT-2 preset {name!r}; choose from {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
-
-    def with_(self, **overrides) -> "GPTConfig":
-        """A copy with some fields changed."""
-        return replace(self, **overrides)
 
 
 class CausalSelfAttention(nn.Module):
@@ -185,24 +176,3 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
-
-
-def random_batch(
-    config: GPTConfig,
-    batch_size: int,
-    seq_len: int | None = None,
-    *,
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-    ignore_fraction: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A reproducible (idx, targets) pair of (B, T) int64 tensors: random tokens, targets being the
-    next token (as in language-model training). `ignore_fraction` of the targets are set to -1, the
-    ignore_index GPT.forward passes to cross_entropy. T defaults to config.block_size."""
-    T = config.block_size if seq_len is None else seq_len
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    tokens = torch.randint(0, config.vocab_size, (batch_size, T + 1), generator=g)
-    idx, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
-    if ignore_fraction > 0:
-        targets[torch.rand(targets.shape, generator=g) < ignore_fraction] = -1
-    return idx.to(device), targets.to(device)

@@ -17,13 +17,15 @@ the very same weights: the model kforge must handle through Thunder's Dynamo pat
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kforge.models._common import ModelConfig
+from kforge.models._common import random_batch  # noqa: F401  (part of this module's API)
 from kforge.ops.gqa import repeat_kv
 from kforge.ops.rmsnorm import rms_norm
 from kforge.ops.rope import apply_rope
@@ -48,8 +50,13 @@ PRESETS: dict[str, dict] = {
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """Llama sizes; the defaults are the benchmark model (PRESETS["bench"])."""
+class LlamaConfig(ModelConfig):
+    """Llama sizes; the defaults are the benchmark model (PRESETS["bench"]).
+    `LlamaConfig.preset(name, **overrides)` gives a named size from PRESETS ("bench", "tiny",
+    "hf-test", "micro"); `config.with_(**overrides)` a changed copy."""
+
+    PRESETS = PRESETS
+    MODEL_NAME = "Llama"
 
     block_size: int = 1024  # longest sequence (rows of the RoPE tables)
     vocab_size: int = 32000
@@ -63,19 +70,14 @@ class LlamaConfig:
     attention: AttentionKind = "manual"
 
     def __post_init__(self) -> None:
-        for f in ("block_size", "vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn_dim"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"LlamaConfig.{f} must be positive, got {getattr(self, f)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"LlamaConfig: n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"LlamaConfig: n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+        self._require_positive("block_size", "vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn_dim")
+        self._require_multiple("n_embd", "n_head")
+        self._require_multiple("n_head", "n_kv_head")
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even for RoPE")
         if not (self.rope_theta > 0 and self.rms_eps > 0):
             raise ValueError("LlamaConfig: rope_theta and rms_eps must be positive")
-        if self.attention not in ("manual", "sdpa"):
-            raise ValueError(f"LlamaConfig.attention must be 'manual' or 'sdpa', got {self.attention!r}")
+        self._require_choice("attention", ("manual", "sdpa"))
 
     @property
     def head_dim(self) -> int:
@@ -85,17 +87,6 @@ class LlamaConfig:
     def n_rep(self) -> int:
         """Query heads per key / value head."""
         return self.n_head // self.n_kv_head
-
-    @classmethod
-    def preset(cls, name: str, **overrides) -> "LlamaConfig":
-        """A named size from PRESETS ("bench", "tiny", "hf-test", "micro"), with fields overridden."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown Llama preset {name!r}; choose from {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
-
-    def with_(self, **overrides) -> "LlamaConfig":
-        """A copy with some fields changed."""
-        return replace(self, **overrides)
 
 
 def rope_tables(config: LlamaConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,27 +221,6 @@ class Llama(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
-
-
-def random_batch(
-    config: LlamaConfig,
-    batch_size: int,
-    seq_len: int | None = None,
-    *,
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-    ignore_fraction: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A reproducible (idx, targets) pair of (B, T) int64 tensors: random tokens, targets being the
-    next token. `ignore_fraction` of the targets are set to -1 (ignored by the loss). T defaults to
-    config.block_size."""
-    T = config.block_size if seq_len is None else seq_len
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    tokens = torch.randint(0, config.vocab_size, (batch_size, T + 1), generator=g)
-    idx, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
-    if ignore_fraction > 0:
-        targets[torch.rand(targets.shape, generator=g) < ignore_fraction] = -1
-    return idx.to(device), targets.to(device)
 
 
 # ---- Hugging Face --------------------------------------------------------------------------------
