@@ -19,9 +19,7 @@ at::Tensor axpy(const at::Tensor& x_, const at::Tensor& y_, double alpha, int bl
   if (n == 0) return out;
   const int vec = aligned16(x) && aligned16(y) && aligned16(out);
   const int64_t packs = vec ? n / (16 / x.element_size()) : n;
-  // Enough blocks to fill the GPU several times over; the grid-stride loop covers the rest.
-  const unsigned grid =
-      std::max<unsigned>(1, std::min<int64_t>(ceil_div(packs, block), sm_count(on.device) * 16));
+  const unsigned grid = grid_stride_blocks(packs, block, 16, on.device);
   kernel.launch(dt, on.device, on.stream, grid, block, 0, x.data_ptr(), y.data_ptr(),
                 out.data_ptr(), static_cast<float>(alpha), n, vec);
   return out;

@@ -17,9 +17,7 @@ Kernel bwd(prog, "gelu_backward_kernel<{T}>");
 // Elementwise grid: a few resident waves of 256-thread blocks; the kernels' grid-stride loops cover
 // the rest, so any numel (including > 2^31) works.
 Dim3 elementwise_grid(int64_t n, bool vec, int64_t elem_size, int device) {
-  const int64_t work = vec ? n / (16 / elem_size) : n;
-  const int64_t blocks = (std::max<int64_t>(work, 1) + 255) / 256;
-  return Dim3(static_cast<unsigned>(std::min<int64_t>(blocks, int64_t(sm_count(device)) * 16)));
+  return grid_stride_blocks(vec ? n / (16 / elem_size) : n, 256, 16, device);
 }
 
 at::Tensor gelu_forward(const at::Tensor& x_) {

@@ -12,9 +12,7 @@ constexpr int kBlock = 256;
 
 // Grid-stride launch over n elements: enough blocks to fill every SM many times over.
 unsigned grid_for(int64_t n, bool vec, int64_t elem_size, int device) {
-  const int64_t work = vec ? n / (16 / elem_size) + 16 : n;  // packs, plus the scalar tail
-  return static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((work + kBlock - 1) / kBlock, sm_count(device) * 32)));
+  return grid_stride_blocks(vec ? n / (16 / elem_size) + 16 : n, kBlock, 32, device);  // + scalar tail
 }
 
 void check_same_shape(const at::Tensor& a, const at::Tensor& b, const char* op, const char* an,

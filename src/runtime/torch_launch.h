@@ -126,6 +126,13 @@ inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a
 // Multiprocessor count (PyTorch caches device properties, so this is cheap per call).
 inline int sm_count(int device) { return at::cuda::getDeviceProperties(device)->multiProcessorCount; }
 
+// Blocks for a grid-stride loop over `work` items of `block` threads: enough to cover them once, at
+// most `per_sm` blocks per multiprocessor (the loop covers the rest), and never zero.
+inline unsigned grid_stride_blocks(int64_t work, int block, int per_sm, int device) {
+  return static_cast<unsigned>(std::max<int64_t>(
+      1, std::min<int64_t>((work + block - 1) / block, int64_t(sm_count(device)) * per_sm)));
+}
+
 // ---- op bindings --------------------------------------------------------------------------------
 using BindFn = void (*)(pybind11::module_&);
 inline std::vector<std::pair<const char*, BindFn>>& op_bindings() {
