@@ -122,6 +122,9 @@ def test_forward_shapes_and_initial_loss():
     # Small random weights give near-uniform predictions: loss close to ln(V).
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1
     assert GPT(cfg)(idx)[1] is None
+    # llm.c's training call: the same loss, no logits.
+    none, loss2 = GPT(cfg)(idx, targets, return_logits=False)
+    assert none is None and torch.equal(loss2, loss)
 
 
 def test_manual_and_sdpa_attention_agree():

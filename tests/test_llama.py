@@ -132,6 +132,9 @@ def test_reference_is_hf_llama(attention, hf_attn):
     logits, loss = ref(idx, targets)
     out = hf(input_ids=idx, labels=idx)
     torch.testing.assert_close(logits, out.logits, rtol=1e-6, atol=1e-7)
+    with torch.no_grad():  # the training call of the benchmarks: same loss, no logits
+        none, loss2 = ref(idx, targets, return_logits=False)
+    assert none is None and torch.equal(loss2, loss.detach())
     torch.testing.assert_close(loss, out.loss, rtol=1e-6, atol=1e-7)
     loss.backward()
     out.loss.backward()

@@ -137,10 +137,10 @@ def test_nvtx_ranges_restricted_to_given_compiled_functions():
             pass
 
 
-def _evt(name, parent=None, device=DeviceType.CPU, us=0.0, user=False, kernels=()):
+def _evt(name, parent=None, device=DeviceType.CPU, us=0.0, user=False, kernels=(), start=0.0):
     e = SimpleNamespace(name=name, cpu_parent=parent, device_type=device, is_user_annotation=user,
                         kernels=[SimpleNamespace(name=k, duration=0) for k in kernels],
-                        time_range=SimpleNamespace(elapsed_us=lambda us=us: us))
+                        time_range=SimpleNamespace(elapsed_us=lambda us=us: us, start=start, end=start + us))
     return e
 
 
@@ -190,6 +190,32 @@ def test_kernel_records_attribute_ops_and_regions():
     json.dumps(report.to_dict())
 
 
+def test_kernel_records_skip_device_annotations_and_place_unlinked_kforge_kernels():
+    """record_function ranges mirrored on the device timeline are not kernels (they would count twice);
+    a kforge kernel the profiler did not link to a CPU op takes its label and region from the kforge
+    range whose device-side annotation contains it."""
+    lnb = "void layernorm_backward_kernel<bf16, true, true>(bf16*, int)"
+    gelu = "void gelu_forward_kernel<bf16>(bf16*)"
+    engine = _evt("autograd::engine::evaluate_function: ThunderFunctionBackward")
+    bwd_range = _evt("kforge.layernorm.backward", parent=engine, user=True, start=100)
+    fwd_range = _evt("kforge.gelu.forward", user=True, start=10)
+    opt = _evt("Optimizer.step#AdamW.step", user=True, start=300)
+    events = [engine, bwd_range, fwd_range, opt,
+              # device side: the three annotations (one without is_user_annotation: matched by name)
+              _evt("kforge.gelu.forward", device=DeviceType.CUDA, us=20, user=True, start=1000),
+              _evt("kforge.layernorm.backward", device=DeviceType.CUDA, us=50, start=2000),
+              _evt("Optimizer.step#AdamW.step", device=DeviceType.CUDA, us=80, user=True, start=3000),
+              _evt(gelu, device=DeviceType.CUDA, us=15, start=1002),
+              _evt(lnb, device=DeviceType.CUDA, us=40, start=2005),
+              _evt(lnb, device=DeviceType.CUDA, us=5, start=2500)]  # outside every range
+    got = [(r.label, r.region, r.us) for r in kp.kernel_records(events)]
+    assert got == [
+        ("kforge.gelu.forward", "forward", 15.0),
+        ("kforge.layernorm.backward", "backward", 40.0),
+        ("kforge:layernorm_backward_kernel", "unattributed", 5.0),
+    ], got
+
+
 def test_profile_on_cpu_runs_and_reports_no_kernels():
     calls = []
     report = kp.profile(lambda a: calls.append(a), 1, steps=3, warmup=1)
@@ -223,11 +249,16 @@ def test_gpt2_training_step_profile():
     assert 0 < report.share("kforge") < 1 and report.share("matmul") > 0
     symbols = inspect(jm).symbols
     # Every op's kernels are recognised as kforge kernels. (On torch 2.11 the profiler does not link
-    # driver-API (cuLaunchKernel) launches to the CPU-side NVTX / record_function ranges, so kforge
-    # kernels are labelled by kernel name, "kforge:<kernel>"; see kforge.profile.)
+    # driver-API (cuLaunchKernel) launches to CPU ops; they are placed in their op's range by the
+    # range's device-side annotation, see kforge.profile.kernel_records.)
     kernels = {kp.kforge_kernel(r.name) for r in report.records if r.category == "kforge"}
     for op in ("layernorm", "gelu", "cross_entropy", "softmax", "permute"):
         assert any(op in k for k in kernels), (op, kernels)
+    labels = {r.label for r in report.records if r.category == "kforge"}
+    for op in ("layernorm.forward", "layernorm.backward", "gelu.backward", "cross_entropy.forward"):
+        assert f"kforge.{op}" in labels, labels
+    # Device-side copies of record_function ranges are not counted as kernels.
+    assert not any(r.name.startswith(("kforge.", "Optimizer.step", "ProfilerStep")) for r in report.records)
     regions = {r.region for r in report.records}
     assert {"forward", "backward", "optimizer"} <= regions, regions
     # Per step: at least one kernel per kforge symbol call of the traces.

@@ -42,7 +42,7 @@ import inspect as pyinspect
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 MODELS = ("gpt2", "llama", "hf-llama")
@@ -65,9 +65,14 @@ class Workload:
     inputs: Any  # tuple of positional arguments or dict of keyword arguments
     mode: str = "jit"
     loss_fn: Callable | None = None
+    # Extra keyword arguments of a training step (profile): the built-in models skip returning
+    # logits there, as llm.c's training loop does.
+    train_kwargs: dict = field(default_factory=dict)
 
-    def call(self, fn: Callable) -> Any:
-        return fn(**self.inputs) if isinstance(self.inputs, dict) else fn(*self.inputs)
+    def call(self, fn: Callable, **extra: Any) -> Any:
+        if isinstance(self.inputs, dict):
+            return fn(**self.inputs, **extra)
+        return fn(*self.inputs, **extra)
 
 
 def _torch_dtype(name: str | None):
@@ -165,7 +170,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
         model = gpt2.GPT(cfg, seed=args.seed).to(device=device, dtype=dtype)
         seq = min(args.seq or 256, cfg.block_size)
         return Workload(f"gpt2-{size}", model, gpt2.random_batch(cfg, args.batch, seq, seed=args.seed, device=device),
-                        args.mode or "jit")
+                        args.mode or "jit", train_kwargs={"return_logits": False})
     from .models import llama
 
     if size not in llama.PRESETS:
@@ -175,7 +180,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
     idx, targets = llama.random_batch(cfg, args.batch, seq, seed=args.seed, device=device)
     if which == "llama":
         model = llama.Llama(cfg, seed=args.seed).to(device=device, dtype=dtype)
-        return Workload(f"llama-{size}", model, (idx, targets), args.mode or "jit")
+        return Workload(f"llama-{size}", model, (idx, targets), args.mode or "jit",
+                        train_kwargs={"return_logits": False})
     if args.mode == "jit":
         raise UsageError("hf-llama runs on Thunder's Dynamo path only (thunder.jit cannot trace "
                          "transformers' LlamaForCausalLM); drop --mode jit")
@@ -229,7 +235,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         with torch.no_grad():
             w.call(compiled)
     else:
-        loss_of(w.call(compiled), w.loss_fn).backward()
+        loss_of(w.call(compiled, **w.train_kwargs), w.loss_fn).backward()
     report = inspect(compiled, show_traces=args.show_traces, save_dir=args.save_dir)
     print(f"{w.name} [{w.mode}]")
     print(report)
@@ -287,7 +293,7 @@ def _train_step(w: Workload, compiled: Any) -> Callable[[], None]:
     opt = adamw(list(w.model.parameters()), lr=1e-4)
 
     def step() -> None:
-        loss_of(w.call(compiled), w.loss_fn).backward()
+        loss_of(w.call(compiled, **w.train_kwargs), w.loss_fn).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -251,25 +251,60 @@ def _kforge_range(evt: Any) -> str | None:
 
 
 def kernel_records(events: Iterable[Any]) -> list[KernelRecord]:
-    """KernelRecords from a profiler's `events()`: every device (CUDA) activity, attributed to the CPU
-    op that launched it where the profiler linked one (else region "unattributed")."""
+    """KernelRecords from a profiler's `events()`: every device (CUDA) kernel, memcpy and memset,
+    attributed to the CPU op that launched it where the profiler linked one.
+
+    The profiler also mirrors each `record_function` range onto the device timeline (a "GPU user
+    annotation" spanning the kernels launched inside it); those are ranges, not activities, and are
+    left out of the records. kforge launches through the driver API, which the profiler does not link
+    to a CPU op, so a kernel without a parent takes its op label and region from the kforge range
+    whose device-side annotation contains it (the n-th "kforge.x" annotation is the n-th "kforge.x"
+    CPU range), else region "unattributed"."""
+    import bisect
+
     from torch.autograd import DeviceType
 
     events = list(events)
+    cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU}
     launched_by: dict[str, deque] = defaultdict(deque)  # kernel name -> launching CPU events
-    for e in events:
-        if e.device_type == DeviceType.CPU:
-            for k in getattr(e, "kernels", ()) or ():
-                launched_by[k.name].append(e)
+    cpu_ranges: dict[str, deque] = defaultdict(deque)  # kforge range name -> its CPU events, in order
+    for e in sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.time_range.start):
+        for k in getattr(e, "kernels", ()) or ():
+            launched_by[k.name].append(e)
+        if e.name.startswith("kforge."):
+            cpu_ranges[e.name].append(e)
+
+    def is_annotation(e: Any) -> bool:
+        return bool(getattr(e, "is_user_annotation", False)) or e.name in cpu_names
+
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    # kforge ranges on the device timeline, by start time: (start, end, name, CPU range event or None).
+    spans = []
+    for e in sorted((e for e in device if is_annotation(e) and e.name.startswith("kforge.")),
+                    key=lambda e: e.time_range.start):
+        cpu = cpu_ranges[e.name].popleft() if cpu_ranges.get(e.name) else None
+        spans.append((e.time_range.start, e.time_range.end, e.name, cpu))
+    starts = [sp[0] for sp in spans]
+
+    def containing_span(e: Any):
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        if i >= 0 and e.time_range.end <= spans[i][1]:
+            return spans[i]
+        return None
+
     out = []
-    for e in events:
-        if e.device_type != DeviceType.CUDA:
+    for e in device:
+        if is_annotation(e):
             continue
         parent = launched_by[e.name].popleft() if launched_by.get(e.name) else None
         cat = categorize(e.name)
         kf = _kforge_range(parent)
-        label = kf or (range_name_for_kernel(e.name) if cat == "kforge" else short_name(e.name))
         region = _region(parent) if parent is not None else "unattributed"
+        if kf is None and (span := containing_span(e)) is not None:
+            kf = span[2]
+            if parent is None and span[3] is not None:
+                region = _region(span[3])
+        label = kf or (range_name_for_kernel(e.name) if cat == "kforge" else short_name(e.name))
         out.append(KernelRecord(e.name, float(e.time_range.elapsed_us()), cat, label, region))
     return out
 

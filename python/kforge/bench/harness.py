@@ -193,12 +193,14 @@ def _wrap(backend: str, model: torch.nn.Module):
 
 
 def train_step_timing(model_fn: Callable, params, batch, steps: int, warmup: int = 3) -> dict:
-    """Median ms per training step (forward + backward + fused AdamW) and peak memory."""
+    """Median ms per training step (forward + backward + fused AdamW) and peak memory. The model is
+    called as llm.c's training loop calls it, `model(idx, targets, return_logits=False)`, for every
+    backend: a Thunder-compiled model would otherwise carry a zero gradient for the unused logits."""
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     idx, targets = batch
 
     def step():
-        _, loss = model_fn(idx, targets)
+        _, loss = model_fn(idx, targets, return_logits=False)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -112,9 +112,11 @@ class GPT(nn.Module):
     """GPT-2 language model: token + position embeddings, `n_layer` blocks, final LayerNorm, and a
     vocabulary projection tied to the token embedding.
 
-    `forward(idx, targets=None) -> (logits, loss)`: idx and targets are (B, T) int64 token ids,
-    logits is (B, T, vocab_size); loss is the mean cross-entropy over targets that are not -1, or
-    None without targets.
+    `forward(idx, targets=None, return_logits=True) -> (logits, loss)`: idx and targets are (B, T)
+    int64 token ids, logits is (B, T, vocab_size); loss is the mean cross-entropy over targets that
+    are not -1, or None without targets. `return_logits=False` returns None for the logits (as
+    llm.c's training loop asks): under Thunder every returned tensor gets a gradient in the backward,
+    and for unused logits that is a zero (B, T, vocab_size) tensor added to the loss gradient.
     """
 
     def __init__(self, config: GPTConfig, *, seed: int = 0):
@@ -157,8 +159,8 @@ class GPT(nn.Module):
                 m.bias.zero_()
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, return_logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if idx.dim() != 2:
             raise ValueError(f"GPT.forward: idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
         B, T = idx.shape
@@ -175,4 +177,4 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        return logits, loss
+        return (logits if return_logits else None), loss

@@ -168,9 +168,10 @@ class Llama(nn.Module):
     """Llama language model: token embedding, `n_layer` decoder layers, final RMSNorm, and an untied
     vocabulary projection.
 
-    `forward(idx, targets=None) -> (logits, loss)`: idx and targets are (B, T) int64 token ids,
-    logits is (B, T, vocab_size); loss is the mean cross-entropy over targets that are not -1, or
-    None without targets.
+    `forward(idx, targets=None, return_logits=True) -> (logits, loss)`: idx and targets are (B, T)
+    int64 token ids, logits is (B, T, vocab_size); loss is the mean cross-entropy over targets that
+    are not -1, or None without targets. `return_logits=False` returns None for the logits (see
+    kforge.models.gpt2.GPT: spares Thunder's backward a zero logits gradient).
     """
 
     def __init__(self, config: LlamaConfig, *, seed: int = 0):
@@ -201,7 +202,8 @@ class Llama(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if idx.dim() != 2:
             raise ValueError(f"Llama.forward: idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
         B, T = idx.shape
@@ -220,7 +222,7 @@ class Llama(nn.Module):
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        return logits, loss
+        return (logits if return_logits else None), loss
 
 
 # ---- Hugging Face --------------------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""Residual add: `a + b` for two tensors of the same shape and dtype (the transformer residual stream).
+
+Why an op for an add: under Thunder's autodiff a bf16 / fp16 `add` is decomposed to prims, and
+without a fusion executor the torch path then runs it as upcast a, upcast b, fp32 add, downcast
+(four kernels moving about five times the bytes of one bf16 add), and its backward casts the
+gradient to fp32 and back again per branch. `kforge_residual_forward` is one kernel (fp32 math,
+rounded once: the same bits as eager PyTorch), and the backward needs none: the gradient flows
+unchanged to both inputs. Kernel: kernels_src/residual.cu.
+
+Claims `thunder.torch.add(a, b)` when a and b are CUDA tensors of one float dtype and one shape and
+alpha is 1; broadcasting, mixed dtypes, numbers and other alphas are declined (torch runs them).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import thunder.torch as ltorch
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grad
+
+from .. import _C
+from .._thunder import Claim, OpSpec, operator, same_dtype_device, tensor_problem
+
+
+def _forward_meta(a: TensorProxy, b: TensorProxy) -> TensorProxy:
+    return TensorProxy(like=a)
+
+
+# (a, b) -> a + b
+residual_forward = operator("residual_forward", meta=_forward_meta, fn=_C.residual_forward)
+
+
+def _checker(a: Any, b: Any, *, alpha: Any = 1) -> str | None:
+    """None when kforge takes `ltorch.add(a, b, alpha=alpha)`, else why not."""
+    if (p := tensor_problem(a, "a")) is not None or (p := tensor_problem(b, "b")) is not None:
+        return p
+    if isinstance(alpha, TensorProxy) or alpha != 1:
+        return f"alpha={alpha!r}: only alpha=1"
+    if (p := same_dtype_device(a, b, "b")) is not None:
+        return p
+    if tuple(a.shape) != tuple(b.shape):
+        return f"shapes {tuple(a.shape)} and {tuple(b.shape)} differ (broadcasting is left to torch)"
+    return None
+
+
+def _execution(a: TensorProxy, b: TensorProxy, *, alpha: Any = 1) -> TensorProxy:
+    return residual_forward(a, b)
+
+
+def _grad(a: TensorProxy, b: TensorProxy, *, alpha: Any = 1) -> TensorProxy:
+    # Nothing saved; d(a + b) = (g, g).
+    out = residual_forward(a, b)
+    g = get_grad(out)
+    put_grad(a, g)
+    put_grad(b, g)
+    return out
+
+
+SPEC = OpSpec("residual", (Claim(ltorch.add, _checker, _execution, _grad),))
+
+
+def bench_cases(dtype: torch.dtype, quick: bool) -> list:
+    """The GPT-2 124M residual stream at B*T = 8192 (8192 x 768) and a 4096-wide model's."""
+    from ..bench.cases import BenchCase
+
+    shapes = [(8192, 768)] if quick else [(8192, 768), (8192, 4096)]
+    es = torch.finfo(dtype).bits // 8
+    cases: list[BenchCase] = []
+    for n, c in shapes:
+
+        def inputs(n: int = n, c: int = c) -> tuple[torch.Tensor, torch.Tensor]:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            return tuple(torch.randn(n, c, device="cuda", generator=gen).to(dtype) for _ in range(2))
+
+        cases.append(BenchCase("residual", "fwd", f"{n}x{c}", inputs, _C.residual_forward,
+                               torch.add, 3 * n * c * es))
+    return cases

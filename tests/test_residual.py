@@ -1,0 +1,158 @@
+"""residual (a + b, same shape and dtype): the launcher against a float64 reference (exact: one
+rounding of the fp32 sum, as eager), the 16-byte / scalar-tail paths, and the Thunder claim of
+`add` (no casts left in the forward or backward trace).
+
+CPU tests: decline reasons (broadcasting, numbers, alpha, mixed dtypes, CPU tensors), the fallback to
+torch on CPU tensors, and the Thunder plumbing with the launcher swapped for torch.add.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import thunder
+from thunder.core.trace import TraceCtx, tracectx
+
+import kforge
+from conftest import DTYPES, gpu, proxy, randn, swap_launchers, symbol_names
+from kforge import _thunder
+from kforge.ops import residual as rs
+
+
+def expected(a, b):
+    """The fp32 sum rounded once to the storage dtype: what eager computes for bf16 / fp16 too."""
+    return (a.float() + b.float()).to(a.dtype)
+
+
+SHAPES = [(1,), (7,), (1000,), (8, 768), (3, 5, 771), ((1 << 20) + 3,), (8, 1024, 768)]
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_matches_reference_bitwise(dtype, shape):
+    a, b = randn(*shape, dtype=dtype, scale=3.0), randn(*shape, dtype=dtype)
+    out = kforge._C.residual_forward(a, b)
+    assert out.dtype == dtype and out.shape == a.shape
+    torch.testing.assert_close(out, expected(a, b), rtol=0, atol=0)
+    torch.testing.assert_close(out, a + b, rtol=0, atol=0)  # eager's add: the same bits
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_misaligned_and_strided_inputs(dtype):
+    """A view off a 16-byte boundary takes the scalar path; a strided view is copied first."""
+    n = 4099
+    a, b = randn(n, dtype=dtype), randn(n, dtype=dtype)
+    a_off = torch.empty(n + 1, dtype=dtype, device="cuda")[1:].copy_(a)
+    assert a_off.data_ptr() % 16 != 0
+    torch.testing.assert_close(kforge._C.residual_forward(a_off, b), expected(a, b), rtol=0, atol=0)
+    at, bt = randn(96, 64, dtype=dtype).t(), randn(96, 64, dtype=dtype).t()
+    torch.testing.assert_close(kforge._C.residual_forward(at, bt), expected(at, bt), rtol=0, atol=0)
+
+
+@gpu
+def test_launcher_rejects_bad_arguments():
+    a = randn(16)
+    with pytest.raises(kforge.KforgeError, match="b has shape"):
+        kforge._C.residual_forward(a, randn(15))
+    with pytest.raises(kforge.KforgeError, match="b has dtype"):
+        kforge._C.residual_forward(a, randn(16, dtype=torch.bfloat16))
+    with pytest.raises(kforge.KforgeError, match="not supported"):
+        kforge._C.residual_forward(a.double(), a.double())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_jit_uses_kforge_and_drops_the_casts(dtype):
+    """A residual x + y under thunder.jit: one kforge kernel forward, the same bits as eager, the
+    gradient passed unchanged to both inputs, and no dtype conversions in either trace."""
+    x = randn(4, 33, 768, dtype=dtype).requires_grad_(True)
+    y = randn(4, 33, 768, dtype=dtype).requires_grad_(True)
+    jf = thunder.jit(lambda x, y: x + y, executors=[kforge.executor])
+    out = jf(x, y)
+    g = randn(*out.shape, dtype=dtype)
+    dx, dy = torch.autograd.grad(out, (x, y), g)
+    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
+    assert "kforge_residual_forward" in symbol_names(fwd)
+    assert not {"to", "convert_element_type", "add"} & (symbol_names(fwd) | symbol_names(bwd)), (fwd, bwd)
+    torch.testing.assert_close(out, x.detach() + y.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(dx, g, rtol=0, atol=0)
+    torch.testing.assert_close(dy, g, rtol=0, atol=0)
+
+
+@gpu
+def test_thunder_leaves_broadcast_add_to_torch_on_gpu():
+    _thunder.reset_declines()
+    x, b = randn(8, 64), randn(64)
+    jfn = thunder.jit(lambda x, b: x + b, executors=[kforge.executor])
+    torch.testing.assert_close(jfn(x, b), x + b)
+    assert "kforge_residual_forward" not in symbol_names(thunder.last_traces(jfn)[-1])
+    assert any("differ" in r for r in _thunder.declines()["add"])
+
+
+# ---- CPU: declines, fallback, plumbing ----------------------------------------------------------------
+def test_cpu_tensors_fall_back_to_torch():
+    _thunder.reset_declines()
+    a = randn(5, 37, device="cpu").requires_grad_(True)
+    b = randn(5, 37, device="cpu").requires_grad_(True)
+    jfn = thunder.jit(lambda a, b: a + b, executors=[kforge.executor])
+    out = jfn(a, b)
+    out.backward(torch.ones_like(out))
+    assert "kforge_" not in str(thunder.last_traces(jfn)[-1])
+    torch.testing.assert_close(out, a.detach() + b.detach())
+    torch.testing.assert_close(a.grad, torch.ones_like(a))
+    assert any(r.startswith("residual: ") and "not CUDA" in r for r in _thunder.declines()["add"])
+
+
+def test_launcher_rejects_cpu_tensors():
+    a = randn(16, device="cpu")
+    with pytest.raises(kforge.KforgeError, match="residual_forward: a must be a CUDA tensor"):
+        kforge._C.residual_forward(a, a)
+
+
+def test_checker_accepts_and_declines_with_reasons():
+    check = rs._checker
+    with tracectx(TraceCtx()):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert check(proxy(8, 768, dtype=dtype), proxy(8, 768, dtype=dtype)) is None
+        a = proxy(8, 768)
+        cases = {
+            "differ (broadcasting": check(a, proxy(768)),
+            "b is not a tensor": check(a, 2.0),
+            "a is not a tensor": check(2.0, a),
+            "alpha=2": check(a, proxy(8, 768), alpha=2),
+            "dtype": check(a, proxy(8, 768, dtype=torch.bfloat16)),
+            "not CUDA": check(proxy(8, 768, device="cpu"), proxy(8, 768, device="cpu")),
+            "float64": check(proxy(8, 768, dtype=torch.float64), proxy(8, 768, dtype=torch.float64)),
+            "empty": check(proxy(0, 768), proxy(0, 768)),
+        }
+    for expected_reason, reason in cases.items():
+        assert reason is not None and expected_reason in reason, (expected_reason, reason)
+
+
+@pytest.fixture
+def cpu_reference_launchers(monkeypatch):
+    swap_launchers(monkeypatch, rs, {rs.residual_forward: lambda a, b: (a.float() + b.float()).to(a.dtype)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers, dtype):
+    """The claim's meta and grad transform for real: gradients flow unchanged to both inputs (x
+    appears twice: its two gradient contributions add up), and a bf16 add leaves no casts."""
+    x = randn(3, 40, device="cpu", dtype=dtype).requires_grad_(True)
+    y = randn(3, 40, device="cpu", dtype=dtype).requires_grad_(True)
+
+    def fn(x, y):
+        return (x + y) + x
+
+    jfn = thunder.jit(fn, executors=[kforge.executor])
+    out = jfn(x, y)
+    g = randn(3, 40, device="cpu", dtype=dtype)
+    dx, dy = torch.autograd.grad(out, (x, y), g)
+    fwd, bwd = thunder.last_traces(jfn)[-1], thunder.last_backward_traces(jfn)[-1]
+    assert "kforge_residual_forward" in symbol_names(fwd)
+    assert not {"to", "convert_element_type"} & (symbol_names(fwd) | symbol_names(bwd)), (fwd, bwd)
+    ref = fn(x, y)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(dy, g, rtol=0, atol=0)
+    torch.testing.assert_close(dx, (g.float() + g.float()).to(dtype), rtol=0, atol=0)
