@@ -50,9 +50,12 @@ MANUAL_GPT2_OPS = {
     "layernorm": lambda name: True,
     "gelu": lambda name: True,
     "cross_entropy": lambda name: True,
-    "permute": lambda name: True,
+    "permute": lambda name: "views" not in name,  # split_qkv(copy=False) is the SDPA variant's
     "softmax": lambda name: "causal" in name,
 }
+# The SDPA variant: no softmax of ours, and q, k, v as views (no forward copy kernel).
+SDPA_GPT2_OPS = {**MANUAL_GPT2_OPS, "permute": lambda name: "split_qkv_forward" not in name}
+del SDPA_GPT2_OPS["softmax"]
 
 
 def make_model(config: GPTConfig, dtype: torch.dtype = torch.float32, device: str = "cuda", seed: int = 0) -> GPT:
@@ -281,12 +284,11 @@ def test_gpt2_tieout_jit(case, dtype):
     # kforge must have run: a tie-out of Thunder's own fallbacks proves nothing about our kernels.
     # SDPA replaces only the causal softmax; the head split and merge are still ours.
     seen = set(report.kforge_symbols)
-    for op, keep in MANUAL_GPT2_OPS.items():
-        if attention == "sdpa" and op == "softmax":
-            continue
+    for op, keep in (SDPA_GPT2_OPS if attention == "sdpa" else MANUAL_GPT2_OPS).items():
         fwd, bwd = op_symbols(op, keep)
         missing = sorted((fwd | bwd) - seen)
         assert fwd and bwd and not missing, f"{op}: {missing} did not run; ran {sorted(seen)}"
+    assert "kforge_residual_forward" in seen, sorted(seen)  # the residual stream's adds
 
 
 @gpu

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 import thunder
 from thunder.core.trace import TraceCtx, tracectx
 
@@ -158,6 +159,56 @@ def test_thunder_jit_replaces_split_and_merge(dtype):
     assert_close(dw, rw, dtype, "dw", tol=tol)
 
 
+def sdpa_like(x, w, n_head):
+    """The SDPA variant of the reference GPT-2: views into SDPA, merge of its output."""
+    q, k, v = split_qkv(x @ w, n_head, copy=False)
+    return merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@gpu
+def test_thunder_jit_sdpa_split_is_views_and_merge_of_token_major_output_is_a_view():
+    """copy=False: no forward copy kernel (the views operator), the dqkv kernel in the backward; the
+    merge of flash attention's token-major output is a view. Numbers vs a float64 reference."""
+    B, T, NH, HS = 2, 65, 12, 64
+    C = NH * HS
+    dtype = torch.bfloat16
+    x = randn(B, T, C, dtype=dtype).requires_grad_(True)
+    w = randn(C, 3 * C, dtype=dtype, scale=C ** -0.5).requires_grad_(True)
+    dout = randn(B, T, C, dtype=dtype)
+    jfn = thunder.jit(sdpa_like, executors=[kforge.executor, *thunder.get_default_executors()])
+    out = jfn(x, w, NH)
+    dx, dw = torch.autograd.grad(out, (x, w), dout)
+    fwd, bwd = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    assert "kforge_split_qkv_views" in fwd and "kforge_split_qkv_forward" not in fwd, fwd
+    assert "kforge_merge_heads_forward" in fwd, fwd
+    for name in ("kforge_split_qkv_backward", "kforge_merge_heads_backward"):
+        assert name in bwd, bwd
+    x64, w64 = (t.detach().double().requires_grad_(True) for t in (x, w))
+    ref = sdpa_like(x64, w64, NH)
+    rx, rw = torch.autograd.grad(ref, (x64, w64), dout.double())
+    assert_close(out, ref, dtype, "out", tol=2e-2)
+    assert_close(dx, rx, dtype, "dx", tol=2e-2)
+    assert_close(dw, rw, dtype, "dw", tol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_views_and_merge_launch_layouts(dtype):
+    B, T, NH, HS = 2, 33, 3, 64
+    qkv = randn(B, T, 3 * NH * HS, dtype=dtype)
+    for got, ref in zip(pm._split_views(qkv, NH), ref_split(qkv, NH)):
+        assert got.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()  # views, no copy
+        assert_same(got, ref, "split view")
+    y_tok = randn(B, T, NH, HS, dtype=dtype).transpose(1, 2)  # token-major (B, NH, T, HS), like flash output
+    merged = pm._merge_heads_launch(y_tok)
+    assert merged.data_ptr() == y_tok.data_ptr()  # a view
+    assert_same(merged, ref_merge(y_tok).contiguous(), "merge view")
+    y = randn(B, NH, T, HS, dtype=dtype)  # head-major: the kernel
+    merged = pm._merge_heads_launch(y)
+    assert merged.data_ptr() != y.data_ptr() and merged.is_contiguous()
+    assert_same(merged, ref_merge(y).contiguous(), "merge copy")
+
+
 # ---- CPU: helpers, declines, fallback, plumbing --------------------------------------------------
 def test_helpers_are_the_head_split_and_merge():
     B, T, NH, HS = 2, 5, 3, 4
@@ -208,6 +259,28 @@ def test_cpu_tensors_fall_back_to_torch():
     torch.testing.assert_close(out, ref)
     for g, r in zip(grads, torch.autograd.grad(ref, (x, w), dout)):
         torch.testing.assert_close(g, r)
+
+
+def views_like(x, w, n_head):
+    q, k, v = split_qkv(x @ w, n_head, copy=False)
+    return merge_heads(q * k + v.sin())
+
+
+def test_thunder_plumbing_split_views(cpu_reference_launchers):
+    """copy=False: the views operator forward (plain torch, runs on CPU), the dqkv op backward."""
+    x = randn(2, 5, 12, device="cpu", dtype=torch.float64).requires_grad_(True)
+    w = randn(12, 36, device="cpu", dtype=torch.float64).requires_grad_(True)
+    dout = randn(2, 5, 12, device="cpu", dtype=torch.float64)
+    jfn = thunder.jit(views_like, executors=[kforge.executor])
+    out = jfn(x, w, 3)
+    grads = torch.autograd.grad(out, (x, w), dout)
+    fwd, bwd = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    assert "kforge_split_qkv_views" in fwd and "kforge_split_qkv_forward" not in fwd, fwd
+    assert "kforge_split_qkv_backward" in bwd, bwd
+    ref = views_like(x, w, 3)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, torch.autograd.grad(ref, (x, w), dout)):
+        torch.testing.assert_close(g, r)
     declines = _thunder.declines()
     for key in ("kforge_split_qkv", "kforge_merge_heads"):
         assert any(r.startswith("permute: ") and "not CUDA" in r for r in declines[key]), declines
@@ -241,6 +314,28 @@ def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):
     for name in ("kforge_split_qkv_backward", "kforge_merge_heads_backward"):
         assert name in bwd, bwd
     ref = attention_like(x, w, 3)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, torch.autograd.grad(ref, (x, w), dout)):
+        torch.testing.assert_close(g, r)
+
+
+def views_like(x, w, n_head):
+    q, k, v = split_qkv(x @ w, n_head, copy=False)
+    return merge_heads(q * k + v.sin())
+
+
+def test_thunder_plumbing_split_views(cpu_reference_launchers):
+    """copy=False: the views operator forward (plain torch, runs on CPU), the dqkv op backward."""
+    x = randn(2, 5, 12, device="cpu", dtype=torch.float64).requires_grad_(True)
+    w = randn(12, 36, device="cpu", dtype=torch.float64).requires_grad_(True)
+    dout = randn(2, 5, 12, device="cpu", dtype=torch.float64)
+    jfn = thunder.jit(views_like, executors=[kforge.executor])
+    out = jfn(x, w, 3)
+    grads = torch.autograd.grad(out, (x, w), dout)
+    fwd, bwd = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    assert "kforge_split_qkv_views" in fwd and "kforge_split_qkv_forward" not in fwd, fwd
+    assert "kforge_split_qkv_backward" in bwd, bwd
+    ref = views_like(x, w, 3)
     torch.testing.assert_close(out, ref)
     for g, r in zip(grads, torch.autograd.grad(ref, (x, w), dout)):
         torch.testing.assert_close(g, r)

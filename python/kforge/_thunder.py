@@ -44,12 +44,16 @@ class Claim:
     execution: execution_transform, used when no gradient is needed (forward kernels only).
     grad:      grad_transform (forward op, `get_grad`, backward op, `put_grad`), or None when the op
                has no backward of its own.
+    applies:   optional cheap filter, same signature: False when the call is not this op's kind at
+               all (`x + 1` for the residual add of two tensors), declined without a logged reason so
+               the decline log stays about calls kforge could have taken.
     """
 
     symbol: Any
     checker: Checker
     execution: Callable
     grad: Callable | None = None
+    applies: Callable[..., bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,10 +87,13 @@ def _symbol_name(sym: Any) -> str:
     return getattr(sym, "name", None) or getattr(sym, "__name__", None) or str(sym)
 
 
-def _wrap_checker(name: str, op: str, checker: Checker) -> Callable[..., bool]:
+def _wrap_checker(name: str, op: str, checker: Checker,
+                  applies: Callable[..., bool] | None = None) -> Callable[..., bool]:
     @functools.wraps(checker)
     def check(*args: Any, **kwargs: Any) -> bool:
         try:
+            if applies is not None and not applies(*args, **kwargs):
+                return False
             reason = checker(*args, **kwargs)
         except Exception as e:  # a checker bug must decline, never break tracing
             reason = f"checker error: {type(e).__name__}: {e}"
@@ -149,7 +156,7 @@ def specs() -> tuple[OpSpec, ...]:
             name = _symbol_name(claim.symbol)
             executor.register_implementation(
                 claim.symbol,
-                checker=_wrap_checker(name, spec.name, claim.checker),
+                checker=_wrap_checker(name, spec.name, claim.checker, claim.applies),
                 execution_transform=claim.execution,
                 grad_transform=claim.grad,
             )

@@ -135,14 +135,14 @@ def _offered_trace(traces: list) -> Any:
     return chosen
 
 
-def _claims() -> dict[Any, tuple[str, Callable, str]]:
-    """Thunder symbol id -> (op name, raw checker, symbol name) from kforge's op table."""
+def _claims() -> dict[Any, tuple[str, Callable, str, Callable | None]]:
+    """Thunder symbol id -> (op name, raw checker, symbol name, applies filter) from kforge's op table."""
     from . import _thunder
 
     out = {}
     for spec in _thunder.specs():
         for claim in spec.claims:
-            out[claim.symbol.id] = (spec.name, claim.checker, _thunder._symbol_name(claim.symbol))
+            out[claim.symbol.id] = (spec.name, claim.checker, _thunder._symbol_name(claim.symbol), claim.applies)
     return out
 
 
@@ -186,7 +186,9 @@ def _walk_offers(trace: Any, executors: list) -> tuple[Counter, Counter]:
                     entry = claims.get(b.sym.id)
                     if entry is None:
                         continue
-                    op, checker, name = entry
+                    op, checker, name, applies = entry
+                    if applies is not None and _check(lambda *a, **k: None if applies(*a, **k) else "no", b):
+                        continue  # not this op's kind of call: kforge is not asked
                     reason = _check(checker, b)
                     if reason is None:
                         claimed[name] += 1

@@ -5,7 +5,8 @@ Two attention variants share everything but the attention core:
   are plain PyTorch functions from kforge.ops; under `thunder.jit` with kforge they are swapped for
   the permute / fused causal-softmax kernels (registered with `replaces=`), so this is the variant
   whose traces hold every GPT-2 kernel.
-- "sdpa": F.scaled_dot_product_attention(is_causal=True) between the same head split and merge.
+- "sdpa": F.scaled_dot_product_attention(is_causal=True) between the same head split and merge
+  (the split as strided views, which SDPA reads directly: `split_qkv(..., copy=False)`).
 
 Weights are random (seeded, llm.c's scheme); nothing is downloaded. lm_head shares wte's weight.
 """
@@ -73,7 +74,9 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = split_qkv(self.c_attn(x), self.n_head)  # each (B, NH, T, HS)
+        # Each (B, NH, T, HS). SDPA reads strided heads itself: no copy for it (kforge then copies
+        # only in the backward, to assemble dqkv).
+        q, k, v = split_qkv(self.c_attn(x), self.n_head, copy=self.attention != "sdpa")
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

@@ -2,7 +2,13 @@
 
 - `split_qkv(qkv, n_head)`: qkv (B, T, 3C) -> q, k, v, each (B, NH, T, HS) and contiguous, where
   eager PyTorch returns strided views that every later consumer has to gather through.
+  `split_qkv(qkv, n_head, copy=False)` is for consumers that read strided heads themselves
+  (`F.scaled_dot_product_attention` needs only a unit last-dim stride): kforge then returns the
+  views too, with no forward kernel, and its backward still writes dqkv in one kernel (eager
+  autograd: a cat plus reshapes).
 - `merge_heads(y)`: y (B, NH, T, HS) -> (B, T, C), the `transpose(1, 2).contiguous().view()` copy.
+  When y is already token-major in memory (flash attention's output is), the copy is skipped and
+  the result is a view, as `.contiguous()` is in eager PyTorch.
 
 Both are plain PyTorch helpers for models to call; the operators `kforge_split_qkv` and
 `kforge_merge_heads` are registered with `replaces=` them, so `thunder.jit` with the kforge executor
@@ -23,10 +29,11 @@ from .._thunder import Claim, OpSpec, operator, tensor_problem
 _INT_MAX = 2**31 - 1
 
 
-def split_qkv(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(qkv: torch.Tensor, n_head: int, *, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused QKV projection (B, T, 3C) into q, k, v of shape (B, n_head, T, C // n_head).
     Plain PyTorch (views); under `thunder.jit` with the kforge executor, one copy kernel that returns
-    contiguous tensors."""
+    contiguous tensors, or with `copy=False` the same strided views (for consumers that take them,
+    like scaled_dot_product_attention) and the copy kernel only in the backward."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     q, k, v = qkv.split(C, dim=2)
@@ -43,7 +50,7 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
 
 # The helpers in Thunder's torch language: what the operators decompose into when kforge declines
 # them, so other executors and autodiff can still run them.
-def _split_qkv_like(qkv: TensorProxy, n_head: int) -> tuple[TensorProxy, TensorProxy, TensorProxy]:
+def _split_qkv_like(qkv: TensorProxy, n_head: int, *, copy: bool = True) -> tuple[TensorProxy, TensorProxy, TensorProxy]:
     B, T, C3 = qkv.shape
     C = C3 // 3
     return tuple(
@@ -81,12 +88,28 @@ def _merge_backward_meta(dout: TensorProxy, n_head: int) -> TensorProxy:
     return TensorProxy(like=dout, shape=(B, n_head, T, C // n_head))
 
 
+def _split_views(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, C3 = qkv.shape
+    return qkv.view(B, T, 3, n_head, C3 // (3 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _merge_heads_launch(y: torch.Tensor) -> torch.Tensor:
+    """The merge copy, or a view when y's heads are already token-major in memory (no kernel)."""
+    B, NH, T, HS = y.shape
+    yt = y.transpose(1, 2)
+    if yt.is_contiguous() and y.is_cuda:
+        return yt.view(B, T, NH * HS)
+    return _C.merge_heads_forward(y)
+
+
 # (qkv, n_head) -> (q, k, v)
 split_qkv_forward = operator("split_qkv_forward", meta=_split_forward_meta, fn=_C.split_qkv_forward)
+# (qkv, n_head) -> (q, k, v) as strided views of qkv: no kernel
+split_qkv_views = operator("split_qkv_views", meta=_split_forward_meta, fn=_split_views)
 # (dq, dk, dv) -> dqkv
 split_qkv_backward = operator("split_qkv_backward", meta=_split_backward_meta, fn=_C.split_qkv_backward)
 # (y) -> (B, T, C)
-merge_heads_forward = operator("merge_heads_forward", meta=_merge_forward_meta, fn=_C.merge_heads_forward)
+merge_heads_forward = operator("merge_heads_forward", meta=_merge_forward_meta, fn=_merge_heads_launch)
 # (dout, n_head) -> dy
 merge_heads_backward = operator("merge_heads_backward", meta=_merge_backward_meta, fn=_C.merge_heads_backward)
 
@@ -101,7 +124,7 @@ def _sizes_problem(B: int, T: int, row: int) -> str | None:
     return None
 
 
-def _split_checker(qkv: TensorProxy, n_head: int) -> str | None:
+def _split_checker(qkv: TensorProxy, n_head: int, *, copy: bool = True) -> str | None:
     if (p := tensor_problem(qkv, "qkv")) is not None:
         return p
     if qkv.ndim != 3:
@@ -124,12 +147,12 @@ def _merge_checker(y: TensorProxy) -> str | None:
 
 
 # ---- execution and grad transforms -----------------------------------------------------------
-def _split_execution(qkv: TensorProxy, n_head: int):
-    return split_qkv_forward(qkv, n_head)
+def _split_execution(qkv: TensorProxy, n_head: int, *, copy: bool = True):
+    return (split_qkv_forward if copy else split_qkv_views)(qkv, n_head)
 
 
-def _split_grad(qkv: TensorProxy, n_head: int):
-    q, k, v = split_qkv_forward(qkv, n_head)
+def _split_grad(qkv: TensorProxy, n_head: int, *, copy: bool = True):
+    q, k, v = (split_qkv_forward if copy else split_qkv_views)(qkv, n_head)
     put_grad(qkv, split_qkv_backward(get_grad(q), get_grad(k), get_grad(v)))
     return q, k, v
 

@@ -8,7 +8,8 @@ rounded once: the same bits as eager PyTorch), and the backward needs none: the 
 unchanged to both inputs. Kernel: kernels_src/residual.cu.
 
 Claims `thunder.torch.add(a, b)` when a and b are CUDA tensors of one float dtype and one shape and
-alpha is 1; broadcasting, mixed dtypes, numbers and other alphas are declined (torch runs them).
+alpha is 1; broadcasting, mixed dtypes and other alphas are declined (torch runs them). Adds of a
+number are not offered to kforge at all (`Claim.applies`), so they stay out of the decline log.
 """
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ def _forward_meta(a: TensorProxy, b: TensorProxy) -> TensorProxy:
 
 # (a, b) -> a + b
 residual_forward = operator("residual_forward", meta=_forward_meta, fn=_C.residual_forward)
+
+
+def _two_tensors(a: Any, b: Any, *, alpha: Any = 1) -> bool:
+    """Adds of a number (`x + 1`, `var + eps`) are not residual adds: not offered to the checker."""
+    return isinstance(a, TensorProxy) and isinstance(b, TensorProxy)
 
 
 def _checker(a: Any, b: Any, *, alpha: Any = 1) -> str | None:
@@ -57,7 +63,7 @@ def _grad(a: TensorProxy, b: TensorProxy, *, alpha: Any = 1) -> TensorProxy:
     return out
 
 
-SPEC = OpSpec("residual", (Claim(ltorch.add, _checker, _execution, _grad),))
+SPEC = OpSpec("residual", (Claim(ltorch.add, _checker, _execution, _grad, applies=_two_tensors),))
 
 
 def bench_cases(dtype: torch.dtype, quick: bool) -> list:
