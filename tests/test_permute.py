@@ -41,9 +41,11 @@ def assert_same(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 # GPT-2 124M; HS a multiple of the 16-byte pack for both dtypes (64, 16), for fp32 only (12), or for
-# neither (5, 6, 1); T = 1 and odd T.
+# neither (5, 6, 1); T = 1 and odd T. 40 heads of 64: token rows of 320 to 1920 16-byte columns, cut
+# into up to four column chunks (blockIdx.x), and for the fp32 split (132 SMs) twice as many token
+# tiles as blocks (the grid-stride loop); 8x1024x12x64: the fp32 split in two column chunks.
 SHAPES = [(8, 1024, 12, 64), (1, 1, 1, 1), (2, 5, 3, 8), (3, 7, 12, 64), (2, 33, 4, 6), (2, 17, 5, 12),
-          (1, 1000, 12, 64), (2, 9, 16, 5), (1, 3, 2, 16)]
+          (1, 1000, 12, 64), (2, 9, 16, 5), (1, 3, 2, 16), (2, 1030, 40, 64)]
 
 
 @gpu
@@ -127,6 +129,41 @@ def test_launchers_reject_bad_arguments():
     assert q0.shape == (2, 3, 0, 4)
 
 
+@gpu
+@pytest.mark.parametrize("HS", [64, 5], ids=["vec", "elementwise"])
+def test_more_than_2_31_elements(HS):
+    """64-bit offsets on both sides: y (2, 3, T, HS) of > 2^31 bf16 elements, merged to (2, T, 3 HS)
+    (= qkv of one head), split back, and both inverses; compared bit for bit (random bit patterns)."""
+    B, NH = 2, 3
+    T = 2**31 // (B * NH * HS) + 1
+    n = B * NH * T * HS
+    assert n > 2**31
+    need = 3 * 2 * n + n + (2 << 30)  # three bf16 tensors at a time, a bool compare temporary, slack
+    free, _ = torch.cuda.mem_get_info()
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB free GPU memory, {free / 2**30:.1f} GiB free")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    y = torch.randint(-2**15, 2**15, (B, NH, T, HS), dtype=torch.int16, device="cuda", generator=gen)
+    y = y.view(torch.bfloat16)
+
+    def same(a, b):  # bit for bit: random patterns include NaNs
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    out = kforge._C.merge_heads_forward(y)  # (B, T, NH * HS)
+    assert out.shape == (B, T, NH * HS)
+    for b in range(B):
+        for h in range(NH):
+            assert same(out[b, :, h * HS:(h + 1) * HS], y[b, h]), ("merge", b, h)
+    dy = kforge._C.merge_heads_backward(out, NH)
+    assert same(dy, y), "merge backward"
+    del dy
+    parts = kforge._C.split_qkv_forward(out, 1)  # one head of HS per part: q, k, v = y[:, 0], y[:, 1], y[:, 2]
+    for p, t in enumerate(parts):
+        assert t.shape == (B, 1, T, HS) and same(t[:, 0], y[:, p]), ("split", p)
+    del y
+    assert same(kforge._C.split_qkv_backward(*parts), out), "split backward"
+
+
 # ---- Thunder, GPU ---------------------------------------------------------------------------------
 def attention_like(x, w, n_head):
     """The helpers as the reference GPT-2 uses them, with something differentiable in between."""
@@ -198,7 +235,7 @@ def test_split_views_and_merge_launch_layouts(dtype):
     qkv = randn(B, T, 3 * NH * HS, dtype=dtype)
     for got, ref in zip(pm._split_views(qkv, NH), ref_split(qkv, NH)):
         assert got.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()  # views, no copy
-        assert_same(got, ref, "split view")
+        assert got.shape == ref.shape and got.stride() == ref.stride() and torch.equal(got, ref)
     y_tok = randn(B, T, NH, HS, dtype=dtype).transpose(1, 2)  # token-major (B, NH, T, HS), like flash output
     merged = pm._merge_heads_launch(y_tok)
     assert merged.data_ptr() == y_tok.data_ptr()  # a view

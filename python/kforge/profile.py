@@ -257,8 +257,8 @@ def kernel_records(events: Iterable[Any]) -> list[KernelRecord]:
     The profiler also mirrors each `record_function` range onto the device timeline (a "GPU user
     annotation" spanning the kernels launched inside it); those are ranges, not activities, and are
     left out of the records. kforge launches through the driver API, which the profiler does not link
-    to a CPU op, so a kernel without a parent takes its op label and region from the kforge range
-    whose device-side annotation contains it (the n-th "kforge.x" annotation is the n-th "kforge.x"
+    to a CPU op, so a kforge kernel takes its op label (and, without a parent, its region) from the
+    kforge range whose device-side annotation contains it (the n-th "kforge.x" annotation is the n-th "kforge.x"
     CPU range), else region "unattributed"."""
     import bisect
 
@@ -300,7 +300,7 @@ def kernel_records(events: Iterable[Any]) -> list[KernelRecord]:
         cat = categorize(e.name)
         kf = _kforge_range(parent)
         region = _region(parent) if parent is not None else "unattributed"
-        if kf is None and (span := containing_span(e)) is not None:
+        if kf is None and cat == "kforge" and (span := containing_span(e)) is not None:
             kf = span[2]
             if parent is None and span[3] is not None:
                 region = _region(span[3])
