@@ -1,0 +1,159 @@
+"""colsum (sum over every dim but the last: a linear layer's bias gradient): the launcher against a
+float64 reference, deterministic results, the 16-byte and scalar paths, and the Thunder claims (the
+bias gradient in a linear's backward trace; a forward sum with its broadcast gradient).
+
+CPU tests: which sums are offered and why some are declined, the fallback on CPU tensors, and the
+Thunder plumbing with the launcher swapped for torch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import thunder
+from thunder.core.trace import TraceCtx, tracectx
+
+import kforge
+from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers, symbol_names
+from kforge import _thunder
+from kforge.ops import colsum as cs
+
+
+def reference(x):
+    return x.double().reshape(-1, x.shape[-1]).sum(0)
+
+
+# GPT-2 widths, odd widths (scalar path), one row, few rows, many rows (many chunks), 4-D.
+SHAPES = [(8, 1024, 768), (8, 1024, 2304), (3, 5, 771), (1, 1), (7, 13), (100003, 24), (2, 3, 4, 4104),
+          (5, 8)]
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_matches_float64_reference(dtype, shape):
+    x = randn(*shape, dtype=dtype)
+    out = kforge._C.colsum_forward(x)
+    assert out.dtype == dtype and out.shape == (shape[-1],)
+    n = x.numel() // shape[-1]
+    # An fp32 sum of n terms of size ~1 has an error growing like sqrt(n) ulps; the output rounds once.
+    assert_close(out, reference(x), dtype, "colsum", tol=None if dtype != torch.float32 else 1e-5 * max(1.0, n ** 0.5 / 16))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_deterministic_and_strided_and_misaligned(dtype):
+    x = randn(8, 1024, 768, dtype=dtype)
+    a, b = kforge._C.colsum_forward(x), kforge._C.colsum_forward(x)
+    assert torch.equal(a, b)
+    off = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:].view(8, 1024, 768).copy_(x)
+    assert off.data_ptr() % 16 != 0  # scalar path, same numbers up to summation order
+    assert_close(kforge._C.colsum_forward(off), reference(x), dtype, "misaligned")
+    xt = randn(768, 1024, dtype=dtype).t()  # a strided view is copied first
+    assert_close(kforge._C.colsum_forward(xt), reference(xt), dtype, "strided")
+
+
+@gpu
+def test_launcher_edge_cases():
+    empty_rows = randn(0, 5)
+    torch.testing.assert_close(kforge._C.colsum_forward(empty_rows), torch.zeros(5, device="cuda"))
+    assert kforge._C.colsum_forward(randn(4, 0)).shape == (0,)
+    with pytest.raises(kforge.KforgeError, match="not supported"):
+        kforge._C.colsum_forward(randn(4, 4).double())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_jit_claims_the_bias_gradient(dtype):
+    """A linear with bias under thunder.jit: its bias gradient (sum over batch and time) is ours."""
+    x = randn(4, 33, 96, dtype=dtype).requires_grad_(True)
+    w = randn(200, 96, dtype=dtype, scale=0.1).requires_grad_(True)
+    b = randn(200, dtype=dtype).requires_grad_(True)
+    jf = thunder.jit(lambda x, w, b: F.linear(x, w, b), executors=[kforge.executor])
+    out = jf(x, w, b)
+    g = randn(*out.shape, dtype=dtype)
+    dx, dw, db = torch.autograd.grad(out, (x, w, b), g)
+    assert "kforge_colsum_forward" in symbol_names(thunder.last_backward_traces(jf)[-1])
+    assert_close(db, reference(g), dtype, "dbias")
+    x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, b))
+    rx, rw, _ = torch.autograd.grad(F.linear(x64, w64, b64), (x64, w64, b64), g.double())
+    tol = None if dtype == torch.float32 else 2e-2
+    assert_close(dx, rx, dtype, "dx", tol=tol)
+    assert_close(dw, rw, dtype, "dw", tol=tol)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_jit_forward_sum_and_its_gradient(dtype):
+    x = randn(6, 7, 100, dtype=dtype).requires_grad_(True)
+    jf = thunder.jit(lambda x: x.sum((1, 0)) * 2, executors=[kforge.executor])
+    out = jf(x)
+    g = randn(100, dtype=dtype)
+    (dx,) = torch.autograd.grad(out, (x,), g)
+    assert "kforge_colsum_forward" in symbol_names(thunder.last_traces(jf)[-1])
+    assert_close(out, 2 * reference(x), dtype, "out")
+    torch.testing.assert_close(dx, (2 * g).expand(6, 7, 100).to(dtype), rtol=0, atol=0)
+
+
+# ---- CPU: offers, declines, fallback, plumbing ------------------------------------------------------
+def test_which_sums_are_offered_and_declined():
+    with tracectx(TraceCtx()):
+        x = proxy(8, 1024, 768, dtype=torch.bfloat16)
+        for dim in ((0, 1), (1, 0), [0, 1], (-3, -2), (0, -2)):
+            assert cs._applies(x, dim) and cs._checker(x, dim) is None, dim
+        assert cs._applies(proxy(5, 7), 0) and cs._checker(proxy(5, 7), 0) is None
+        for dim in (None, (0,), (1, 2), (0, 1, 2), 2, (0, 0)):
+            assert not cs._applies(x, dim), dim
+        assert not cs._applies(proxy(7), 0)  # 1-D: the whole tensor, not a column sum
+        cases = {
+            "keepdim=True": cs._checker(x, (0, 1), True),
+            "differs from the input dtype": cs._checker(x, (0, 1), dtype=torch.float32),
+            "not CUDA": cs._checker(proxy(4, 5, device="cpu"), 0),
+            "float64": cs._checker(proxy(4, 5, dtype=torch.float64), 0),
+            "empty": cs._checker(proxy(0, 5), 0),
+        }
+        assert cs._checker(x, (0, 1), dtype=torch.bfloat16) is None
+    for expected, reason in cases.items():
+        assert reason is not None and expected in reason, (expected, reason)
+
+
+def test_cpu_tensors_fall_back_to_torch():
+    _thunder.reset_declines()
+    x = randn(5, 6, 37, device="cpu").requires_grad_(True)
+    jf = thunder.jit(lambda x: x.sum((0, 1)), executors=[kforge.executor])
+    out = jf(x)
+    out.backward(torch.ones_like(out))
+    assert "kforge_" not in str(thunder.last_traces(jf)[-1])
+    torch.testing.assert_close(out, x.detach().sum((0, 1)))
+    assert any(r.startswith("colsum: ") and "not CUDA" in r for r in _thunder.declines()["sum"])
+
+
+def test_launcher_rejects_cpu_tensors():
+    with pytest.raises(kforge.KforgeError, match="colsum_forward: x must be a CUDA tensor"):
+        kforge._C.colsum_forward(randn(4, 4, device="cpu"))
+
+
+@pytest.fixture
+def cpu_reference_launchers(monkeypatch):
+    swap_launchers(monkeypatch, cs, {cs.colsum_forward: lambda x: x.reshape(-1, x.shape[-1]).sum(0)})
+
+
+def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):
+    x = randn(4, 5, 12, device="cpu", dtype=torch.float64).requires_grad_(True)
+    w = randn(7, 12, device="cpu", dtype=torch.float64).requires_grad_(True)
+    b = randn(7, device="cpu", dtype=torch.float64).requires_grad_(True)
+
+    def fn(x, w, b):
+        return F.linear(x, w, b).sin(), x.sum((0, 1))
+
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    out = jf(x, w, b)
+    gs = [randn(*o.shape, device="cpu", dtype=torch.float64) for o in out]
+    grads = torch.autograd.grad(out, (x, w, b), gs)
+    assert "kforge_colsum_forward" in symbol_names(thunder.last_traces(jf)[-1])
+    assert "kforge_colsum_forward" in symbol_names(thunder.last_backward_traces(jf)[-1])
+    ref = fn(x, w, b)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+    for g, r in zip(grads, torch.autograd.grad(ref, (x, w, b), gs)):
+        torch.testing.assert_close(g, r)
