@@ -4,60 +4,88 @@
 // split_qkv forward and merge_heads backward copy token-major -> head-major; split_qkv backward and
 // merge_heads forward copy head-major -> token-major. Nothing is saved for backward: the backward of
 // each copy is the inverse copy.
-// Layout: one block per (b, t) token, its P * NH * HS elements walked in 16-byte packs when HS and
-// the pointers allow (`vec`), else element by element. The token-major side is one contiguous run;
-// the head-major side is NH * P runs of HS elements (128 bytes for bf16 HS = 64).
+//
+// Layout: a token row (P * NH * HS elements) is cut into `cols` columns of W elements (W = 16 bytes
+// when HS and the pointers allow, else one element); column j is part p, head h, offset c in HS.
+// blockIdx.x picks a chunk of blockDim.x consecutive columns (the column math, with its divisions,
+// is done once per thread); blockIdx.y walks (b, tile of K * blockDim.y tokens) grid-stride, and
+// thread (x, y) moves its column of tokens y, y + blockDim.y, ... of the tile: K loads, then K
+// stores. A warp covers 32 consecutive columns of one token: 512 contiguous bytes on the token
+// side, whole head rows (128 bytes for bf16 HS = 64) on the head side, and a block's tile is
+// K * blockDim.y consecutive tokens, contiguous on both sides. Offsets are 64-bit.
 #include "common.cuh"
 
-template <typename T>
-KF_DEVICE T* head_part(T* h0, T* h1, T* h2, int p) {
-  return p == 0 ? h0 : (p == 1 ? h1 : h2);
+constexpr int kPermuteK = 4;  // tokens per thread
+
+template <typename T, int W> struct PermuteChunk { typedef Pack128<T> type; };
+template <typename T> struct PermuteChunk<T, 1> { typedef T type; };
+
+template <typename T, int W>
+KF_DEVICE typename PermuteChunk<T, W>::type permute_load(const T* p) {
+  if constexpr (W == 1)
+    return *p;
+  else
+    return load128cs(p);
+}
+template <typename T, int W>
+KF_DEVICE void permute_store(T* p, const typename PermuteChunk<T, W>::type& v) {
+  if constexpr (W == 1)
+    *p = v;
+  else
+    store128cs(p, v);
 }
 
-// One block per token row b * seq + t: src (token-major) -> h0, h1, h2 (head-major; P = parts).
-template <typename T>
+// tok: token-major (B, seq, cols * W); h0, h1, h2: head-major parts (B, NH, seq, HS), `cols` =
+// parts * NH * HS / W. TO_HEADS: tok -> heads, else heads -> tok (the source side is only read).
+template <typename T, int W, bool TO_HEADS>
+KF_DEVICE void permute_tiles(T* __restrict__ tok, T* __restrict__ h0, T* __restrict__ h1,
+                             T* __restrict__ h2, int seq, int NH, int HS, int cols,
+                             long long tiles_per_seq, long long units) {
+  constexpr int K = kPermuteK;
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= cols) return;  // no block-wide synchronisation below
+  const int hsw = HS / W;
+  const int ph = col / hsw, c = col - ph * hsw;  // ph = p * NH + h
+  const int p = ph / NH, h = ph - p * NH;
+  T* __restrict__ hp = (p == 0 ? h0 : (p == 1 ? h1 : h2)) + (long long)h * seq * HS + c * W;
+  T* __restrict__ tp = tok + (long long)col * W;
+  const long long row_len = (long long)cols * W;  // elements per token row
+  const int by = blockDim.y;
+  const long long tok_step = by * row_len, head_step = (long long)by * HS;
+  const long long tile_tokens = (long long)K * by;
+  for (long long u = blockIdx.y; u < units; u += gridDim.y) {
+    const long long b = u / tiles_per_seq;
+    const long long t = (u - b * tiles_per_seq) * tile_tokens + threadIdx.y;
+    const long long left = seq - t;  // tokens of this sequence from t on (<= 0: none)
+    T* tq = tp + (b * seq + t) * row_len;
+    T* hq = hp + (b * NH * seq + t) * HS;
+    typename PermuteChunk<T, W>::type v[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (k * by < left) v[k] = permute_load<T, W>(TO_HEADS ? tq + k * tok_step : hq + k * head_step);
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (k * by < left) permute_store<T, W>(TO_HEADS ? hq + k * head_step : tq + k * tok_step, v[k]);
+  }
+}
+
+// src (token-major) -> h0, h1, h2 (head-major); layout above.
+template <typename T, bool VEC>
 __global__ void permute_tokens_to_heads_kernel(const T* __restrict__ src, T* __restrict__ h0,
                                                T* __restrict__ h1, T* __restrict__ h2, int seq,
-                                               int parts, int NH, int HS, int vec) {
-  constexpr int V = Pack128<T>::size;
-  const long long row = blockIdx.x;
-  const long long b = row / seq;
-  const int t = (int)(row % seq);
-  const int G = vec ? V : 1;              // elements per step
-  const int hs_steps = HS / G;            // HS % V == 0 when vec
-  const int steps = parts * NH * hs_steps;
-  const T* s = src + row * ((long long)parts * NH * HS);
-  for (int j = threadIdx.x; j < steps; j += blockDim.x) {
-    const int ph = j / hs_steps, hs = (j - ph * hs_steps) * G;  // ph = p * NH + h
-    const int p = ph / NH, h = ph - p * NH;
-    T* d = head_part(h0, h1, h2, p) + ((b * NH + h) * seq + t) * HS + hs;
-    if (vec)
-      store128(d, load128cs(s + (long long)j * V));
-    else
-      *d = s[j];
-  }
+                                               int NH, int HS, int cols, long long tiles_per_seq,
+                                               long long units) {
+  permute_tiles<T, VEC ? Pack128<T>::size : 1, true>(const_cast<T*>(src), h0, h1, h2, seq, NH, HS,
+                                                      cols, tiles_per_seq, units);
 }
 
-// One block per token row b * seq + t: h0, h1, h2 (head-major) -> dst (token-major).
-template <typename T>
+// h0, h1, h2 (head-major) -> dst (token-major); layout above.
+template <typename T, bool VEC>
 __global__ void permute_heads_to_tokens_kernel(const T* __restrict__ h0, const T* __restrict__ h1,
                                                const T* __restrict__ h2, T* __restrict__ dst, int seq,
-                                               int parts, int NH, int HS, int vec) {
-  constexpr int V = Pack128<T>::size;
-  const long long row = blockIdx.x;
-  const long long b = row / seq;
-  const int t = (int)(row % seq);
-  const int G = vec ? V : 1;
-  const int hs_steps = HS / G;
-  const int steps = parts * NH * hs_steps;
-  T* d = dst + row * ((long long)parts * NH * HS);
-  for (int j = threadIdx.x; j < steps; j += blockDim.x) {
-    const int ph = j / hs_steps, hs = (j - ph * hs_steps) * G;
-    const int p = ph / NH, h = ph - p * NH;
-    const T* s = head_part(h0, h1, h2, p) + ((b * NH + h) * seq + t) * HS + hs;
-    if (vec)
-      store128(d + (long long)j * V, load128cs(s));
-    else
-      d[j] = *s;
-  }
+                                               int NH, int HS, int cols, long long tiles_per_seq,
+                                               long long units) {
+  permute_tiles<T, VEC ? Pack128<T>::size : 1, false>(dst, const_cast<T*>(h0), const_cast<T*>(h1),
+                                                       const_cast<T*>(h2), seq, NH, HS, cols,
+                                                       tiles_per_seq, units);
 }

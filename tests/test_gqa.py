@@ -23,12 +23,14 @@ from conftest import DTYPES, assert_close, check_jit_matches_eager, gpu, randn
 proxy = functools.partial(conftest.proxy, dtype=torch.bfloat16)
 
 
-def check(x, n_rep, what=""):
+def check(x, n_rep, what="", reps=(0,)):
+    """Forward (for each `reps`: output heads written per load of x, 0 = all) and backward."""
     dtype = x.dtype
     B, H, T, D = x.shape
-    out = kforge._C.repeat_kv_forward(x, n_rep)
-    assert out.shape == (B, H * n_rep, T, D) and out.is_contiguous()
-    assert torch.equal(out, torch.repeat_interleave(x, n_rep, dim=1)), f"forward {what}"
+    for r in reps:
+        out = kforge._C.repeat_kv_forward(x, n_rep, r)
+        assert out.shape == (B, H * n_rep, T, D) and out.is_contiguous()
+        assert torch.equal(out, torch.repeat_interleave(x, n_rep, dim=1)), f"forward {what} reps={r}"
     dout = randn(B, H * n_rep, T, D, dtype=dtype)
     dx = kforge._C.repeat_kv_backward(dout, n_rep)
     assert_close(dx, dout.double().view(B, H, n_rep, T, D).sum(2), dtype, f"backward {what}")
@@ -48,21 +50,64 @@ def test_forward_backward(dtype, shape, n_rep):
 
 
 @gpu
+@pytest.mark.parametrize("n_rep", [1, 3, 4])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_rep_groups(dtype, shape, n_rep):
+    """The forward's other layouts: one output head per load of x (output in address order, x
+    re-read), and groups of two heads (the last group short when n_rep is odd)."""
+    x = randn(*shape, dtype=dtype)
+    for reps in (1, 2, n_rep + 1):
+        out = kforge._C.repeat_kv_forward(x, n_rep, reps)
+        assert torch.equal(out, torch.repeat_interleave(x, n_rep, dim=1)), f"{shape} n_rep={n_rep} reps={reps}"
+
+
+@gpu
 @pytest.mark.parametrize("n_rep", [3, 8])
-def test_bench_size(n_rep):
-    check(randn(8, 4, 1024, 128, dtype=torch.bfloat16), n_rep, "8x4x1024x128")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bench_size(dtype, n_rep):
+    # With reps=1 (8 * 4 slabs * n_rep groups * 16 or 32 tiles) and for the 8x8x4096 case (64 slabs x
+    # 64 / 128 tiles) there are more units than blocks (132 SMs): the grid-stride loop.
+    check(randn(8, 4, 1024, 128, dtype=dtype), n_rep, "8x4x1024x128", reps=(0, 1))
+    check(randn(8, 8, 4096, 128, dtype=dtype), 2, "8x8x4096x128")
 
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_strided_and_misaligned(dtype):
     B, T, H, D = 2, 9, 4, 64
-    check(randn(B, T, H, D, dtype=dtype).transpose(1, 2), 4, "transposed (HF k / v views)")
-    check(randn(B * H * T * D + 1, dtype=dtype)[1:].view(B, H, T, D), 4, "misaligned")
+    check(randn(B, T, H, D, dtype=dtype).transpose(1, 2), 4, "transposed (HF k / v views)", reps=(0, 1))
+    check(randn(B * H * T * D + 1, dtype=dtype)[1:].view(B, H, T, D), 4, "misaligned", reps=(0, 1))
     check(randn(B, H, T, 2 * D, dtype=dtype)[..., ::2], 2, "strided last dim")
+    check(randn(B, 100, H, D + 6, dtype=dtype).transpose(1, 2)[..., 3:3 + D], 3, "transposed, offset rows",
+          reps=(0, 1))
     dout = randn(B, H * 4, T, D + 1, dtype=dtype)[..., 1:]
     dx = kforge._C.repeat_kv_backward(dout, 4)
     assert_close(dx, dout.double().view(B, H, 4, T, D).sum(2), dtype, "strided dout")
+
+
+@gpu
+@pytest.mark.parametrize("D", [256, 255], ids=["vec", "elementwise"])
+def test_more_than_2_31_elements(D):
+    """64-bit offsets: out (1, 9, 2^20, D) bf16 passes 2^31 elements (heads 8 and up start past it),
+    for both forward layouts; the backward of out (3 equal copies) is exactly 3 x."""
+    B, H, T, n_rep = 1, 3, 2**20, 3
+    n = B * H * T * D
+    assert n * n_rep > 2**31
+    need = 2 * (2 * n + n * n_rep) + n * n_rep + (2 << 30)  # x, dx, out in bf16, a compare temporary, slack
+    free, _ = torch.cuda.mem_get_info()
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB free GPU memory, {free / 2**30:.1f} GiB free")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(B, H, T, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    for reps in (0, 1):
+        out = kforge._C.repeat_kv_forward(x, n_rep, reps)
+        for j in range(H * n_rep):
+            assert torch.equal(out[0, j], x[0, j // n_rep]), (reps, j)
+        del out
+    dx = kforge._C.repeat_kv_backward(kforge._C.repeat_kv_forward(x, n_rep), n_rep)
+    for h in range(H):  # x + x + x is exact in fp32
+        assert torch.equal(dx[0, h], (x[0, h].float() * 3).bfloat16()), h
 
 
 @gpu
@@ -76,6 +121,8 @@ def test_backward_is_deterministic():
 def test_gpu_argument_errors():
     with pytest.raises(kforge.KforgeError, match="n_rep must be"):
         kforge._C.repeat_kv_forward(randn(1, 2, 3, 4), 0)
+    with pytest.raises(kforge.KforgeError, match="reps must be"):
+        kforge._C.repeat_kv_forward(randn(1, 2, 3, 4), 2, -1)
     with pytest.raises(kforge.KforgeError, match=r"\(B, Hkv, T, D\)"):
         kforge._C.repeat_kv_forward(randn(2, 3, 4), 2)
     with pytest.raises(kforge.KforgeError, match="n_rep = 3"):

@@ -23,9 +23,14 @@ void check_n_rep(int64_t n_rep, const char* op) {
   KF_CHECK(n_rep >= 1 && n_rep <= 4096, op, "n_rep must be in [1, 4096], got ", n_rep);
 }
 
-at::Tensor gqa_forward(const at::Tensor& x_, int64_t n_rep) {
+constexpr int64_t kFwdChunksPerThread = 4;  // kGqaFwdK in kernels_src/gqa.cu
+
+// `reps`: output heads each unit writes from one load of x: n_rep (0 = default) reads x once; 1
+// writes the output in address order, re-reading x from L2 (kept selectable for benchmarking).
+at::Tensor gqa_forward(const at::Tensor& x_, int64_t n_rep, int64_t reps) {
   const char* op = "repeat_kv_forward";
   check_n_rep(n_rep, op);
+  KF_CHECK(reps >= 0, op, "reps must be >= 0 (0: n_rep), got ", reps);
   KF_CHECK(x_.defined() && x_.is_cuda(), op, "x must be a CUDA tensor");
   dtype_of(x_, op);
   KF_CHECK(x_.dim() == 4, op, "x must be (B, Hkv, T, D), got shape ", x_.sizes());
@@ -40,11 +45,24 @@ at::Tensor gqa_forward(const at::Tensor& x_, int64_t n_rep) {
   const int64_t V = 16 / x.element_size();
   bool vec = D % V == 0 && aligned16(x);
   for (int d = 0; d < 3; ++d) vec = vec && x.stride(d) % V == 0;
-  const Dim3 grid = grid_for(B * H, T * D / (vec ? V : 1), on.device);
-  fwd.launch(dtype_of(x, op), on.device, on.stream, grid, kBlock, 0, x.data_ptr(), out.data_ptr(),
-             static_cast<int>(H), static_cast<int>(n_rep), static_cast<int>(T), static_cast<int>(D),
+  const int64_t per_rep = (reps == 0 || reps > n_rep) ? n_rep : reps;
+  const int64_t groups = (n_rep + per_rep - 1) / per_rep;
+  // 256 threads per block, fewer (whole warps) when a slab is short (decoding: T = 1).
+  const int64_t per_slab = T * D / (vec ? V : 1), warp_tile = 32 * kFwdChunksPerThread;
+  const int64_t threads = 32 * std::min<int64_t>(kBlock / 32, (per_slab + warp_tile - 1) / warp_tile);
+  const int64_t tile = threads * kFwdChunksPerThread;
+  const int64_t tiles = (per_slab + tile - 1) / tile;
+  const int64_t units = B * H * groups * tiles;
+  // About two waves of blocks, each block the same number of units.
+  const int64_t cap = int64_t(sm_count(on.device)) * 2 * std::min<int64_t>(32, 2048 / threads);
+  const int64_t iters = (units + cap - 1) / cap;
+  const unsigned grid = static_cast<unsigned>((units + iters - 1) / iters);
+  fwd.launch(dtype_of(x, op), on.device, on.stream, Dim3(grid), Dim3(static_cast<unsigned>(threads)),
+             0, x.data_ptr(), out.data_ptr(), static_cast<int>(H), static_cast<int>(n_rep),
+             static_cast<int>(per_rep), static_cast<int>(T), static_cast<int>(D),
              static_cast<long long>(x.stride(0)), static_cast<long long>(x.stride(1)),
-             static_cast<long long>(x.stride(2)), static_cast<long long>(B * H), int(vec));
+             static_cast<long long>(x.stride(2)), static_cast<int>(tiles),
+             static_cast<long long>(units), int(vec));
   return out;
 }
 
@@ -74,7 +92,9 @@ at::Tensor gqa_backward(const at::Tensor& dout_, int64_t n_rep) {
 KFORGE_BIND_OP(gqa) {
   m.def("repeat_kv_forward", &gqa_forward,
         "HF repeat_kv: x (B, Hkv, T, D) -> (B, Hkv * n_rep, T, D), head h reading kv head h // n_rep",
-        pybind11::arg("x"), pybind11::arg("n_rep"));
+        pybind11::arg("x"), pybind11::arg("n_rep"),
+        // Output heads written per load of x (0: all n_rep, x read once; 1: output in address order).
+        pybind11::arg("reps") = 0);
   m.def("repeat_kv_backward", &gqa_backward,
         "dx (B, Hkv, T, D): each kv head's n_rep output gradients summed in order (deterministic)",
         pybind11::arg("dout"), pybind11::arg("n_rep"));

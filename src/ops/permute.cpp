@@ -8,11 +8,22 @@ namespace kforge {
 namespace {
 
 Program prog("permute");
-Kernel to_heads(prog, "permute_tokens_to_heads_kernel<{T}>");
-Kernel to_tokens(prog, "permute_heads_to_tokens_kernel<{T}>");
+// By VEC: 16-byte columns (HS a multiple of the pack, pointers aligned) or one element.
+Kernel to_heads_vec(prog, "permute_tokens_to_heads_kernel<{T}, true>");
+Kernel to_heads_elem(prog, "permute_tokens_to_heads_kernel<{T}, false>");
+Kernel to_tokens_vec(prog, "permute_heads_to_tokens_kernel<{T}, true>");
+Kernel to_tokens_elem(prog, "permute_heads_to_tokens_kernel<{T}, false>");
+
+constexpr int64_t kTokensPerThread = 4;  // kPermuteK in kernels_src/permute.cu
+constexpr int64_t kMaxBlockX = 512;      // columns per block
+constexpr int64_t kTargetBlock = 256;    // threads per block when a token row is short
 
 // Copies between token-major `tokens` (B, T, parts * NH * HS) and head-major `heads` (parts tensors
 // of shape (B, NH, T, HS)): tokens -> heads when `split`, else heads -> tokens.
+// Geometry: the row's `cols` columns in the fewest chunks of <= 512 threads (blockIdx.x), as many
+// token lanes per block as fit in 256 threads (blockDim.y; fewer for short sequences), 4 tokens per
+// thread; blockIdx.y walks (b, token tile) units: at most about two waves of blocks, each block the
+// same number of units.
 void launch(bool split, const at::Tensor& tokens, const std::vector<at::Tensor>& heads, int64_t B,
             int64_t T, int64_t NH, int64_t HS, const char* op) {
   const int parts = static_cast<int>(heads.size());
@@ -24,18 +35,33 @@ void launch(bool split, const at::Tensor& tokens, const std::vector<at::Tensor>&
   const int64_t V = 16 / tokens.element_size();
   bool vec = HS % V == 0 && aligned16(tokens);
   for (const at::Tensor& h : heads) vec = vec && aligned16(h);
-  const int64_t steps = vec ? row / V : row;
-  const unsigned block = std::min<int64_t>(512, ceil_div(steps, 32) * 32);
-  const unsigned grid = static_cast<unsigned>(B * T);
+  const int64_t cols = vec ? row / V : row;
+  const int64_t nchunks = (cols + kMaxBlockX - 1) / kMaxBlockX;
+  const int64_t bx = (cols + nchunks - 1) / nchunks;
+  // Token lanes: fill ~256 threads, but no more than short sequences need.
+  const int64_t by = std::max<int64_t>(
+      1, std::min<int64_t>(kTargetBlock / bx, (T + kTokensPerThread - 1) / kTokensPerThread));
+  const int64_t tiles_per_seq = (T + kTokensPerThread * by - 1) / (kTokensPerThread * by);
+  const int64_t units = B * tiles_per_seq;
+  const int64_t per_sm = std::max<int64_t>(1, 2048 / (bx * by));  // resident blocks, at best
+  const int64_t cap = std::min<int64_t>(
+      65535, std::max<int64_t>(1, int64_t(sm_count(on.device)) * per_sm * 2 / nchunks));
+  const int64_t iters = (units + cap - 1) / cap;
+  const Dim3 grid(static_cast<unsigned>(nchunks), static_cast<unsigned>((units + iters - 1) / iters));
+  const Dim3 block(static_cast<unsigned>(bx), static_cast<unsigned>(by));
   void* h[3];
   for (int p = 0; p < 3; ++p) h[p] = heads[std::min(p, parts - 1)].data_ptr();  // unused when p >= parts
   const DType dt = dtype_of(tokens, op);
+  Kernel& k = split ? (vec ? to_heads_vec : to_heads_elem) : (vec ? to_tokens_vec : to_tokens_elem);
+  const int seq = static_cast<int>(T), nh = static_cast<int>(NH), hs = static_cast<int>(HS),
+            ncols = static_cast<int>(cols);
+  const long long tps = tiles_per_seq, nunits = units;
   if (split)
-    to_heads.launch(dt, on.device, on.stream, grid, block, 0, tokens.data_ptr(), h[0], h[1], h[2],
-                    static_cast<int>(T), parts, static_cast<int>(NH), static_cast<int>(HS), int(vec));
+    k.launch(dt, on.device, on.stream, grid, block, 0, tokens.data_ptr(), h[0], h[1], h[2], seq, nh,
+             hs, ncols, tps, nunits);
   else
-    to_tokens.launch(dt, on.device, on.stream, grid, block, 0, h[0], h[1], h[2], tokens.data_ptr(),
-                     static_cast<int>(T), parts, static_cast<int>(NH), static_cast<int>(HS), int(vec));
+    k.launch(dt, on.device, on.stream, grid, block, 0, h[0], h[1], h[2], tokens.data_ptr(), seq, nh,
+             hs, ncols, tps, nunits);
 }
 
 // (B, T, 3C) -> q, k, v, each (B, NH, T, HS) contiguous.
