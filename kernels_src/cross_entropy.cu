@@ -5,7 +5,8 @@
 // per-row loss. mean / sum are reduced by one extra single-block kernel over the N fp32 row losses
 // in a fixed order (deterministic); it also counts the non-ignored targets (n_valid) on the device,
 // so the mean's 1/n_valid never needs the host.
-// Backward recomputes softmax from the saved logsumexp in one read of x and one write of dx:
+// Backward recomputes softmax from the saved logsumexp in one read of x and one write of dx, as a
+// streaming elementwise kernel over (row, chunk) work items (see below):
 //   dx_ij = (exp(x_ij - lse_i) - [j == t_i]) * dloss_i,   dloss_i = g_i | g | g / n_valid
 // Rows whose target is ignore_index get loss 0 and an exactly-zero gradient row. A target that is
 // neither ignore_index nor in [0, V) is never used as an index: its row loss is NaN (so mean/sum are
@@ -164,20 +165,141 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
   }
 }
 
-// Backward, one block per row: one read of x, one write of dx, 16-byte packs when `vec`.
+// ---- backward: a streaming elementwise kernel ------------------------------------------------------
+// Work items are (row, chunk) pairs, w = row * chunks_per_row + chunk, taken by a persistent grid
+// (blockIdx.x, += gridDim.x): one 64-bit division per item, none per element. A chunk is `chunk_packs`
+// (<= CE_BWD_THREADS * unroll) consecutive 16-byte packs of the row's aligned middle; each thread
+// issues all of its loads of the item before the first use. Chunk 0 also does the row's scalar head
+// and tail (< 2 packs' worth). The next item's row inputs (target, lse, dloss) are loaded before the
+// current item's data, so their latency hides behind it. Ignored rows write zeros without reading
+// the logits. Math: dx = exp2(x * log2e - lse * log2e) * s, minus s at the target.
+#define CE_BWD_THREADS 256
+#define CE_BWD_UNROLL_VEC 8     // 16-byte packs in flight per thread (128 bytes)
+#define CE_BWD_UNROLL_SCALAR 2  // element-wise "packs" (P loads each) in flight per thread
+#define CE_LOG2E 1.4426950408889634f
+
+KF_DEVICE float ce_ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// The raw per-row inputs of one work item, loaded one item ahead.
+struct CeRowIn {
+  long long t;
+  float lse, g;
+};
 template <typename T>
-__global__ void cross_entropy_backward_kernel(const T* __restrict__ grad, long long grad_stride,
-                                              const float* __restrict__ n_valid, const T* __restrict__ logits,
-                                              const i64* __restrict__ targets, const float* __restrict__ lse,
-                                              T* __restrict__ dlogits, long long V, long long ignore_index,
-                                              int vec) {
-  const long long row = blockIdx.x;
-  const long long t = targets[row];
-  const bool ignored = t == ignore_index;
-  const bool bad = !ignored && (t < 0 || t >= V);
-  const float scale = ignored ? 0.0f : row_dloss(grad, grad_stride, n_valid, row);
-  write_row_grad<true>(logits + row * V, dlogits + row * V, V, t, bad ? CE_NAN : lse[row], scale,
-                       ignored, vec);
+KF_DEVICE CeRowIn ce_row_in(long long row, const T* __restrict__ grad, long long grad_stride,
+                            const i64* __restrict__ targets, const float* __restrict__ lse) {
+  return {targets[row], lse[row], to_float(grad[row * grad_stride])};
+}
+
+// Vec: logits and dlogits share their address modulo 16: 16-byte packs between a scalar head and
+// tail per row. Else every "pack" is P elements moved one by one (no alignment needed).
+template <typename T, bool Vec>
+__global__ void __launch_bounds__(CE_BWD_THREADS, 4)
+    cross_entropy_backward_kernel(const T* __restrict__ grad, long long grad_stride,
+                                  const float* __restrict__ n_valid, const T* __restrict__ logits,
+                                  const i64* __restrict__ targets, const float* __restrict__ lse,
+                                  T* __restrict__ dlogits, long long V, long long ignore_index,
+                                  long long chunks_per_row, int chunk_packs, long long work) {
+  constexpr int P = Pack128<T>::size, B = CE_BWD_THREADS;
+  constexpr int U = Vec ? CE_BWD_UNROLL_VEC : CE_BWD_UNROLL_SCALAR;
+  const int tid = threadIdx.x;
+  long long w = blockIdx.x;
+  if (w >= work) return;
+  long long row = w / chunks_per_row;
+  CeRowIn in = ce_row_in(row, grad, grad_stride, targets, lse);
+  const float nv = n_valid ? *n_valid : 1.0f;  // mean: dloss = g / n_valid
+  for (; w < work; w += gridDim.x) {
+    const long long chunk = w - row * chunks_per_row;
+    const long long t = in.t;
+    const bool zero = t == ignore_index;
+    const bool bad = !zero && (t < 0 || t >= V);
+    const float l2 = bad ? CE_NAN : in.lse * CE_LOG2E;
+    const float s = zero ? 0.0f : (n_valid ? in.g / nv : in.g);
+    const T* xr = logits + row * V;
+    T* dr = dlogits + row * V;
+
+    // Prefetch the next item's row inputs.
+    const long long wn = w + gridDim.x;
+    long long row_n = row;
+    if (wn < work) {
+      row_n = wn / chunks_per_row;
+      in = ce_row_in(row_n, grad, grad_stride, targets, lse);
+    }
+
+    const RowSplit rs = Vec ? split_row(xr, V) : RowSplit{0, V / P, (V / P) * P};
+    const long long first = rs.head + chunk * (long long)chunk_packs * P;  // element of the chunk's pack 0
+    const long long left = rs.npacks - chunk * (long long)chunk_packs;    // packs from there on
+    const int np = (int)(left < chunk_packs ? (left > 0 ? left : 0) : chunk_packs);
+    const long long dt = t - first;  // the target's position in this chunk, if there
+    const int tl = (dt >= 0 && dt < (long long)np * P) ? (int)dt : -1;
+    const T* xc = xr + first;
+    T* dc = dr + first;
+    // Chunk 0 also owns the row's scalar head and tail (fewer than 2 * P elements); their loads go
+    // out with the packs'.
+    const int nscalar = chunk == 0 ? (int)(rs.head + (V - rs.tail)) : 0;
+    const long long c = tid < rs.head ? (long long)tid : rs.tail + (tid - rs.head);
+    const float xs = tid < nscalar && !zero ? to_float(xr[c]) : 0.0f;
+
+    if (zero) {
+      Pack128<T> z;
+#pragma unroll
+      for (int k = 0; k < P; ++k) z.set(k, 0.0f);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int p = u * B + tid;
+        if (p < np) {
+          if (Vec) {
+            store128cs(dc + p * P, z);
+          } else {
+#pragma unroll
+            for (int k = 0; k < P; ++k) dc[p * P + k] = z[k];
+          }
+        }
+      }
+    } else {
+      Pack128<T> a[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int p = u * B + tid;
+        if (p < np) {
+          if (Vec) {
+            a[u] = load128cs(xc + p * P);
+          } else {
+#pragma unroll
+            for (int k = 0; k < P; ++k) a[u][k] = xc[p * P + k];
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int p = u * B + tid;
+        if (p < np) {
+          const int dk = tl - p * P;  // in [0, P) for the pack holding the target
+          Pack128<T> o;
+#pragma unroll
+          for (int k = 0; k < P; ++k) {
+            const float e = ce_ex2(fmaf(a[u].f(k), CE_LOG2E, -l2)) * s;
+            o.set(k, k == dk ? e - s : e);
+          }
+          if (Vec) {
+            store128cs(dc + p * P, o);
+          } else {
+#pragma unroll
+            for (int k = 0; k < P; ++k) dc[p * P + k] = o[k];
+          }
+        }
+      }
+    }
+    if (tid < nscalar) {
+      const float e = zero ? 0.0f : ce_ex2(fmaf(xs, CE_LOG2E, -l2)) * s;
+      dr[c] = from_float<T>(c == t ? e - s : e);
+    }
+    row = row_n;
+  }
 }
 
 KF_DEVICE long long block_sum_ll(long long x, long long* scratch) {

@@ -8,16 +8,26 @@
 //
 // Layouts, chosen by the launcher from the row length (capacities in 16-byte packs):
 // - softmax_{forward,backward}_kernel<T, P, true>:  one warp per row, P packs per lane in registers
-//   (rows up to 32 * P packs);
+//   (rows up to 32 * P packs): each lane issues all its loads first, then shuffle-only reductions;
 // - softmax_{forward,backward}_kernel<T, P, false>: one block per row, P packs per thread in
-//   registers (rows up to blockDim.x * P packs);
-// - softmax_{forward,backward}_stream_kernel<T>: one block per row for rows too long for registers:
-//   pass 1 reads the row once (online max and sum, or <dy, y>), pass 2 reads it again back to front,
-//   so the part pass 1 read last (most likely still in L1/L2) is read first, and writes with
-//   streaming stores that do not push the rest of the row out of L2.
+//   registers (rows up to blockDim.x * P packs): per-warp reductions, then one __syncthreads to
+//   combine the warps' (max, sum) or <dy, y> partials;
+//   both read the row once, take exp2 once per element (x pre-scaled by scale * log2e) and keep the
+//   results in registers until the normalised row is written. They need x, y (and dy) to share
+//   their address modulo 16 (`vec` in the launcher).
+// - softmax_{forward,backward}_stream_kernel<T>: one block per row for rows too long for registers,
+//   and for any row when `vec` does not hold: pass 1 reads the row once (online max and sum, or
+//   <dy, y>), pass 2 reads it again back to front, so the part pass 1 read last (most likely still in
+//   L1/L2) is read first, and writes with streaming stores that do not push the rest of the row out
+//   of L2.
 // Rows need not start 16-byte aligned (C = 50257): each row is split into up to V-1 leading scalars,
 // aligned packs, and up to V-1 trailing scalars; x, y (and dy) rows share one alignment because the
 // launcher checks their base pointers agree modulo 16 (`vec`; else packs are moved element-wise).
+//
+// Causal rows in the register kernels: the packs of a row are handled in slots of W (lanes or
+// threads) packs, k * W + lane; a slot is classified for the whole warp / block as fully counted (no
+// per-element checks), partly counted (the diagonal: per-element selects), or past the diagonal
+// (zeros written, nothing read or computed).
 #include "common.cuh"
 
 // How a row of n elements splits around 16-byte boundaries.
@@ -58,16 +68,6 @@ KF_DEVICE Pack128<T> load_pack_cs(const T* p, int vec) {
   for (int i = 0; i < Pack128<T>::size; ++i) r[i] = p[i];
   return r;
 }
-template <typename T>
-KF_DEVICE void store_pack(T* p, const Pack128<T>& x, int vec) {
-  if (vec) {
-    store128(p, x);
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < Pack128<T>::size; ++i) p[i] = x[i];
-}
-
 // Streaming store: the stream kernels' outputs must not evict the row that pass 2 re-reads from L2.
 template <typename T>
 KF_DEVICE void store_pack_cs(T* p, const Pack128<T>& x, int vec) {
@@ -77,15 +77,6 @@ KF_DEVICE void store_pack_cs(T* p, const Pack128<T>& x, int vec) {
   }
 #pragma unroll
   for (int i = 0; i < Pack128<T>::size; ++i) p[i] = x[i];
-}
-
-template <bool WarpRow>
-KF_DEVICE float row_max(float v, float* scratch) {
-  return WarpRow ? warp_max(v) : block_max(v, scratch);
-}
-template <bool WarpRow>
-KF_DEVICE float row_sum(float v, float* scratch) {
-  return WarpRow ? warp_sum(v) : block_sum(v, scratch);
 }
 
 // Online softmax state: running max m and sum s of exp(v - m). Adding n values with maximum vmax
@@ -103,69 +94,206 @@ KF_DEVICE void online_add(float& m, float& s, const float (&v)[N], float vmax) {
   }
 }
 
+// ---- register-resident rows: helpers ------------------------------------------------------------
+#define SM_LOG2E 1.4426950408889634f
+
+KF_DEVICE float sm_ex2(float x) {  // 2^x; -inf -> +0, NaN -> NaN
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// A pack's values as floats, and floats back to a pack (16-bit types: two per conversion).
+template <typename T>
+KF_DEVICE void unpack(const Pack128<T>& p, float (&f)[Pack128<T>::size]) {
+  if constexpr (sizeof(T) == 2) {
+    const u32* w = reinterpret_cast<const u32*>(&p);
+#pragma unroll
+    for (int j = 0; j < Pack128<T>::size / 2; ++j) {
+      T lo, hi;
+      lo.bits = (u16)(w[j] & 0xffffu);
+      hi.bits = (u16)(w[j] >> 16);
+      f[2 * j] = to_float(lo);
+      f[2 * j + 1] = to_float(hi);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < Pack128<T>::size; ++i) f[i] = p.f(i);
+  }
+}
+template <>
+KF_DEVICE void unpack<bf16>(const Pack128<bf16>& p, float (&f)[8]) {
+  const u32* w = reinterpret_cast<const u32*>(&p);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    f[2 * j] = __uint_as_float(w[j] << 16);
+    f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  }
+}
+
+template <typename T>
+KF_DEVICE u32 cvt2(float lo, float hi);
+template <>
+KF_DEVICE u32 cvt2<bf16>(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <>
+KF_DEVICE u32 cvt2<half>(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <typename T>
+KF_DEVICE Pack128<T> pack(const float (&f)[Pack128<T>::size]) {
+  Pack128<T> r;
+  if constexpr (sizeof(T) == 2) {
+    u32* w = reinterpret_cast<u32*>(&r);
+#pragma unroll
+    for (int j = 0; j < Pack128<T>::size / 2; ++j) w[j] = cvt2<T>(f[2 * j], f[2 * j + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < Pack128<T>::size; ++i) r.set(i, f[i]);
+  }
+  return r;
+}
+
+// Where the counted part of a row ends, in packs of its aligned middle: packs [0, full) are fully
+// counted, packs [full, some) partly (at most one: the diagonal), packs [some, npk) not at all.
+struct RowSlots {
+  int full, some;
+};
+KF_DEVICE RowSlots row_slots(const RowSplit& s, int L, int V) {
+  if (L <= s.head) return {0, 0};
+  return {min(s.npk, (L - s.head) / V), min(s.npk, (L - s.head + V - 1) / V)};
+}
+
+// One __syncthreads: every thread gets the sum over the block of the per-warp sums `v` (lane 0's).
+KF_DEVICE float block_sum_of_warps(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  return warp_sum(lane < nwarps ? scratch[lane] : 0.0f);
+}
+
 // ---- forward ------------------------------------------------------------------------------------
 // Register-resident rows. WarpRow: one warp per row, blockDim.x / 32 rows per block; else one block
 // per row. Lane `lane` of the W threads of a row holds packs lane, lane + W, ..., lane + (P-1) W.
+// scale2 = scale * log2(e): y = 2^(x * scale2 - max) / sum.
 template <typename T, int P, bool WarpRow>
-__global__ void __launch_bounds__(WarpRow ? 256 : 512)
-    softmax_forward_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, int C,
-                           int causal, float scale, int vec) {
+__global__ void __launch_bounds__(WarpRow ? 128 : 512)
+    softmax_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int rows, int C, int causal,
+                           float scale2) {
   constexpr int V = Pack128<T>::size;
-  __shared__ float scratch[32];
+  __shared__ float scratch[2][32];
   const int W = WarpRow ? 32 : blockDim.x;
   const int lane = WarpRow ? (threadIdx.x & 31) : threadIdx.x;
-  const long long row =
-      WarpRow ? (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : (long long)blockIdx.x;
+  const int row = WarpRow ? blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : blockIdx.x;
   if (row >= rows) return;  // WarpRow only (the whole warp leaves; no block barriers there)
-  const T* xr = x + row * C;
-  T* yr = y + row * C;
-  const int L = causal ? (int)(row % C) + 1 : C;  // elements of the row that count
-  const RowSplit s = split_row(xr, C, vec);
+  const T* xr = x + (i64)row * C;
+  T* yr = y + (i64)row * C;
+  const int L = causal ? row % C + 1 : C;  // elements of the row that count
+  const RowSplit s = split_row(xr, C, 1);
+  const RowSlots sl = row_slots(s, L, V);
 
+  // All loads first: the packs holding counted elements, then the scalar head and tail.
   Pack128<T> buf[P];
-  float m = -KF_INF;
 #pragma unroll
   for (int k = 0; k < P; ++k) {
-    const int pk = k * W + lane, e = s.head + pk * V;
-    if (pk < s.npk && e < L) {
-      buf[k] = load_pack(xr + e, vec);
-#pragma unroll
-      for (int i = 0; i < V; ++i)
-        if (e + i < L) m = fmaxf(m, scale * buf[k].f(i));
-    }
+    const int pk = k * W + lane;
+    if (pk < sl.some) buf[k] = load128(xr + s.head + pk * V);
   }
   const int he = lane, te = s.head + s.npk * V + lane;
   const bool hv = lane < s.head && he < L, tv = lane < s.tail && te < L;
-  const float hx = hv ? scale * to_float(xr[he]) : -KF_INF;
-  const float tx = tv ? scale * to_float(xr[te]) : -KF_INF;
-  m = row_max<WarpRow>(fmaxf(m, fmaxf(hx, tx)), scratch);
+  const float hx = hv ? to_float(xr[he]) : 0.0f, tx = tv ? to_float(xr[te]) : 0.0f;
 
-  float sum = 0.f;
+  // The row as floats, and this thread's max of x * scale2 over the counted elements.
+  float v[P][V];
+  float m = fmaxf(hv ? hx * scale2 : -KF_INF, tv ? tx * scale2 : -KF_INF);
 #pragma unroll
   for (int k = 0; k < P; ++k) {
     const int pk = k * W + lane, e = s.head + pk * V;
-    if (pk < s.npk && e < L) {
+    if ((k + 1) * W <= sl.full) {  // the whole slot counts
+      unpack(buf[k], v[k]);
 #pragma unroll
-      for (int i = 0; i < V; ++i)
-        if (e + i < L) sum += __expf(scale * buf[k].f(i) - m);
+      for (int i = 0; i < V; ++i) m = fmaxf(m, v[k][i] * scale2);
+    } else if (k * W < sl.some) {  // the diagonal slot
+      unpack(buf[k], v[k]);
+#pragma unroll
+      for (int i = 0; i < V; ++i) m = fmaxf(m, pk < sl.some && e + i < L ? v[k][i] * scale2 : -KF_INF);
     }
   }
-  if (hv) sum += __expf(hx - m);
-  if (tv) sum += __expf(tx - m);
-  const float inv = 1.f / row_sum<WarpRow>(sum, scratch);
+  m = warp_max(m);
+  // Exponents relative to the warp's max (for a block row, 0 when the warp saw only -inf, so that
+  // its exps are 0 rather than NaN; a row of only -inf still comes out NaN, as in PyTorch). The
+  // fma keeps x * scale2 exact, so the only rounding is of the (small) difference to the max.
+  const float r = WarpRow || m > -KF_INF ? m : 0.0f;
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int pk = k * W + lane, e = s.head + pk * V;
+    if ((k + 1) * W <= sl.full) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        v[k][i] = sm_ex2(fmaf(v[k][i], scale2, -r));
+        sum += v[k][i];
+      }
+    } else if (k * W < sl.some) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        v[k][i] = pk < sl.some && e + i < L ? sm_ex2(fmaf(v[k][i], scale2, -r)) : 0.0f;
+        sum += v[k][i];
+      }
+    }
+  }
+  const float eh = sm_ex2(fmaf(hx, scale2, -r)), et = sm_ex2(fmaf(tx, scale2, -r));
+  if (hv) sum += eh;
+  if (tv) sum += et;
+  sum = warp_sum(sum);
+
+  float f;  // output = exp * f
+  if (WarpRow) {
+    f = 1.0f / sum;
+  } else {  // combine the warps' (max, sum) pairs: one barrier
+    const int wl = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (wl == 0) {
+      scratch[0][warp] = m;
+      scratch[1][warp] = sum;
+    }
+    __syncthreads();
+    const float mw = wl < nwarps ? scratch[0][wl] : -KF_INF;
+    const float sw = wl < nwarps ? scratch[1][wl] : 0.0f;
+    const float M = warp_max(mw);
+    const float S = warp_sum(mw > -KF_INF ? sw * sm_ex2(mw - M) : 0.0f * sw);
+    const float inv = 1.0f / S;
+    f = m > -KF_INF ? sm_ex2(m - M) * inv : 0.0f * inv;  // all -inf row: 0 * inf = NaN
+  }
 
 #pragma unroll
   for (int k = 0; k < P; ++k) {
     const int pk = k * W + lane, e = s.head + pk * V;
-    if (pk < s.npk) {
-      Pack128<T> o;
+    if ((k + 1) * W <= sl.full) {
+      float o[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) o.set(i, e + i < L ? __expf(scale * buf[k].f(i) - m) * inv : 0.f);
-      store_pack(yr + e, o, vec);
+      for (int i = 0; i < V; ++i) o[i] = v[k][i] * f;
+      store128(yr + e, pack<T>(o));
+    } else if (k * W < sl.some) {
+      if (pk < s.npk) {
+        float o[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) o[i] = pk < sl.some && e + i < L ? v[k][i] * f : 0.0f;
+        store128(yr + e, pack<T>(o));
+      }
+    } else if (k * W < s.npk) {  // past the diagonal: zeros
+      if (pk < s.npk) {
+        const float z[V] = {};
+        store128(yr + e, pack<T>(z));
+      }
     }
   }
-  if (lane < s.head) yr[he] = from_float<T>(hv ? __expf(hx - m) * inv : 0.f);
-  if (lane < s.tail) yr[te] = from_float<T>(tv ? __expf(tx - m) * inv : 0.f);
+  if (lane < s.head) yr[he] = from_float<T>(hv ? eh * f : 0.0f);
+  if (lane < s.tail) yr[te] = from_float<T>(tv ? et * f : 0.0f);
 }
 
 // Streaming rows: one block per row, U packs in flight per thread per step.
@@ -243,48 +371,78 @@ __global__ void __launch_bounds__(512, 2)
 // ---- backward -----------------------------------------------------------------------------------
 // dx = scale * y * (dy - <dy, y>) over the counted elements, 0 elsewhere. Same layouts as forward.
 template <typename T, int P, bool WarpRow>
-__global__ void __launch_bounds__(WarpRow ? 256 : 512)
+__global__ void __launch_bounds__(WarpRow ? 128 : 512)
     softmax_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
-                            long long rows, int C, int causal, float scale, int vec) {
+                            int rows, int C, int causal, float scale) {
   constexpr int V = Pack128<T>::size;
   __shared__ float scratch[32];
   const int W = WarpRow ? 32 : blockDim.x;
   const int lane = WarpRow ? (threadIdx.x & 31) : threadIdx.x;
-  const long long row =
-      WarpRow ? (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : (long long)blockIdx.x;
+  const int row = WarpRow ? blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : blockIdx.x;
   if (row >= rows) return;  // WarpRow only
-  const long long off = row * C;
-  const int L = causal ? (int)(row % C) + 1 : C;
-  const RowSplit s = split_row(y + off, C, vec);
+  const i64 off = (i64)row * C;
+  const int L = causal ? row % C + 1 : C;
+  const RowSplit s = split_row(y + off, C, 1);
+  const RowSlots sl = row_slots(s, L, V);
 
   Pack128<T> by[P], bg[P];
-  float dot = 0.f;
 #pragma unroll
   for (int k = 0; k < P; ++k) {
     const int pk = k * W + lane, e = s.head + pk * V;
-    if (pk < s.npk && e < L) {
-      by[k] = load_pack(y + off + e, vec);
-      bg[k] = load_pack(dy + off + e, vec);
-#pragma unroll
-      for (int i = 0; i < V; ++i)
-        if (e + i < L) dot += by[k].f(i) * bg[k].f(i);
+    if (pk < sl.some) {
+      by[k] = load128(y + off + e);
+      bg[k] = load128(dy + off + e);
     }
   }
   const int he = lane, te = s.head + s.npk * V + lane;
   const bool hv = lane < s.head && he < L, tv = lane < s.tail && te < L;
   const float hy = hv ? to_float(y[off + he]) : 0.f, hg = hv ? to_float(dy[off + he]) : 0.f;
   const float ty = tv ? to_float(y[off + te]) : 0.f, tg = tv ? to_float(dy[off + te]) : 0.f;
-  dot = row_sum<WarpRow>(dot + hy * hg + ty * tg, scratch);
+
+  float dot = hy * hg + ty * tg;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int pk = k * W + lane, e = s.head + pk * V;
+    if ((k + 1) * W <= sl.full || k * W < sl.some) {
+      float fy[V], fg[V];
+      unpack(by[k], fy);
+      unpack(bg[k], fg);
+      if ((k + 1) * W <= sl.full) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) dot = fmaf(fy[i], fg[i], dot);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) dot += pk < sl.some && e + i < L ? fy[i] * fg[i] : 0.0f;
+      }
+    }
+  }
+  dot = warp_sum(dot);
+  if (!WarpRow) dot = block_sum_of_warps(dot, scratch);
 
 #pragma unroll
   for (int k = 0; k < P; ++k) {
     const int pk = k * W + lane, e = s.head + pk * V;
-    if (pk < s.npk) {
-      Pack128<T> o;
+    if ((k + 1) * W <= sl.full) {
+      float fy[V], fg[V], o[V];
+      unpack(by[k], fy);
+      unpack(bg[k], fg);
 #pragma unroll
-      for (int i = 0; i < V; ++i)
-        o.set(i, e + i < L ? scale * by[k].f(i) * (bg[k].f(i) - dot) : 0.f);
-      store_pack(dx + off + e, o, vec);
+      for (int i = 0; i < V; ++i) o[i] = scale * fy[i] * (fg[i] - dot);
+      store128(dx + off + e, pack<T>(o));
+    } else if (k * W < sl.some) {
+      if (pk < s.npk) {
+        float fy[V], fg[V], o[V];
+        unpack(by[k], fy);
+        unpack(bg[k], fg);
+#pragma unroll
+        for (int i = 0; i < V; ++i) o[i] = pk < sl.some && e + i < L ? scale * fy[i] * (fg[i] - dot) : 0.0f;
+        store128(dx + off + e, pack<T>(o));
+      }
+    } else if (k * W < s.npk) {
+      if (pk < s.npk) {
+        const float z[V] = {};
+        store128(dx + off + e, pack<T>(z));
+      }
     }
   }
   if (lane < s.head) dx[off + he] = from_float<T>(hv ? scale * hy * (hg - dot) : 0.f);

@@ -117,6 +117,34 @@ def test_misaligned_and_strided_logits(dtype, offset):
     assert_close(dx, ref_dx, dtype, "strided dlogits")
 
 
+@gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("misaligned", [False, True], ids=["packs", "elementwise"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_many_rows_of_many_chunks(dtype, misaligned, reduction):
+    """GPT-2 vocab rows: several (row, chunk) work items per row, many more items than the persistent
+    backward grid (blocks loop, prefetching the next item's row), ignored rows (ignore_index inside
+    [0, V)), and the element-wise path (logits one element off dlogits' 16-byte phase)."""
+    n, v = 700, 50257
+    seed = 77 + misaligned
+    if misaligned:
+        x = randn(n * v + 1, dtype=dtype, scale=2.0, seed=seed)[1:].view(n, v)
+        assert x.data_ptr() % 16 != 0
+    else:
+        x = randn(n, v, dtype=dtype, scale=2.0, seed=seed)
+    t = make_targets(n, v, 5, seed, frac_ignored=0.2)
+    t[1], t[2] = 0, v - 1  # targets in a row's scalar head / tail / first and last chunk
+    g = make_grad(reduction, n, dtype, seed)
+    _, _, _, dx = run_separate(x, t, g, 5, reduction)
+    _, _, ref_dx = reference(x, t, g, 5, reduction)
+    assert_close(dx, ref_dx, dtype, "dlogits")
+    assert (dx[t == 5] == 0).all()
+    rows = torch.arange(n, device="cuda")
+    valid = t != 5
+    # The target entries themselves (p - 1) per row: a wrong one-hot position would be diluted above.
+    assert_close(dx[rows[valid], t[valid]], ref_dx[rows[valid], t[valid]], dtype, "target entries")
+
+
 # ---- edge rows -------------------------------------------------------------------------------------------
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)

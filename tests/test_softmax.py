@@ -60,8 +60,10 @@ def check_plain(x: torch.Tensor, dy: torch.Tensor, y_in: torch.Tensor, dtype) ->
 
 # ---- plain softmax, GPU -------------------------------------------------------------------------
 # Row lengths chosen per layout (V = 4 fp32 / 8 bf16 elements per 16-byte pack): one warp per row
-# with 1, 2, 4 packs per lane (<= 32V, 64V, 128V), one block per row (<= 2048 packs), streamed rows
-# beyond; odd lengths put every row start off a 16-byte boundary (leading and trailing scalars).
+# with 1, 2, 4 packs per lane (<= 32V, 64V, 128V) and 8 for fp32 (<= 256V: 777, 1000, 1024), one
+# block per row (<= 2048 packs), streamed rows beyond; odd lengths put every row start off a 16-byte
+# boundary (leading and trailing scalars). Tensors of different 16-byte phase stream at any length
+# (test_softmax_misaligned_and_strided_views).
 ROW_LENGTHS = [1, 3, 7, 33, 100, 200, 257, 500, 777, 1000, 1024, 1025, 2049, 8192, 8193, 16384,
                16385, 50257]
 
@@ -102,10 +104,11 @@ def test_softmax_misaligned_and_strided_views(dtype, C):
 
 
 @gpu
-@pytest.mark.parametrize("C", [100, 1000, 50257])
+@pytest.mark.parametrize("C", [100, 1000, 4100, 50257])
 def test_softmax_extremes(C):
-    """-inf entries give exact zeros (also when the first packs of a streamed row are all -inf), large
-    logits do not overflow, an all -inf row is NaN as in PyTorch."""
+    """-inf entries give exact zeros (also when the first packs of a streamed row, or whole warps of a
+    block row (C = 4100), are all -inf), large logits do not overflow, an all -inf row is NaN as in
+    PyTorch."""
     x = randn(4, C, scale=30.0)
     x[0, : C // 2] = float("-inf")
     x[1, ::3] = float("-inf")

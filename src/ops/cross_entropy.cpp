@@ -11,7 +11,12 @@ namespace {
 Program prog("cross_entropy");
 Kernel fwd(prog, "cross_entropy_forward_kernel<{T}, false>");
 Kernel fused(prog, "cross_entropy_forward_kernel<{T}, true>");
-Kernel bwd(prog, "cross_entropy_backward_kernel<{T}>");
+// Backward: 16-byte packs when logits and dlogits share their address modulo 16, else element-wise.
+Kernel bwd_vec(prog, "cross_entropy_backward_kernel<{T}, true>");
+Kernel bwd_scalar(prog, "cross_entropy_backward_kernel<{T}, false>");
+// Must match CE_BWD_THREADS, CE_BWD_UNROLL_{VEC,SCALAR} and the __launch_bounds__ minimum blocks per
+// SM in the kernel source.
+constexpr int kBwdThreads = 256, kBwdUnrollVec = 8, kBwdUnrollScalar = 2, kBwdBlocksPerSm = 4;
 Kernel reduce(prog, "cross_entropy_reduce_kernel<{T}>");
 
 enum class Reduction { none, mean, sum };
@@ -124,10 +129,22 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& logi
   LaunchOn on(p.logits);
   at::Tensor dlogits = new_output_like(p.logits);
   // 16-byte packs need logits and dlogits rows to sit at the same offset from a 16-byte boundary.
-  const int vec = (reinterpret_cast<uintptr_t>(ptr(p.logits)) & 15) == (reinterpret_cast<uintptr_t>(ptr(dlogits)) & 15);
-  bwd.launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.N)), Dim3(row_block(p)), 0, ptr(g),
-             red == Reduction::none ? 1LL : 0LL, red == Reduction::mean ? ptr(n_valid) : nullptr, ptr(p.logits),
-             ptr(p.targets), ptr(lse), ptr(dlogits), p.V, static_cast<long long>(ignore_index), vec);
+  const bool vec = (reinterpret_cast<uintptr_t>(ptr(p.logits)) & 15) == (reinterpret_cast<uintptr_t>(ptr(dlogits)) & 15);
+  // Work items of (row, chunk): a row's packs split into equal chunks of at most one block's worth
+  // (threads x unroll packs), then a persistent grid over all items.
+  const long long pack = 16 / p.logits.element_size();
+  const long long max_packs = std::max<long long>(1, (p.V + pack - 1) / pack);  // >= packs of any row split
+  const long long cap = static_cast<long long>(kBwdThreads) * (vec ? kBwdUnrollVec : kBwdUnrollScalar);
+  const long long chunks = (max_packs + cap - 1) / cap;
+  const long long chunk_packs = (max_packs + chunks - 1) / chunks;
+  const long long work = p.N * chunks;  // N < 2^31 and chunks < 2^31 / 2048: no overflow
+  const unsigned grid = static_cast<unsigned>(
+      std::min<long long>(work, static_cast<long long>(sm_count(on.device)) * kBwdBlocksPerSm));
+  (vec ? bwd_vec : bwd_scalar)
+      .launch(p.dt, on.device, on.stream, Dim3(grid), Dim3(kBwdThreads), 0, ptr(g),
+              red == Reduction::none ? 1LL : 0LL, red == Reduction::mean ? ptr(n_valid) : nullptr, ptr(p.logits),
+              ptr(p.targets), ptr(lse), ptr(dlogits), p.V, static_cast<long long>(ignore_index), chunks,
+              static_cast<int>(chunk_packs), work);
   return dlogits;
 }
 

@@ -7,19 +7,24 @@ namespace {
 
 Program prog("softmax", ProgramOptions{/*fast_math=*/false});
 
-// Register-resident rows: one warp per row (P packs per lane), one block per row (4 per thread).
-// Up to 4 packs per thread: more would hold 64+ fp32 values per thread for bf16 rows (the compiler
-// keeps them converted), cut occupancy or spill. Block sizes match the kernels' __launch_bounds__.
-constexpr int kWarpP[] = {1, 2, 4};
-constexpr int kBlockP = 4, kMaxBlock = 512, kWarpBlock = 256;
-Kernel fwd_warp[] = {{prog, "softmax_forward_kernel<{T}, 1, true>"},
-                     {prog, "softmax_forward_kernel<{T}, 2, true>"},
-                     {prog, "softmax_forward_kernel<{T}, 4, true>"}};
+// Register-resident rows (x, y, dy sharing their 16-byte phase): one warp per row with P packs per
+// lane, P in {1, 2, 4} and 8 for fp32 only (16-bit rows of 8 packs per lane would hold 64 fp32 values
+// per thread), 4 rows per block; else one block per row, 4 packs per thread. Longer rows, and rows
+// whose tensors differ in 16-byte phase, stream. Block sizes match the kernels' __launch_bounds__.
+constexpr int kBlockP = 4, kMaxBlock = 512, kWarpBlock = 128;
+const std::vector<DType> kF32 = {DType::f32};
+struct WarpKernels {
+  int P;
+  Kernel fwd, bwd;
+};
+WarpKernels warp_kernels[] = {
+    {1, {prog, "softmax_forward_kernel<{T}, 1, true>"}, {prog, "softmax_backward_kernel<{T}, 1, true>"}},
+    {2, {prog, "softmax_forward_kernel<{T}, 2, true>"}, {prog, "softmax_backward_kernel<{T}, 2, true>"}},
+    {4, {prog, "softmax_forward_kernel<{T}, 4, true>"}, {prog, "softmax_backward_kernel<{T}, 4, true>"}},
+    {8, {prog, "softmax_forward_kernel<{T}, 8, true>", kF32}, {prog, "softmax_backward_kernel<{T}, 8, true>", kF32}},
+};
 Kernel fwd_block(prog, "softmax_forward_kernel<{T}, 4, false>");
 Kernel fwd_stream(prog, "softmax_forward_stream_kernel<{T}>");
-Kernel bwd_warp[] = {{prog, "softmax_backward_kernel<{T}, 1, true>"},
-                     {prog, "softmax_backward_kernel<{T}, 2, true>"},
-                     {prog, "softmax_backward_kernel<{T}, 4, true>"}};
 Kernel bwd_block(prog, "softmax_backward_kernel<{T}, 4, false>");
 Kernel bwd_stream(prog, "softmax_backward_stream_kernel<{T}>");
 
@@ -27,19 +32,23 @@ Kernel bwd_stream(prog, "softmax_backward_stream_kernel<{T}>");
 struct Plan {
   Kernel* kernel;
   unsigned grid, block;
+  bool stream;  // the stream kernels take (rows as long long, scale, vec)
 };
 
-Plan plan(int64_t rows, int64_t C, int64_t elem_size, bool forward) {
-  const int64_t V = 16 / elem_size;
-  const int64_t packs = (C + V - 1) / V;  // >= whole packs of any split of the row
-  for (int i = 0; i < 3; ++i)
-    if (packs <= 32 * kWarpP[i])
-      return {forward ? &fwd_warp[i] : &bwd_warp[i], ceil_div(rows, kWarpBlock / 32), kWarpBlock};
-  if (packs <= int64_t(kMaxBlock) * kBlockP) {
-    const unsigned block = ceil_div(packs, kBlockP * 32) * 32;  // a multiple of 32 for block_sum
-    return {forward ? &fwd_block : &bwd_block, static_cast<unsigned>(rows), block};
+Plan plan(int64_t rows, int64_t C, DType dt, int64_t elem_size, bool forward, bool vec) {
+  if (vec) {
+    const int64_t V = 16 / elem_size;
+    const int64_t packs = (C + V - 1) / V;  // >= whole packs of any split of the row
+    for (WarpKernels& w : warp_kernels) {
+      Kernel& k = forward ? w.fwd : w.bwd;
+      if (k.supports(dt) && packs <= 32 * w.P) return {&k, ceil_div(rows, kWarpBlock / 32), kWarpBlock, false};
+    }
+    if (packs <= int64_t(kMaxBlock) * kBlockP) {
+      const unsigned block = ceil_div(packs, kBlockP * 32) * 32;  // whole warps
+      return {forward ? &fwd_block : &bwd_block, static_cast<unsigned>(rows), block, false};
+    }
   }
-  return {forward ? &fwd_stream : &bwd_stream, static_cast<unsigned>(rows), kMaxBlock};
+  return {forward ? &fwd_stream : &bwd_stream, static_cast<unsigned>(rows), kMaxBlock, true};
 }
 
 bool same_alignment(std::initializer_list<const at::Tensor*> ts) {
@@ -70,11 +79,17 @@ at::Tensor forward(const at::Tensor& x_, bool causal, double scale, const char* 
   at::Tensor y = new_output_like(x);
   if (x.numel() == 0) return y;
   const int64_t rows = x.numel() / C;
-  const Plan p = plan(rows, C, x.element_size(), /*forward=*/true);
-  const int vec = same_alignment({&x, &y});
-  p.kernel->launch(dtype_of(x, op), on.device, on.stream, p.grid, p.block, 0, x.data_ptr(),
-                   y.data_ptr(), static_cast<long long>(rows), static_cast<int>(C), int(causal),
-                   static_cast<float>(scale), vec);
+  const DType dt = dtype_of(x, op);
+  const bool vec = same_alignment({&x, &y});
+  const Plan p = plan(rows, C, dt, x.element_size(), /*forward=*/true, vec);
+  if (p.stream)
+    p.kernel->launch(dt, on.device, on.stream, p.grid, p.block, 0, x.data_ptr(), y.data_ptr(),
+                     static_cast<long long>(rows), static_cast<int>(C), int(causal),
+                     static_cast<float>(scale), int(vec));
+  else  // the register kernels take scale * log2(e)
+    p.kernel->launch(dt, on.device, on.stream, p.grid, p.block, 0, x.data_ptr(), y.data_ptr(),
+                     static_cast<int>(rows), static_cast<int>(C), int(causal),
+                     static_cast<float>(scale * 1.4426950408889634));
   return y;
 }
 
@@ -90,11 +105,17 @@ at::Tensor backward(const at::Tensor& dy_, const at::Tensor& y_, bool causal, do
   at::Tensor dx = new_output_like(y);
   if (y.numel() == 0) return dx;
   const int64_t rows = y.numel() / C;
-  const Plan p = plan(rows, C, y.element_size(), /*forward=*/false);
-  const int vec = same_alignment({&dy, &y, &dx});
-  p.kernel->launch(dtype_of(y, op), on.device, on.stream, p.grid, p.block, 0, dy.data_ptr(),
-                   y.data_ptr(), dx.data_ptr(), static_cast<long long>(rows), static_cast<int>(C),
-                   int(causal), static_cast<float>(scale), vec);
+  const DType dt = dtype_of(y, op);
+  const bool vec = same_alignment({&dy, &y, &dx});
+  const Plan p = plan(rows, C, dt, y.element_size(), /*forward=*/false, vec);
+  if (p.stream)
+    p.kernel->launch(dt, on.device, on.stream, p.grid, p.block, 0, dy.data_ptr(), y.data_ptr(),
+                     dx.data_ptr(), static_cast<long long>(rows), static_cast<int>(C), int(causal),
+                     static_cast<float>(scale), int(vec));
+  else
+    p.kernel->launch(dt, on.device, on.stream, p.grid, p.block, 0, dy.data_ptr(), y.data_ptr(),
+                     dx.data_ptr(), static_cast<int>(rows), static_cast<int>(C), int(causal),
+                     static_cast<float>(scale));
   return dx;
 }
 
