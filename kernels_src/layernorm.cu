@@ -5,12 +5,21 @@
 // and dbias (dout) in a scratch tensor; a second kernel adds those partials in a fixed order, so
 // dweight / dbias are bitwise reproducible (no float atomics).
 //
-// Layout shared by forward and backward: blockDim.x threads (a multiple of 32) share one row, thread
-// t owning the row's units t, t + blockDim.x, ... (a unit is a 16-byte pack when VEC, else one
-// element: VEC needs C % pack == 0 and 16-byte aligned pointers); blockDim.y rows per block; blocks
-// stride over groups of blockDim.y rows. FITS: a thread owns at most kRegElems elements, so its part
-// of the row stays in registers and x / dout are read from DRAM once; otherwise (very long rows) the
-// later passes re-read them, mostly from L2.
+// A unit is a 16-byte pack when VEC (C % pack == 0 and 16-byte aligned pointers), else one element.
+// Two layouts, chosen by the launcher (src/ops/layernorm.cpp):
+// - WARP (short rows: at most 32 * P units, P a template parameter): one warp per row, lane l owning
+//   units l, l + 32, ... (at most P), held in registers, so x / dout are read from DRAM once and
+//   every load of a row is issued before its first use; row sums by warp shuffles only (no shared
+//   memory, no __syncthreads). Forward: blockDim (32, kFwdWarps), one row per warp (grid-stride
+//   beyond). Backward: a persistent grid, each warp looping over rows (the next row's loads issued
+//   before the current row is processed where registers allow) and keeping its dweight / dbias
+//   column sums in registers; at the end the block's warps are added in warp order into one partial
+//   row per block.
+// - BLOCK (longer rows): blockDim.x threads (a multiple of 32) share one row, thread t owning the
+//   row's units t, t + blockDim.x, ...; blockDim.y rows per block; blocks stride over groups of
+//   blockDim.y rows. FITS: a thread owns at most kRegElems elements, so its part of the row stays in
+//   registers and x / dout are read from DRAM once; otherwise (very long rows) the later passes
+//   re-read them, mostly from L2.
 #include "common.cuh"
 
 // Elements one thread keeps in registers per row on the FITS path. src/ops/layernorm.cpp sizes
@@ -41,6 +50,16 @@ template <typename T> KF_DEVICE void load_unit_last(Pack128<T>& r, const T* p) {
 template <typename T> KF_DEVICE void load_unit_last(Elem1<T>& r, const T* p) { r.v[0] = *p; }
 template <typename T> KF_DEVICE void store_unit(T* p, const Pack128<T>& r) { store128(p, r); }
 template <typename T> KF_DEVICE void store_unit(T* p, const Elem1<T>& r) { *p = r.v[0]; }
+// Hides a unit's bits from common-subexpression elimination (emits no instruction): fp32 values
+// derived from it before must be recomputed after, so they need not stay live in between; only the
+// unit (packed, for 16-bit types) does.
+template <typename T> KF_DEVICE void opaque(Pack128<T>& r) {
+  int4& q = *reinterpret_cast<int4*>(&r);
+  asm("" : "+r"(q.x), "+r"(q.y), "+r"(q.z), "+r"(q.w));
+}
+KF_DEVICE void opaque(Elem1<float>& r) { asm("" : "+f"(r.v[0])); }
+KF_DEVICE void opaque(Elem1<bf16>& r) { asm("" : "+h"(r.v[0].bits)); }
+KF_DEVICE void opaque(Elem1<half>& r) { asm("" : "+h"(r.v[0].bits)); }
 
 // Sum of (a, b) over the blockDim.x threads sharing this row (threadIdx.y). Every one of them gets
 // the same bits: warp butterflies, then the per-warp sums added in warp order. Contains
@@ -68,6 +87,283 @@ KF_DEVICE float row_sum(float a, float (*red)[kMaxRowsPerBlock][32]) {
   return a;
 }
 
+// ---- WARP layout -------------------------------------------------------------------------------
+// Rows (warps) per forward block; src/ops/layernorm.cpp launches blockDim (32, kFwdWarps).
+constexpr int kFwdWarps = 4;
+// Forward: where a lane's x, weight and bias units fit in 48 registers (bf16 C <= 768, fp32
+// C <= 384), weight / bias are loaded before the variance is reduced (their latency hidden behind
+// it); otherwise each just before its use (fewer registers, more warps).
+template <typename T, bool VEC, int P>
+struct LnFwdWarp {
+  static constexpr int R = P * (((int)sizeof(Unit<T, VEC>) + 3) / 4);  // registers for P units
+  static constexpr bool hoist = 3 * R <= 48;
+};
+
+// Backward configuration per instantiation: warps per block (= rows in flight per block; the
+// launcher launches blockDim (32, warps) and one block per SM, which the register budget below
+// keeps resident) and whether each warp issues the next row's loads before working on the current
+// one (prefetch). A lane keeps in registers: 2 J fp32 column sums (J = P * V columns), its weight
+// units, its x / dout units (twice with prefetch), R registers per P units of one tensor, plus about
+// 32 others (an estimate: ptxas needs up to ~25 more). Prefetch wherever that fits (two rows in
+// flight per warp beat more warps with one); then 16 / 12 / 8 warps for up to 128 / 168 / 255
+// registers. src/ops/layernorm.cpp mirrors this (ln_bwd_warps).
+template <typename T, bool VEC, int P>
+struct LnBwdWarp {
+  static constexpr int J = P * Unit<T, VEC>::size;
+  static constexpr int R = P * (((int)sizeof(Unit<T, VEC>) + 3) / 4);
+  static constexpr bool prefetch = 2 * J + 5 * R + 32 <= 224;
+  static constexpr int regs = 2 * J + (prefetch ? 5 : 3) * R + 32;
+  static constexpr int warps = regs <= 128 ? 16 : regs <= 168 ? 12 : 8;
+};
+
+// Loads this lane's units of one row (units lane, lane + 32, ... below `units`): load_row keeps
+// them cached (weight, bias), load_row_last reads data used once (evict-first).
+template <int P, typename U, typename T>
+KF_DEVICE void load_row(U (&r)[P], const T* __restrict__ p, int lane, int units) {
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int u = lane + 32 * k;
+    if (u < units) load_unit(r[k], p + u * U::size);
+  }
+}
+template <int P, typename U, typename T>
+KF_DEVICE void load_row_last(U (&r)[P], const T* __restrict__ p, int lane, int units) {
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int u = lane + 32 * k;
+    if (u < units) load_unit_last(r[k], p + u * U::size);
+  }
+}
+
+// Forward, one warp per row: mean and variance (around the mean) from registers by warp shuffles.
+template <typename T, bool VEC, int P>
+__global__ void __launch_bounds__(32 * kFwdWarps)
+    layernorm_forward_warp_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+                                  const T* __restrict__ bias, T* __restrict__ out,
+                                  float* __restrict__ mean, float* __restrict__ rstd, long long N,
+                                  int C, float eps) {
+  using U = Unit<T, VEC>;
+  constexpr int V = U::size;
+  constexpr bool HOIST = LnFwdWarp<T, VEC, P>::hoist;
+  const int lane = threadIdx.x, units = C / V;
+  for (i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y; row < N;
+       row += (i64)gridDim.x * blockDim.y) {
+    U xs[P];
+    load_row_last<P>(xs, x + row * C, lane, units);
+
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      if (lane + 32 * k < units) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) s += xs[k].f(i);
+      }
+    }
+    const float mu = warp_sum(s) / (float)C;
+    // weight / bias units (L1 / L2 hits): for short slices all in flight while the variance is
+    // reduced; otherwise each read just before its use (registers for more warps instead).
+    U ws[P], bs[P];
+    if constexpr (HOIST) {
+      if (weight) load_row<P>(ws, weight, lane, units);
+      if (bias) load_row<P>(bs, bias, lane, units);
+    }
+    float q = 0.0f;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      if (lane + 32 * k < units) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float d = xs[k].f(i) - mu;
+          q += d * d;
+        }
+      }
+    }
+    const float rs = rsqrtf(warp_sum(q) / (float)C + eps);
+
+    T* orow = out + row * C;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int u = lane + 32 * k;
+      if (u < units) {
+        U w, b, o;
+        if constexpr (HOIST) {
+          w = ws[k];
+          b = bs[k];
+        } else {
+          if (weight) load_unit(w, weight + u * V);
+          if (bias) load_unit(b, bias + u * V);
+        }
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          float y = (xs[k].f(i) - mu) * rs;
+          if (weight) y *= w.f(i);
+          if (bias) y += b.f(i);
+          o.set(i, y);
+        }
+        store_unit(orow + u * V, o);
+      }
+    }
+    if (lane == 0) {
+      mean[row] = mu;
+      rstd[row] = rs;
+    }
+  }
+}
+
+// Backward, one warp per row, persistent: warp g of the grid (blockIdx.x * blockDim.y + threadIdx.y)
+// takes rows g, g + G, g + 2G, ... (G = gridDim.x * blockDim.y), accumulating dout*xhat and dout for
+// its columns in registers in row order. At the end the block's warps are added in warp order
+// (shared memory: blockDim.y * C floats, dynamic) into partial[blockIdx.x] = [dweight | dbias].
+// Every column's sum has a fixed order (rows of a warp, then warps): the result is reproducible.
+template <typename T, bool VEC, int P>
+__global__ void __launch_bounds__(32 * LnBwdWarp<T, VEC, P>::warps, 1)
+    layernorm_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ x,
+                                   const T* __restrict__ weight, const float* __restrict__ mean,
+                                   const float* __restrict__ rstd, T* __restrict__ dx,
+                                   float* __restrict__ partial, long long N, int C,
+                                   int need_dweight, int need_dbias) {
+  using U = Unit<T, VEC>;
+  constexpr int V = U::size, J = P * V;  // J: columns per lane
+  constexpr bool PF = LnBwdWarp<T, VEC, P>::prefetch;
+  const int lane = threadIdx.x, warp = threadIdx.y, units = C / V;
+  const i64 stride = (i64)gridDim.x * blockDim.y;
+
+  float acc_w[J], acc_b[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) acc_w[j] = acc_b[j] = 0.0f;
+  U ws[P];  // this lane's weight units, for every row
+  if (weight) load_row<P>(ws, weight, lane, units);
+
+  i64 row = (i64)blockIdx.x * blockDim.y + warp;
+  U xa[P], ga[P];
+  float mu = 0.0f, rs = 0.0f;
+  if (PF && row < N) {
+    load_row_last<P>(xa, x + row * C, lane, units);
+    load_row_last<P>(ga, dout + row * C, lane, units);
+    mu = mean[row];
+    rs = rstd[row];
+  }
+  for (; row < N; row += stride) {
+    U xn[P], gn[P];
+    float mun = 0.0f, rsn = 0.0f;
+    if constexpr (PF) {
+      // Issue the next row's loads now; they are in flight while this row is reduced and stored.
+      const i64 next = row + stride;
+      if (next < N) {
+        load_row_last<P>(xn, x + next * C, lane, units);
+        load_row_last<P>(gn, dout + next * C, lane, units);
+        mun = mean[next];
+        rsn = rstd[next];
+      }
+    } else {
+      load_row_last<P>(xa, x + row * C, lane, units);
+      load_row_last<P>(ga, dout + row * C, lane, units);
+      mu = mean[row];
+      rs = rstd[row];
+    }
+    // Only the units stay live between the two passes (and weight across rows), not their fp32
+    // values: hiding them from the compiler makes it convert again (cheap) instead of holding twice
+    // the registers.
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      if (weight && lane + 32 * k < units) opaque(ws[k]);
+    }
+
+    float s_gw = 0.0f, s_gwx = 0.0f;  // row sums of dout*w and dout*w*xhat
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      if (lane + 32 * k < units) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float xh = (xa[k].f(i) - mu) * rs, gi = ga[k].f(i);
+          const float gw = weight ? gi * ws[k].f(i) : gi;
+          s_gw += gw;
+          s_gwx += gw * xh;
+          acc_w[k * V + i] += gi * xh;
+          acc_b[k * V + i] += gi;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      if (lane + 32 * k < units) {
+        opaque(xa[k]);
+        opaque(ga[k]);
+        if (weight) opaque(ws[k]);
+      }
+    }
+    const float m_gw = warp_sum(s_gw) / (float)C, m_gwx = warp_sum(s_gwx) / (float)C;
+
+    T* drow = dx + row * C;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int u = lane + 32 * k;
+      if (u < units) {
+        U o;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float xh = (xa[k].f(i) - mu) * rs, gi = ga[k].f(i);
+          const float gw = weight ? gi * ws[k].f(i) : gi;
+          o.set(i, rs * (gw - m_gw - xh * m_gwx));
+        }
+        store_unit(drow + u * V, o);
+      }
+    }
+    if constexpr (PF) {
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        xa[k] = xn[k];
+        ga[k] = gn[k];
+      }
+      mu = mun;
+      rs = rsn;
+    }
+  }
+
+  if (partial == nullptr) return;  // the same for the whole block
+  // Add the warps' column sums in warp order: each warp stores its sums at their columns
+  // (fold[warp * C + c], 16-byte stores for packs), then thread t of the block sums columns
+  // t, t + 32 * blockDim.y, ... over the warps and writes them to the block's partial row, coalesced.
+  extern __shared__ float4 fold16[];  // 16-byte aligned
+  float* fold = reinterpret_cast<float*>(fold16);
+  float* prow = partial + (i64)blockIdx.x * 2 * C;
+  const int tid = warp * 32 + lane, nthreads = 32 * blockDim.y;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass == 0 ? !need_dweight : !need_dbias) continue;  // the same for the whole block
+    float* mine = fold + warp * C;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int u = lane + 32 * k;
+      if (u < units) {
+        if constexpr (V % 4 == 0) {
+#pragma unroll
+          for (int i = 0; i < V; i += 4) {
+            const int j = k * V + i;
+            float4 v;
+            v.x = pass == 0 ? acc_w[j] : acc_b[j];
+            v.y = pass == 0 ? acc_w[j + 1] : acc_b[j + 1];
+            v.z = pass == 0 ? acc_w[j + 2] : acc_b[j + 2];
+            v.w = pass == 0 ? acc_w[j + 3] : acc_b[j + 3];
+            *reinterpret_cast<float4*>(mine + u * V + i) = v;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < V; ++i) mine[u * V + i] = pass == 0 ? acc_w[k * V + i] : acc_b[k * V + i];
+        }
+      }
+    }
+    __syncthreads();
+    for (int c = tid; c < C; c += nthreads) {
+      float t = 0.0f;
+      for (int w = 0; w < (int)blockDim.y; ++w) t += fold[w * C + c];
+      prow[pass * C + c] = t;
+    }
+    __syncthreads();  // fold is reused by the next pass
+  }
+}
+
+// ---- BLOCK layout ------------------------------------------------------------------------------
 // Forward: two-pass mean / variance from registers (FITS) or re-reads, then normalise and store.
 template <typename T, bool VEC, bool FITS>
 __global__ void KF_LN_BOUNDS layernorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,

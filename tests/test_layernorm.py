@@ -67,12 +67,23 @@ def check_against_reference(x, w, b, dout, dtype):
         assert_close(db, r_db, dtype, "dbias")
 
 
-# Shapes pick every layout: 768 (16-byte units in registers, one or two per thread), 1000 (fp32
-# units, last one partial), 771 / 3 (scalars in registers), 4100 (fp32: 16-byte re-read; bf16:
-# scalar re-read), 4099 (scalar re-read), 20000 (16-byte re-read); N=1 and 3-D inputs; N=1000,
-# 300 and 8192 loop several row groups per block in backward (8192 / 5 rows: a partial last group).
+# Shapes pick every layout and instantiation (P = 16-byte packs or elements per lane).
+# WARP layout (one warp per row), fp32 / bf16 packs per lane:
+#   (64, 128): P=1 / P=1 (bf16: half the lanes idle); (33, 256): 2 / 1; (40, 300): 3 (last pack
+#   partial) / scalar P=32; (48, 512): 4 / 2; (20, 640): 6 (partial) / 3 (partial); 768: 6 / 3;
+#   (16, 1000): 8 / 4; (4096, 1024): 8 / 4 with several rows per warp in backward (fp32 without,
+#   bf16 with next-row prefetch); (5, 100): 1 / scalar P=8; (7, 3): scalar P=8; 771: scalar P=32.
+#   Forward only (the backward takes the BLOCK layout: more than 32 columns a lane): bf16
+#   (24, 1536): P=6, (12, 2048): P=8, (10, 1600): P=8 (partial); fp32 takes BLOCK for those.
+# Backward loops (persistent grid, about one block per SM): (3000, 256), (3000, 100), (2000, 771),
+#   (4096, 1024) and (8192, 768) give warps more than one row (a partial last round).
+# BLOCK layout: 4100 (fp32: 16-byte re-read; bf16: scalar re-read), 4099 (scalar re-read), 20000
+#   (16-byte re-read); N=300 loops several row groups per block in backward.
+# N=1 and 3-D inputs too.
 SHAPES = [(8, 768), (1, 768), (2, 5, 768), (16, 1000), (1000, 771), (7, 3), (3, 4100), (300, 4100),
-          (2, 4099), (4, 20000), (8192, 768)]
+          (2, 4099), (4, 20000), (8192, 768), (64, 128), (33, 256), (40, 300), (48, 512),
+          (20, 640), (4096, 1024), (5, 100), (24, 1536), (12, 2048), (10, 1600), (3000, 256),
+          (3000, 100), (2000, 771)]
 
 
 @gpu
@@ -105,9 +116,11 @@ def test_misaligned_and_strided_inputs(dtype):
 
 
 @gpu
-@pytest.mark.parametrize("shape", [(8192, 768), (4096, 4100)], ids=str)
-def test_backward_is_deterministic(shape):
-    x, w, b, dout = make_inputs(shape, torch.float32)
+@pytest.mark.parametrize("shape,dtype", [((8192, 768), torch.float32), ((8192, 768), torch.bfloat16),
+                                         ((2000, 771), torch.bfloat16), ((4096, 4100), torch.float32)],
+                         ids=str)
+def test_backward_is_deterministic(shape, dtype):
+    x, w, b, dout = make_inputs(shape, dtype)
     _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
     first = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
     for _ in range(3):

@@ -1,6 +1,8 @@
 // layernorm launchers (see kernels_src/layernorm.cu): forward -> (out, mean, rstd); backward ->
 // (dx, dweight, dbias) with deterministic weight / bias gradients (per-block partials, fixed-order
-// reduce).
+// reduce). Rows of up to 32 * 8 units a lane (bf16 C <= 2048, fp32 C <= 1024 forward; C <= 1024
+// backward; scalar C <= 1024) take the WARP layout (one warp per row, compile-time units per lane),
+// longer ones the BLOCK layout.
 #include <algorithm>
 #include <optional>
 #include <tuple>
@@ -14,7 +16,7 @@ constexpr const char* kFwd = "layernorm_forward";
 constexpr const char* kBwd = "layernorm_backward";
 
 Program prog("layernorm");
-// [vec][fits]: 16-byte units or scalars; row slice held in registers or re-read.
+// BLOCK layout, [vec][fits]: 16-byte units or scalars; row slice held in registers or re-read.
 Kernel fwd_kernels[2][2] = {
     {Kernel(prog, "layernorm_forward_kernel<{T}, false, false>"),
      Kernel(prog, "layernorm_forward_kernel<{T}, false, true>")},
@@ -27,12 +29,77 @@ Kernel bwd_kernels[2][2] = {
      Kernel(prog, "layernorm_backward_kernel<{T}, true, true>")}};
 Kernel param_grad_kernel(prog, "layernorm_param_grad_kernel<{T}>");
 
+// WARP layout (one warp per row), instantiated for these units per lane P: 16-byte packs (VEC) or
+// single elements. Backward packs are limited to 32 columns a lane (P * pack <= 32), so P = 6, 8
+// exist for float only.
+constexpr int kVecP[] = {1, 2, 3, 4, 6, 8};
+constexpr int kScalarP[] = {8, 32};
+constexpr int kNumVecP = 6, kNumScalarP = 2;
+const std::vector<DType> kF32Only = {DType::f32};
+Kernel fwd_warp_vec[kNumVecP] = {
+    Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 1>"),
+    Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 2>"),
+    Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 3>"),
+    Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 4>"),
+    Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 6>"),
+    Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 8>")};
+Kernel fwd_warp_scalar[kNumScalarP] = {
+    Kernel(prog, "layernorm_forward_warp_kernel<{T}, false, 8>"),
+    Kernel(prog, "layernorm_forward_warp_kernel<{T}, false, 32>")};
+Kernel bwd_warp_vec[kNumVecP] = {
+    Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 1>"),
+    Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 2>"),
+    Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 3>"),
+    Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 4>"),
+    Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 6>", kF32Only),
+    Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 8>", kF32Only)};
+Kernel bwd_warp_scalar[kNumScalarP] = {
+    Kernel(prog, "layernorm_backward_warp_kernel<{T}, false, 8>"),
+    Kernel(prog, "layernorm_backward_warp_kernel<{T}, false, 32>")};
+
 // Must match kernels_src/layernorm.cu.
 constexpr int kRegElems = 8;
 constexpr int kMaxRowsPerBlock = 16;
+constexpr int kFwdWarps = 4;
+constexpr int kMaxBwdColumns = 32;  // columns a lane of the WARP backward keeps sums for
 constexpr int64_t kMaxC = int64_t(1) << 30;  // keeps every in-row index (and 2C) in an int
 
-// How a row is split over a block (see the layout note in kernels_src/layernorm.cu).
+// Warps per block of layernorm_backward_warp_kernel<T, VEC, P> (LnBwdWarp<T, VEC, P>::warps).
+int ln_bwd_warps(int P, int64_t elem_size, bool vec) {
+  const int V = vec ? static_cast<int>(16 / elem_size) : 1;
+  const int J = P * V;
+  const int R = P * (vec ? 4 : static_cast<int>((elem_size + 3) / 4));
+  const bool prefetch = 2 * J + 5 * R + 32 <= 224;
+  const int regs = 2 * J + (prefetch ? 5 : 3) * R + 32;
+  return regs <= 128 ? 16 : regs <= 168 ? 12 : 8;
+}
+
+// 16-byte units: C a multiple of the pack (rows then start 16-byte aligned too) and aligned pointers.
+bool vec_ok(int64_t C, int64_t elem_size, bool aligned) { return aligned && C % (16 / elem_size) == 0; }
+
+// WARP layout choice: index into kVecP / kScalarP of the smallest P covering a row, or -1 when the
+// row is too long for it (BLOCK layout then).
+struct WarpPlan {
+  int index = -1;
+  int P = 0;
+};
+WarpPlan warp_plan(int64_t C, int64_t elem_size, bool vec, bool backward) {
+  WarpPlan plan;
+  const int64_t V = vec ? 16 / elem_size : 1;
+  const int64_t need = (C / V + 31) / 32;  // units per lane
+  const int* ps = vec ? kVecP : kScalarP;
+  const int n = vec ? kNumVecP : kNumScalarP;
+  for (int i = 0; i < n; ++i) {
+    if (ps[i] < need) continue;
+    if (backward && ps[i] * V > kMaxBwdColumns) break;
+    plan.index = i;
+    plan.P = ps[i];
+    break;
+  }
+  return plan;
+}
+
+// How a row is split over a block in the BLOCK layout (see kernels_src/layernorm.cu).
 struct RowLayout {
   bool vec;   // 16-byte units
   bool fits;  // a thread's units fit in kRegElems registers
@@ -41,9 +108,8 @@ struct RowLayout {
 
 RowLayout row_layout(int64_t C, int64_t elem_size, bool aligned) {
   RowLayout L;
-  const int64_t pack = 16 / elem_size;
-  L.vec = aligned && C % pack == 0;  // rows then start 16-byte aligned too
-  const int64_t v = L.vec ? pack : 1, units = C / v, regs = kRegElems / v;
+  L.vec = vec_ok(C, elem_size, aligned);
+  const int64_t v = L.vec ? 16 / elem_size : 1, units = C / v, regs = kRegElems / v;
   const int64_t tpr_fit = (ceil_div(units, regs) + 31) / 32 * 32;
   L.fits = tpr_fit <= 512;  // FITS kernels are launch-bounded to 512 threads
   L.tpr = static_cast<int>(L.fits ? tpr_fit : 1024);
@@ -84,16 +150,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
   at::Tensor rstd = new_output({N}, x.options().dtype(at::kFloat));
   if (N == 0) return {out, mean, rstd};
 
-  const RowLayout L = row_layout(
-      C, x.element_size(), aligned16(x) && aligned16(out) && aligned_or_absent(w) && aligned_or_absent(b));
+  const bool aligned =
+      aligned16(x) && aligned16(out) && aligned_or_absent(w) && aligned_or_absent(b);
+  const DType dt = dtype_of(x, kFwd);
+  const bool vec = vec_ok(C, x.element_size(), aligned);
+  if (const WarpPlan wp = warp_plan(C, x.element_size(), vec, /*backward=*/false); wp.index >= 0) {
+    // One warp per row, kFwdWarps rows per block; one row per warp while the grid stays within 32
+    // blocks per SM (the kernel loops beyond).
+    Kernel& k = vec ? fwd_warp_vec[wp.index] : fwd_warp_scalar[wp.index];
+    const unsigned grid = grid_stride_blocks(N, kFwdWarps, 32, on.device);
+    k.launch(dt, on.device, on.stream, Dim3(grid), Dim3(32, kFwdWarps), 0, x.data_ptr(),
+             ptr_or_null(w), ptr_or_null(b), out.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+             static_cast<long long>(N), static_cast<int>(C), static_cast<float>(eps));
+    return {out, mean, rstd};
+  }
+
+  const RowLayout L = row_layout(C, x.element_size(), aligned);
   // Small blocks pack the SMs best; several rows per block when rows are short.
   const int rows = L.fits ? std::clamp(256 / L.tpr, 1, kMaxRowsPerBlock) : 1;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>((N + rows - 1) / rows, INT32_MAX));
-  fwd_kernels[L.vec][L.fits].launch(dtype_of(x, kFwd), on.device, on.stream, Dim3(grid),
-                                    Dim3(L.tpr, rows), 0, x.data_ptr(), ptr_or_null(w),
-                                    ptr_or_null(b), out.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
-                                    static_cast<long long>(N), static_cast<int>(C),
-                                    static_cast<float>(eps));
+  fwd_kernels[L.vec][L.fits].launch(dt, on.device, on.stream, Dim3(grid), Dim3(L.tpr, rows), 0,
+                                    x.data_ptr(), ptr_or_null(w), ptr_or_null(b), out.data_ptr(),
+                                    mean.data_ptr(), rstd.data_ptr(), static_cast<long long>(N),
+                                    static_cast<int>(C), static_cast<float>(eps));
   return {out, mean, rstd};
 }
 
@@ -126,30 +205,46 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
     return {dx, dweight, dbias};
   }
 
-  const RowLayout L = row_layout(C, x.element_size(),
-                                 aligned16(x) && aligned16(dout) && aligned16(dx) && aligned_or_absent(w));
-  // More rows per block than the forward: each block leaves one partial row of 2C floats, so the
-  // grid should be about one wave of resident blocks, each looping over several row groups.
-  const int rows = L.fits ? std::clamp(512 / L.tpr, 1, kMaxRowsPerBlock) : 1;
-  const int64_t threads = int64_t(L.tpr) * rows;
-  // ~1024 resident threads per SM (the FITS backward uses up to 64 registers per thread); at most
-  // one partial row per 8 rows, so the scratch never outgrows the input.
-  const int64_t max_grid = std::max<int64_t>(
-      1, std::min<int64_t>(sm_count(on.device) * std::max<int64_t>(1, 1024 / threads), (N + 7) / 8));
-  const int64_t groups = (N + rows - 1) / rows;
-  const int64_t iters = (groups + max_grid - 1) / max_grid;
-  const int64_t grid = (groups + iters - 1) / iters;  // every block gets `iters` groups (last: fewer)
-
+  const bool aligned = aligned16(x) && aligned16(dout) && aligned16(dx) && aligned_or_absent(w);
   const bool need_dw = w.defined(), need_db = b.defined();
-  at::Tensor partial;
-  if (need_dw || need_db) partial = new_output({grid, 2 * C}, x.options().dtype(at::kFloat));
-  // FITS folds the row slots' column sums in shared memory: 2C floats (C <= 4096 there: 32 KiB).
-  const size_t smem = L.fits && partial.defined() ? 2 * C * sizeof(float) : 0;
-  bwd_kernels[L.vec][L.fits].launch(
-      dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)), Dim3(L.tpr, rows), smem,
-      dout.data_ptr(), x.data_ptr(), ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(),
-      dx.data_ptr(), ptr_or_null(partial), static_cast<long long>(N), static_cast<int>(C),
-      static_cast<int>(need_dw), static_cast<int>(need_db));
+  at::Tensor partial;  // per-block partial sums [dweight | dbias], one row of 2C floats per block
+  int64_t grid = 0;
+  const bool vec = vec_ok(C, x.element_size(), aligned);
+  if (const WarpPlan wp = warp_plan(C, x.element_size(), vec, /*backward=*/true); wp.index >= 0) {
+    // One warp per row, persistent: one block per SM (the kernel's register budget keeps it
+    // resident), each warp looping over rows; never more warps than rows.
+    const int warps = ln_bwd_warps(wp.P, x.element_size(), vec);
+    grid = std::max<int64_t>(1, std::min<int64_t>(sm_count(on.device), (N + warps - 1) / warps));
+    if (need_dw || need_db) partial = new_output({grid, 2 * C}, x.options().dtype(at::kFloat));
+    // The warps' column sums are added through shared memory: warps * C floats (<= 48 KiB).
+    const size_t smem = partial.defined() ? size_t(warps) * C * sizeof(float) : 0;
+    Kernel& k = vec ? bwd_warp_vec[wp.index] : bwd_warp_scalar[wp.index];
+    k.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)), Dim3(32, warps), smem,
+             dout.data_ptr(), x.data_ptr(), ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(),
+             dx.data_ptr(), ptr_or_null(partial), static_cast<long long>(N), static_cast<int>(C),
+             static_cast<int>(need_dw), static_cast<int>(need_db));
+  } else {
+    const RowLayout L = row_layout(C, x.element_size(), aligned);
+    // More rows per block than the forward: each block leaves one partial row of 2C floats, so the
+    // grid should be about one wave of resident blocks, each looping over several row groups.
+    const int rows = L.fits ? std::clamp(512 / L.tpr, 1, kMaxRowsPerBlock) : 1;
+    const int64_t threads = int64_t(L.tpr) * rows;
+    // ~1024 resident threads per SM (the FITS backward uses up to 64 registers per thread); at
+    // most one partial row per 8 rows, so the scratch never outgrows the input.
+    const int64_t max_grid = std::max<int64_t>(
+        1, std::min<int64_t>(sm_count(on.device) * std::max<int64_t>(1, 1024 / threads), (N + 7) / 8));
+    const int64_t groups = (N + rows - 1) / rows;
+    const int64_t iters = (groups + max_grid - 1) / max_grid;
+    grid = (groups + iters - 1) / iters;  // every block gets `iters` groups (last: fewer)
+    if (need_dw || need_db) partial = new_output({grid, 2 * C}, x.options().dtype(at::kFloat));
+    // FITS folds the row slots' column sums in shared memory: 2C floats (C <= 4096 there: 32 KiB).
+    const size_t smem = L.fits && partial.defined() ? 2 * C * sizeof(float) : 0;
+    bwd_kernels[L.vec][L.fits].launch(
+        dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)), Dim3(L.tpr, rows), smem,
+        dout.data_ptr(), x.data_ptr(), ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(),
+        dx.data_ptr(), ptr_or_null(partial), static_cast<long long>(N), static_cast<int>(C),
+        static_cast<int>(need_dw), static_cast<int>(need_db));
+  }
   if (partial.defined()) {
     param_grad_kernel.launch(dt, on.device, on.stream, Dim3(ceil_div(2 * C, 32)), Dim3(32, 32), 0,
                              static_cast<const void*>(partial.data_ptr()),
