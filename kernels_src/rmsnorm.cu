@@ -13,192 +13,406 @@
 // Layout shared by both directions: a row is split into chunks of V = 16 / sizeof(T) elements;
 // blockDim.x threads own a row (one warp, or several warps), blockDim.y rows are handled side by
 // side, and thread x owns chunks x, x + blockDim.x, ... (at most K, a template parameter, so the row
-// lives in registers between the reduction and the output pass). `vec`: 16-byte accesses (D % V == 0
-// and every pointer 16-byte aligned, checked by the launcher); otherwise chunks are moved element-wise
-// and the last one is cut at D.
+// lives in registers between the reduction and the output pass). All loads of x (and dy, rstd) of a
+// row are issued before their first use, so a thread has them all in flight at once. VEC (template):
+// 16-byte accesses (D % V == 0 and every pointer 16-byte aligned, checked by the launcher);
+// otherwise chunks are moved element-wise and the last one is cut at D.
+//
+// What limits these kernels is bytes in flight per SM, i.e. registers: the launcher picks K (and,
+// backward, rows per group R) so that loads fill a good part of the register file, and every kernel
+// instantiation compiles without spills (launch bounds below; checked with ptxas for sm_80/sm_90).
 #include "common.cuh"
 
-template <typename T>
-KF_DEVICE Pack128<T> load_chunk(const T* row, int c, int D, int vec, bool streaming) {
-  constexpr int V = Pack128<T>::size;
-  if (vec) return streaming ? load128cs(row + c * V) : load128(row + c * V);
-  Pack128<T> p;
-#pragma unroll
-  for (int i = 0; i < V; ++i) p[i] = c * V + i < D ? row[c * V + i] : from_float<T>(0.0f);
-  return p;
-}
+// ---- chunks in registers ------------------------------------------------------------------------
+// 16 bytes as four 32-bit words (two bf16/half per word): a chunk costs four registers whatever T is
+// (16-bit values unpacked one per register would cost twice as many).
+struct __align__(16) Chunk {
+  u32 w[4];
+};
 
+// Per type: V elements per chunk; get(c, i): element i as fp32; put(f): chunk from V floats (rn);
+// round(a, b): a and b rounded to T and read back; kOne: a word of ones.
 template <typename T>
-KF_DEVICE void store_chunk(T* row, int c, int D, int vec, const Pack128<T>& p) {
-  constexpr int V = Pack128<T>::size;
-  if (vec) {
-    store128(row + c * V, p);
-    return;
+struct Elems;
+template <>
+struct Elems<float> {
+  static constexpr int V = 4;
+  static constexpr u32 kOne = 0x3f800000u;
+  static KF_DEVICE float get(const Chunk& c, int i) { return __uint_as_float(c.w[i]); }
+  static KF_DEVICE Chunk put(const float (&f)[4]) {
+    Chunk c;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c.w[i] = __float_as_uint(f[i]);
+    return c;
   }
+  static KF_DEVICE void round(float&, float&) {}
+};
+template <>
+struct Elems<bf16> {
+  static constexpr int V = 8;
+  static constexpr u32 kOne = 0x3f803f80u;
+  static KF_DEVICE float get(const Chunk& c, int i) {
+    const u32 w = c.w[i >> 1];
+    return __uint_as_float(i & 1 ? w & 0xffff0000u : w << 16);
+  }
+  static KF_DEVICE u32 pair(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static KF_DEVICE Chunk put(const float (&f)[8]) {
+    Chunk c;
 #pragma unroll
-  for (int i = 0; i < V; ++i)
-    if (c * V + i < D) row[c * V + i] = p[i];
-}
-
-// Weight chunk, or ones when there is no weight.
-template <typename T>
-KF_DEVICE Pack128<T> weight_chunk(const T* weight, int c, int D, int vec) {
-  if (weight) return load_chunk(weight, c, D, vec, false);
-  Pack128<T> p;
+    for (int i = 0; i < 4; ++i) c.w[i] = pair(f[2 * i], f[2 * i + 1]);
+    return c;
+  }
+  static KF_DEVICE void round(float& a, float& b) {
+    const u32 r = pair(a, b);
+    a = __uint_as_float(r << 16);
+    b = __uint_as_float(r & 0xffff0000u);
+  }
+};
+template <>
+struct Elems<half> {
+  static constexpr int V = 8;
+  static constexpr u32 kOne = 0x3c003c00u;
+  static KF_DEVICE float get(const Chunk& c, int i) {
+    float f;
+    if (i & 1)
+      asm("{.reg .f16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, hi;}"
+          : "=f"(f)
+          : "r"(c.w[i >> 1]));
+    else
+      asm("{.reg .f16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo;}"
+          : "=f"(f)
+          : "r"(c.w[i >> 1]));
+    return f;
+  }
+  static KF_DEVICE u32 pair(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static KF_DEVICE Chunk put(const float (&f)[8]) {
+    Chunk c;
 #pragma unroll
-  for (int i = 0; i < Pack128<T>::size; ++i) p[i] = from_float<T>(1.0f);
-  return p;
-}
+    for (int i = 0; i < 4; ++i) c.w[i] = pair(f[2 * i], f[2 * i + 1]);
+    return c;
+  }
+  static KF_DEVICE void round(float& a, float& b) {
+    const Chunk c = {{pair(a, b), 0u, 0u, 0u}};
+    a = get(c, 0);
+    b = get(c, 1);
+  }
+};
 
-// x as stored in T and read back (the identity for float).
+KF_DEVICE Chunk words(u32 w) { return Chunk{{w, w, w, w}}; }
+
+// Bits of one element (16-bit types in the low half) and back.
+KF_DEVICE u32 bits_of(float v) { return __float_as_uint(v); }
+KF_DEVICE u32 bits_of(bf16 v) { return v.bits; }
+KF_DEVICE u32 bits_of(half v) { return v.bits; }
 template <typename T>
-KF_DEVICE float round_to(float x) { return to_float(from_float<T>(x)); }
-
-// Sum over the blockDim.x threads of this thread's row, in a fixed order. Every thread of the block
-// must call it (it synchronises the block when a row spans several warps). `scratch`: 32 floats.
-KF_DEVICE float row_sum(float v, float* scratch) {
-  v = warp_sum(v);
-  if (blockDim.x == 32) return v;
-  const int warps_per_row = blockDim.x >> 5;
-  const int first = threadIdx.y * warps_per_row;
-  __syncthreads();  // scratch may still be read by the previous call
-  if ((threadIdx.x & 31) == 0) scratch[first + (threadIdx.x >> 5)] = v;
-  __syncthreads();
-  float s = 0.0f;
-  for (int w = 0; w < warps_per_row; ++w) s += scratch[first + w];
-  return s;
+KF_DEVICE T of_bits(u32 b) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(b);
+  } else {
+    T t;
+    t.bits = (u16)b;
+    return t;
+  }
 }
 
-// Layout: blockDim.y rows per block, blockDim.x threads per row, K chunks per thread in registers.
-template <typename T, int K>
-__global__ void __launch_bounds__(256)
+// Chunk c of a row; STREAMING: evict-first (data read once). Not VEC: element-wise, zeros past D.
+template <typename T, bool VEC, bool STREAMING>
+KF_DEVICE Chunk load_chunk(const T* row, int c, int D) {
+  constexpr int V = Elems<T>::V;
+  Chunk r;
+  if constexpr (VEC) {
+    const int4* p = reinterpret_cast<const int4*>(row + c * V);
+    const int4 v = STREAMING ? __ldcs(p) : *p;
+    r.w[0] = (u32)v.x, r.w[1] = (u32)v.y, r.w[2] = (u32)v.z, r.w[3] = (u32)v.w;
+  } else {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) r.w[q] = 0u;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const u32 b = c * V + i < D ? bits_of(row[c * V + i]) : 0u;
+      if constexpr (V == 4)
+        r.w[i] = b;
+      else
+        r.w[i >> 1] |= b << (16 * (i & 1));
+    }
+  }
+  return r;
+}
+
+template <typename T, bool VEC>
+KF_DEVICE void store_chunk(T* row, int c, int D, const Chunk& p) {
+  constexpr int V = Elems<T>::V;
+  if constexpr (VEC) {
+    int4 v;
+    v.x = (int)p.w[0], v.y = (int)p.w[1], v.z = (int)p.w[2], v.w = (int)p.w[3];
+    *reinterpret_cast<int4*>(row + c * V) = v;
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (c * V + i < D)
+        row[c * V + i] = of_bits<T>(V == 4 ? p.w[i] : p.w[i >> 1] >> (16 * (i & 1)));
+  }
+}
+
+// Weight chunk (default caching: every row reads it), or ones when there is no weight.
+template <typename T, bool VEC>
+KF_DEVICE Chunk weight_chunk(const T* weight, int c, int D) {
+  return weight ? load_chunk<T, VEC, false>(weight, c, D) : words(Elems<T>::kOne);
+}
+
+// Makes the compiler forget what a chunk holds: fp32 values unpacked from it before this point are
+// not kept alive to be reused after it (nor hoisted out of the row loop), so a row waits out the
+// reduction in registers as packed words rather than as twice as many floats. `zero` is 0 at run time
+// (a kernel argument) but unknown to the compiler: ptxas sees through a no-op such as an empty asm,
+// and then keeps, or spills, the unpacked values. Also applied to fp32 chunks, where it keeps ptxas
+// from spilling at 128 registers too (one xor per word).
+KF_DEVICE void opaque(Chunk& p, u32 zero) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm("xor.b32 %0, %0, %1;" : "+r"(p.w[i]) : "r"(zero));
+}
+
+// Barrier of the blockDim.x threads of one row group (bar.sync id 1 + threadIdx.y): the groups of a
+// block run independently; barrier 0 (__syncthreads) is left for the whole block.
+KF_DEVICE void group_barrier() {
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + (int)threadIdx.y), "r"((int)blockDim.x) : "memory");
+}
+
+// Resident 256-thread blocks per SM the forward kernel is compiled for (at most 65536 / (256 * n)
+// registers per thread): what its K chunks of x need without spilling, and no more.
+constexpr int fwd_min_blocks(int K, bool vec) {
+  return K == 1 || (K == 2 && vec) ? 8 : K == 2 ? 6 : K == 4 ? 5 : 4;
+}
+
+// ---- forward ------------------------------------------------------------------------------------
+// Layout: blockDim.y rows per block (one warp per row), or one row per block of blockDim.x <= 256
+// threads; K chunks of x per thread in registers, all loads issued first. One reduction: shuffles,
+// plus one __syncthreads for rows of several warps. Many blocks per SM (<= 64 registers per thread).
+template <typename T, int K, bool VEC>
+__global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC))
     rmsnorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ y,
-                           float* __restrict__ rstd, long long rows, int D, float eps, int vec,
-                           int cast_before_weight) {
-  constexpr int V = Pack128<T>::size;
-  __shared__ float scratch[32];
+                           float* __restrict__ rstd, long long rows, int D, float inv_d, float eps,
+                           int zero, int cast_before_weight) {
+  using E = Elems<T>;
+  constexpr int V = E::V;
+  __shared__ float scratch[16];  // one per warp of the block (<= 256 threads), 8 spare
   const int nchunk = (D + V - 1) / V;
   const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
-  const bool live = row < rows;  // dead rows still take part in row_sum's barriers
+  const bool live = row < rows;
   const T* xr = x + row * D;
 
-  Pack128<T> xc[K];
-  float ss = 0.0f;
+  Chunk xc[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int c = threadIdx.x + k * blockDim.x;
-    if (live && c < nchunk) {
-      xc[k] = load_chunk(xr, c, D, vec, true);
-#pragma unroll
-      for (int i = 0; i < V; ++i) ss += xc[k].f(i) * xc[k].f(i);
-    }
+    xc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(xr, c, D) : words(0u);
   }
-  const float r = rsqrtf(row_sum(ss, scratch) / (float)D + eps);
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < V; ++i) ss += E::get(xc[k], i) * E::get(xc[k], i);
+
+  ss = warp_sum(ss);
+  if (blockDim.x > 32) {  // rows of several warps: one exchange through shared memory
+    const int nw = blockDim.x >> 5;
+    const int first = threadIdx.y * nw;
+    if ((threadIdx.x & 31) == 0) scratch[first + (threadIdx.x >> 5)] = ss;
+    __syncthreads();
+    ss = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w)  // nw <= 8; first + w < 16
+      if (w < nw) ss += scratch[first + w];
+  }
+  const float r = rsqrtf(ss * inv_d + eps);
   if (!live) return;
   if (threadIdx.x == 0) rstd[row] = r;
 
+  // The weight is loaded only now, one chunk ahead of its use (an L1 hit: every block of the SM reads
+  // it), so it holds no registers through the reduction and few after it.
   T* yr = y + row * D;
+  const bool cbw = cast_before_weight && sizeof(T) < 4;
+  const int tx = blockDim.x;
+  Chunk wnext = (int)threadIdx.x < nchunk ? weight_chunk<T, VEC>(weight, threadIdx.x, D) : words(0u);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int c = threadIdx.x + k * blockDim.x;
+    opaque(xc[k], zero);
+    const int c = threadIdx.x + k * tx;
+    const Chunk wc = wnext;
+    if (k + 1 < K && c + tx < nchunk) wnext = weight_chunk<T, VEC>(weight, c + tx, D);
     if (c < nchunk) {
-      const Pack128<T> w = weight_chunk(weight, c, D, vec);
-      Pack128<T> out;
+      float o[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float n = xc[k].f(i) * r;
-        out.set(i, cast_before_weight ? w.f(i) * round_to<T>(n) : n * w.f(i));
+      for (int i = 0; i < V; ++i) o[i] = E::get(xc[k], i) * r;
+      if (cbw) {  // y = w * T(x * rstd)
+#pragma unroll
+        for (int i = 0; i < V; i += 2) E::round(o[i], o[i + 1]);
       }
-      store_chunk(yr, c, D, vec, out);
+#pragma unroll
+      for (int i = 0; i < V; ++i) o[i] *= E::get(wc, i);
+      store_chunk<T, VEC>(yr, c, D, E::put(o));
     }
   }
 }
 
-// Layout: persistent grid; blockDim.y rows at a time per block, blockDim.x threads per row, K chunks
-// per thread. A thread owns the same columns in every row it visits, so it keeps their dweight sums in
-// registers; at the end the block folds them over threadIdx.y (in order) through `fold`
-// (blockDim.x * V floats of dynamic shared memory) into dw_partial row blockIdx.x (fp32, D wide).
-template <typename T, int K>
-__global__ void __launch_bounds__(K == 1 ? 1024 : 512)
+// ---- backward -----------------------------------------------------------------------------------
+// Sum of v[0..R) over the blockDim.x threads of this row group, in a fixed order (shuffle trees).
+// `scratch`: one buffer of the kernel's (MAXT / 64 groups of 32 * R floats) that the group's previous
+// call did not use (the caller alternates two, so one barrier per call suffices).
+template <int R>
+KF_DEVICE void group_sum(float (&v)[R], float* scratch) {
+#pragma unroll
+  for (int j = 0; j < R; ++j) v[j] = warp_sum(v[j]);
+  if (blockDim.x == 32) return;  // one warp per row: no shared memory, no barrier
+  float* s = scratch + threadIdx.y * (32 * R);  // groups of several warps: <= MAXT / 64 of them
+  const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  if (lane == 0)
+#pragma unroll
+    for (int j = 0; j < R; ++j) s[j * 32 + (threadIdx.x >> 5)] = v[j];
+  group_barrier();
+#pragma unroll
+  for (int j = 0; j < R; ++j) v[j] = lane < nw ? s[j * 32 + lane] : 0.0f;
+#pragma unroll
+  for (int j = 0; j < R; ++j) v[j] = warp_sum(v[j]);
+}
+
+// dx of one chunk, and its dweight terms dy * x_hat added to acc (CBW: x_hat rounded to T first, as
+// the forward used it).
+template <typename T, bool VEC, bool CBW>
+KF_DEVICE void backward_chunk(T* dxr, int c, int D, const Chunk& xc, const Chunk& gc,
+                              const Chunk& wc, float r, float mean_gx, float (&acc)[Elems<T>::V]) {
+  using E = Elems<T>;
+  constexpr int V = E::V;
+  float o[V], xh[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    xh[i] = E::get(xc, i) * r;
+    o[i] = r * (E::get(gc, i) * E::get(wc, i) - xh[i] * mean_gx);
+  }
+  store_chunk<T, VEC>(dxr, c, D, E::put(o));
+  if (CBW)
+#pragma unroll
+    for (int i = 0; i < V; i += 2) E::round(xh[i], xh[i + 1]);
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc[i] += E::get(gc, i) * xh[i];
+}
+
+// CBW: cast_before_weight (16-bit T; the launcher instantiates fp32 with false only).
+// Layout: persistent grid of one block (<= MAXT threads) per SM. The block is blockDim.y row groups
+// of blockDim.x threads; a group works on R rows at a time (base .. base + R - 1, then R rows further
+// by the grid-wide stride), each thread holding K chunks of x and dy of each, all loads issued before
+// the reduction. Groups synchronise only among themselves (group_barrier), so one group's loads
+// overlap another's reduction and stores. A thread owns the same columns in every row it visits: it
+// keeps their weight chunks and their dweight sums in registers. At the end the block adds its
+// groups' sums in order of the group through `fold` (blockDim.y * blockDim.x * V floats of dynamic
+// shared memory) into dw_partial row blockIdx.x (fp32, D wide).
+template <typename T, int K, int R, bool VEC, bool CBW, int MAXT>
+__global__ void __launch_bounds__(MAXT, 1)
     rmsnorm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                             const T* __restrict__ weight, const float* __restrict__ rstd,
                             T* __restrict__ dx, float* __restrict__ dw_partial, long long rows, int D,
-                            int vec, int cast_before_weight) {
-  constexpr int V = Pack128<T>::size;
-  __shared__ float scratch[32];
+                            float inv_d, int zero) {
+  using E = Elems<T>;
+  constexpr int V = E::V;
+  __shared__ float scratch[2][MAXT / 64 * 32 * R];  // [buffer][group][value][warp]
   extern __shared__ float fold[];
   const int nchunk = (D + V - 1) / V;
-  const float inv_d = 1.0f / (float)D;
 
+  Chunk wc[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int c = threadIdx.x + k * blockDim.x;
+    wc[k] = c < nchunk ? weight_chunk<T, VEC>(weight, c, D) : words(0u);
+  }
   float acc[K][V];
 #pragma unroll
   for (int k = 0; k < K; ++k)
 #pragma unroll
     for (int i = 0; i < V; ++i) acc[k][i] = 0.0f;
 
-  // The loop bound is the same for the whole block (row_sum synchronises it).
-  const long long step = (long long)gridDim.x * blockDim.y;
-  for (long long base = (long long)blockIdx.x * blockDim.y; base < rows; base += step) {
-    const long long row = base + threadIdx.y;
-    const bool live = row < rows;
-    const float r = live ? rstd[row] : 0.0f;
-    const T* xr = x + row * D;
-    const T* dyr = dy + row * D;
-
-    Pack128<T> xc[K], gc[K];
-    float dot = 0.0f;
+  // The loop bound is the same for the whole group (group_sum synchronises it).
+  const long long step = (long long)gridDim.x * blockDim.y * R;
+  int buf = 0;
+  for (long long base = ((long long)blockIdx.x * blockDim.y + threadIdx.y) * R; base < rows;
+       base += step) {
+    Chunk xc[R][K], gc[R][K];
+    float r[R], dot[R];
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int c = threadIdx.x + k * blockDim.x;
-      if (live && c < nchunk) {
-        xc[k] = load_chunk(xr, c, D, vec, false);
-        gc[k] = load_chunk(dyr, c, D, vec, true);
-        const Pack128<T> w = weight_chunk(weight, c, D, vec);  // L1-resident: same columns every row
+    for (int k = 0; k < K; ++k) opaque(wc[k], zero);
 #pragma unroll
-        for (int i = 0; i < V; ++i) dot += gc[k].f(i) * w.f(i) * (xc[k].f(i) * r);
+    for (int j = 0; j < R; ++j) {
+      const long long row = base + j;
+      const bool live = row < rows;
+      r[j] = live ? rstd[row] : 0.0f;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        const bool ok = live && c < nchunk;
+        xc[j][k] = ok ? load_chunk<T, VEC, true>(x + row * D, c, D) : words(0u);
+        gc[j][k] = ok ? load_chunk<T, VEC, true>(dy + row * D, c, D) : words(0u);
       }
     }
-    const float mean_gx = row_sum(dot, scratch) * inv_d;
-    if (!live) continue;
+    // dot = sum(dy * w * x); mean(g * x_hat) = dot * rstd / D.
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      dot[j] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+          dot[j] += E::get(gc[j][k], i) * E::get(wc[k], i) * E::get(xc[j][k], i);
+    }
+    group_sum<R>(dot, scratch[buf]);
+    buf ^= 1;
 
-    T* dxr = dx + row * D;
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int c = threadIdx.x + k * blockDim.x;
-      if (c < nchunk) {
-        const Pack128<T> w = weight_chunk(weight, c, D, vec);
-        Pack128<T> out;
+    for (int j = 0; j < R; ++j) {
+      const long long row = base + j;
+      if (row < rows) {
+        const float mean_gx = dot[j] * r[j] * inv_d;
+        T* dxr = dx + row * D;
 #pragma unroll
-        for (int i = 0; i < V; ++i) {
-          const float xh = xc[k].f(i) * r;
-          const float d = gc[k].f(i);
-          out.set(i, r * (d * w.f(i) - xh * mean_gx));
-          acc[k][i] += d * (cast_before_weight ? round_to<T>(xh) : xh);
+        for (int k = 0; k < K; ++k) {
+          opaque(xc[j][k], zero);
+          opaque(gc[j][k], zero);
+          opaque(wc[k], zero);
+          const int c = threadIdx.x + k * blockDim.x;
+          if (c < nchunk)
+            backward_chunk<T, VEC, CBW>(dxr, c, D, xc[j][k], gc[j][k], wc[k], r[j], mean_gx,
+                                        acc[k]);
         }
-        store_chunk(dxr, c, D, vec, out);
       }
     }
   }
 
   if (dw_partial == nullptr) return;  // no weight: nothing to reduce (uniform over the block)
+  // Fold, one k at a time: every group writes its sums, then the block adds them column by column in
+  // order of the group.
   float* part = dw_partial + (long long)blockIdx.x * D;
+  const int span = blockDim.x * V;  // floats per group and k
+  const int t = threadIdx.y * blockDim.x + threadIdx.x;
+  const int nt = blockDim.x * blockDim.y;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    for (int yy = 0; yy < (int)blockDim.y; ++yy) {
-      if (threadIdx.y == yy) {
+    __syncthreads();  // the previous k's reads are done
 #pragma unroll
-        for (int i = 0; i < V; ++i)
-          fold[threadIdx.x * V + i] = (yy == 0 ? 0.0f : fold[threadIdx.x * V + i]) + acc[k][i];
+    for (int i = 0; i < V; ++i) fold[threadIdx.y * span + threadIdx.x * V + i] = acc[k][i];
+    __syncthreads();
+    for (int e = t; e < span; e += nt) {
+      const int col = k * span + e;
+      if (col < D) {
+        float s = 0.0f;
+        for (int g = 0; g < (int)blockDim.y; ++g) s += fold[g * span + e];
+        part[col] = s;
       }
-      __syncthreads();
     }
-    const int c = threadIdx.x + k * blockDim.x;
-    if (threadIdx.y == 0 && c < nchunk) {
-#pragma unroll
-      for (int i = 0; i < V; ++i)
-        if (c * V + i < D) part[c * V + i] = fold[threadIdx.x * V + i];
-    }
-    __syncthreads();  // fold is rewritten for the next k
   }
 }
 

@@ -54,7 +54,13 @@ def check(x, weight, dy, cast_before_weight, nd=1, what=""):
 
 
 # ---- GPU: kernels against float64 ---------------------------------------------------------------------
-SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056)]
+# Chosen so every kernel variant runs (see forward_geometry / backward_geometry in src/ops/rmsnorm.cpp):
+# forward one warp per row with K = 1, 2, 4, 8 chunks per thread ((2, 256), (3, 512), (17, 768),
+# (5, 2048)) and one block per row with K = 4 ((4, 2056), bf16 (3, 5, 4100)) and K = 8 ((8, 4096));
+# backward K = 1, 2, 4 with one warp per row and row groups of 2..8 per block, element-wise for
+# odd sizes ((3, 5, 4100) in bf16, (5, 3)).
+SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056),
+          (3, 512), (5, 2048)]
 
 
 @gpu
@@ -66,6 +72,27 @@ def test_forward_backward(dtype, shape, cast_before_weight):
     w = randn(shape[-1], dtype=dtype, scale=0.5) + 1
     dy = randn(*shape, dtype=dtype)
     check(x, w, dy, cast_before_weight, what=str(shape))
+
+
+@gpu
+@pytest.mark.parametrize("cast_before_weight", [True, False], ids=["hf", "torch"])
+@pytest.mark.parametrize("shape", [(8, 4096), (3, 5, 4100), (17, 768), (5, 3), (6, 16384)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_float16(shape, cast_before_weight):
+    # fp16 has its own unpacking / rounding code in the kernels (cvt.f32.f16, cvt.rn.f16x2.f32).
+    dtype = torch.float16
+    x = randn(*shape, dtype=dtype)
+    w = randn(shape[-1], dtype=dtype, scale=0.5) + 1
+    dy = randn(*shape, dtype=dtype)
+    check(x, w, dy, cast_before_weight, what=str(shape))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_many_rows_odd_size(dtype):
+    # Element-wise kernels (D % 8 != 0 for bf16) over many rows: the persistent backward grid loops.
+    x, dy = randn(1000, 4100, dtype=dtype), randn(1000, 4100, dtype=dtype)
+    check(x, randn(4100, dtype=dtype, scale=0.5) + 1, dy, True, what="1000x4100")
 
 
 @gpu
@@ -96,12 +123,16 @@ def test_without_weight_and_multidim(dtype):
 
 
 @gpu
+@pytest.mark.parametrize("D", [64, 512, 1024, 2048, 4096], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_misaligned_and_strided_inputs(dtype):
-    D = 4096
-    buf = randn(4 * D + 1, dtype=dtype)
-    x = buf[1:].view(4, D)  # 2-byte / 4-byte offset: the element-wise path
-    check(x, randn(D, dtype=dtype), randn(4, D, dtype=dtype), True, what="misaligned")
+def test_misaligned_and_strided_inputs(dtype, D):
+    # Misaligned rows take the element-wise kernels: every chunk count K of both directions.
+    buf = randn(37 * D + 1, dtype=dtype)
+    x = buf[1:].view(37, D)  # 2-byte / 4-byte offset: the element-wise path
+    check(x, randn(D, dtype=dtype), randn(37, D, dtype=dtype), True, what=f"misaligned D={D}")
+    check(x, randn(D, dtype=dtype), randn(37, D, dtype=dtype), False, what=f"misaligned D={D}")
+    if D != 4096:
+        return
     xt = randn(D, 6, dtype=dtype).t()  # non-contiguous: copied by the launcher
     check(xt, randn(D, dtype=dtype), randn(6, D, dtype=dtype), True, what="transposed")
 

@@ -10,59 +10,93 @@ namespace {
 
 Program prog("rmsnorm");
 
-// Kernels by K, the chunks of 16 bytes each thread keeps in registers.
+// Forward kernels by K, the 16-byte chunks of x each thread keeps in registers, and VEC (16-byte
+// accesses; otherwise element-wise, for odd sizes and misaligned pointers).
 constexpr int kFwdK[] = {1, 2, 4, 8};
-Kernel fwd_kernels[] = {{prog, "rmsnorm_forward_kernel<{T}, 1>"},
-                        {prog, "rmsnorm_forward_kernel<{T}, 2>"},
-                        {prog, "rmsnorm_forward_kernel<{T}, 4>"},
-                        {prog, "rmsnorm_forward_kernel<{T}, 8>"}};
-constexpr int kBwdK[] = {1, 2, 4};
-Kernel bwd_kernels[] = {{prog, "rmsnorm_backward_kernel<{T}, 1>"},
-                        {prog, "rmsnorm_backward_kernel<{T}, 2>"},
-                        {prog, "rmsnorm_backward_kernel<{T}, 4>"}};
+Kernel fwd_kernels[2][4] = {{{prog, "rmsnorm_forward_kernel<{T}, 1, false>"},
+                             {prog, "rmsnorm_forward_kernel<{T}, 2, false>"},
+                             {prog, "rmsnorm_forward_kernel<{T}, 4, false>"},
+                             {prog, "rmsnorm_forward_kernel<{T}, 8, false>"}},
+                            {{prog, "rmsnorm_forward_kernel<{T}, 1, true>"},
+                             {prog, "rmsnorm_forward_kernel<{T}, 2, true>"},
+                             {prog, "rmsnorm_forward_kernel<{T}, 4, true>"},
+                             {prog, "rmsnorm_forward_kernel<{T}, 8, true>"}}};
+
+// Backward kernels: K chunks per thread and row, R rows per group at a time, VEC, CBW
+// (cast_before_weight, 16-bit types only: fp32 is the same either way), blocks of at most
+// kBwdThreads threads (one per SM, <= 128 registers per thread). R is what fits in registers without
+// spilling (checked with NVRTC's ptxas for sm_80 and sm_90): fewer rows for the element-wise variants
+// and for 16-bit types at K = 4 (8 fp32 dweight sums per chunk instead of 4).
+constexpr int kBwdThreads = 512;  // MAXT of every backward kernel name below
+const std::vector<DType> kF32 = {DType::f32};
+const std::vector<DType> k16 = {DType::bf16, DType::f16};
+struct BwdKernel {
+  int K;
+  bool vec, cbw;
+  int R;
+  Kernel kernel;
+};
+#define KF_BWD(K, R, VEC, CBW, DTYPES)                                                          \
+  {                                                                                              \
+    K, VEC, CBW, R, {                                                                            \
+      prog, "rmsnorm_backward_kernel<{T}, " #K ", " #R ", " #VEC ", " #CBW ", 512>", DTYPES \
+    }                                                                                            \
+  }
+BwdKernel bwd_kernels[] = {
+    KF_BWD(1, 4, true, false, kF32),   KF_BWD(1, 4, false, false, kF32),
+    KF_BWD(2, 4, true, false, kF32),   KF_BWD(2, 2, false, false, kF32),
+    KF_BWD(4, 2, true, false, kF32),   KF_BWD(4, 1, false, false, kF32),
+    KF_BWD(1, 4, true, false, k16),    KF_BWD(1, 4, false, false, k16),
+    KF_BWD(2, 4, true, false, k16),    KF_BWD(2, 2, false, false, k16),
+    KF_BWD(4, 1, true, false, k16),    KF_BWD(4, 1, false, false, k16),
+    KF_BWD(1, 4, true, true, k16),     KF_BWD(1, 4, false, true, k16),
+    KF_BWD(2, 4, true, true, k16),     KF_BWD(2, 2, false, true, k16),
+    KF_BWD(4, 1, true, true, k16),     KF_BWD(4, 1, false, true, k16),
+};
+#undef KF_BWD
 Kernel dweight_kernel(prog, "rmsnorm_dweight_kernel<{T}>");
 
 // Longest row, in 16-byte chunks: 16384 bf16/fp16 or 8192 fp32 elements (kforge.ops.rmsnorm's
 // checker declines longer rows).
 constexpr int kMaxChunks = 2048;
 
-struct Geometry {
+unsigned round32(int64_t n) { return static_cast<unsigned>((n + 31) / 32 * 32); }
+
+struct FwdGeometry {
   Kernel* kernel;
   unsigned tx, ty;  // threads per row, rows per block
 };
 
-unsigned round32(int64_t n) { return static_cast<unsigned>((n + 31) / 32 * 32); }
-
-// Forward: one warp per row (8 rows per block) up to 256 chunks, else one block of <= 256 threads per
-// row; the fewest chunks per thread that fit.
-Geometry forward_geometry(int nchunk) {
-  if (nchunk <= 32 * 8)
+// Forward: one warp per row (8 rows per block) up to 256 chunks, with the fewest chunks per thread
+// that fit; longer rows one block of <= 256 threads each, 8 chunks per thread (4 where that wastes
+// fewer threads): the more of a row each thread loads at once, the more bytes each SM has in flight.
+FwdGeometry forward_geometry(int nchunk, bool vec) {
+  Kernel* ks = fwd_kernels[vec ? 1 : 0];
+  if (nchunk <= 32 * 8) {
     for (int i = 0; i < 4; ++i)
-      if (nchunk <= 32 * kFwdK[i]) return {&fwd_kernels[i], 32, 8};
-  for (int i = 0; i < 4; ++i) {
-    const int64_t per_k = (nchunk + kFwdK[i] - 1) / kFwdK[i];
-    if (per_k <= 256) {
-      const unsigned tx = round32(per_k);
-      return {&fwd_kernels[i], tx, std::max(1u, 256 / tx)};
-    }
+      if (nchunk <= 32 * kFwdK[i]) return {&ks[i], 32, 8};
   }
-  fail("rmsnorm_forward", "row of ", nchunk, " chunks is too long");
+  const unsigned tx4 = round32((nchunk + 3) / 4), tx8 = round32((nchunk + 7) / 8);
+  if (tx4 <= 256 && 4 * tx4 < 8 * tx8) return {&ks[2], tx4, 1};
+  return {&ks[3], tx8, 1};
 }
 
-// Backward: one warp per row (16 rows per block) up to 128 chunks, else rows of up to 512 threads and
-// blocks of up to 1024 (K = 1) or 512 threads (K >= 2, more registers per thread).
-Geometry backward_geometry(int nchunk) {
-  if (nchunk <= 32 * 4)
-    for (int i = 0; i < 3; ++i)
-      if (nchunk <= 32 * kBwdK[i]) return {&bwd_kernels[i], 32, 16};
-  for (int i = 0; i < 3; ++i) {
-    const int64_t per_k = (nchunk + kBwdK[i] - 1) / kBwdK[i];
-    if (per_k <= 512) {
-      const unsigned tx = round32(per_k);
-      return {&bwd_kernels[i], tx, std::max(1u, (kBwdK[i] == 1 ? 1024u : 512u) / tx)};
+struct BwdGeometry {
+  BwdKernel* kernel;
+  unsigned tx, groups;  // threads per row (group), groups per block
+};
+
+// Backward: chunks per thread K = 1 (one warp per row) up to 32 chunks, K = 2 (rows of <= 256
+// threads) up to 512, else K = 4 (<= 512 threads); as many row groups per block as fit.
+BwdGeometry backward_geometry(int nchunk, bool vec, bool cbw, DType dt) {
+  const int K = nchunk <= 32 ? 1 : nchunk <= 512 ? 2 : 4;
+  cbw = cbw && dt != DType::f32;
+  for (BwdKernel& k : bwd_kernels)
+    if (k.K == K && k.vec == vec && k.cbw == cbw && k.kernel.supports(dt)) {
+      const unsigned tx = round32((nchunk + K - 1) / K);
+      return {&k, tx, kBwdThreads / tx};
     }
-  }
-  fail("rmsnorm_backward", "row of ", nchunk, " chunks is too long");
+  fail("rmsnorm_backward", "no kernel for ", nchunk, " chunks");
 }
 
 // Elements per row: the product of the last `normalized_ndim` sizes of x.
@@ -102,13 +136,14 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_forward(const at::Tensor& x_,
   at::Tensor rstd = new_output({rows}, x.options().dtype(at::kFloat));
   if (rows == 0) return {y, rstd};
   const int64_t V = 16 / x.element_size();
-  const int vec = D % V == 0 && aligned16(x) && aligned16(y) && (!weight || aligned16(*weight));
-  const Geometry g = forward_geometry(static_cast<int>((D + V - 1) / V));
+  const bool vec = D % V == 0 && aligned16(x) && aligned16(y) && (!weight || aligned16(*weight));
+  const FwdGeometry g = forward_geometry(static_cast<int>((D + V - 1) / V), vec);
   KF_CHECK((rows + g.ty - 1) / g.ty <= std::numeric_limits<int>::max(), op, "too many rows: ", rows);
+  const int zero = 0;  // see opaque() in the kernel
   g.kernel->launch(dtype_of(x, op), on.device, on.stream, ceil_div(rows, g.ty), Dim3(g.tx, g.ty), 0,
                    x.data_ptr(), ptr(weight), y.data_ptr(), rstd.data_ptr(),
-                   static_cast<long long>(rows), static_cast<int>(D), static_cast<float>(eps), vec,
-                   int(cast_before_weight));
+                   static_cast<long long>(rows), static_cast<int>(D), 1.0f / static_cast<float>(D),
+                   static_cast<float>(eps), zero, int(cast_before_weight));
   return {y, rstd};
 }
 
@@ -136,21 +171,23 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   }
   const int64_t V = 16 / x.element_size();
   const int nchunk = static_cast<int>((D + V - 1) / V);
-  const int vec = D % V == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
-                  (!weight || aligned16(*weight));
-  const Geometry g = backward_geometry(nchunk);
+  const bool vec = D % V == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
+                   (!weight || aligned16(*weight));
   const DType dt = dtype_of(x, op);
-  // Persistent grid: about one resident block per 1024 threads of each SM; every block writes one
-  // partial dweight row, so fewer blocks also means less partial traffic.
-  const int64_t per_sm = std::max<int64_t>(1, 1024 / (g.tx * g.ty));
+  const BwdGeometry g = backward_geometry(nchunk, vec, cast_before_weight, dt);
+  // Persistent grid: one block per SM (each writes one partial dweight row), fewer when the rows
+  // do not need them.
+  const int64_t rows_per_step = int64_t(g.groups) * g.kernel->R;
   const unsigned grid = static_cast<unsigned>(
-      std::min<int64_t>(ceil_div(rows, g.ty), sm_count(on.device) * per_sm));
+      std::min<int64_t>((rows + rows_per_step - 1) / rows_per_step, sm_count(on.device)));
   std::optional<at::Tensor> partial;
   if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
-  const size_t fold_bytes = size_t(g.tx) * V * sizeof(float);
-  g.kernel->launch(dt, on.device, on.stream, grid, Dim3(g.tx, g.ty), fold_bytes, dy.data_ptr(),
-                   x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
-                   static_cast<long long>(rows), static_cast<int>(D), vec, int(cast_before_weight));
+  const size_t fold_bytes = size_t(g.tx) * g.groups * V * sizeof(float);
+  const int zero = 0;  // see opaque() in the kernel
+  g.kernel->kernel.launch(dt, on.device, on.stream, grid, Dim3(g.tx, g.groups), fold_bytes,
+                          dy.data_ptr(), x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(),
+                          ptr(partial), static_cast<long long>(rows), static_cast<int>(D),
+                          1.0f / static_cast<float>(D), zero);
   if (weight)
     dweight_kernel.launch(dt, on.device, on.stream, ceil_div(D, 32), Dim3(32, 16), 0,
                           partial->data_ptr(), dweight->data_ptr(), static_cast<int>(grid),
