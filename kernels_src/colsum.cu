@@ -1,7 +1,7 @@
 // colsum: out[c] = sum over rows r of x[r, c] for x viewed as (N, C) (every dim but the last summed):
 // a linear layer's bias gradient. fp32 accumulation, rounded once to T; deterministic (fixed order,
 // no atomics): colsum_partial_kernel leaves one fp32 partial row per chunk of rows, and
-// colsum_final_kernel adds the chunks' partial rows in chunk order.
+// colsum_final_kernel adds the chunks' partial rows in a fixed order.
 // Layout (partial): blockDim (32, 8). blockIdx.x picks a tile of 32 column units (a unit is a 16-byte
 // pack when VEC, else one column); lane threadIdx.x owns one unit of the tile, so a warp reads one
 // contiguous 512-byte span of a row; threadIdx.y strides over the rows of the chunk blockIdx.y, four
@@ -25,13 +25,18 @@ __global__ void __launch_bounds__(32 * kColsumRows)
 #pragma unroll
   for (int i = 0; i < U; ++i) acc[i] = 0.0f;
   if (active) {
-    constexpr int R = 4;  // rows in flight per thread
-    long long r = r_begin + threadIdx.y;
-    for (; r + (R - 1) * kColsumRows < r_end; r += R * kColsumRows) {
+    // R rows' loads in flight per thread: every load of a step is issued (guarded, not branched
+    // around) before the adds, tail included, so no step serialises on one load's latency.
+    constexpr int R = 4;
+    for (long long r = r_begin + threadIdx.y; r < r_end; r += R * kColsumRows) {
       if constexpr (VEC) {
         Pack128<T> p[R];
 #pragma unroll
-        for (int k = 0; k < R; ++k) p[k] = load128cs(x + (r + k * kColsumRows) * C + c0);
+        for (int k = 0; k < R; ++k) {
+          const long long rk = r + k * kColsumRows;
+          if (rk < r_end) p[k] = load128cs(x + rk * C + c0);
+          else p[k] = Pack128<T>{};
+        }
 #pragma unroll
         for (int k = 0; k < R; ++k)
 #pragma unroll
@@ -39,18 +44,12 @@ __global__ void __launch_bounds__(32 * kColsumRows)
       } else {
         float v[R];
 #pragma unroll
-        for (int k = 0; k < R; ++k) v[k] = to_float(x[(r + k * kColsumRows) * C + c0]);
+        for (int k = 0; k < R; ++k) {
+          const long long rk = r + k * kColsumRows;
+          v[k] = rk < r_end ? to_float(x[rk * C + c0]) : 0.0f;
+        }
 #pragma unroll
         for (int k = 0; k < R; ++k) acc[0] += v[k];
-      }
-    }
-    for (; r < r_end; r += kColsumRows) {
-      if constexpr (VEC) {
-        const Pack128<T> p = load128cs(x + r * C + c0);
-#pragma unroll
-        for (int i = 0; i < U; ++i) acc[i] += p.f(i);
-      } else {
-        acc[0] += to_float(x[r * C + c0]);
       }
     }
   }
@@ -70,13 +69,34 @@ __global__ void __launch_bounds__(32 * kColsumRows)
   }
 }
 
-// out[c] = sum of the G partial rows' column c, in chunk order; one thread per column.
+// out[c] = sum of the G partial rows' column c, in a fixed order. blockDim (32, kColsumRows): lane x
+// owns column blockIdx.x * 32 + x, row slot y adds chunks y, y + 8, ... (eight loads in flight), and
+// the slots are added in slot order: a fixed order for every launch.
 template <typename T>
-__global__ void colsum_final_kernel(const float* __restrict__ partial, T* __restrict__ out, int G,
-                                    int C) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+__global__ void __launch_bounds__(32 * kColsumRows)
+    colsum_final_kernel(const float* __restrict__ partial, T* __restrict__ out, int G, int C) {
+  __shared__ float red[kColsumRows][32];
+  const int c = blockIdx.x * 32 + threadIdx.x;
   float s = 0.0f;
-  for (int g = 0; g < G; ++g) s += partial[(long long)g * C + c];
-  out[c] = from_float<T>(s);
+  if (c < C) {
+    constexpr int R = 8;
+    for (int g = threadIdx.y; g < G; g += R * kColsumRows) {
+      float v[R];
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        const int gk = g + k * kColsumRows;
+        v[k] = gk < G ? partial[(long long)gk * C + c] : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < R; ++k) s += v[k];
+    }
+  }
+  red[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float t = 0.0f;
+#pragma unroll
+    for (int y = 0; y < kColsumRows; ++y) t += red[y][threadIdx.x];
+    out[c] = from_float<T>(t);
+  }
 }

@@ -31,10 +31,11 @@ at::Tensor colsum_forward(const at::Tensor& x_) {
   const bool vec = C % pack == 0 && aligned16(x);  // rows then start 16-byte aligned too
   const int64_t unit = vec ? pack : 1;
   const int64_t tiles = cdiv(cdiv(C, unit), 32);
-  // About 8 blocks of 256 threads per SM in all, each chunk at least 32 rows (4 per row slot).
-  const int64_t target = int64_t(sm_count(on.device)) * 8;
-  const int64_t chunks = std::clamp<int64_t>(target / tiles, 1, std::max<int64_t>(1, cdiv(N, 32)));
-  const int64_t rows_per_chunk = cdiv(N, chunks);
+  // About 4 blocks of 256 threads per SM in all (one wave), each chunk a multiple of 32 rows (four
+  // rows in flight per row slot) and at least 64, so the partial rows stay small next to x.
+  const int64_t target = int64_t(sm_count(on.device)) * 4;
+  const int64_t chunks = std::clamp<int64_t>(target / tiles, 1, std::max<int64_t>(1, cdiv(N, 64)));
+  const int64_t rows_per_chunk = cdiv(cdiv(N, chunks), 32) * 32;
   const int64_t G = cdiv(N, rows_per_chunk);  // chunks actually used
   KF_CHECK(G <= 65535, kFwd, "too many row chunks (", G, ")");
   at::Tensor partial = new_output({G, C}, x.options().dtype(at::kFloat));
@@ -43,7 +44,7 @@ at::Tensor colsum_forward(const at::Tensor& x_) {
                               Dim3(32, kColsumRows), 0, x.data_ptr(), partial.data_ptr(),
                               static_cast<long long>(N), static_cast<int>(C),
                               static_cast<long long>(rows_per_chunk));
-  final_kernel.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(cdiv(C, 256))), Dim3(256), 0,
+  final_kernel.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(cdiv(C, 32))), Dim3(32, kColsumRows), 0,
                       static_cast<const void*>(partial.data_ptr()), out.data_ptr(), static_cast<int>(G),
                       static_cast<int>(C));
   return out;

@@ -12,11 +12,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import shlex
+import subprocess
 import sys
 
 from . import harness
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
         "command": "python -m kforge.bench " + " ".join(shlex.quote(a) for a in argv),
+        # The kforge commit measured: KFORGE_COMMIT (set where the checkout has no .git), else git.
+        "commit": os.environ.get("KFORGE_COMMIT") or _git_commit(),
     }
     if args.what == "ops":
         result = harness.bench_ops(args)

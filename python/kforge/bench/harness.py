@@ -282,7 +282,8 @@ def _fmt(v, nd=1):
 
 def markdown(header: dict, result: dict) -> str:
     lines = [f"### `{header['command']}`", "",
-             f"{header['device']} · torch {header['torch']} · Python {header['python']} · {header['date']}", ""]
+             f"{header['device']} · torch {header['torch']} · Python {header['python']} · {header['date']}"
+             + (f" · kforge {header['commit']}" if header.get("commit") else ""), ""]
     kind = result["kind"]
     if kind == "ops":
         bw = result["copy_gbs"]
