@@ -1,16 +1,17 @@
-// residual: out = a + b for two tensors of the same shape and dtype (the transformer residual
-// stream), computed in fp32 and rounded once, as eager PyTorch does for bf16 / fp16. Without it
+// residual: out = a + b for two tensors of one dtype (the transformer residual stream), computed in
+// fp32 and rounded once, as eager PyTorch does for bf16 / fp16. b has a's shape, or a's trailing
+// dims (nb elements, repeated along the leading dims: b[i % nb]). Without it
 // Thunder's torch path runs a low-precision add as upcast, upcast, fp32 add, downcast (four kernels,
 // ~5x the bytes) and its backward casts the gradient back and forth again. Backward is the identity
 // (the gradient flows unchanged to a and b): no kernel.
 // Layout: grid-stride loop with 64-bit indices; each thread moves two 16-byte packs of a and b per
-// step (all four loads issued before the adds) when every pointer is 16-byte aligned (`vec`), then
-// a grid-stride scalar loop over the tail.
+// step (all four loads issued before the adds) when every pointer is 16-byte aligned and nb is a
+// whole number of packs (`vec`), then a grid-stride scalar loop over the tail.
 #include "common.cuh"
 
 template <typename T>
 __global__ void residual_forward_kernel(const T* __restrict__ a, const T* __restrict__ b,
-                                        T* __restrict__ out, long long n, int vec) {
+                                        T* __restrict__ out, long long n, long long nb, int vec) {
   constexpr int V = Pack128<T>::size;
   constexpr int U = 2;  // packs per thread per step
   const long long packs = vec ? n / V : 0;
@@ -23,7 +24,8 @@ __global__ void residual_forward_kernel(const T* __restrict__ a, const T* __rest
       const long long i = i0 + u * stride;
       if (i < packs) {
         pa[u] = load128cs(a + i * V);
-        pb[u] = load128cs(b + i * V);
+        // A broadcast b is small and re-read: keep it cached (plain load).
+        pb[u] = nb == n ? load128cs(b + i * V) : load128(b + (i * V) % nb);
       }
     }
 #pragma unroll
@@ -38,5 +40,5 @@ __global__ void residual_forward_kernel(const T* __restrict__ a, const T* __rest
     }
   }
   for (long long t = packs * V + tid; t < n; t += stride)
-    out[t] = from_float<T>(to_float(a[t]) + to_float(b[t]));
+    out[t] = from_float<T>(to_float(a[t]) + to_float(b[nb == n ? t : t % nb]));
 }

@@ -86,13 +86,15 @@ def test_thunder_jit_claims_the_bias_gradient(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_thunder_jit_forward_sum_and_its_gradient(dtype):
     x = randn(6, 7, 100, dtype=dtype).requires_grad_(True)
-    jf = thunder.jit(lambda x: x.sum((1, 0)) * 2, executors=[kforge.executor])
-    out = jf(x)
-    g = randn(100, dtype=dtype)
-    (dx,) = torch.autograd.grad(out, (x,), g)
-    assert "kforge_colsum_forward" in symbol_names(thunder.last_traces(jf)[-1])
-    assert_close(out, 2 * reference(x), dtype, "out")
-    torch.testing.assert_close(dx, (2 * g).expand(6, 7, 100).to(dtype), rtol=0, atol=0)
+    for keepdim in (False, True):
+        jf = thunder.jit(lambda x: x.sum((1, 0), keepdim=keepdim) * 2, executors=[kforge.executor])
+        out = jf(x)
+        assert out.shape == ((1, 1, 100) if keepdim else (100,))
+        g = randn(*out.shape, dtype=dtype)
+        (dx,) = torch.autograd.grad(out, (x,), g)
+        assert "kforge_colsum_forward" in symbol_names(thunder.last_traces(jf)[-1])
+        assert_close(out.reshape(100), 2 * reference(x), dtype, "out")
+        torch.testing.assert_close(dx, (2 * g).expand(6, 7, 100).to(dtype), rtol=0, atol=0)
 
 
 # ---- CPU: offers, declines, fallback, plumbing ------------------------------------------------------
@@ -106,13 +108,13 @@ def test_which_sums_are_offered_and_declined():
             assert not cs._applies(x, dim), dim
         assert not cs._applies(proxy(7), 0)  # 1-D: the whole tensor, not a column sum
         cases = {
-            "keepdim=True": cs._checker(x, (0, 1), True),
             "differs from the input dtype": cs._checker(x, (0, 1), dtype=torch.float32),
             "not CUDA": cs._checker(proxy(4, 5, device="cpu"), 0),
             "float64": cs._checker(proxy(4, 5, dtype=torch.float64), 0),
             "empty": cs._checker(proxy(0, 5), 0),
         }
         assert cs._checker(x, (0, 1), dtype=torch.bfloat16) is None
+        assert cs._checker(x, (0, 1), True) is None  # keepdim: the (C,) result reshaped
     for expected, reason in cases.items():
         assert reason is not None and expected in reason, (expected, reason)
 

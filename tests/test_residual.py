@@ -13,7 +13,7 @@ import thunder
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
-from conftest import DTYPES, gpu, proxy, randn, swap_launchers, symbol_names
+from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers, symbol_names
 from kforge import _thunder
 from kforge.ops import residual as rs
 
@@ -51,10 +51,24 @@ def test_misaligned_and_strided_inputs(dtype):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shapes", [((8, 64, 192), (64, 192)), ((4, 33, 771), (771,)), ((5, 16), ()),
+                                    ((3, 7, 8), (7, 8))], ids=str)
+def test_broadcast_over_leading_dims(dtype, shapes):
+    """b of a's trailing dims (GPT-2's position embedding): the 16-byte path when b is whole packs,
+    else the scalar one; bit-exact against eager's broadcast add."""
+    sa, sb = shapes
+    a, b = randn(*sa, dtype=dtype), randn(*sb, dtype=dtype)
+    torch.testing.assert_close(kforge._C.residual_forward(a, b), a + b, rtol=0, atol=0)
+
+
+@gpu
 def test_launcher_rejects_bad_arguments():
     a = randn(16)
     with pytest.raises(kforge.KforgeError, match="b has shape"):
         kforge._C.residual_forward(a, randn(15))
+    with pytest.raises(kforge.KforgeError, match="trailing dims"):
+        kforge._C.residual_forward(randn(4, 6), randn(4, 1))
     with pytest.raises(kforge.KforgeError, match="b has dtype"):
         kforge._C.residual_forward(a, randn(16, dtype=torch.bfloat16))
     with pytest.raises(kforge.KforgeError, match="not supported"):
@@ -81,13 +95,30 @@ def test_thunder_jit_uses_kforge_and_drops_the_casts(dtype):
 
 
 @gpu
-def test_thunder_leaves_broadcast_add_to_torch_on_gpu():
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_jit_broadcast_add_and_its_gradient(dtype):
+    """tok (B, T, C) + pos (T, C), either order: one kforge kernel; pos's gradient is g summed over B."""
+    tok = randn(4, 33, 96, dtype=dtype).requires_grad_(True)
+    pos = randn(33, 96, dtype=dtype).requires_grad_(True)
+    for fn in (lambda t, p: t + p, lambda t, p: p + t):
+        jf = thunder.jit(fn, executors=[kforge.executor])
+        out = jf(tok, pos)
+        g = randn(*out.shape, dtype=dtype)
+        dt, dp = torch.autograd.grad(out, (tok, pos), g)
+        assert "kforge_residual_forward" in symbol_names(thunder.last_traces(jf)[-1])
+        torch.testing.assert_close(out, tok.detach() + pos.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(dt, g, rtol=0, atol=0)
+        assert_close(dp, g.double().sum(0), dtype, "dpos")
+
+
+@gpu
+def test_thunder_leaves_other_broadcasting_to_torch_on_gpu():
     _thunder.reset_declines()
-    x, b = randn(8, 64), randn(64)
+    x, b = randn(8, 64), randn(8, 1)
     jfn = thunder.jit(lambda x, b: x + b, executors=[kforge.executor])
     torch.testing.assert_close(jfn(x, b), x + b)
     assert "kforge_residual_forward" not in symbol_names(thunder.last_traces(jfn)[-1])
-    assert any("differ" in r for r in _thunder.declines()["add"])
+    assert any("trailing dims" in r for r in _thunder.declines()["add"])
 
 
 # ---- CPU: declines, fallback, plumbing ----------------------------------------------------------------
@@ -115,9 +146,11 @@ def test_checker_accepts_and_declines_with_reasons():
     with tracectx(TraceCtx()):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             assert check(proxy(8, 768, dtype=dtype), proxy(8, 768, dtype=dtype)) is None
+            assert check(proxy(8, 768, dtype=dtype), proxy(768, dtype=dtype)) is None  # broadcast
+            assert check(proxy(768, dtype=dtype), proxy(8, 768, dtype=dtype)) is None
         a = proxy(8, 768)
         cases = {
-            "differ (broadcasting": check(a, proxy(768)),
+            "trailing dims": check(a, proxy(8, 1)),
             "b is not a tensor": check(a, 2.0),
             "a is not a tensor": check(2.0, a),
             "alpha=2": check(a, proxy(8, 768), alpha=2),
@@ -156,3 +189,17 @@ def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers, dtyp
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     torch.testing.assert_close(dy, g, rtol=0, atol=0)
     torch.testing.assert_close(dx, (g.float() + g.float()).to(dtype), rtol=0, atol=0)
+
+
+def test_thunder_plumbing_broadcast(cpu_reference_launchers):
+    """(B, T, C) + (T, C): the broadcast operand's gradient is the sum over B (a torch sum here)."""
+    t = randn(3, 5, 8, device="cpu", dtype=torch.float64).requires_grad_(True)
+    p = randn(5, 8, device="cpu", dtype=torch.float64).requires_grad_(True)
+    jfn = thunder.jit(lambda t, p: p + t, executors=[kforge.executor])
+    out = jfn(t, p)
+    g = randn(3, 5, 8, device="cpu", dtype=torch.float64)
+    dt, dp = torch.autograd.grad(out, (t, p), g)
+    assert "kforge_residual_forward" in symbol_names(thunder.last_traces(jfn)[-1])
+    torch.testing.assert_close(out, t.detach() + p.detach())
+    torch.testing.assert_close(dt, g)
+    torch.testing.assert_close(dp, g.sum(0))

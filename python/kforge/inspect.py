@@ -14,8 +14,9 @@ Where the numbers come from:
 - kforge symbols: every `kforge_*` call in the final forward / backward traces
   (`thunder.last_traces(fn)[-1]`, `thunder.last_backward_traces(fn)[-1]`), counted inside fusion
   regions too (`kforge.tieout.symbol_counts`).
-- claims and declines: kforge's checkers are asked again, without side effects, about the trace this
-  function handed to Thunder's autograd and executor passes (the last trace before them), walking it
+- claims and declines: kforge's checkers are asked again, without side effects, about the traces this
+  function handed to Thunder's autograd and executor passes (the last forward trace before them, and
+  the backward trace autograd built, before the execution passes), walking them
   the way those passes do: a symbol kforge accepts is claimed; one it declines is reported with the
   checker's reason and, unless another executor takes it whole, its decomposition is walked too. So
   the result belongs to this function alone, whatever else was compiled in the process, and it can be
@@ -346,9 +347,20 @@ def inspect(
             import thunder
 
             cd = thunder.compile_data(fn)
-            c, d = _walk_offers(_offered_trace(traces), list(cd.executors_list) if cd is not None else [])
+            executors = list(cd.executors_list) if cd is not None else []
+            c, d = _walk_offers(_offered_trace(traces), executors)
             claimed += c
             declined += d
+            # The backward trace is offered to the executors too (a linear's bias-gradient sum, the
+            # gradient accumulations' adds): walk the one autograd built, before the execution passes.
+            try:
+                btraces = thunder.last_backward_traces(fn)
+            except TypeError:
+                btraces = []
+            if btraces:
+                c, d = _walk_offers(_offered_trace(btraces), executors)
+                claimed += c
+                declined += d
     if not f_traces:
         raise ValueError("kforge.inspect: the compiled function has no traces yet; call it first")
     if declines is not None:

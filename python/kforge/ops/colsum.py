@@ -6,8 +6,8 @@ pass with 16-byte loads into per-chunk fp32 partial rows, then a fixed-order sum
 (deterministic: no atomics), rounded once to the input dtype as torch does. Kernels:
 kernels_src/colsum.cu.
 
-Claims `thunder.torch.sum(x, dim)` when `dim` names every dim but the last (in any order, negative
-or not), keepdim is False and no other dtype is asked for; the backward of a claimed forward sum is
+Claims `thunder.torch.sum(x, dim, keepdim)` when `dim` names every dim but the last (in any order,
+negative or not) and no other dtype is asked for (keepdim reshapes the (C,) result); the backward of a claimed forward sum is
 the broadcast of the gradient (no kernel). Other sums are not offered to kforge (`Claim.applies`).
 """
 from __future__ import annotations
@@ -57,8 +57,6 @@ def _checker(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = Non
         return p
     if not _leading_dims(x, dim):
         return f"dim={dim!r} is not every dim but the last of a {x.ndim}-D tensor"
-    if keepdim:
-        return "keepdim=True"
     if dtype is not None and dtypes.to_torch_dtype(dtypes.to_dtype(dtype)) != dtypes.to_torch_dtype(x.dtype):
         return f"dtype={dtype} differs from the input dtype"
     if x.shape[-1] > 2**30:
@@ -67,11 +65,12 @@ def _checker(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = Non
 
 
 def _execution(x: TensorProxy, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> TensorProxy:
-    return colsum_forward(x)
+    out = colsum_forward(x)
+    return ltorch.reshape(out, (1,) * (x.ndim - 1) + (x.shape[-1],)) if keepdim else out
 
 
 def _grad(x: TensorProxy, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> TensorProxy:
-    out = colsum_forward(x)
+    out = _execution(x, dim, keepdim)
     put_grad(x, ltorch.expand(get_grad(out), x.shape))
     return out
 

@@ -7,8 +7,10 @@ gradient to fp32 and back again per branch. `kforge_residual_forward` is one ker
 rounded once: the same bits as eager PyTorch), and the backward needs none: the gradient flows
 unchanged to both inputs. Kernel: kernels_src/residual.cu.
 
-Claims `thunder.torch.add(a, b)` when a and b are CUDA tensors of one float dtype and one shape and
-alpha is 1; broadcasting, mixed dtypes and other alphas are declined (torch runs them). Adds of a
+Claims `thunder.torch.add(a, b)` when a and b are CUDA tensors of one float dtype, alpha is 1, and the
+shapes are equal or one is the trailing dims of the other (broadcast along leading dims, as GPT-2's
+position embedding is: its gradient is the sum over those dims); other broadcasting, mixed dtypes
+and other alphas are declined (torch runs them). Adds of a
 number are not offered to kforge at all (`Claim.applies`), so they stay out of the decline log.
 """
 from __future__ import annotations
@@ -45,21 +47,35 @@ def _checker(a: Any, b: Any, *, alpha: Any = 1) -> str | None:
         return f"alpha={alpha!r}: only alpha=1"
     if (p := same_dtype_device(a, b, "b")) is not None:
         return p
-    if tuple(a.shape) != tuple(b.shape):
-        return f"shapes {tuple(a.shape)} and {tuple(b.shape)} differ (broadcasting is left to torch)"
-    return None
+    if _suffix(b, a) or _suffix(a, b):
+        return None
+    return (f"shapes {tuple(a.shape)} and {tuple(b.shape)}: only equal shapes, or one the trailing dims "
+            "of the other, are taken (other broadcasting is left to torch)")
+
+
+def _suffix(small: TensorProxy, big: TensorProxy) -> bool:
+    """Whether `small` broadcasts to `big` along leading dims only: its shape is big's last dims."""
+    return small.ndim <= big.ndim and tuple(big.shape[big.ndim - small.ndim:]) == tuple(small.shape)
+
+
+def _ordered(a: TensorProxy, b: TensorProxy) -> tuple[TensorProxy, TensorProxy]:
+    """(full-shape operand, operand broadcast over leading dims): addition commutes, bit for bit."""
+    return (a, b) if _suffix(b, a) else (b, a)
 
 
 def _execution(a: TensorProxy, b: TensorProxy, *, alpha: Any = 1) -> TensorProxy:
-    return residual_forward(a, b)
+    return residual_forward(*_ordered(a, b))
 
 
 def _grad(a: TensorProxy, b: TensorProxy, *, alpha: Any = 1) -> TensorProxy:
-    # Nothing saved; d(a + b) = (g, g).
-    out = residual_forward(a, b)
+    # Nothing saved. d(a + b) = g for the full-shape operand; the broadcast one (e.g. GPT-2's position
+    # embedding, (T, C) added to (B, T, C)) gets g summed over the leading dims it was repeated along.
+    big, small = _ordered(a, b)
+    out = residual_forward(big, small)
     g = get_grad(out)
-    put_grad(a, g)
-    put_grad(b, g)
+    put_grad(big, g)
+    lead = big.ndim - small.ndim
+    put_grad(small, ltorch.sum(g, tuple(range(lead))) if lead else g)
     return out
 
 
