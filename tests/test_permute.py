@@ -196,6 +196,27 @@ def test_thunder_jit_replaces_split_and_merge(dtype):
     assert_close(dw, rw, dtype, "dw", tol=tol)
 
 
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("HS", [64, 7], ids=lambda h: f"HS{h}")
+def test_strided_head_inputs_are_read_in_place(dtype, HS):
+    """Token-major (B, NH, T, HS) views - what flash attention's backward returns for q, k, v that
+    were views of qkv, and its forward output - are read with their strides; mixed layouts fall back
+    to contiguous copies. 16-byte (HS 64) and element (HS 7) paths."""
+    B, T, NH = 2, 33, 3
+    grads = [randn(B, T, NH, HS, dtype=dtype).transpose(1, 2) for _ in range(3)]
+    assert not grads[0].is_contiguous()
+    ref = torch.cat([ref_merge(g) for g in grads], -1)
+    assert_same(kforge._C.split_qkv_backward(*grads), ref, "split backward of token-major grads")
+    mixed = [grads[0].contiguous(), grads[1], grads[2]]
+    assert_same(kforge._C.split_qkv_backward(*mixed), ref, "split backward of mixed layouts")
+    assert_same(kforge._C.split_qkv_backward(None, grads[1], None),
+                torch.cat([torch.zeros_like(ref_merge(grads[0])), ref_merge(grads[1]),
+                           torch.zeros_like(ref_merge(grads[0]))], -1), "split backward, one given")
+    y = randn(B, T, NH, HS, dtype=dtype).transpose(1, 2)
+    assert_same(kforge._C.merge_heads_forward(y), ref_merge(y).contiguous(), "merge of a token-major view")
+
+
 def sdpa_like(x, w, n_head):
     """The SDPA variant of the reference GPT-2: views into SDPA, merge of its output."""
     q, k, v = split_qkv(x @ w, n_head, copy=False)

@@ -33,7 +33,9 @@ void launch(bool split, const at::Tensor& tokens, const std::vector<at::Tensor>&
   if (B * T == 0 || row == 0) return;
   LaunchOn on(tokens);
   const int64_t V = 16 / tokens.element_size();
-  bool vec = HS % V == 0 && aligned16(tokens);
+  // Head-side strides, shared by every part (heads_input made sure), last stride 1.
+  const int64_t sb = heads[0].stride(0), sh = heads[0].stride(1), st = heads[0].stride(2);
+  bool vec = HS % V == 0 && aligned16(tokens) && sb % V == 0 && sh % V == 0 && st % V == 0;
   for (const at::Tensor& h : heads) vec = vec && aligned16(h);
   const int64_t cols = vec ? row / V : row;
   const int64_t nchunks = (cols + kMaxBlockX - 1) / kMaxBlockX;
@@ -55,13 +57,25 @@ void launch(bool split, const at::Tensor& tokens, const std::vector<at::Tensor>&
   Kernel& k = split ? (vec ? to_heads_vec : to_heads_elem) : (vec ? to_tokens_vec : to_tokens_elem);
   const int seq = static_cast<int>(T), nh = static_cast<int>(NH), hs = static_cast<int>(HS),
             ncols = static_cast<int>(cols);
-  const long long tps = tiles_per_seq, nunits = units;
+  const long long tps = tiles_per_seq, nunits = units, lsb = sb, lsh = sh, lst = st;
   if (split)
     k.launch(dt, on.device, on.stream, grid, block, 0, tokens.data_ptr(), h[0], h[1], h[2], seq, nh,
-             hs, ncols, tps, nunits);
+             hs, ncols, tps, nunits, lsb, lsh, lst);
   else
     k.launch(dt, on.device, on.stream, grid, block, 0, h[0], h[1], h[2], tokens.data_ptr(), seq, nh,
-             hs, ncols, tps, nunits);
+             hs, ncols, tps, nunits, lsb, lsh, lst);
+}
+
+// Head-major inputs (the source side of a heads -> tokens copy), as given when the kernel can read
+// them in place: every part with the same strides and a unit last stride (contiguous, or e.g. the
+// token-major gradients flash attention returns when q, k, v were views of qkv). Otherwise
+// contiguous copies. Missing parts (None) must have been replaced by zeros already.
+void heads_in_place_or_contiguous(std::vector<at::Tensor>& heads) {
+  bool same = true;
+  for (const at::Tensor& h : heads)
+    same = same && h.stride(3) == 1 && h.strides() == heads[0].strides() && h.size(3) > 0;
+  if (same) return;
+  for (at::Tensor& h : heads) h = h.contiguous();
 }
 
 // (B, T, 3C) -> q, k, v, each (B, NH, T, HS) contiguous.
@@ -90,18 +104,21 @@ at::Tensor split_qkv_backward(const std::optional<at::Tensor>& dq_, const std::o
   for (int p = 0; p < 3 && first < 0; ++p)
     if (given[p]->has_value() && (*given[p])->defined()) first = p;
   KF_CHECK(first >= 0, op, "dq, dk and dv are all None");
-  const at::Tensor ref = input(**given[first], op, names[first]);
+  const at::Tensor& ref = **given[first];
+  check_input(ref, op, names[first]);
   KF_CHECK(ref.dim() == 4, op, names[first], " must be (B, NH, T, HS), got ", ref.sizes());
   std::vector<at::Tensor> heads;
   for (int p = 0; p < 3; ++p) {
     if (!(given[p]->has_value() && (*given[p])->defined())) {
-      heads.push_back(at::zeros_like(ref, at::MemoryFormat::Contiguous));
+      heads.push_back(at::zeros_like(ref));  // ref's strides, so the parts can stay in place
       continue;
     }
-    heads.push_back(input_like(**given[p], ref, op, names[p]));
-    KF_CHECK(heads.back().sizes() == ref.sizes(), op, names[p], " has shape ", heads.back().sizes(),
-             ", expected ", ref.sizes());
+    const at::Tensor& g = **given[p];
+    check_input_like(g, ref, op, names[p]);
+    KF_CHECK(g.sizes() == ref.sizes(), op, names[p], " has shape ", g.sizes(), ", expected ", ref.sizes());
+    heads.push_back(g);
   }
+  heads_in_place_or_contiguous(heads);
   const int64_t B = ref.size(0), NH = ref.size(1), T = ref.size(2), HS = ref.size(3);
   at::Tensor dqkv = new_output({B, T, 3 * NH * HS}, ref.options());
   launch(false, dqkv, heads, B, T, NH, HS, op);
@@ -111,11 +128,14 @@ at::Tensor split_qkv_backward(const std::optional<at::Tensor>& dq_, const std::o
 // y (B, NH, T, HS) -> (B, T, C).
 at::Tensor merge_heads_forward(const at::Tensor& y_) {
   const char* op = "merge_heads_forward";
-  const at::Tensor y = input(y_, op, "y");
-  KF_CHECK(y.dim() == 4, op, "y must be (B, NH, T, HS), got ", y.sizes());
+  check_input(y_, op, "y");
+  KF_CHECK(y_.dim() == 4, op, "y must be (B, NH, T, HS), got ", y_.sizes());
+  std::vector<at::Tensor> heads{y_};
+  heads_in_place_or_contiguous(heads);
+  const at::Tensor& y = heads[0];
   const int64_t B = y.size(0), NH = y.size(1), T = y.size(2), HS = y.size(3);
   at::Tensor out = new_output({B, T, NH * HS}, y.options());
-  launch(false, out, {y}, B, T, NH, HS, op);
+  launch(false, out, heads, B, T, NH, HS, op);
   return out;
 }
 

@@ -65,22 +65,32 @@ inline DType dtype_of(const at::Tensor& t, const char* op) {
   }
 }
 
-// Checks that `t` is a CUDA tensor of a supported float dtype and returns it contiguous (a copy only
-// when it is not already: Thunder's traces carry no strides, so launchers accept any layout).
-inline at::Tensor input(const at::Tensor& t, const char* op, const char* name) {
+// Checks that `t` is a CUDA tensor of a supported float dtype (any layout).
+inline void check_input(const at::Tensor& t, const char* op, const char* name) {
   KF_CHECK(t.defined(), op, name, " is undefined");
   KF_CHECK(t.is_cuda(), op, name, " must be a CUDA tensor, got ", t.device());
   dtype_of(t, op);
+}
+
+// check_input(), then `t` contiguous (a copy only when it is not already: Thunder's traces carry no
+// strides, so launchers accept any layout).
+inline at::Tensor input(const at::Tensor& t, const char* op, const char* name) {
+  check_input(t, op, name);
   return t.contiguous();
 }
 
-// Like input(), and `t` must match `ref`'s device and dtype.
-inline at::Tensor input_like(const at::Tensor& t, const at::Tensor& ref, const char* op,
-                             const char* name) {
+// Checks that `t` is a CUDA tensor on `ref`'s device with `ref`'s dtype (any layout).
+inline void check_input_like(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name) {
   KF_CHECK(t.defined() && t.is_cuda() && t.device() == ref.device(), op, name,
            " must be a CUDA tensor on ", ref.device());
   KF_CHECK(t.scalar_type() == ref.scalar_type(), op, name, " has dtype ", t.scalar_type(),
            ", expected ", ref.scalar_type());
+}
+
+// check_input_like(), then `t` contiguous.
+inline at::Tensor input_like(const at::Tensor& t, const at::Tensor& ref, const char* op,
+                             const char* name) {
+  check_input_like(t, ref, op, name);
   return t.contiguous();
 }
 
