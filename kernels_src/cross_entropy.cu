@@ -166,16 +166,25 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
 }
 
 // ---- backward: a streaming elementwise kernel ------------------------------------------------------
-// Work items are (row, chunk) pairs, w = row * chunks_per_row + chunk, taken by a persistent grid
-// (blockIdx.x, += gridDim.x): one 64-bit division per item, none per element. A chunk is `chunk_packs`
-// (<= CE_BWD_THREADS * unroll) consecutive 16-byte packs of the row's aligned middle; each thread
-// issues all of its loads of the item before the first use. Chunk 0 also does the row's scalar head
-// and tail (< 2 packs' worth). The next item's row inputs (target, lse, dloss) are loaded before the
-// current item's data, so their latency hides behind it. Ignored rows write zeros without reading
-// the logits. Math: dx = exp2(x * log2e - lse * log2e) * s, minus s at the target.
+// Work items are (row, chunk) pairs, w = row * chunks_per_row + chunk. A chunk is `chunk_packs`
+// (<= CE_BWD_THREADS * U) consecutive 16-byte packs of the row's aligned middle; thread tid moves
+// packs tid, tid + 256, ... (U of them at most) and issues all of its loads before the first use.
+// Chunk 0 also does the row's scalar head and tail (< 2 packs' worth, one element per thread).
+// Math: dx = exp2(x * log2e - lse * log2e) * s, minus s at the target.
+//
+// Two layouts (the launcher's `variant` picks; both are exercised by the tests):
+// - grid (default): one block per work item, several waves of short-lived blocks, like a plain
+//   elementwise kernel. Each thread issues its U pack loads first, then the row's inputs (target,
+//   lse, dloss): none of them waits for another, so a block's life is one memory latency plus its
+//   arithmetic. Ignored rows read their logits too (rare; this keeps the loads independent of the
+//   target) and write exact zeros (selected, so a NaN logit there does not leak).
+// - persistent: a grid of a few blocks per SM looping over the items (blockIdx.x, += gridDim.x),
+//   the next item's row inputs prefetched during the current item; ignored rows skip their loads.
+//   The prefetched values are kept in per-thread registers (see ce_opaque_zero).
 #define CE_BWD_THREADS 256
-#define CE_BWD_UNROLL_VEC 8     // 16-byte packs in flight per thread (128 bytes)
-#define CE_BWD_UNROLL_SCALAR 2  // element-wise "packs" (P loads each) in flight per thread
+#define CE_BWD_UNROLL_GRID 4    // grid layout: 16-byte packs per thread (64 bytes in flight)
+#define CE_BWD_UNROLL_VEC 8     // persistent layout: 16-byte packs per thread per item
+#define CE_BWD_UNROLL_SCALAR 2  // element-wise "packs" (P loads each) per thread
 #define CE_LOG2E 1.4426950408889634f
 
 KF_DEVICE float ce_ex2(float x) {
@@ -184,7 +193,155 @@ KF_DEVICE float ce_ex2(float x) {
   return r;
 }
 
-// The raw per-row inputs of one work item, loaded one item ahead.
+// A pack as floats (bf16: by 32-bit word, no byte permutes), and floats to a pack (16-bit types
+// convert two at a time).
+template <typename T>
+KF_DEVICE void ce_unpack(const Pack128<T>& p, float (&f)[Pack128<T>::size]) {
+#pragma unroll
+  for (int i = 0; i < Pack128<T>::size; ++i) f[i] = p.f(i);
+}
+template <>
+KF_DEVICE void ce_unpack<bf16>(const Pack128<bf16>& p, float (&f)[8]) {
+  const u32* w = reinterpret_cast<const u32*>(&p);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    f[2 * j] = __uint_as_float(w[j] << 16);
+    f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  }
+}
+// Floats to a pack; 16-bit types convert two at a time.
+KF_DEVICE u32 ce_cvt2(bf16*, float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+KF_DEVICE u32 ce_cvt2(half*, float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <typename T>
+KF_DEVICE Pack128<T> ce_pack(const float (&f)[Pack128<T>::size]) {
+  Pack128<T> r;
+  if constexpr (sizeof(T) == 2) {
+    u32* w = reinterpret_cast<u32*>(&r);
+#pragma unroll
+    for (int j = 0; j < Pack128<T>::size / 2; ++j) w[j] = ce_cvt2((T*)nullptr, f[2 * j], f[2 * j + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < Pack128<T>::size; ++i) r.set(i, f[i]);
+  }
+  return r;
+}
+
+// This thread's packs p = u * CE_BWD_THREADS + tid < np of the chunk starting at xc. Vec: 16-byte
+// loads (streaming when Stream); else P elements one by one (no alignment needed).
+template <bool Vec, bool Stream, int U, typename T>
+KF_DEVICE void ce_load_chunk(const T* __restrict__ xc, int np, Pack128<T> (&a)[U]) {
+  constexpr int P = Pack128<T>::size;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
+    if (p < np) {
+      if constexpr (Vec) {
+        a[u] = Stream ? load128cs(xc + p * P) : load128(xc + p * P);
+      } else {
+#pragma unroll
+        for (int k = 0; k < P; ++k) a[u][k] = xc[p * P + k];
+      }
+    }
+  }
+}
+
+template <bool Vec, bool Stream, typename T>
+KF_DEVICE void ce_store_pack(T* __restrict__ d, const Pack128<T>& o) {
+  if constexpr (Vec) {
+    if (Stream) store128cs(d, o);
+    else store128(d, o);
+  } else {
+#pragma unroll
+    for (int k = 0; k < Pack128<T>::size; ++k) d[k] = o[k];
+  }
+}
+
+// The chunk's gradient from its packs a: (2^(x log2e - l2) - [element == tl]) * s, or exact zeros
+// for an ignored row. tl: the target's position counted from the chunk's first element, or -1.
+template <bool Vec, bool Stream, int U, typename T>
+KF_DEVICE void ce_store_chunk(T* __restrict__ dc, int np, const Pack128<T> (&a)[U], int tl, float l2,
+                              float s, bool zero) {
+  constexpr int P = Pack128<T>::size;
+  if (zero) {
+    Pack128<T> z;
+#pragma unroll
+    for (int k = 0; k < P; ++k) z.set(k, 0.0f);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
+      if (p < np) ce_store_pack<Vec, Stream>(dc + p * P, z);
+    }
+    return;
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
+    if (p < np) {
+      float e[P];
+      ce_unpack(a[u], e);
+#pragma unroll
+      for (int k = 0; k < P; ++k) e[k] = ce_ex2(fmaf(e[k], CE_LOG2E, -l2)) * s;
+      const int dk = tl - p * P;  // in [0, P) only in the one pack of the row holding the target
+      if ((unsigned)dk < (unsigned)P) {
+#pragma unroll
+        for (int k = 0; k < P; ++k)
+          if (k == dk) e[k] -= s;
+      }
+      ce_store_pack<Vec, Stream>(dc + p * P, ce_pack<T>(e));
+    }
+  }
+}
+
+// Where a work item's packs are: np packs from element `first` of the row.
+struct CeChunk {
+  long long first;
+  int np;
+};
+template <typename T>
+KF_DEVICE CeChunk ce_chunk(const RowSplit& rs, long long chunk, int chunk_packs) {
+  const long long left = rs.npacks - chunk * chunk_packs;  // packs from the chunk's start on
+  return {rs.head + chunk * chunk_packs * Pack128<T>::size,
+          (int)(left < chunk_packs ? (left > 0 ? left : 0) : chunk_packs)};
+}
+
+// The row's scalar head and tail (fewer than 2 * P elements, one per thread), owned by chunk 0:
+// element index c and whether this thread has one.
+struct CeScalar {
+  long long c;
+  bool on;
+};
+KF_DEVICE CeScalar ce_scalar(const RowSplit& rs, long long V, long long chunk) {
+  const long long tid = threadIdx.x;
+  const long long nscalar = chunk == 0 ? rs.head + (V - rs.tail) : 0;
+  return {tid < rs.head ? tid : rs.tail + (tid - rs.head), tid < nscalar};
+}
+
+// dloss of a row (s) and its exponent offset (l2 = lse * log2e, NaN for an out-of-range target).
+struct CeRowScale {
+  float l2, s;
+  bool zero;
+};
+KF_DEVICE CeRowScale ce_row_scale(long long t, float L, float g, float nv, bool mean, long long V,
+                                  long long ignore_index) {
+  const bool zero = t == ignore_index;
+  const bool bad = !zero && (t < 0 || t >= V);
+  return {bad ? CE_NAN : L * CE_LOG2E, zero ? 0.0f : (mean ? g / nv : g), zero};
+}
+
+// The raw inputs of a row. Their loads take row + ce_opaque_zero(): 0 in every thread, but not
+// known to the compiler to be the same in all of them, so the loaded values stay in per-thread
+// registers. As block-uniform values the compiler moved them into uniform registers right after
+// their loads, which waited for those loads before the pack loads were issued (in the persistent
+// layout that made the prefetch hide nothing).
+KF_DEVICE long long ce_opaque_zero() { return threadIdx.x >= blockDim.x; }
 struct CeRowIn {
   long long t;
   float lse, g;
@@ -195,8 +352,47 @@ KF_DEVICE CeRowIn ce_row_in(long long row, const T* __restrict__ grad, long long
   return {targets[row], lse[row], to_float(grad[row * grad_stride])};
 }
 
-// Vec: logits and dlogits share their address modulo 16: 16-byte packs between a scalar head and
-// tail per row. Else every "pack" is P elements moved one by one (no alignment needed).
+// Grid layout: one block per work item w = blockIdx.x (gridDim.x = N * chunks_per_row < 2^31).
+// Vec: logits and dlogits share their address modulo 16 (16-byte packs between a scalar head and
+// tail per row); else every "pack" is P elements moved one by one. Stream: evict-first loads/stores.
+template <typename T, bool Vec, bool Stream>
+__global__ void __launch_bounds__(CE_BWD_THREADS, 6)
+    cross_entropy_backward_grid_kernel(const T* __restrict__ grad, long long grad_stride,
+                                       const float* __restrict__ n_valid, const T* __restrict__ logits,
+                                       const i64* __restrict__ targets, const float* __restrict__ lse,
+                                       T* __restrict__ dlogits, long long V, long long ignore_index,
+                                       int chunks_per_row, int chunk_packs) {
+  constexpr int P = Pack128<T>::size;
+  constexpr int U = Vec ? CE_BWD_UNROLL_GRID : CE_BWD_UNROLL_SCALAR;
+  const u32 row32 = blockIdx.x / (u32)chunks_per_row;  // the one division
+  const long long chunk = (long long)(blockIdx.x - row32 * (u32)chunks_per_row);
+  const long long row = row32;
+  const T* xr = logits + row * V;
+  T* dr = dlogits + row * V;
+  const RowSplit rs = Vec ? split_row(xr, V) : RowSplit{0, V / P, (V / P) * P};
+  const CeChunk ck = ce_chunk<T>(rs, chunk, chunk_packs);
+
+  // All loads first: the packs, the scalar head / tail element, then the row's inputs.
+  Pack128<T> a[U];
+  ce_load_chunk<Vec, Stream>(xr + ck.first, ck.np, a);
+  const CeScalar sc = ce_scalar(rs, V, chunk);
+  const float xs = sc.on ? to_float(xr[sc.c]) : 0.0f;
+  const CeRowIn in = ce_row_in(row + ce_opaque_zero(), grad, grad_stride, targets, lse);
+  const long long t = in.t;
+  const float nv = n_valid ? *n_valid : 1.0f;
+
+  const CeRowScale r = ce_row_scale(t, in.lse, in.g, nv, n_valid != nullptr, V, ignore_index);
+  const long long dt = t - ck.first;  // the target's position in this chunk, if there
+  const int tl = (dt >= 0 && dt < (long long)ck.np * P) ? (int)dt : -1;
+  ce_store_chunk<Vec, Stream>(dr + ck.first, ck.np, a, tl, r.l2, r.s, r.zero);
+  if (sc.on) {
+    const float e = r.zero ? 0.0f : ce_ex2(fmaf(xs, CE_LOG2E, -r.l2)) * r.s;
+    dr[sc.c] = from_float<T>(sc.c == t ? e - r.s : e);
+  }
+}
+
+// Persistent layout: a few blocks per SM loop over the work items. The raw per-row inputs of the
+// next item are loaded one item ahead.
 template <typename T, bool Vec>
 __global__ void __launch_bounds__(CE_BWD_THREADS, 4)
     cross_entropy_backward_kernel(const T* __restrict__ grad, long long grad_stride,
@@ -204,21 +400,18 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 4)
                                   const i64* __restrict__ targets, const float* __restrict__ lse,
                                   T* __restrict__ dlogits, long long V, long long ignore_index,
                                   long long chunks_per_row, int chunk_packs, long long work) {
-  constexpr int P = Pack128<T>::size, B = CE_BWD_THREADS;
+  constexpr int P = Pack128<T>::size;
   constexpr int U = Vec ? CE_BWD_UNROLL_VEC : CE_BWD_UNROLL_SCALAR;
-  const int tid = threadIdx.x;
   long long w = blockIdx.x;
   if (w >= work) return;
+  const long long zero = ce_opaque_zero();
   long long row = w / chunks_per_row;
-  CeRowIn in = ce_row_in(row, grad, grad_stride, targets, lse);
+  CeRowIn in = ce_row_in(row + zero, grad, grad_stride, targets, lse);
   const float nv = n_valid ? *n_valid : 1.0f;  // mean: dloss = g / n_valid
   for (; w < work; w += gridDim.x) {
     const long long chunk = w - row * chunks_per_row;
     const long long t = in.t;
-    const bool zero = t == ignore_index;
-    const bool bad = !zero && (t < 0 || t >= V);
-    const float l2 = bad ? CE_NAN : in.lse * CE_LOG2E;
-    const float s = zero ? 0.0f : (n_valid ? in.g / nv : in.g);
+    const CeRowScale r = ce_row_scale(t, in.lse, in.g, nv, n_valid != nullptr, V, ignore_index);
     const T* xr = logits + row * V;
     T* dr = dlogits + row * V;
 
@@ -227,76 +420,21 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 4)
     long long row_n = row;
     if (wn < work) {
       row_n = wn / chunks_per_row;
-      in = ce_row_in(row_n, grad, grad_stride, targets, lse);
+      in = ce_row_in(row_n + zero, grad, grad_stride, targets, lse);
     }
 
     const RowSplit rs = Vec ? split_row(xr, V) : RowSplit{0, V / P, (V / P) * P};
-    const long long first = rs.head + chunk * (long long)chunk_packs * P;  // element of the chunk's pack 0
-    const long long left = rs.npacks - chunk * (long long)chunk_packs;    // packs from there on
-    const int np = (int)(left < chunk_packs ? (left > 0 ? left : 0) : chunk_packs);
-    const long long dt = t - first;  // the target's position in this chunk, if there
-    const int tl = (dt >= 0 && dt < (long long)np * P) ? (int)dt : -1;
-    const T* xc = xr + first;
-    T* dc = dr + first;
-    // Chunk 0 also owns the row's scalar head and tail (fewer than 2 * P elements); their loads go
-    // out with the packs'.
-    const int nscalar = chunk == 0 ? (int)(rs.head + (V - rs.tail)) : 0;
-    const long long c = tid < rs.head ? (long long)tid : rs.tail + (tid - rs.head);
-    const float xs = tid < nscalar && !zero ? to_float(xr[c]) : 0.0f;
-
-    if (zero) {
-      Pack128<T> z;
-#pragma unroll
-      for (int k = 0; k < P; ++k) z.set(k, 0.0f);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int p = u * B + tid;
-        if (p < np) {
-          if (Vec) {
-            store128cs(dc + p * P, z);
-          } else {
-#pragma unroll
-            for (int k = 0; k < P; ++k) dc[p * P + k] = z[k];
-          }
-        }
-      }
-    } else {
-      Pack128<T> a[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int p = u * B + tid;
-        if (p < np) {
-          if (Vec) {
-            a[u] = load128cs(xc + p * P);
-          } else {
-#pragma unroll
-            for (int k = 0; k < P; ++k) a[u][k] = xc[p * P + k];
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int p = u * B + tid;
-        if (p < np) {
-          const int dk = tl - p * P;  // in [0, P) for the pack holding the target
-          Pack128<T> o;
-#pragma unroll
-          for (int k = 0; k < P; ++k) {
-            const float e = ce_ex2(fmaf(a[u].f(k), CE_LOG2E, -l2)) * s;
-            o.set(k, k == dk ? e - s : e);
-          }
-          if (Vec) {
-            store128cs(dc + p * P, o);
-          } else {
-#pragma unroll
-            for (int k = 0; k < P; ++k) dc[p * P + k] = o[k];
-          }
-        }
-      }
-    }
-    if (tid < nscalar) {
-      const float e = zero ? 0.0f : ce_ex2(fmaf(xs, CE_LOG2E, -l2)) * s;
-      dr[c] = from_float<T>(c == t ? e - s : e);
+    const CeChunk ck = ce_chunk<T>(rs, chunk, chunk_packs);
+    const long long dt = t - ck.first;
+    const int tl = (dt >= 0 && dt < (long long)ck.np * P) ? (int)dt : -1;
+    const CeScalar sc = ce_scalar(rs, V, chunk);
+    const float xs = sc.on && !r.zero ? to_float(xr[sc.c]) : 0.0f;
+    Pack128<T> a[U];
+    if (!r.zero) ce_load_chunk<Vec, true>(xr + ck.first, ck.np, a);
+    ce_store_chunk<Vec, true>(dr + ck.first, ck.np, a, tl, r.l2, r.s, r.zero);
+    if (sc.on) {
+      const float e = r.zero ? 0.0f : ce_ex2(fmaf(xs, CE_LOG2E, -r.l2)) * r.s;
+      dr[sc.c] = from_float<T>(sc.c == t ? e - r.s : e);
     }
     row = row_n;
   }

@@ -145,6 +145,50 @@ def test_backward_many_rows_of_many_chunks(dtype, misaligned, reduction):
     assert_close(dx[rows[valid], t[valid]], ref_dx[rows[valid], t[valid]], dtype, "target entries")
 
 
+# Backward layouts (the launcher's `variant`): 0 grid of (row, chunk) blocks with streaming hints (the
+# default, also run by every other test), 1 the grid with default caching, 2 the persistent grid.
+BWD_VARIANTS = [0, 1, 2]
+
+
+@gpu
+@pytest.mark.parametrize("variant", BWD_VARIANTS, ids=lambda v: f"variant{v}")
+@pytest.mark.parametrize("misaligned", [False, True], ids=["packs", "elementwise"])
+@pytest.mark.parametrize("n,v", [(1000, 7), (37, 1001), (200, 50257)])
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
+def test_backward_variants_match_float64(dtype, n, v, misaligned, variant):
+    """Every backward layout on short rows (one chunk, mostly scalar head / tail), odd rows and GPT-2
+    vocab rows (several chunks per row; the persistent grid loops: more items than its 4 blocks per
+    SM), with ignored rows, out-of-range targets (NaN rows) and targets in a row's first / last
+    elements; 16-byte packs and element-wise. (fp16 "mean" gradients of 50257-wide rows over 200
+    rows are mostly fp16 subnormals, too coarse for the norm check: not compared.)"""
+    seed = 5 * n + v + misaligned
+    if misaligned:
+        x = randn(n * v + 1, dtype=dtype, scale=2.0, seed=seed)[1:].view(n, v)
+        assert x.data_ptr() % 16 != 0
+    else:
+        x = randn(n, v, dtype=dtype, scale=2.0, seed=seed)
+    t = make_targets(n, v, 3, seed, frac_ignored=0.2)
+    t[1], t[2], t[4] = 0, v - 1, v  # first / last element of a row; out of range (NaN row)
+    good = t != v
+    t_ok = torch.where(good, t, torch.full_like(t, 3))
+    for reduction in REDUCTIONS:
+        if dtype == torch.float16 and v > 2000 and reduction == "mean":
+            continue
+        g = make_grad(reduction, n, dtype, seed)
+        _, lse, n_valid = _C.cross_entropy_forward(x, t, 3, reduction)
+        dx = _C.cross_entropy_backward(g, x, t, lse, n_valid, 3, reduction, variant)
+        if reduction == "none":
+            _, _, ref_dx = reference(x, t_ok, g, 3, "none")
+        else:  # as a sum with dloss g / n_valid: the kernel's n_valid counts the out-of-range row
+            g_ref = g.double() / n_valid.double() if reduction == "mean" else g.double()
+            _, _, ref_dx = reference(x, t_ok, g_ref, 3, "sum")
+        assert dx[~good].isnan().all(), reduction
+        assert_close(dx[good], ref_dx[good], dtype, f"dlogits {reduction}")
+        assert (dx[t == 3] == 0).all(), reduction
+        rows = torch.arange(n, device="cuda")[good & (t != 3)]
+        assert_close(dx[rows, t[rows]], ref_dx[rows, t[rows]], dtype, f"target entries {reduction}")
+
+
 # ---- edge rows -------------------------------------------------------------------------------------------
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -230,13 +274,17 @@ def test_more_than_2pow31_elements():
     t[-1] = v - 1  # the very last element of the tensor
     t[-3] = -100  # row n - 2 straddles element 2^31 and computes; row n - 3 is ignored
     g = make_grad("none", n, torch.bfloat16, 3)
-    loss, lse, _, dx = run_separate(x, t, g, -100, "none")
+    loss, lse, n_valid, dx = run_separate(x, t, g, -100, "none")
     rows = torch.tensor([0, 1, n - 3, n - 2, n - 1], device="cuda")
     assert (rows[-1] * v).item() > 2**31
     ref_loss, ref_lse, ref_dx = reference(x[rows], t[rows], g[rows], -100, "none")
     assert_close(loss[rows], ref_loss, torch.bfloat16, "loss")
     assert_close(lse[rows], ref_lse, torch.float32, "lse")
     assert_close(dx[rows], ref_dx, torch.bfloat16, "dlogits")
+    assert (dx[n - 3] == 0).all()
+    del dx
+    dx = _C.cross_entropy_backward(g, x, t, lse, n_valid, -100, "none", 2)  # the persistent layout
+    assert_close(dx[rows], ref_dx, torch.bfloat16, "dlogits (persistent)")
     assert (dx[n - 3] == 0).all()
     del dx
 
@@ -368,6 +416,8 @@ def test_launcher_errors_are_clear():
         _C.cross_entropy_forward(x, t, -100, "mean")
     with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
         _C.cross_entropy_backward(torch.ones(()), x, t, torch.zeros(4), torch.ones(()), -100, "mean")
+    with pytest.raises(kforge.KforgeError, match="variant must be 0, 1 or 2"):
+        _C.cross_entropy_backward(torch.ones(()), x, t, torch.zeros(4), torch.ones(()), -100, "mean", 3)
 
 
 @gpu

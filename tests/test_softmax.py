@@ -63,8 +63,9 @@ def check_plain(x: torch.Tensor, dy: torch.Tensor, y_in: torch.Tensor, dtype) ->
 # with 1, 2, 4 packs per lane (<= 32V, 64V, 128V) and 8 for fp32 (<= 256V: 777, 1000, 1024), one
 # block per row (<= 2048 packs), streamed rows beyond; odd lengths put every row start off a 16-byte
 # boundary (leading and trailing scalars). Tensors of different 16-byte phase stream at any length
-# (test_softmax_misaligned_and_strided_views).
-ROW_LENGTHS = [1, 3, 7, 33, 100, 200, 257, 500, 777, 1000, 1024, 1025, 2049, 8192, 8193, 16384,
+# (test_softmax_misaligned_and_strided_views). 16-bit forward rows of a multiple of 8 elements in
+# 264..1024 (392, 512, 1000, 1024) take the pair-of-rows kernel (test_softmax_pairs_of_rows too).
+ROW_LENGTHS = [1, 3, 7, 33, 100, 200, 257, 392, 500, 512, 777, 1000, 1024, 1025, 2049, 8192, 8193, 16384,
                16385, 50257]
 
 
@@ -75,6 +76,35 @@ def test_softmax_matches_float64_reference(dtype, C):
     rows = 37 if C <= 8193 else 5
     x = randn(rows, C, dtype=dtype, scale=3.0)
     check_plain(x, randn(rows, C, dtype=dtype), probs(rows, C, dtype=dtype), dtype)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 2, 7, 37, 64])
+@pytest.mark.parametrize("C", [264, 392, 512, 520, 1000, 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_softmax_pairs_of_rows(dtype, C, rows):
+    """The pair-of-rows forward (16-bit, C % 8 == 0, 33..128 packs: P = 2 for C <= 512, 4 above; full
+    and partial last slots; an odd row count leaves the last warp one row) against float64 and the
+    one-row kernel (variant 1); -inf entries and an all -inf row in either row of a pair."""
+    x = randn(rows, C, dtype=dtype, scale=3.0)
+    if rows >= 4:
+        x[0, : C // 2] = float("-inf")
+        x[1, ::3] = float("-inf")
+        x[3] = float("-inf")  # the second row of a pair: NaN
+    y = kforge._C.softmax_forward(x)
+    y1 = kforge._C.softmax_forward(x, 1)
+    ok = torch.ones(rows, dtype=torch.bool, device="cuda")
+    if rows >= 4:
+        ok[3] = False
+        assert torch.isnan(y[3]).all() and torch.isnan(y1[3]).all()
+        assert (y[0, : C // 2] == 0).all() and (y[1, ::3] == 0).all()
+    ref = ref_forward(x[ok])
+    assert_close(y[ok], ref, dtype, f"y {tuple(x.shape)}")
+    assert_close(y1[ok], ref, dtype, f"y variant 1 {tuple(x.shape)}")
+    if rows >= 2:  # a pair with a misaligned first row start is not taken: x off a 16-byte boundary
+        xo = torch.empty(rows * C + 8, dtype=dtype, device="cuda")[8 - 1:-1].view(rows, C).copy_(x)
+        assert xo.data_ptr() % 16 != 0
+        assert_close(kforge._C.softmax_forward(xo)[ok], ref, dtype, "y misaligned")
 
 
 @gpu
@@ -143,6 +173,8 @@ def test_softmax_launcher_rejects_bad_arguments():
         kforge._C.softmax_forward(x.double())
     with pytest.raises(kforge.KforgeError, match="0-d"):
         kforge._C.softmax_forward(randn(1).view(()))
+    with pytest.raises(kforge.KforgeError, match="variant must be 0 or 1"):
+        kforge._C.softmax_forward(x, 2)
     with pytest.raises(kforge.KforgeError, match=r"\(\.\.\., T, T\)"):
         kforge._C.causal_softmax_forward(randn(2, 4, 5), 1.0)
     with pytest.raises(kforge.KforgeError, match=r"\(\.\.\., T, T\)"):

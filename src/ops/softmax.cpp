@@ -23,6 +23,11 @@ WarpKernels warp_kernels[] = {
     {4, {prog, "softmax_forward_kernel<{T}, 4, true>"}, {prog, "softmax_backward_kernel<{T}, 4, true>"}},
     {8, {prog, "softmax_forward_kernel<{T}, 8, true>", kF32}, {prog, "softmax_backward_kernel<{T}, 8, true>", kF32}},
 };
+// Plain 16-bit rows on 16-byte boundaries of 33..128 packs: one warp per pair of rows (second row
+// staged through shared memory), P = 2 or 4 packs per lane and row; 4 warps per block (8 rows).
+const std::vector<DType> k16 = {DType::bf16, DType::f16};
+Kernel fwd_rows2_p2(prog, "softmax_forward_rows2_kernel<{T}, 2>", k16);
+Kernel fwd_rows2_p4(prog, "softmax_forward_rows2_kernel<{T}, 4>", k16);
 Kernel fwd_block(prog, "softmax_forward_kernel<{T}, 4, false>");
 Kernel fwd_stream(prog, "softmax_forward_stream_kernel<{T}>");
 Kernel bwd_block(prog, "softmax_backward_kernel<{T}, 4, false>");
@@ -70,7 +75,18 @@ void check_causal(const at::Tensor& x, const char* op) {
            "expected scores of shape (..., T, T), got ", x.sizes());
 }
 
-at::Tensor forward(const at::Tensor& x_, bool causal, double scale, const char* op) {
+// The pair-of-rows kernel for plain 16-bit rows that all start 16-byte aligned, or null.
+Kernel* rows2_kernel(const at::Tensor& x, const at::Tensor& y, int64_t C) {
+  if (x.element_size() != 2 || C % 8 != 0) return nullptr;
+  if ((reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) || (reinterpret_cast<uintptr_t>(y.data_ptr()) & 15))
+    return nullptr;
+  const int64_t packs = C / 8;
+  if (packs > 32 && packs <= 64) return &fwd_rows2_p2;
+  if (packs > 64 && packs <= 128) return &fwd_rows2_p4;
+  return nullptr;
+}
+
+at::Tensor forward(const at::Tensor& x_, bool causal, double scale, const char* op, int64_t variant = 0) {
   const at::Tensor x = input(x_, op, "x");
   if (causal) check_causal(x, op);
   const int64_t C = x.dim() ? x.size(-1) : 1;
@@ -80,6 +96,12 @@ at::Tensor forward(const at::Tensor& x_, bool causal, double scale, const char* 
   if (x.numel() == 0) return y;
   const int64_t rows = x.numel() / C;
   const DType dt = dtype_of(x, op);
+  if (Kernel* k = causal || variant == 1 ? nullptr : rows2_kernel(x, y, C)) {
+    k->launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(ceil_div(rows, 8))), Dim3(kWarpBlock), 0,
+              x.data_ptr(), y.data_ptr(), static_cast<int>(rows), static_cast<int>(C),
+              static_cast<float>(1.4426950408889634));
+    return y;
+  }
   const bool vec = same_alignment({&x, &y});
   const Plan p = plan(rows, C, dt, x.element_size(), /*forward=*/true, vec);
   if (p.stream)
@@ -119,7 +141,10 @@ at::Tensor backward(const at::Tensor& dy_, const at::Tensor& y_, bool causal, do
   return dx;
 }
 
-at::Tensor softmax_forward(const at::Tensor& x) { return forward(x, false, 1.0, "softmax_forward"); }
+at::Tensor softmax_forward(const at::Tensor& x, int64_t variant) {
+  KF_CHECK(variant == 0 || variant == 1, "softmax_forward", "variant must be 0 or 1, got ", variant);
+  return forward(x, false, 1.0, "softmax_forward", variant);
+}
 at::Tensor softmax_backward(const at::Tensor& dy, const at::Tensor& y) {
   return backward(dy, y, false, 1.0, "softmax_backward");
 }
@@ -133,7 +158,10 @@ at::Tensor causal_softmax_backward(const at::Tensor& datt, const at::Tensor& att
 }  // namespace
 
 KFORGE_BIND_OP(softmax) {
-  m.def("softmax_forward", &softmax_forward, "y = softmax(x) over the last dim", pybind11::arg("x"));
+  m.def("softmax_forward", &softmax_forward,
+        "y = softmax(x) over the last dim. variant (for A/B timing): 0 default; 1 never the pair-of-rows "
+        "kernel (16-bit rows of 264..1024 elements then take one warp per row)",
+        pybind11::arg("x"), pybind11::arg("variant") = 0);
   m.def("softmax_backward", &softmax_backward, "dx = y * (dy - sum(dy * y, -1)) over the last dim",
         pybind11::arg("dy"), pybind11::arg("y"));
   m.def("causal_softmax_forward", &causal_softmax_forward,
