@@ -5,16 +5,16 @@
 // and dbias (dout) in a scratch tensor; a second kernel adds those partials in a fixed order, so
 // dweight / dbias are bitwise reproducible (no float atomics).
 //
-// A unit is a 16-byte pack when VEC (C % pack == 0 and 16-byte aligned pointers), else one element.
+// A unit is 16 bytes when VEC (C % pack == 0 and 16-byte aligned pointers), else one element.
 // Two layouts, chosen by the launcher (src/ops/layernorm.cpp):
 // - WARP (short rows: at most 32 * P units, P a template parameter): one warp per row, lane l owning
-//   units l, l + 32, ... (at most P), held in registers, so x / dout are read from DRAM once and
-//   every load of a row is issued before its first use; row sums by warp shuffles only (no shared
-//   memory, no __syncthreads). Forward: blockDim (32, kFwdWarps), one row per warp (grid-stride
-//   beyond). Backward: a persistent grid, each warp looping over rows (the next row's loads issued
-//   before the current row is processed where registers allow) and keeping its dweight / dbias
-//   column sums in registers; at the end the block's warps are added in warp order into one partial
-//   row per block.
+//   units l, l + 32, ... (at most P), held in registers (16-bit data stays packed until used), so
+//   x / dout are read from DRAM once and every load of a row is issued before its first use; row
+//   sums by warp shuffles only (no shared memory, no __syncthreads). A warp takes several rows at
+//   once (all their loads in flight together) and loops over row groups; the grid never exceeds
+//   the resident warps, so there is no second wave. Backward: one block per SM, each warp keeping
+//   its weight units in registers and its dweight / dbias column sums in its own slice of shared
+//   memory; at the end the block's warps are added in warp order into one partial row per block.
 // - BLOCK (longer rows): blockDim.x threads (a multiple of 32) share one row, thread t owning the
 //   row's units t, t + blockDim.x, ...; blockDim.y rows per block; blocks stride over groups of
 //   blockDim.y rows. FITS: a thread owns at most kRegElems elements, so its part of the row stays in
@@ -31,35 +31,85 @@ constexpr int kMaxRowsPerBlock = 16;
 // (<= 128 registers each); the others at 1024. The launcher respects both.
 #define KF_LN_BOUNDS __launch_bounds__(FITS ? 512 : 1024)
 
-// One element viewed as a unit of size 1, so the scalar and the 16-byte paths share their code.
+// A unit is what a thread moves in one access: 16 bytes as four 32-bit words (VEC; two bf16 / half
+// per word, so a unit costs 4 registers whatever T is, and stays packed until its elements are
+// used), or one element. f(i): element i as fp32; from(y): a unit from V floats (round to nearest).
+template <typename T> struct Vec16;
+template <> struct __align__(16) Vec16<float> {
+  static constexpr int size = 4;
+  u32 w[4];
+  KF_DEVICE float f(int i) const { return __uint_as_float(w[i]); }
+  static KF_DEVICE Vec16 from(const float (&y)[4]) {
+    Vec16 r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.w[i] = __float_as_uint(y[i]);
+    return r;
+  }
+  static KF_DEVICE Vec16 fill(float v) { return from({v, v, v, v}); }
+};
+template <> struct __align__(16) Vec16<bf16> {
+  static constexpr int size = 8;
+  u32 w[4];
+  KF_DEVICE float f(int i) const {
+    return __uint_as_float(i & 1 ? w[i >> 1] & 0xffff0000u : w[i >> 1] << 16);
+  }
+  static KF_DEVICE Vec16 from(const float (&y)[8]) {
+    Vec16 r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r.w[i]) : "f"(y[2 * i + 1]), "f"(y[2 * i]));
+    return r;
+  }
+  static KF_DEVICE Vec16 fill(float v) { return from({v, v, v, v, v, v, v, v}); }
+};
+template <> struct __align__(16) Vec16<half> {
+  static constexpr int size = 8;
+  u32 w[4];
+  KF_DEVICE float f(int i) const {
+    float v;
+    if (i & 1)
+      asm("{.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.f32.f16 %0, hi;}" : "=f"(v) : "r"(w[i >> 1]));
+    else
+      asm("{.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.f32.f16 %0, lo;}" : "=f"(v) : "r"(w[i >> 1]));
+    return v;
+  }
+  static KF_DEVICE Vec16 from(const float (&y)[8]) {
+    Vec16 r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r.w[i]) : "f"(y[2 * i + 1]), "f"(y[2 * i]));
+    return r;
+  }
+  static KF_DEVICE Vec16 fill(float v) { return from({v, v, v, v, v, v, v, v}); }
+};
 template <typename T>
 struct Elem1 {
   static constexpr int size = 1;
-  T v[1];
-  KF_DEVICE float f(int) const { return to_float(v[0]); }
-  KF_DEVICE void set(int, float x) { v[0] = from_float<T>(x); }
+  T v;
+  KF_DEVICE float f(int) const { return to_float(v); }
+  static KF_DEVICE Elem1 from(const float (&y)[1]) { return Elem1{from_float<T>(y[0])}; }
+  static KF_DEVICE Elem1 fill(float v) { return Elem1{from_float<T>(v)}; }
 };
 template <bool VEC, typename T> struct UnitOf { using type = Elem1<T>; };
-template <typename T> struct UnitOf<true, T> { using type = Pack128<T>; };
+template <typename T> struct UnitOf<true, T> { using type = Vec16<T>; };
 template <typename T, bool VEC> using Unit = typename UnitOf<VEC, T>::type;
 
-template <typename T> KF_DEVICE void load_unit(Pack128<T>& r, const T* p) { r = load128(p); }
-template <typename T> KF_DEVICE void load_unit(Elem1<T>& r, const T* p) { r.v[0] = *p; }
-// Last read of data that is not needed again soon (evict-first for the 16-byte path).
-template <typename T> KF_DEVICE void load_unit_last(Pack128<T>& r, const T* p) { r = load128cs(p); }
-template <typename T> KF_DEVICE void load_unit_last(Elem1<T>& r, const T* p) { r.v[0] = *p; }
-template <typename T> KF_DEVICE void store_unit(T* p, const Pack128<T>& r) { store128(p, r); }
-template <typename T> KF_DEVICE void store_unit(T* p, const Elem1<T>& r) { *p = r.v[0]; }
-// Hides a unit's bits from common-subexpression elimination (emits no instruction): fp32 values
-// derived from it before must be recomputed after, so they need not stay live in between; only the
-// unit (packed, for 16-bit types) does.
-template <typename T> KF_DEVICE void opaque(Pack128<T>& r) {
-  int4& q = *reinterpret_cast<int4*>(&r);
-  asm("" : "+r"(q.x), "+r"(q.y), "+r"(q.z), "+r"(q.w));
+template <typename T> KF_DEVICE void set_words(Vec16<T>& r, int4 v) {
+  r.w[0] = (u32)v.x, r.w[1] = (u32)v.y, r.w[2] = (u32)v.z, r.w[3] = (u32)v.w;
 }
-KF_DEVICE void opaque(Elem1<float>& r) { asm("" : "+f"(r.v[0])); }
-KF_DEVICE void opaque(Elem1<bf16>& r) { asm("" : "+h"(r.v[0].bits)); }
-KF_DEVICE void opaque(Elem1<half>& r) { asm("" : "+h"(r.v[0].bits)); }
+template <typename T> KF_DEVICE void load_unit(Vec16<T>& r, const T* p) {
+  set_words(r, *reinterpret_cast<const int4*>(p));
+}
+template <typename T> KF_DEVICE void load_unit(Elem1<T>& r, const T* p) { r.v = *p; }
+// Last read of data that is not needed again soon (evict-first for the 16-byte path).
+template <typename T> KF_DEVICE void load_unit_last(Vec16<T>& r, const T* p) {
+  set_words(r, __ldcs(reinterpret_cast<const int4*>(p)));
+}
+template <typename T> KF_DEVICE void load_unit_last(Elem1<T>& r, const T* p) { r.v = *p; }
+template <typename T> KF_DEVICE void store_unit(T* p, const Vec16<T>& r) {
+  *reinterpret_cast<int4*>(p) = make_int4((int)r.w[0], (int)r.w[1], (int)r.w[2], (int)r.w[3]);
+}
+template <typename T> KF_DEVICE void store_unit(T* p, const Elem1<T>& r) { *p = r.v; }
 
 // Sum of (a, b) over the blockDim.x threads sharing this row (threadIdx.y). Every one of them gets
 // the same bits: warp butterflies, then the per-warp sums added in warp order. Contains
@@ -88,278 +138,338 @@ KF_DEVICE float row_sum(float a, float (*red)[kMaxRowsPerBlock][32]) {
 }
 
 // ---- WARP layout -------------------------------------------------------------------------------
-// Rows (warps) per forward block; src/ops/layernorm.cpp launches blockDim (32, kFwdWarps).
+// Per instantiation (T, VEC, P units per lane), with R registers for one row's P units of a tensor:
+// - forward: a warp takes FR consecutive rows at once (as many as keep their x units within 24
+//   registers, at most 4), so FR * P units per lane are in flight before the first reduction;
+//   blocks of kFwdWarps warps, launch-bounded to fwd_blocks resident blocks per SM (the launcher
+//   caps the grid at that: every warp resident, no second wave; warps loop beyond).
+// - backward: a warp takes BR consecutive rows at once (x and dout units within 48 registers, at
+//   most 4) and keeps its weight units in registers; its dweight / dbias column sums live in its
+//   own slice of shared memory (not registers), so bwd_warps warps per SM (one block per SM) fit.
+// src/ops/layernorm.cpp mirrors all of this (ln_warp_cfg).
 constexpr int kFwdWarps = 4;
-// Forward: where a lane's x, weight and bias units fit in 48 registers (bf16 C <= 768, fp32
-// C <= 384), weight / bias are loaded before the variance is reduced (their latency hidden behind
-// it); otherwise each just before its use (fewer registers, more warps).
+constexpr int ln_clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+// Resident forward blocks per SM (kFwdWarps warps each) and backward warps per SM (one block) per
+// instantiation: the most that compile without spills (ptxas, sm_80 / sm_90). Registers are split
+// over the SM's 4 quarters, so n warps per quarter get at most 16384 / (32 n) registers each: 5 / 7
+// / 8 / 9 / 12 blocks -> 102 / 72 / 64 / 56 / 40 registers; 12 / 16 / 20 / 24 warps -> 168 / 128 /
+// 96 / 80.
+constexpr int ln_fwd_blocks(bool vec, int P) {
+  return vec ? (P == 2 ? 7 : P == 4 ? 12 : P == 6 ? 9 : 8) : 5;
+}
+constexpr int ln_bwd_warps(bool vec, int P, int elem_size) {
+  return vec ? (P == 4 && elem_size == 4 ? 24 : P == 8 || (P <= 3 && elem_size == 2) ? 16 : 20) : 12;
+}
 template <typename T, bool VEC, int P>
-struct LnFwdWarp {
-  static constexpr int R = P * (((int)sizeof(Unit<T, VEC>) + 3) / 4);  // registers for P units
-  static constexpr bool hoist = 3 * R <= 48;
-};
-
-// Backward configuration per instantiation: warps per block (= rows in flight per block; the
-// launcher launches blockDim (32, warps) and one block per SM, which the register budget below
-// keeps resident) and whether each warp issues the next row's loads before working on the current
-// one (prefetch). A lane keeps in registers: 2 J fp32 column sums (J = P * V columns), its weight
-// units, its x / dout units (twice with prefetch), R registers per P units of one tensor, plus about
-// 32 others (an estimate: ptxas needs up to ~25 more). Prefetch wherever that fits (two rows in
-// flight per warp beat more warps with one); then 16 / 12 / 8 warps for up to 128 / 168 / 255
-// registers. src/ops/layernorm.cpp mirrors this (ln_bwd_warps).
-template <typename T, bool VEC, int P>
-struct LnBwdWarp {
-  static constexpr int J = P * Unit<T, VEC>::size;
+struct LnWarpCfg {
   static constexpr int R = P * (((int)sizeof(Unit<T, VEC>) + 3) / 4);
-  static constexpr bool prefetch = 2 * J + 5 * R + 32 <= 224;
-  static constexpr int regs = 2 * J + (prefetch ? 5 : 3) * R + 32;
-  static constexpr int warps = regs <= 128 ? 16 : regs <= 168 ? 12 : 8;
+  static constexpr int FR = ln_clamp(24 / R, 1, 4);
+  static constexpr int BR = ln_clamp(48 / (2 * R), 1, 4);
+  static constexpr int fwd_blocks = ln_fwd_blocks(VEC, P);
+  static constexpr int bwd_warps = ln_bwd_warps(VEC, P, (int)sizeof(T));
 };
 
-// Loads this lane's units of one row (units lane, lane + 32, ... below `units`): load_row keeps
-// them cached (weight, bias), load_row_last reads data used once (evict-first).
+// Makes the compiler forget what a unit holds (one xor with `zero`, a kernel argument that is 0 at
+// run time but unknown to the compiler): fp32 values converted from it before must be converted
+// again after, instead of being kept live across the reductions in between (twice the registers of
+// the packed 16-bit units). An empty asm is not enough: ptxas sees through it.
+template <typename T> KF_DEVICE void opaque(Vec16<T>& r, u32 zero) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm("xor.b32 %0, %0, %1;" : "+r"(r.w[i]) : "r"(zero));
+}
+KF_DEVICE void opaque(Elem1<float>& r, u32 zero) {
+  u32 b = __float_as_uint(r.v);
+  asm("xor.b32 %0, %0, %1;" : "+r"(b) : "r"(zero));
+  r.v = __uint_as_float(b);
+}
+KF_DEVICE void opaque(Elem1<bf16>& r, u32 zero) {
+  asm("xor.b16 %0, %0, %1;" : "+h"(r.v.bits) : "h"((u16)zero));
+}
+KF_DEVICE void opaque(Elem1<half>& r, u32 zero) {
+  asm("xor.b16 %0, %0, %1;" : "+h"(r.v.bits) : "h"((u16)zero));
+}
+// `zero` (still 0) made to depend on v: an opaque() with it cannot be scheduled before v is known,
+// e.g. before a warp reduction has finished (ptxas would otherwise convert early and keep the fp32
+// values live across the shuffles).
+KF_DEVICE u32 after(float v, u32 zero) { return __float_as_uint(v) & zero; }
+template <int P, typename U> KF_DEVICE void opaque_row(U (&r)[P], int lane, int units, u32 zero) {
+#pragma unroll
+  for (int k = 0; k < P; ++k)
+    if (lane + 32 * k < units) opaque(r[k], zero);
+}
+
+// Warp sums of n independent values, their shuffles interleaved.
+template <int n> KF_DEVICE void warp_sum_n(float (&v)[n]) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int j = 0; j < n; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], o);
+}
+
+// Loads this lane's units of one row (units lane, lane + 32, ... below `units`; p points at the
+// row's unit `lane`, so the units are at constant offsets from it): load_row keeps them cached
+// (weight, bias), load_row_last reads data used once (evict-first).
 template <int P, typename U, typename T>
 KF_DEVICE void load_row(U (&r)[P], const T* __restrict__ p, int lane, int units) {
 #pragma unroll
-  for (int k = 0; k < P; ++k) {
-    const int u = lane + 32 * k;
-    if (u < units) load_unit(r[k], p + u * U::size);
-  }
+  for (int k = 0; k < P; ++k)
+    if (lane + 32 * k < units) load_unit(r[k], p + 32 * k * U::size);
 }
 template <int P, typename U, typename T>
 KF_DEVICE void load_row_last(U (&r)[P], const T* __restrict__ p, int lane, int units) {
 #pragma unroll
-  for (int k = 0; k < P; ++k) {
-    const int u = lane + 32 * k;
-    if (u < units) load_unit_last(r[k], p + u * U::size);
-  }
+  for (int k = 0; k < P; ++k)
+    if (lane + 32 * k < units) load_unit_last(r[k], p + 32 * k * U::size);
 }
 
-// Forward, one warp per row: mean and variance (around the mean) from registers by warp shuffles.
+// Forward: warp g of the grid takes rows [FR q, FR q + FR) for q = g, g + G, ... (G warps in the
+// grid). All of their x units are loaded first (a row past N loads the last row again and is not
+// stored), then the FR means, then the variances around them, each by interleaved warp shuffles
+// (no shared memory); weight / bias units are read (L1) one at a time while the output is written
+// and serve all FR rows.
 template <typename T, bool VEC, int P>
-__global__ void __launch_bounds__(32 * kFwdWarps)
+__global__ void __launch_bounds__(32 * kFwdWarps, LnWarpCfg<T, VEC, P>::fwd_blocks)
     layernorm_forward_warp_kernel(const T* __restrict__ x, const T* __restrict__ weight,
                                   const T* __restrict__ bias, T* __restrict__ out,
                                   float* __restrict__ mean, float* __restrict__ rstd, long long N,
-                                  int C, float eps) {
+                                  int C, float eps, int zero) {
   using U = Unit<T, VEC>;
-  constexpr int V = U::size;
-  constexpr bool HOIST = LnFwdWarp<T, VEC, P>::hoist;
+  constexpr int V = U::size, FR = LnWarpCfg<T, VEC, P>::FR;
   const int lane = threadIdx.x, units = C / V;
-  for (i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y; row < N;
-       row += (i64)gridDim.x * blockDim.y) {
-    U xs[P];
-    load_row_last<P>(xs, x + row * C, lane, units);
+  const i64 chunks = (N + FR - 1) / FR;
+  for (i64 q = (i64)blockIdx.x * blockDim.y + threadIdx.y; q < chunks;
+       q += (i64)gridDim.x * blockDim.y) {
+    const i64 row0 = q * FR;
+    U xs[FR][P];
+#pragma unroll
+    for (int j = 0; j < FR; ++j) {
+      const i64 row = row0 + j < N ? row0 + j : N - 1;
+      load_row_last<P>(xs[j], x + row * C + lane * V, lane, units);
+    }
 
-    float s = 0.0f;
+    float mu[FR];
+#pragma unroll
+    for (int j = 0; j < FR; ++j) {
+      mu[j] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        if (lane + 32 * k < units) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) mu[j] += xs[j][k].f(i);
+        }
+      }
+    }
+    warp_sum_n(mu);
+    const u32 z1 = after(mu[FR - 1], zero);
+#pragma unroll
+    for (int j = 0; j < FR; ++j) {
+      mu[j] = mu[j] / (float)C;
+      opaque_row<P>(xs[j], lane, units, z1);
+    }
+
+    // Variance around the mean (not E[x^2] - mean^2, which cancels badly when |mean| >> std).
+    float rs[FR];
+#pragma unroll
+    for (int j = 0; j < FR; ++j) {
+      rs[j] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        if (lane + 32 * k < units) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            const float d = xs[j][k].f(i) - mu[j];
+            rs[j] += d * d;
+          }
+        }
+      }
+    }
+    warp_sum_n(rs);
+    const u32 z2 = after(rs[FR - 1], zero);
+#pragma unroll
+    for (int j = 0; j < FR; ++j) {
+      rs[j] = rsqrtf(rs[j] / (float)C + eps);
+      opaque_row<P>(xs[j], lane, units, z2);
+    }
+
 #pragma unroll
     for (int k = 0; k < P; ++k) {
       if (lane + 32 * k < units) {
+        U w = U::fill(1.0f), b = U::fill(0.0f);
+        if (weight) load_unit(w, (weight + lane * V) + 32 * k * V);
+        if (bias) load_unit(b, (bias + lane * V) + 32 * k * V);
 #pragma unroll
-        for (int i = 0; i < V; ++i) s += xs[k].f(i);
-      }
-    }
-    const float mu = warp_sum(s) / (float)C;
-    // weight / bias units (L1 / L2 hits): for short slices all in flight while the variance is
-    // reduced; otherwise each read just before its use (registers for more warps instead).
-    U ws[P], bs[P];
-    if constexpr (HOIST) {
-      if (weight) load_row<P>(ws, weight, lane, units);
-      if (bias) load_row<P>(bs, bias, lane, units);
-    }
-    float q = 0.0f;
+        for (int j = 0; j < FR; ++j) {
+          if (row0 + j < N) {
+            float y[V];
 #pragma unroll
-    for (int k = 0; k < P; ++k) {
-      if (lane + 32 * k < units) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          const float d = xs[k].f(i) - mu;
-          q += d * d;
+            for (int i = 0; i < V; ++i) y[i] = fmaf((xs[j][k].f(i) - mu[j]) * rs[j], w.f(i), b.f(i));
+            store_unit((out + (row0 + j) * C + lane * V) + 32 * k * V, U::from(y));
+          }
         }
       }
     }
-    const float rs = rsqrtf(warp_sum(q) / (float)C + eps);
-
-    T* orow = out + row * C;
+    // Lane j writes row0 + j's statistics: FR consecutive floats, one store each.
 #pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const int u = lane + 32 * k;
-      if (u < units) {
-        U w, b, o;
-        if constexpr (HOIST) {
-          w = ws[k];
-          b = bs[k];
-        } else {
-          if (weight) load_unit(w, weight + u * V);
-          if (bias) load_unit(b, bias + u * V);
-        }
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          float y = (xs[k].f(i) - mu) * rs;
-          if (weight) y *= w.f(i);
-          if (bias) y += b.f(i);
-          o.set(i, y);
-        }
-        store_unit(orow + u * V, o);
+    for (int j = 0; j < FR; ++j) {
+      if (lane == j && row0 + j < N) {
+        mean[row0 + j] = mu[j];
+        rstd[row0 + j] = rs[j];
       }
-    }
-    if (lane == 0) {
-      mean[row] = mu;
-      rstd[row] = rs;
     }
   }
 }
 
-// Backward, one warp per row, persistent: warp g of the grid (blockIdx.x * blockDim.y + threadIdx.y)
-// takes rows g, g + G, g + 2G, ... (G = gridDim.x * blockDim.y), accumulating dout*xhat and dout for
-// its columns in registers in row order. At the end the block's warps are added in warp order
-// (shared memory: blockDim.y * C floats, dynamic) into partial[blockIdx.x] = [dweight | dbias].
-// Every column's sum has a fixed order (rows of a warp, then warps): the result is reproducible.
+// Where the backward keeps a lane's column sums: per warp two arrays (dweight, then dbias) of
+// 32 P V floats; this lane's element i of unit k at float4 (k V/4 + i/4) * 32 + lane (16-byte
+// units: consecutive lanes hit consecutive float4s, no bank conflicts) or float k * 32 + lane.
+template <int V>
+KF_DEVICE int acc_index(int k, int i, int lane) {
+  if constexpr (V >= 4) {
+    return ((k * (V / 4) + (i >> 2)) * 32 + lane) * 4 + (i & 3);
+  } else {
+    return k * 32 + lane;
+  }
+}
+// Adds t[0..V) to this lane's sums of unit k in `a` (one float4 read-modify-write per 4 floats).
+template <int V>
+KF_DEVICE void acc_add(float* a, int k, int lane, const float (&t)[V]) {
+  if constexpr (V >= 4) {
+#pragma unroll
+    for (int h = 0; h < V / 4; ++h) {
+      float4* p = reinterpret_cast<float4*>(a + acc_index<V>(k, 4 * h, lane));
+      float4 s = *p;
+      s.x += t[4 * h];
+      s.y += t[4 * h + 1];
+      s.z += t[4 * h + 2];
+      s.w += t[4 * h + 3];
+      *p = s;
+    }
+  } else {
+    a[acc_index<V>(k, 0, lane)] += t[0];
+  }
+}
+
+// Backward, persistent: one block of blockDim (32, W) per SM (at most; W <= bwd_warps, sized by the
+// launcher to the rows and the shared memory), warp g of the grid taking rows [BR q, BR q + BR)
+// for q = g, g + G, ... (G warps in the grid): x and dout units of all BR rows loaded first (a row
+// past N loads the last row again and is skipped), the 2 BR row sums reduced together by warp
+// shuffles, then dx written and the rows' dout * xhat and dout added to the warp's column sums in
+// shared memory (dynamic: W * 2 * 32 P V floats), in row order. At the end the block's warps are
+// added in warp order into partial[blockIdx.x] = [dweight | dbias] (2C floats; partial is nullptr
+// when neither is needed). Every column's sum has a fixed order: the result is reproducible.
 template <typename T, bool VEC, int P>
-__global__ void __launch_bounds__(32 * LnBwdWarp<T, VEC, P>::warps, 1)
+__global__ void __launch_bounds__(32 * LnWarpCfg<T, VEC, P>::bwd_warps, 1)
     layernorm_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ x,
                                    const T* __restrict__ weight, const float* __restrict__ mean,
                                    const float* __restrict__ rstd, T* __restrict__ dx,
                                    float* __restrict__ partial, long long N, int C,
-                                   int need_dweight, int need_dbias) {
+                                   int need_dweight, int need_dbias, int zero) {
   using U = Unit<T, VEC>;
-  constexpr int V = U::size, J = P * V;  // J: columns per lane
-  constexpr bool PF = LnBwdWarp<T, VEC, P>::prefetch;
+  constexpr int V = U::size, BR = LnWarpCfg<T, VEC, P>::BR;
+  constexpr int SPAN = 32 * P * V;  // floats of one warp's dweight (or dbias) sums
   const int lane = threadIdx.x, warp = threadIdx.y, units = C / V;
-  const i64 stride = (i64)gridDim.x * blockDim.y;
-
-  float acc_w[J], acc_b[J];
-#pragma unroll
-  for (int j = 0; j < J; ++j) acc_w[j] = acc_b[j] = 0.0f;
-  U ws[P];  // this lane's weight units, for every row
-  if (weight) load_row<P>(ws, weight, lane, units);
-
-  i64 row = (i64)blockIdx.x * blockDim.y + warp;
-  U xa[P], ga[P];
-  float mu = 0.0f, rs = 0.0f;
-  if (PF && row < N) {
-    load_row_last<P>(xa, x + row * C, lane, units);
-    load_row_last<P>(ga, dout + row * C, lane, units);
-    mu = mean[row];
-    rs = rstd[row];
+  extern __shared__ float4 smem16[];  // 16-byte aligned
+  float* const acc_w = reinterpret_cast<float*>(smem16) + warp * 2 * SPAN;
+  float* const acc_b = acc_w + SPAN;
+  const bool acc = partial != nullptr;  // the same for the whole block
+  if (acc) {
+    for (int e = lane; e < 2 * SPAN; e += 32) acc_w[e] = 0.0f;  // this warp's own slice
+    __syncwarp();
   }
-  for (; row < N; row += stride) {
-    U xn[P], gn[P];
-    float mun = 0.0f, rsn = 0.0f;
-    if constexpr (PF) {
-      // Issue the next row's loads now; they are in flight while this row is reduced and stored.
-      const i64 next = row + stride;
-      if (next < N) {
-        load_row_last<P>(xn, x + next * C, lane, units);
-        load_row_last<P>(gn, dout + next * C, lane, units);
-        mun = mean[next];
-        rsn = rstd[next];
-      }
-    } else {
-      load_row_last<P>(xa, x + row * C, lane, units);
-      load_row_last<P>(ga, dout + row * C, lane, units);
-      mu = mean[row];
-      rs = rstd[row];
-    }
-    // Only the units stay live between the two passes (and weight across rows), not their fp32
-    // values: hiding them from the compiler makes it convert again (cheap) instead of holding twice
-    // the registers.
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      if (weight && lane + 32 * k < units) opaque(ws[k]);
-    }
 
-    float s_gw = 0.0f, s_gwx = 0.0f;  // row sums of dout*w and dout*w*xhat
+  U ws[P];  // this lane's weight units (ones without weight), for every row
 #pragma unroll
-    for (int k = 0; k < P; ++k) {
-      if (lane + 32 * k < units) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          const float xh = (xa[k].f(i) - mu) * rs, gi = ga[k].f(i);
-          const float gw = weight ? gi * ws[k].f(i) : gi;
-          s_gw += gw;
-          s_gwx += gw * xh;
-          acc_w[k * V + i] += gi * xh;
-          acc_b[k * V + i] += gi;
-        }
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      if (lane + 32 * k < units) {
-        opaque(xa[k]);
-        opaque(ga[k]);
-        if (weight) opaque(ws[k]);
-      }
-    }
-    const float m_gw = warp_sum(s_gw) / (float)C, m_gwx = warp_sum(s_gwx) / (float)C;
+  for (int k = 0; k < P; ++k) ws[k] = U::fill(1.0f);
+  if (weight) load_row<P>(ws, weight + lane * V, lane, units);
 
-    T* drow = dx + row * C;
+  const i64 chunks = (N + BR - 1) / BR;
+  for (i64 q = (i64)blockIdx.x * blockDim.y + warp; q < chunks; q += (i64)gridDim.x * blockDim.y) {
+    const i64 row0 = q * BR;
+    U xs[BR][P], gs[BR][P];
+    float mu[BR], rs[BR];
 #pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const int u = lane + 32 * k;
-      if (u < units) {
-        U o;
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          const float xh = (xa[k].f(i) - mu) * rs, gi = ga[k].f(i);
-          const float gw = weight ? gi * ws[k].f(i) : gi;
-          o.set(i, rs * (gw - m_gw - xh * m_gwx));
-        }
-        store_unit(drow + u * V, o);
-      }
+    for (int j = 0; j < BR; ++j) {
+      const i64 row = row0 + j < N ? row0 + j : N - 1;
+      load_row_last<P>(xs[j], x + row * C + lane * V, lane, units);
+      load_row_last<P>(gs[j], dout + row * C + lane * V, lane, units);
+      mu[j] = mean[row];
+      rs[j] = rstd[row];
     }
-    if constexpr (PF) {
+    opaque_row<P>(ws, lane, units, zero);  // converted per row, not kept as fp32
+
+    // Per row, with d = x - mean and gw = dout * w: sum of gw and sum of gw * d.
+    float sums[2 * BR];
+#pragma unroll
+    for (int j = 0; j < BR; ++j) {
+      sums[2 * j] = sums[2 * j + 1] = 0.0f;
 #pragma unroll
       for (int k = 0; k < P; ++k) {
-        xa[k] = xn[k];
-        ga[k] = gn[k];
-      }
-      mu = mun;
-      rs = rsn;
-    }
-  }
-
-  if (partial == nullptr) return;  // the same for the whole block
-  // Add the warps' column sums in warp order: each warp stores its sums at their columns
-  // (fold[warp * C + c], 16-byte stores for packs), then thread t of the block sums columns
-  // t, t + 32 * blockDim.y, ... over the warps and writes them to the block's partial row, coalesced.
-  extern __shared__ float4 fold16[];  // 16-byte aligned
-  float* fold = reinterpret_cast<float*>(fold16);
-  float* prow = partial + (i64)blockIdx.x * 2 * C;
-  const int tid = warp * 32 + lane, nthreads = 32 * blockDim.y;
+        if (lane + 32 * k < units) {
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    if (pass == 0 ? !need_dweight : !need_dbias) continue;  // the same for the whole block
-    float* mine = fold + warp * C;
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const int u = lane + 32 * k;
-      if (u < units) {
-        if constexpr (V % 4 == 0) {
-#pragma unroll
-          for (int i = 0; i < V; i += 4) {
-            const int j = k * V + i;
-            float4 v;
-            v.x = pass == 0 ? acc_w[j] : acc_b[j];
-            v.y = pass == 0 ? acc_w[j + 1] : acc_b[j + 1];
-            v.z = pass == 0 ? acc_w[j + 2] : acc_b[j + 2];
-            v.w = pass == 0 ? acc_w[j + 3] : acc_b[j + 3];
-            *reinterpret_cast<float4*>(mine + u * V + i) = v;
+          for (int i = 0; i < V; ++i) {
+            const float gw = gs[j][k].f(i) * ws[k].f(i);
+            sums[2 * j] += gw;
+            sums[2 * j + 1] += gw * (xs[j][k].f(i) - mu[j]);
           }
-        } else {
-#pragma unroll
-          for (int i = 0; i < V; ++i) mine[u * V + i] = pass == 0 ? acc_w[k * V + i] : acc_b[k * V + i];
         }
       }
     }
-    __syncthreads();
-    for (int c = tid; c < C; c += nthreads) {
-      float t = 0.0f;
-      for (int w = 0; w < (int)blockDim.y; ++w) t += fold[w * C + c];
-      prow[pass * C + c] = t;
+    warp_sum_n(sums);
+    {
+      const u32 z = after(sums[2 * BR - 1], zero);
+#pragma unroll
+      for (int j = 0; j < BR; ++j) {
+        opaque_row<P>(xs[j], lane, units, z);
+        opaque_row<P>(gs[j], lane, units, z);
+      }
+      opaque_row<P>(ws, lane, units, z);
     }
-    __syncthreads();  // fold is reused by the next pass
+
+    // dx = rs * (gw - mean(gw) - xhat * mean(gw * xhat)) with xhat = d * rs
+    //    = rs * gw + c1 + d * c2, c1 = -rs * mean(gw), c2 = -rs^2 * mean(gw * xhat).
+#pragma unroll
+    for (int j = 0; j < BR; ++j) {
+      if (row0 + j < N) {
+        const float c1 = -rs[j] * (sums[2 * j] / (float)C);
+        const float c2 = -rs[j] * rs[j] * (rs[j] * (sums[2 * j + 1] / (float)C));
+        T* drow = dx + (row0 + j) * C + lane * V;
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+          if (lane + 32 * k < units) {
+            float o[V], tw[V], tb[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+              const float d = xs[j][k].f(i) - mu[j], gi = gs[j][k].f(i);
+              o[i] = fmaf(d, c2, fmaf(rs[j], gi * ws[k].f(i), c1));
+              tw[i] = gi * (d * rs[j]);
+              tb[i] = gi;
+            }
+            store_unit(drow + 32 * k * V, U::from(o));
+            if (acc) {
+              if (need_dweight) acc_add<V>(acc_w, k, lane, tw);
+              if (need_dbias) acc_add<V>(acc_b, k, lane, tb);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  if (!acc) return;
+  // Add the warps' sums in warp order: thread t of the block takes entries t, t + 32 W, ... of
+  // [dweight | dbias] and writes them to the block's partial row, coalesced.
+  __syncthreads();
+  const float* all = reinterpret_cast<const float*>(smem16);
+  float* prow = partial + (i64)blockIdx.x * 2 * C;
+  const int nthreads = 32 * blockDim.y;
+  for (int t = warp * 32 + lane; t < 2 * C; t += nthreads) {
+    const int which = t >= C, c = t - which * C;
+    if (which ? !need_dbias : !need_dweight) continue;
+    const int u = c / V;
+    const int idx = which * SPAN + acc_index<V>(u >> 5, c - u * V, u & 31);
+    float s = 0.0f;
+    for (int w = 0; w < (int)blockDim.y; ++w) s += all[w * 2 * SPAN + idx];
+    prow[t] = s;
   }
 }
 
@@ -425,18 +535,18 @@ __global__ void KF_LN_BOUNDS layernorm_forward_kernel(const T* __restrict__ x, c
     for (int k = 0; k < K; ++k) {
       const int u = tx + k * tpr;
       if (active && u < units) {
-        U a, w, b, o;
+        U a, w, b;
+        float y[V];
         if constexpr (FITS) a = xs[k]; else load_unit_last(a, xr + (i64)u * V);
         if (weight) load_unit(w, weight + (i64)u * V);
         if (bias) load_unit(b, bias + (i64)u * V);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
-          float y = (a.f(i) - mu) * rs;
-          if (weight) y *= w.f(i);
-          if (bias) y += b.f(i);
-          o.set(i, y);
+          y[i] = (a.f(i) - mu) * rs;
+          if (weight) y[i] *= w.f(i);
+          if (bias) y[i] += b.f(i);
         }
-        store_unit(out + row * C + (i64)u * V, o);
+        store_unit(out + row * C + (i64)u * V, U::from(y));
       }
     }
     if (active && tx == 0) {
@@ -533,7 +643,8 @@ __global__ void KF_LN_BOUNDS layernorm_backward_kernel(const T* __restrict__ dou
     for (int k = 0; k < K; ++k) {
       const int u = tx + k * tpr;
       if (active && u < units) {
-        U a, g, w, o;
+        U a, g, w;
+        float o[V];
         if constexpr (FITS) {
           a = xs[k];
           g = gs[k];
@@ -546,9 +657,9 @@ __global__ void KF_LN_BOUNDS layernorm_backward_kernel(const T* __restrict__ dou
         for (int i = 0; i < V; ++i) {
           const float xh = (a.f(i) - mu) * rs, gi = g.f(i);
           const float gw = weight ? gi * w.f(i) : gi;
-          o.set(i, rs * (gw - m_gw - xh * m_gwx));
+          o[i] = rs * (gw - m_gw - xh * m_gwx);
         }
-        store_unit(dx + off + (i64)u * V, o);
+        store_unit(dx + off + (i64)u * V, U::from(o));
       }
     }
   }

@@ -67,23 +67,28 @@ def check_against_reference(x, w, b, dout, dtype):
         assert_close(db, r_db, dtype, "dbias")
 
 
-# Shapes pick every layout and instantiation (P = 16-byte packs or elements per lane).
-# WARP layout (one warp per row), fp32 / bf16 packs per lane:
-#   (64, 128): P=1 / P=1 (bf16: half the lanes idle); (33, 256): 2 / 1; (40, 300): 3 (last pack
-#   partial) / scalar P=32; (48, 512): 4 / 2; (20, 640): 6 (partial) / 3 (partial); 768: 6 / 3;
-#   (16, 1000): 8 / 4; (4096, 1024): 8 / 4 with several rows per warp in backward (fp32 without,
-#   bf16 with next-row prefetch); (5, 100): 1 / scalar P=8; (7, 3): scalar P=8; 771: scalar P=32.
+# Shapes pick every layout and instantiation (P = 16-byte units or elements per lane; a warp takes FR
+# rows at once forward, BR backward: FR = 3 / 2 / 1 and BR = 3 / 2 / 1 for P = 2 / 3 / >= 4, 1 for
+# scalar units). WARP layout (one warp per row), fp32 / bf16 units per lane:
+#   (64, 128): P=2 / P=2 (bf16: half the lanes idle; 64 rows: last chunk of 3 rows partial);
+#   (5, 100): 2 (partial chunks fwd and bwd) / scalar P=32; (33, 256): 2 / 2; (40, 300): 3 (last
+#   unit partial) / scalar; (33, 384): 3 (odd N: last chunk of 2 partial) / 2; (48, 512): 4 / 2;
+#   (20, 640): 6 (partial) / 3 (partial); (1, 768): 6 / 3 (N=1: one chunk, 1 of 2 rows live);
+#   (16, 1000): 8 / 4; (4096, 1024): 8 / 4; (7, 3), 771: scalar P=32.
 #   Forward only (the backward takes the BLOCK layout: more than 32 columns a lane): bf16
 #   (24, 1536): P=6, (12, 2048): P=8, (10, 1600): P=8 (partial); fp32 takes BLOCK for those.
-# Backward loops (persistent grid, about one block per SM): (3000, 256), (3000, 100), (2000, 771),
-#   (4096, 1024) and (8192, 768) give warps more than one row (a partial last round).
+# Warps looping over several chunks (more chunks than resident warps, the last round partial):
+#   forward fp32 (8192, 768), both dtypes (20000, 768); backward (8192, 768), (20000, 768),
+#   (4096, 1024), (2000, 771), bf16 (3000, 100). One round with fewer warps per SM than the
+#   kernel allows: (3000, 256), (1000, 771), fp32 (3000, 100). test_max_warps_knob: 4 to 12.
 # BLOCK layout: 4100 (fp32: 16-byte re-read; bf16: scalar re-read), 4099 (scalar re-read), 20000
 #   (16-byte re-read); N=300 loops several row groups per block in backward.
-# N=1 and 3-D inputs too.
+# N=1 and 3-D inputs too. AFFINE covers dweight and dbias together, alone, and neither (the
+# backward then keeps no column sums at all).
 SHAPES = [(8, 768), (1, 768), (2, 5, 768), (16, 1000), (1000, 771), (7, 3), (3, 4100), (300, 4100),
-          (2, 4099), (4, 20000), (8192, 768), (64, 128), (33, 256), (40, 300), (48, 512),
+          (2, 4099), (4, 20000), (8192, 768), (64, 128), (33, 256), (40, 300), (33, 384), (48, 512),
           (20, 640), (4096, 1024), (5, 100), (24, 1536), (12, 2048), (10, 1600), (3000, 256),
-          (3000, 100), (2000, 771)]
+          (3000, 100), (2000, 771), (20000, 768)]
 
 
 @gpu
@@ -127,6 +132,27 @@ def test_backward_is_deterministic(shape, dtype):
         again = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
         for a, r in zip(first, again):
             assert torch.equal(a, r)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_max_warps_knob(dtype):
+    """max_warps (A/B timing) only changes how many warps share the rows: per-row results are the
+    same bits, the parameter gradients are sums in another grouping (same tolerance)."""
+    x, w, b, dout = make_inputs((8192, 768), dtype)
+    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
+    grads = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+    *_, r_dw, r_db = reference(x, w, b, dout)
+    for mw in (4, 8, 12):
+        again = kforge._C.layernorm_forward(x, w, b, EPS, mw)
+        for a, r in zip(again, (out, mean, rstd)):
+            assert torch.equal(a, r)
+        dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, mw)
+        assert torch.equal(dx, grads[0])
+        assert_close(dw, r_dw, dtype, "dweight")
+        assert_close(db, r_db, dtype, "dbias")
+    with pytest.raises(kforge.KforgeError, match="max_warps must be >= 0"):
+        kforge._C.layernorm_forward(x, w, b, EPS, -1)
 
 
 @gpu

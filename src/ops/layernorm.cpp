@@ -29,32 +29,28 @@ Kernel bwd_kernels[2][2] = {
      Kernel(prog, "layernorm_backward_kernel<{T}, true, true>")}};
 Kernel param_grad_kernel(prog, "layernorm_param_grad_kernel<{T}>");
 
-// WARP layout (one warp per row), instantiated for these units per lane P: 16-byte packs (VEC) or
-// single elements. Backward packs are limited to 32 columns a lane (P * pack <= 32), so P = 6, 8
-// exist for float only.
-constexpr int kVecP[] = {1, 2, 3, 4, 6, 8};
-constexpr int kScalarP[] = {8, 32};
-constexpr int kNumVecP = 6, kNumScalarP = 2;
+// WARP layout (one warp per row), instantiated for these units per lane P: 16-byte units (VEC) or
+// single elements (misaligned pointers, C not a multiple of the pack). Backward units are limited
+// to 32 columns a lane (P * pack <= 32), so P = 6, 8 exist for float only.
+constexpr int kVecP[] = {2, 3, 4, 6, 8};
+constexpr int kScalarP[] = {32};
+constexpr int kNumVecP = 5, kNumScalarP = 1;
 const std::vector<DType> kF32Only = {DType::f32};
 Kernel fwd_warp_vec[kNumVecP] = {
-    Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 1>"),
     Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 2>"),
     Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 3>"),
     Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 4>"),
     Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 6>"),
     Kernel(prog, "layernorm_forward_warp_kernel<{T}, true, 8>")};
 Kernel fwd_warp_scalar[kNumScalarP] = {
-    Kernel(prog, "layernorm_forward_warp_kernel<{T}, false, 8>"),
     Kernel(prog, "layernorm_forward_warp_kernel<{T}, false, 32>")};
 Kernel bwd_warp_vec[kNumVecP] = {
-    Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 1>"),
     Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 2>"),
     Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 3>"),
     Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 4>"),
     Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 6>", kF32Only),
     Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 8>", kF32Only)};
 Kernel bwd_warp_scalar[kNumScalarP] = {
-    Kernel(prog, "layernorm_backward_warp_kernel<{T}, false, 8>"),
     Kernel(prog, "layernorm_backward_warp_kernel<{T}, false, 32>")};
 
 // Must match kernels_src/layernorm.cu.
@@ -64,14 +60,30 @@ constexpr int kFwdWarps = 4;
 constexpr int kMaxBwdColumns = 32;  // columns a lane of the WARP backward keeps sums for
 constexpr int64_t kMaxC = int64_t(1) << 30;  // keeps every in-row index (and 2C) in an int
 
-// Warps per block of layernorm_backward_warp_kernel<T, VEC, P> (LnBwdWarp<T, VEC, P>::warps).
-int ln_bwd_warps(int P, int64_t elem_size, bool vec) {
-  const int V = vec ? static_cast<int>(16 / elem_size) : 1;
-  const int J = P * V;
-  const int R = P * (vec ? 4 : static_cast<int>((elem_size + 3) / 4));
-  const bool prefetch = 2 * J + 5 * R + 32 <= 224;
-  const int regs = 2 * J + (prefetch ? 5 : 3) * R + 32;
-  return regs <= 128 ? 16 : regs <= 168 ? 12 : 8;
+// LnWarpCfg<T, VEC, P> of kernels_src/layernorm.cu: rows a forward / backward warp takes at once,
+// resident forward blocks per SM, backward warps per SM (the kernels' launch bounds).
+struct WarpCfg {
+  int fwd_rows, bwd_rows, fwd_blocks, bwd_warps;
+};
+WarpCfg ln_warp_cfg(bool vec, int P, int64_t elem_size) {
+  const int R = P * (vec ? 4 : 1);  // registers for P units
+  WarpCfg c;
+  c.fwd_rows = std::clamp(24 / R, 1, 4);
+  c.bwd_rows = std::clamp(48 / (2 * R), 1, 4);
+  c.fwd_blocks = vec ? (P == 2 ? 7 : P == 4 ? 12 : P == 6 ? 9 : 8) : 5;
+  c.bwd_warps =
+      vec ? (P == 4 && elem_size == 4 ? 24 : P == 8 || (P <= 3 && elem_size == 2) ? 16 : 20) : 12;
+  return c;
+}
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Warps per SM for `chunks` work items (a chunk: the rows a warp takes at once) on `sms` SMs with at
+// most `max_per_sm` warps each: the fewest that still need the same number of rounds (a warp does
+// one chunk per round), so the last round is nearly full.
+int64_t balanced_warps_per_sm(int64_t chunks, int64_t sms, int64_t max_per_sm) {
+  const int64_t rounds = cdiv(chunks, sms * max_per_sm);
+  return std::max<int64_t>(1, std::min(max_per_sm, cdiv(chunks, sms * rounds)));
 }
 
 // 16-byte units: C a multiple of the pack (rows then start 16-byte aligned too) and aligned pointers.
@@ -138,12 +150,13 @@ bool aligned_or_absent(const at::Tensor& t) { return !t.defined() || aligned16(t
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
     const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
-    const std::optional<at::Tensor>& bias_, double eps) {
+    const std::optional<at::Tensor>& bias_, double eps, int64_t max_warps) {
   const at::Tensor x = input(x_, kFwd, "x");
   const auto [N, C] = rows_cols(x, kFwd);
   const at::Tensor w = param(weight_, x, C, kFwd, "weight");
   const at::Tensor b = param(bias_, x, C, kFwd, "bias");
   KF_CHECK(eps >= 0, kFwd, "eps must be >= 0, got ", eps);
+  KF_CHECK(max_warps >= 0, kFwd, "max_warps must be >= 0, got ", max_warps);
   LaunchOn on(x);
   at::Tensor out = new_output_like(x);
   at::Tensor mean = new_output({N}, x.options().dtype(at::kFloat));
@@ -155,13 +168,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
   const DType dt = dtype_of(x, kFwd);
   const bool vec = vec_ok(C, x.element_size(), aligned);
   if (const WarpPlan wp = warp_plan(C, x.element_size(), vec, /*backward=*/false); wp.index >= 0) {
-    // One warp per row, kFwdWarps rows per block; one row per warp while the grid stays within 32
-    // blocks per SM (the kernel loops beyond).
+    // Warps of fwd_rows rows each, kFwdWarps per block; no more blocks than stay resident (the
+    // kernel's launch bound), as few per SM as keep the same number of rounds.
+    const WarpCfg cfg = ln_warp_cfg(vec, wp.P, x.element_size());
     Kernel& k = vec ? fwd_warp_vec[wp.index] : fwd_warp_scalar[wp.index];
-    const unsigned grid = grid_stride_blocks(N, kFwdWarps, 32, on.device);
-    k.launch(dt, on.device, on.stream, Dim3(grid), Dim3(32, kFwdWarps), 0, x.data_ptr(),
-             ptr_or_null(w), ptr_or_null(b), out.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
-             static_cast<long long>(N), static_cast<int>(C), static_cast<float>(eps));
+    const int64_t sms = sm_count(on.device), chunks = cdiv(N, cfg.fwd_rows);
+    int64_t most = int64_t(cfg.fwd_blocks) * kFwdWarps;
+    if (max_warps > 0) most = std::min(most, std::max<int64_t>(kFwdWarps, max_warps));
+    const int64_t per_sm = balanced_warps_per_sm(chunks, sms, most);
+    const int64_t grid = std::min(cdiv(chunks, kFwdWarps), sms * cdiv(per_sm, kFwdWarps));
+    k.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)), Dim3(32, kFwdWarps), 0,
+             x.data_ptr(), ptr_or_null(w), ptr_or_null(b), out.data_ptr(), mean.data_ptr(),
+             rstd.data_ptr(), static_cast<long long>(N), static_cast<int>(C),
+             static_cast<float>(eps), 0);
     return {out, mean, rstd};
   }
 
@@ -178,7 +197,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
 
 std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> layernorm_backward(
     const at::Tensor& dout_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
-    const std::optional<at::Tensor>& bias_, const at::Tensor& mean_, const at::Tensor& rstd_) {
+    const std::optional<at::Tensor>& bias_, const at::Tensor& mean_, const at::Tensor& rstd_,
+    int64_t max_warps) {
   const at::Tensor x = input(x_, kBwd, "x");
   const at::Tensor dout = input_like(dout_, x, kBwd, "dout");
   KF_CHECK(dout.sizes() == x.sizes(), kBwd, "dout has shape ", dout.sizes(), ", x has ", x.sizes());
@@ -192,6 +212,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
              " must be float32 with one value per row (", N, "), got ", t->scalar_type(), " ",
              t->sizes());
   }
+  KF_CHECK(max_warps >= 0, kBwd, "max_warps must be >= 0, got ", max_warps);
   const at::Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
   LaunchOn on(x);
   const DType dt = dtype_of(x, kBwd);
@@ -211,18 +232,29 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
   int64_t grid = 0;
   const bool vec = vec_ok(C, x.element_size(), aligned);
   if (const WarpPlan wp = warp_plan(C, x.element_size(), vec, /*backward=*/true); wp.index >= 0) {
-    // One warp per row, persistent: one block per SM (the kernel's register budget keeps it
-    // resident), each warp looping over rows; never more warps than rows.
-    const int warps = ln_bwd_warps(wp.P, x.element_size(), vec);
-    grid = std::max<int64_t>(1, std::min<int64_t>(sm_count(on.device), (N + warps - 1) / warps));
+    // Persistent: at most one block per SM, warps of bwd_rows rows each, as few per SM as keep the
+    // same number of rounds. A warp's column sums take 32 * P * pack floats of shared memory for
+    // dweight and as many for dbias, which may cap the warps of a block.
+    const WarpCfg cfg = ln_warp_cfg(vec, wp.P, x.element_size());
+    const int64_t sms = sm_count(on.device), chunks = cdiv(N, cfg.bwd_rows);
+    const int64_t pack = vec ? 16 / x.element_size() : 1;
+    const int64_t warp_smem = 2 * 32 * wp.P * pack * int64_t(sizeof(float));
+    int64_t most = cfg.bwd_warps;
+    if (max_warps > 0) most = std::min(most, max_warps);
+    if (need_dw || need_db) {
+      const int64_t optin = at::cuda::getDeviceProperties(on.device)->sharedMemPerBlockOptin;
+      most = std::clamp<int64_t>(optin / warp_smem, 1, most);
+    }
+    const int64_t warps = balanced_warps_per_sm(chunks, sms, most);
+    grid = std::min(sms, cdiv(chunks, warps));
     if (need_dw || need_db) partial = new_output({grid, 2 * C}, x.options().dtype(at::kFloat));
-    // The warps' column sums are added through shared memory: warps * C floats (<= 48 KiB).
-    const size_t smem = partial.defined() ? size_t(warps) * C * sizeof(float) : 0;
+    const size_t smem = partial.defined() ? static_cast<size_t>(warps * warp_smem) : 0;
     Kernel& k = vec ? bwd_warp_vec[wp.index] : bwd_warp_scalar[wp.index];
-    k.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)), Dim3(32, warps), smem,
-             dout.data_ptr(), x.data_ptr(), ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(),
-             dx.data_ptr(), ptr_or_null(partial), static_cast<long long>(N), static_cast<int>(C),
-             static_cast<int>(need_dw), static_cast<int>(need_db));
+    k.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)),
+             Dim3(32, static_cast<unsigned>(warps)), smem, dout.data_ptr(), x.data_ptr(),
+             ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), ptr_or_null(partial),
+             static_cast<long long>(N), static_cast<int>(C), static_cast<int>(need_dw),
+             static_cast<int>(need_db), 0);
   } else {
     const RowLayout L = row_layout(C, x.element_size(), aligned);
     // More rows per block than the forward: each block leaves one partial row of 2C floats, so the
@@ -259,14 +291,17 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
 
 KFORGE_BIND_OP(layernorm) {
   m.def("layernorm_forward", &layernorm_forward,
-        "LayerNorm over the last dim: returns (out, mean, rstd); mean / rstd are float32 (N,)",
+        "LayerNorm over the last dim: returns (out, mean, rstd); mean / rstd are float32 (N,). "
+        "max_warps (for A/B timing; 0: the kernel's own limit): fewer resident warps per SM on the "
+        "one-warp-per-row path",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("eps") = 1e-5);
+        pybind11::arg("eps") = 1e-5, pybind11::arg("max_warps") = 0);
   m.def("layernorm_backward", &layernorm_backward,
         "LayerNorm backward: returns (dx, dweight or None, dbias or None); bias is only used to "
-        "decide whether dbias is wanted",
+        "decide whether dbias is wanted. max_warps (for A/B timing; 0: the kernel's own limit): "
+        "fewer warps per SM on the one-warp-per-row path",
         pybind11::arg("dout"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("mean"), pybind11::arg("rstd"));
+        pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("max_warps") = 0);
 }
 
 }  // namespace kforge
