@@ -21,9 +21,6 @@
 // What limits these kernels is bytes in flight per SM, i.e. registers: the launcher picks K (and,
 // backward, rows per group R) so that loads fill a good part of the register file, and every kernel
 // instantiation compiles without spills (launch bounds below; checked with ptxas for sm_80/sm_90).
-// Backward of 16-byte rows of more than 32 chunks instead uses rmsnorm_backward_staged_kernel: each
-// row group copies its next rows into shared memory with cp.async while it computes the current one,
-// so its loads stay in flight through its reductions and compute (see there).
 #include "common.cuh"
 
 // ---- chunks in registers ------------------------------------------------------------------------
@@ -419,238 +416,18 @@ __global__ void __launch_bounds__(MAXT, 1)
   }
 }
 
-// ---- backward, pipelined: rows staged in shared memory by cp.async (16-byte rows, sm_80+) ----------
-// What limits the register-resident kernel above is that a row group's loads are in flight only
-// between its reductions: while it computes, it has none, and 16-bit rows (twice the elements per
-// byte) spend long in compute. Here each row group copies x, dy (and rstd) of its next S - 1 rows into
-// S shared-memory stages with cp.async while it computes the current row, so the bytes in flight no
-// longer depend on registers or on the compute phase, and registers hold one row only (no `opaque`
-// tricks, fewer instructions per element).
-// Each thread copies and later reads only its own 16-byte slots, so a stage needs no barrier: its
-// own cp.async.wait_group makes the data visible to it. rstd: every thread copies the row's rstd
-// into its own 4-byte slot (a warp's 32 copies of one address are one request).
-KF_DEVICE u32 smem_u32(const void* p) {
-  u32 a;
-  asm("{ .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-KF_DEVICE u64 evict_first_policy() {
-  u64 p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-KF_DEVICE void cp_async16(u32 dst, const void* src, u64 policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "l"(policy)
-               : "memory");
-}
-KF_DEVICE void cp_async4(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-KF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Waits until at most n (< kMaxStages) of this thread's committed groups are pending.
-constexpr int kMaxStages = 8;
-KF_DEVICE void cp_async_wait(int n) {
-  switch (n) {
-    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
-    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
-    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
-  }
-}
-
-// Layout: persistent grid, one block per SM (the stages fill its shared memory). The block is
-// blockDim.y <= 8 row groups of blockDim.x (64..512, a multiple of 32) threads; group y of block b
-// takes rows b * blockDim.y + y + i * gridDim.x * blockDim.y, i = 0, 1, ..., one at a time, and
-// thread x owns chunks x + k * blockDim.x, k < K, of every row (D % V == 0 and 16-byte aligned
-// pointers: the launcher checks). Shared memory of a group: `stages` (2..kMaxStages) stages of
-// [x chunks k = 0..K-1 | dy chunks k = 0..K-1] x blockDim.x x 16 bytes, then stages x blockDim.x
-// rstd floats. One reduction (one named barrier of the group) per row. dweight sums in registers
-// (the thread's columns), folded at the end into dw_partial row blockIdx.x as in the kernel above.
-template <typename T, int K, bool CBW>
-__global__ void __launch_bounds__(512, 1)
-    rmsnorm_backward_staged_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                   const T* __restrict__ weight, const float* __restrict__ rstd,
-                                   T* __restrict__ dx, float* __restrict__ dw_partial,
-                                   long long rows, int D, float inv_d, int stages, int zero) {
-  using E = Elems<T>;
-  constexpr int V = E::V;
-  // Warp sums of a group's reduction, [buffer][group][warp]; slots of warps the group does not have
-  // stay 0, so every group adds all 16 in one fixed order.
-  __shared__ __align__(16) float red[2][8][16];
-  extern __shared__ __align__(16) unsigned char stage_mem[];
-  const int tx = blockDim.x, tid = threadIdx.x, gy = threadIdx.y;
-  const int lane = tid & 31, warp = tid >> 5;
-  const int nchunk = D / V;
-  const int chunk_bytes = tx * 16;  // one k of x (or dy) of one stage
-  const int stage_bytes = 2 * K * chunk_bytes;
-  const int group_bytes = stages * (stage_bytes + tx * 4);
-  // This thread's slots, as offsets into stage_mem: x chunk k of stage s at
-  // mine + s * stage_bytes + k * chunk_bytes, dy chunk k at + (K + k) * chunk_bytes; rstd of stage s
-  // at mine_r + s * tx * 4.
-  const int mine = gy * group_bytes + tid * 16;
-  const int mine_r = gy * group_bytes + stages * stage_bytes + tid * 4;
-  const u32 smem = smem_u32(stage_mem);
-  const u64 policy = evict_first_policy();
-  bool has[K];  // chunk k of the rows is this thread's
-#pragma unroll
-  for (int k = 0; k < K; ++k) has[k] = tid + k * tx < nchunk;
-
-  for (int e = gy * tx + tid; e < 2 * 8 * 16; e += tx * blockDim.y) (&red[0][0][0])[e] = 0.0f;
-
-  const long long stride = (long long)gridDim.x * blockDim.y;  // rows between a group's rows
-  const long long first = (long long)blockIdx.x * blockDim.y + gy;
-  const long long n = first < rows ? (rows - first + stride - 1) / stride : 0;  // rows of the group
-  const long long step = stride * D;  // elements between a group's rows
-
-  // Copy position: the next row to copy (row `first + c * stride`, c counted in `left`) and its
-  // stage. Every call commits a group, empty once the group's rows are all copied, so that the
-  // number of pending groups is the same for every thread and row.
-  const T* cx = x + first * D + tid * V;
-  const T* cg = dy + first * D + tid * V;
-  const float* cr = rstd + first;
-  long long left = n;
-  int cs = 0;
-  auto issue = [&]() {
-    if (left > 0) {
-      const u32 dst = smem + mine + cs * stage_bytes;
-#pragma unroll
-      for (int k = 0; k < K; ++k)
-        if (has[k]) {
-          cp_async16(dst + k * chunk_bytes, cx + k * tx * V, policy);
-          cp_async16(dst + (K + k) * chunk_bytes, cg + k * tx * V, policy);
-        }
-      cp_async4(smem + mine_r + cs * tx * 4, cr);
-      cx += step, cg += step, cr += stride, --left;
-      cs = cs + 1 == stages ? 0 : cs + 1;
-    }
-    cp_async_commit();
-  };
-
-  Chunk wc[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k)
-    wc[k] = has[k] ? weight_chunk<T, true>(weight, tid + k * tx, D) : words(0u);
-  float acc[K][V];
-#pragma unroll
-  for (int k = 0; k < K; ++k)
-#pragma unroll
-    for (int i = 0; i < V; ++i) acc[k][i] = 0.0f;
-
-  for (int s = 0; s + 1 < stages; ++s) issue();
-  __syncthreads();  // red is zeroed
-  T* dxr = dx + first * D + tid * V;
-  int st = 0, buf = 0;
-  for (long long i = 0; i < n; ++i) {
-    // The stage the copy goes to held row i - 1, which this thread has read and used: refill it
-    // with row i + stages - 1, then wait for row i (rows i + 1 .. i + stages - 1 may pend).
-    issue();
-    cp_async_wait(stages - 1);
-    // 16-bit T with K = 4: keep the weight packed (unpacked, its 32 floats stay live across the
-    // loop and ptxas spills at 128 registers); with fewer chunks they stay unpacked, which saves
-    // two unpackings per element.
-    if constexpr (K * V > 16)
-#pragma unroll
-      for (int k = 0; k < K; ++k) opaque(wc[k], zero);
-
-    Chunk xc[K], gc[K];
-    const unsigned char* sp = stage_mem + mine + st * stage_bytes;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      xc[k] = has[k] ? *reinterpret_cast<const Chunk*>(sp + k * chunk_bytes) : words(0u);
-      gc[k] = has[k] ? *reinterpret_cast<const Chunk*>(sp + (K + k) * chunk_bytes) : words(0u);
-    }
-    const float r = *reinterpret_cast<const float*>(stage_mem + mine_r + st * tx * 4);
-    st = st + 1 == stages ? 0 : st + 1;
-
-    // dot = sum(dy * w * x) over the row: per chunk, over chunks, over the warp, then the group's
-    // warps through `red` (one named barrier; the buffers alternate, so the other one's last readers
-    // have passed this barrier before it is written again).
-    float dot = 0.0f;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      float d = 0.0f;
-#pragma unroll
-      for (int e = 0; e < V; ++e) d += E::get(gc[k], e) * E::get(wc[k], e) * E::get(xc[k], e);
-      dot += d;
-    }
-    dot = warp_sum(dot);
-    const float4* sums = reinterpret_cast<const float4*>(red[buf][gy]);
-    if (lane == 0) red[buf][gy][warp] = dot;
-    group_barrier();
-    buf ^= 1;
-    float4 q[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) q[j] = sums[j];
-    dot = ((q[0].x + q[0].y) + (q[0].z + q[0].w)) + ((q[1].x + q[1].y) + (q[1].z + q[1].w));
-    dot += ((q[2].x + q[2].y) + (q[2].z + q[2].w)) + ((q[3].x + q[3].y) + (q[3].z + q[3].w));
-
-    const float mean_gx = dot * r * inv_d;  // mean(g * x_hat)
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      if constexpr (K * V > 16) {  // likewise x and dy wait out the reduction packed
-        opaque(xc[k], zero);
-        opaque(gc[k], zero);
-        opaque(wc[k], zero);
-      }
-      if (has[k])
-        backward_chunk<T, true, CBW>(dxr + k * tx * V, 0, V, xc[k], gc[k], wc[k], r, mean_gx,
-                                     acc[k]);
-    }
-    dxr += step;
-  }
-
-  if (dw_partial == nullptr) return;  // no weight (uniform over the block)
-  // Fold through the stage memory: every group writes its sums for one k, the block adds them in
-  // order of the group. (The copies still pending are empty groups: the group's rows are done.)
-  float* fold = reinterpret_cast<float*>(stage_mem);
-  float* part = dw_partial + (long long)blockIdx.x * D;
-  const int span = tx * V;  // floats per group and k
-  const int t = gy * tx + tid;
-  const int nt = tx * blockDim.y;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    __syncthreads();  // stage reads, or the previous k's fold reads, are done
-#pragma unroll
-    for (int i = 0; i < V; ++i) fold[gy * span + tid * V + i] = acc[k][i];
-    __syncthreads();
-    for (int e = t; e < span; e += nt) {
-      const int col = k * span + e;
-      if (col < D) {
-        float s = 0.0f;
-        for (int g = 0; g < (int)blockDim.y; ++g) s += fold[g * span + e];
-        part[col] = s;
-      }
-    }
-  }
-}
-
 // dweight[j] = sum over g of partial[g][j], in a fixed order.
-// Layout: block (32, kDwRows); thread (x, y) sums partial rows y, y + kDwRows, ... of column
-// blockIdx.x * 32 + x (loads issued 8 at a time before the adds), then the kDwRows sums of a column
-// are added in order of y.
-constexpr int kDwRows = 32;
+// Layout: block (32, 16); thread (x, y) sums partial rows y, y + 16, ... of column blockIdx.x * 32 + x,
+// then the 16 sums of a column are added in order of y.
+constexpr int kDwRows = 16;
 template <typename T>
-__global__ void __launch_bounds__(32 * kDwRows)
-    rmsnorm_dweight_kernel(const float* __restrict__ partial, T* __restrict__ dweight, int G, int D) {
+__global__ void rmsnorm_dweight_kernel(const float* __restrict__ partial, T* __restrict__ dweight,
+                                       int G, int D) {
   __shared__ float s[kDwRows][33];
   const int j = blockIdx.x * 32 + threadIdx.x;
   float a = 0.0f;
   if (j < D)
-    for (int g0 = threadIdx.y; g0 < G; g0 += 8 * kDwRows) {
-      float v[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const int g = g0 + q * kDwRows;
-        v[q] = g < G ? partial[(long long)g * D + j] : 0.0f;
-      }
-#pragma unroll
-      for (int q = 0; q < 8; ++q) a += v[q];
-    }
+    for (int g = threadIdx.y; g < G; g += kDwRows) a += partial[(long long)g * D + j];
   s[threadIdx.y][threadIdx.x] = a;
   __syncthreads();
   if (threadIdx.y == 0 && j < D) {

@@ -37,10 +37,10 @@ def reference(x, weight, eps, dy, nd=1):
     return y.detach(), rstd.detach().reshape(-1), x64.grad, None if w64 is None else w64.grad
 
 
-def check(x, weight, dy, cast_before_weight, nd=1, what="", kernel="auto"):
+def check(x, weight, dy, cast_before_weight, nd=1, what=""):
     dtype = x.dtype
     y, rstd = kforge._C.rmsnorm_forward(x, weight, EPS, nd, cast_before_weight)
-    dx, dw = kforge._C.rmsnorm_backward(dy, x, weight, rstd, nd, cast_before_weight, kernel)
+    dx, dw = kforge._C.rmsnorm_backward(dy, x, weight, rstd, nd, cast_before_weight)
     ry, rrstd, rdx, rdw = reference(x, weight, EPS, dy, nd)
     assert y.dtype == dtype and rstd.dtype == torch.float32 and dx.dtype == dtype
     assert_close(y, ry, dtype, f"y {what}")
@@ -54,17 +54,13 @@ def check(x, weight, dy, cast_before_weight, nd=1, what="", kernel="auto"):
 
 
 # ---- GPU: kernels against float64 ---------------------------------------------------------------------
-# Chosen so every kernel variant runs (see forward_geometry / backward_geometry / staged_geometry in
-# src/ops/rmsnorm.cpp): forward one warp per row with K = 1, 2, 4, 8 chunks per thread ((2, 256),
-# (3, 512), (17, 768), (5, 2048)) and one block per row with K = 4 ((4, 2056), bf16 (3, 5, 4100)) and
-# K = 8 ((8, 4096)); backward, 16-byte rows of >= 256 chunks: the staged kernel with K = 2 (fp32
-# (5, 2048); bf16 (8, 4096), (4, 2056), (5, 2048)) and K = 4 (fp32 (8, 4096), (4, 2056), (3, 5, 4100),
-# (3, 8192) (one group of 512 threads); bf16 (3, 8192)), 1..4 row groups per block; shorter rows
-# and element-wise rows (bf16 (3, 5, 4100), (5, 3)) the register-resident kernel with K = 1, 2, 4
-# and one warp or row groups of 2..8 per block. test_backward_kernels runs both on the same rows
-# (staged K = 1 too).
+# Chosen so every kernel variant runs (see forward_geometry / backward_geometry in src/ops/rmsnorm.cpp):
+# forward one warp per row with K = 1, 2, 4, 8 chunks per thread ((2, 256), (3, 512), (17, 768),
+# (5, 2048)) and one block per row with K = 4 ((4, 2056), bf16 (3, 5, 4100)) and K = 8 ((8, 4096));
+# backward K = 1, 2, 4 with one warp per row and row groups of 2..8 per block, element-wise for
+# odd sizes ((3, 5, 4100) in bf16, (5, 3)).
 SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056),
-          (3, 512), (5, 2048), (3, 8192)]
+          (3, 512), (5, 2048)]
 
 
 @gpu
@@ -110,57 +106,11 @@ def test_longest_rows(dtype):
 
 
 @gpu
-@pytest.mark.parametrize("cast_before_weight", [True, False], ids=["hf", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_llama_size_many_rows(dtype, cast_before_weight):
-    # 8192 x 4096 (the bench size): the persistent backward grid walks many rows per block (staged:
-    # ~31 rows per row group, so its shared-memory stages are reused many times over).
+def test_llama_size_many_rows(dtype):
+    # 8192 x 4096 (the bench size): the persistent backward grid walks many rows per block.
     x, dy = randn(8192, 4096, dtype=dtype), randn(8192, 4096, dtype=dtype)
-    check(x, randn(4096, dtype=dtype, scale=0.5) + 1, dy, cast_before_weight, what="8192x4096")
-
-
-# 16-byte rows: the staged kernel (what "auto" picks on an H100 / H200 for rows of >= 256 chunks)
-# and the register-resident one (shorter rows, and the fallback where the stages do not fit a
-# device's shared memory), each with every K (staged K = 1 / 2 / 4: fp32 128 / 192, 256 / 514, 1024,
-# 2048 chunks; 16-bit 64, 96, 128 / 257, 512 / 1024), both rounding conventions, one and several row
-# groups per block, with and without weight.
-@gpu
-@pytest.mark.parametrize("kernel", ["staged", "registers"])
-@pytest.mark.parametrize("cast_before_weight", [True, False], ids=["hf", "torch"])
-@pytest.mark.parametrize("shape", [(8, 4096), (17, 768), (4, 2056), (3, 8192), (3, 512), (2, 2, 1024)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
-def test_backward_kernels(dtype, shape, cast_before_weight, kernel):
-    x = randn(*shape, dtype=dtype)
-    w = randn(shape[-1], dtype=dtype, scale=0.5) + 1
-    dy = randn(*shape, dtype=dtype)
-    check(x, w, dy, cast_before_weight, what=f"{shape} {kernel}", kernel=kernel)
-    check(x, None, dy, cast_before_weight, what=f"{shape} {kernel} no weight", kernel=kernel)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_staged_many_short_rows(dtype):
-    # 64-chunk rows: row groups of 64 threads, 8 per block, 8 stages each; ~19 rows per group (an odd
-    # row count: the last groups get one row fewer), so the stages wrap around twice and more.
-    D = 256 if dtype == torch.float32 else 512
-    x, dy = randn(20011, D, dtype=dtype), randn(20011, D, dtype=dtype)
-    check(x, randn(D, dtype=dtype, scale=0.5) + 1, dy, True, what=f"20011x{D}", kernel="staged")
-
-
-@gpu
-def test_backward_kernel_choice_errors():
-    x = randn(4, 256, dtype=torch.bfloat16)  # 32 chunks: one warp per row, not staged
-    w = randn(256, dtype=torch.bfloat16)
-    _, rstd = kforge._C.rmsnorm_forward(x, w, EPS)
-    with pytest.raises(kforge.KforgeError, match="staged kernel does not take"):
-        kforge._C.rmsnorm_backward(x, x, w, rstd, 1, True, "staged")
-    xm = randn(4 * 1024 + 1, dtype=torch.bfloat16)[1:].view(4, 1024)  # misaligned
-    _, rstd = kforge._C.rmsnorm_forward(xm, randn(1024, dtype=torch.bfloat16), EPS)
-    with pytest.raises(kforge.KforgeError, match="not 16-byte aligned"):
-        kforge._C.rmsnorm_backward(xm, xm, randn(1024, dtype=torch.bfloat16), rstd, 1, True, "staged")
-    with pytest.raises(kforge.KforgeError, match="kernel must be"):
-        kforge._C.rmsnorm_backward(x, x, w, rstd[:4], 1, True, "fast")
+    check(x, randn(4096, dtype=dtype, scale=0.5) + 1, dy, True, what="8192x4096")
 
 
 @gpu

@@ -1,9 +1,7 @@
 // rmsnorm launchers: forward (y, rstd) and backward (dx, dweight); see kernels_src/rmsnorm.cu.
 #include <pybind11/stl.h>
 
-#include <algorithm>
 #include <optional>
-#include <string>
 
 #include "../runtime/torch_launch.h"
 
@@ -24,12 +22,11 @@ Kernel fwd_kernels[2][4] = {{{prog, "rmsnorm_forward_kernel<{T}, 1, false>"},
                              {prog, "rmsnorm_forward_kernel<{T}, 4, true>"},
                              {prog, "rmsnorm_forward_kernel<{T}, 8, true>"}}};
 
-// Register-resident backward kernels (element-wise rows, rows of <= 32 chunks, and where the staged
-// kernels below do not fit the device's shared memory): K chunks per thread and row, R rows per
-// group at a time, VEC, CBW (cast_before_weight, 16-bit types only: fp32 is the same either way),
-// blocks of at most kBwdThreads threads (one per SM, <= 128 registers per thread). R is what fits
-// in registers without spilling (checked with NVRTC's ptxas for sm_80 and sm_90): fewer rows for the
-// element-wise variants and for 16-bit types at K = 4 (8 fp32 dweight sums per chunk instead of 4).
+// Backward kernels: K chunks per thread and row, R rows per group at a time, VEC, CBW
+// (cast_before_weight, 16-bit types only: fp32 is the same either way), blocks of at most
+// kBwdThreads threads (one per SM, <= 128 registers per thread). R is what fits in registers without
+// spilling (checked with NVRTC's ptxas for sm_80 and sm_90): fewer rows for the element-wise variants
+// and for 16-bit types at K = 4 (8 fp32 dweight sums per chunk instead of 4).
 constexpr int kBwdThreads = 512;  // MAXT of every backward kernel name below
 const std::vector<DType> kF32 = {DType::f32};
 const std::vector<DType> k16 = {DType::bf16, DType::f16};
@@ -58,32 +55,6 @@ BwdKernel bwd_kernels[] = {
 };
 #undef KF_BWD
 Kernel dweight_kernel(prog, "rmsnorm_dweight_kernel<{T}>");
-constexpr int kDwRows = 32;  // blockDim.y of rmsnorm_dweight_kernel (its kDwRows)
-
-// Staged backward kernels (rows copied into shared-memory stages by cp.async; 16-byte rows only):
-// K chunks per thread and row, CBW. Blocks of at most 512 threads (<= 128 registers per thread,
-// checked without spills for sm_80 and sm_90), row groups of 64..512 threads, <= 8 groups.
-struct StagedKernel {
-  int K;
-  bool cbw;
-  Kernel kernel;
-};
-#define KF_STAGED(K, CBW, DTYPES) \
-  { K, CBW, {prog, "rmsnorm_backward_staged_kernel<{T}, " #K ", " #CBW ">", DTYPES} }
-StagedKernel staged_kernels[] = {
-    KF_STAGED(1, false, kF32), KF_STAGED(2, false, kF32), KF_STAGED(4, false, kF32),
-    KF_STAGED(1, false, k16),  KF_STAGED(2, false, k16),  KF_STAGED(4, false, k16),
-    KF_STAGED(1, true, k16),   KF_STAGED(2, true, k16),   KF_STAGED(4, true, k16),
-};
-#undef KF_STAGED
-constexpr int kMaxStages = 8;  // the kernel's kMaxStages
-// Shortest rows (in chunks) "auto" gives the staged kernels: it works on one row per group at a
-// time, so on short rows a row's reduction latency and fixed instructions weigh more, where the
-// register-resident kernel (R rows per reduction) has not been measured slower.
-constexpr int kStagedMinChunks = 256;
-// Shared memory per block besides the stages: the kernel's static `red` (1 KB) and the 1 KB per
-// block that sm_90 reserves (ptxas reports it as static shared memory there).
-constexpr int kStagedStaticSmem = 2048;
 
 // Longest row, in 16-byte chunks: 16384 bf16/fp16 or 8192 fp32 elements (kforge.ops.rmsnorm's
 // checker declines longer rows).
@@ -126,40 +97,6 @@ BwdGeometry backward_geometry(int nchunk, bool vec, bool cbw, DType dt) {
       return {&k, tx, kBwdThreads / tx};
     }
   fail("rmsnorm_backward", "no kernel for ", nchunk, " chunks");
-}
-
-struct StagedGeometry {
-  StagedKernel* kernel = nullptr;  // null: the staged kernels do not apply
-  unsigned tx = 0, groups = 0;     // threads per row (group), groups per block
-  int stages = 0;                  // shared-memory stages per group
-  size_t smem = 0;                 // dynamic shared memory per block
-};
-
-// Staged backward (16-byte rows of more than 32 chunks): K = 1 up to 128 chunks, 2 up to 512, else 4
-// (rows of 64..512 threads); as many groups as fit 512 threads, and as many stages (2..8) as the
-// device's shared memory per block holds for them (fewer groups if not even 2 fit; none: the
-// register-resident kernels instead). More stages, more of a row group's next rows in flight.
-StagedGeometry staged_geometry(int nchunk, bool cbw, DType dt, int device) {
-  StagedGeometry g;
-  if (nchunk <= 32) return g;
-  const int K = nchunk <= 128 ? 1 : nchunk <= 512 ? 2 : 4;
-  cbw = cbw && dt != DType::f32;
-  for (StagedKernel& k : staged_kernels)
-    if (k.K == K && k.cbw == cbw && k.kernel.supports(dt)) g.kernel = &k;
-  if (!g.kernel) return g;
-  g.tx = round32((nchunk + K - 1) / K);
-  const int64_t optin = at::cuda::getDeviceProperties(device)->sharedMemPerBlockOptin;
-  const int64_t budget = optin - kStagedStaticSmem;
-  const int64_t per_stage = int64_t(2 * K * 16 + 4) * g.tx;  // x, dy and rstd of one row
-  for (g.groups = std::max(1u, 512 / g.tx); g.groups >= 1; --g.groups) {
-    g.stages = static_cast<int>(std::min<int64_t>(kMaxStages, budget / (per_stage * g.groups)));
-    if (g.stages >= 2) {
-      g.smem = static_cast<size_t>(per_stage * g.groups * g.stages);
-      return g;
-    }
-  }
-  g.kernel = nullptr;
-  return g;
 }
 
 // Elements per row: the product of the last `normalized_ndim` sizes of x.
@@ -212,11 +149,8 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_forward(const at::Tensor& x_,
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
     const at::Tensor& dy_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
-    const at::Tensor& rstd_, int64_t normalized_ndim, bool cast_before_weight,
-    const std::string& kernel) {
+    const at::Tensor& rstd_, int64_t normalized_ndim, bool cast_before_weight) {
   const char* op = "rmsnorm_backward";
-  KF_CHECK(kernel == "auto" || kernel == "staged" || kernel == "registers", op,
-           "kernel must be 'auto', 'staged' or 'registers', got '", kernel, "'");
   const at::Tensor x = input(x_, op, "x");
   const at::Tensor dy = input_like(dy_, x, op, "dy");
   KF_CHECK(dy.sizes() == x.sizes(), op, "dy and x sizes differ: ", dy.sizes(), " vs ", x.sizes());
@@ -240,39 +174,22 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   const bool vec = D % V == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
                    (!weight || aligned16(*weight));
   const DType dt = dtype_of(x, op);
-  const bool try_staged =
-      vec && (kernel == "staged" || (kernel == "auto" && nchunk >= kStagedMinChunks));
-  const StagedGeometry sg =
-      try_staged ? staged_geometry(nchunk, cast_before_weight, dt, on.device) : StagedGeometry{};
-  KF_CHECK(kernel != "staged" || sg.kernel, op, "the staged kernel does not take these rows (",
-           D, " elements, ", vec ? "" : "not ", "16-byte aligned)");
-  const int zero = 0;  // see opaque() in the kernel
-  // Persistent grids: at most one block per SM (each writes one partial dweight row), fewer when
-  // the rows do not need them.
-  unsigned grid;
+  const BwdGeometry g = backward_geometry(nchunk, vec, cast_before_weight, dt);
+  // Persistent grid: one block per SM (each writes one partial dweight row), fewer when the rows
+  // do not need them.
+  const int64_t rows_per_step = int64_t(g.groups) * g.kernel->R;
+  const unsigned grid = static_cast<unsigned>(
+      std::min<int64_t>((rows + rows_per_step - 1) / rows_per_step, sm_count(on.device)));
   std::optional<at::Tensor> partial;
-  if (sg.kernel) {
-    grid = static_cast<unsigned>(
-        std::min<int64_t>((rows + sg.groups - 1) / sg.groups, sm_count(on.device)));
-    if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
-    sg.kernel->kernel.launch(dt, on.device, on.stream, grid, Dim3(sg.tx, sg.groups), sg.smem,
-                             dy.data_ptr(), x.data_ptr(), ptr(weight), rstd.data_ptr(),
-                             dx.data_ptr(), ptr(partial), static_cast<long long>(rows),
-                             static_cast<int>(D), 1.0f / static_cast<float>(D), sg.stages, zero);
-  } else {
-    const BwdGeometry g = backward_geometry(nchunk, vec, cast_before_weight, dt);
-    const int64_t rows_per_step = int64_t(g.groups) * g.kernel->R;
-    grid = static_cast<unsigned>(
-        std::min<int64_t>((rows + rows_per_step - 1) / rows_per_step, sm_count(on.device)));
-    if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
-    const size_t fold_bytes = size_t(g.tx) * g.groups * V * sizeof(float);
-    g.kernel->kernel.launch(dt, on.device, on.stream, grid, Dim3(g.tx, g.groups), fold_bytes,
-                            dy.data_ptr(), x.data_ptr(), ptr(weight), rstd.data_ptr(),
-                            dx.data_ptr(), ptr(partial), static_cast<long long>(rows),
-                            static_cast<int>(D), 1.0f / static_cast<float>(D), zero);
-  }
+  if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
+  const size_t fold_bytes = size_t(g.tx) * g.groups * V * sizeof(float);
+  const int zero = 0;  // see opaque() in the kernel
+  g.kernel->kernel.launch(dt, on.device, on.stream, grid, Dim3(g.tx, g.groups), fold_bytes,
+                          dy.data_ptr(), x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(),
+                          ptr(partial), static_cast<long long>(rows), static_cast<int>(D),
+                          1.0f / static_cast<float>(D), zero);
   if (weight)
-    dweight_kernel.launch(dt, on.device, on.stream, ceil_div(D, 32), Dim3(32, kDwRows), 0,
+    dweight_kernel.launch(dt, on.device, on.stream, ceil_div(D, 32), Dim3(32, 16), 0,
                           partial->data_ptr(), dweight->data_ptr(), static_cast<int>(grid),
                           static_cast<int>(D));
   return {dx, dweight};
@@ -289,13 +206,9 @@ KFORGE_BIND_OP(rmsnorm) {
         pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true);
   m.def("rmsnorm_backward", &rmsnorm_backward,
         "Backward of rmsnorm_forward from the saved rstd: returns (dx, dweight), dweight None when "
-        "weight is None; dweight is reduced in a fixed order (deterministic). kernel: 'auto', or (tests, "
-        "benchmarks) 'staged' (rows copied into shared memory ahead; 16-byte aligned rows of more "
-        "than 32 chunks; 'auto' takes it from 256 chunks) or 'registers' (rows loaded into "
-        "registers).",
+        "weight is None; dweight is reduced in a fixed order (deterministic).",
         pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"),
-        pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true,
-        pybind11::arg("kernel") = "auto");
+        pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true);
 }
 
 }  // namespace kforge
