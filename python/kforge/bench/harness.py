@@ -79,10 +79,11 @@ def same_size_copy_us(nbytes: int, l2_bytes: int) -> float:
     """Median microseconds of a device-to-device copy moving `nbytes` in all (half read, half
     written), timed like the ops: the ceiling a kernel of that many bytes can reach, launch ramp and
     tail included, which the 1 GiB copy bandwidth does not show for small sizes."""
-    half = max(nbytes // 2, 16)
+    # fp32 elements, as copy_bandwidth_gbs uses: torch copies 1-byte elements more slowly.
+    elems = max(nbytes // 8, 4)
     n = max(1, min(16, -(-2 * l2_bytes // max(nbytes, 1))))
-    sets = [(torch.empty(half, dtype=torch.uint8, device="cuda").random_(),
-             torch.empty(half, dtype=torch.uint8, device="cuda")) for _ in range(n)]
+    sets = [(torch.empty(elems, dtype=torch.float32, device="cuda").uniform_(),
+             torch.empty(elems, dtype=torch.float32, device="cuda")) for _ in range(n)]
     us = time_op(lambda s, d: d.copy_(s), sets)
     del sets
     return us
