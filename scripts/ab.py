@@ -1,0 +1,57 @@
+"""A/B timing of a launcher's `variant`s on the bench cases of `python -m kforge.bench ops`:
+
+    python scripts/ab.py rmsnorm:bwd:rmsnorm_backward:0,1 softmax:fwd:softmax_forward:0,1,2
+
+Each spec is op:dir:binding:variants. The case's own kforge call is run with `variant=v` passed to
+`kforge._C.<binding>` (the op module's `_C` is swapped for a proxy that adds the keyword), and timed
+like the ops benchmark (back-to-back calls, CUDA events, inputs rotated through more than L2).
+"""
+import functools
+import sys
+
+import torch
+
+from kforge import _C
+from kforge.bench.harness import copy_bandwidth_gbs, input_sets_for, op_modules, same_size_copy_us, time_op
+
+
+class _WithVariant:
+    def __init__(self, binding: str, variant: int):
+        self.binding, self.variant = binding, variant
+
+    def __getattr__(self, name):
+        fn = getattr(_C, name)
+        return functools.partial(fn, variant=self.variant) if name == self.binding else fn
+
+
+def main(specs: list[str]) -> None:
+    bw = copy_bandwidth_gbs()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(f"copy bandwidth {bw:.0f} GB/s")
+    for spec in specs:
+        op, d, binding, variants = spec.split(":")
+        (mod,) = op_modules([op])
+        for dtype in (torch.float32, torch.bfloat16):
+            for case in mod.bench_cases(dtype, True):
+                if case.direction != d:
+                    continue
+                sets = input_sets_for(case, l2)
+                same = same_size_copy_us(case.bytes, l2)
+                cells = []
+                for v in variants.split(","):
+                    mod._C = _WithVariant(binding, int(v))
+                    try:
+                        us = time_op(case.kforge, sets)
+                        cells.append(f"v{v} {us:7.1f} us {100 * case.bytes / (us * 1e-6) / 1e9 / bw:4.0f}%")
+                    except Exception as e:  # keep going: report the broken variant
+                        cells.append(f"v{v} ERROR {type(e).__name__}: {str(e)[:80]}")
+                    finally:
+                        mod._C = _C
+                print(f"{op:10s} {d} {case.shape:26s} {str(dtype)[6:]:9s} copy {same:6.1f} us | "
+                      + " | ".join(cells), flush=True)
+                del sets
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
