@@ -12,6 +12,9 @@
 // - softmax_forward_rows2_kernel<T, P>: plain 16-bit rows of 33..128 packs that all start 16-byte
 //   aligned: one warp per pair of rows, the second row staged through shared memory by cp.async
 //   while the first is in registers (twice the bytes in flight per warp at the same registers);
+// - softmax_forward_warps_kernel<T, P, S>: the same rows (the default for them): persistent warps
+//   on a grid sized to the GPU, each a balanced range of rows staged through S row slots of shared
+//   memory by cp.async, packed 16-bit max, ~8 instructions per element;
 // - softmax_{forward,backward}_kernel<T, P, false>: one block per row, P packs per thread in
 //   registers (rows up to blockDim.x * P packs): per-warp reductions, then one __syncthreads to
 //   combine the warps' (max, sum) or <dy, y> partials;
@@ -390,6 +393,173 @@ __global__ void __launch_bounds__(128, 8)
       a[k] = pk < npk ? stage[warp][pk] : ninf;
     }
     warp_row_softmax<T, P>(a, y0 + C, npk, lane, scale2);
+  }
+}
+
+// Persistent warps for the same rows (plain 16-bit rows of 33..128 packs, all on 16-byte boundaries):
+// the launcher sizes the grid to the GPU (blocks of 16 warps, a few per SM) and each warp takes a
+// contiguous range of rows (counts differ by at most one across warps, the longer ranges spread
+// over the blocks, so the SMs finish together). Rows are staged by cp.async through a ring of S row slots per warp in shared memory:
+// the first S rows are requested up front, and a slot is refilled with row i + S as soon as row i's
+// packs are in registers (after its max), so up to S rows per warp are in flight behind the math.
+// Each lane reads back only the packs it copied itself: cp.async.wait_group alone orders it.
+// Few instructions per element: the max is taken on the packed 16-bit pairs (max.bf16x2 /
+// max.f16x2, exact, NaN-ignoring like fmaxf), each pair is widened once, exp2 of x * scale2 - max
+// (one FFMA + one MUFU.EX2), the sum in P independent chains, one reciprocal per row, and the
+// outputs packed two per cvt. Slots 0..P/2-1 of a row are always full (npk > 16 P); the others are
+// checked per lane, their missing packs read as -inf (they add 0; an all -inf row gives NaN).
+template <int N>
+KF_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+template <typename T>
+KF_DEVICE u32 max2(u32 a, u32 b);
+template <>
+KF_DEVICE u32 max2<bf16>(u32 a, u32 b) {
+  u32 r;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+template <>
+KF_DEVICE u32 max2<half>(u32 a, u32 b) {
+  u32 r;
+  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+template <typename T>
+KF_DEVICE u32 ninf2();  // a pair of -inf
+template <>
+KF_DEVICE u32 ninf2<bf16>() { return 0xff80ff80u; }
+template <>
+KF_DEVICE u32 ninf2<half>() { return 0xfc00fc00u; }
+template <typename T>
+KF_DEVICE void widen2(u32 w, float& lo, float& hi);
+template <>
+KF_DEVICE void widen2<bf16>(u32 w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+template <>
+KF_DEVICE void widen2<half>(u32 w, float& lo, float& hi) {
+  asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+      : "=f"(lo), "=f"(hi)
+      : "r"(w));
+}
+KF_DEVICE float sm_rcp(float x) {  // 1/x, rel. error <= 1 ulp; 0 -> inf, NaN -> NaN
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+KF_DEVICE u32 smem_u32(const void* p) {
+  u32 s;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+  return s;
+}
+// `after`: an unused operand that orders the copy after the instructions computing it.
+KF_DEVICE void cp_async16_s(u32 saddr, const void* gmem, float after) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem), "f"(after) : "memory");
+}
+
+// Rows: tw = gridDim.x * warps per block warps take rows = q * tw + rem rows, q or q + 1 each (the
+// launcher divides). Warp `warp` of block b is number o = warp * gridDim.x + b in row order, so the
+// rem warps with an extra row (o < rem) are spread over all blocks, and SMs get equal row counts
+// within one row per block. No division in the kernel: the first copies go out at once.
+template <typename T, int P, int S>
+__global__ void __launch_bounds__(512, 2)
+    softmax_forward_warps_kernel(const T* __restrict__ x, T* __restrict__ y, int q, int rem, int C,
+                                 float scale2) {
+  constexpr int V = 8;  // 16-bit elements per pack
+  extern __shared__ uint4 ring[];  // per warp: S slots of P * 32 packs, pack k of lane at k * 32 + lane
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int o = warp * gridDim.x + blockIdx.x;
+  const int r0 = o * q + min(o, rem), n = q + (o < rem ? 1 : 0);  // r0 + n <= rows < 2^31
+  if (n <= 0) return;  // the whole warp leaves (no block barriers here)
+  const int npk = C / V;
+  bool has[P];  // this lane's pack of slot k exists
+#pragma unroll
+  for (int k = 0; k < P; ++k) has[k] = k < P / 2 || k * 32 + lane < npk;
+  const uint4* mine = ring + warp * (S * P * 32) + lane;
+  const u32 smine = smem_u32(mine);
+  const T* xw = x + (long long)r0 * C + lane * V;
+  T* yw = y + (long long)r0 * C + lane * V;
+
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    if (s < n) {
+#pragma unroll
+      for (int k = 0; k < P; ++k)
+        if (has[k]) cp_async16_s(smine + (s * P + k) * 512, xw + (long long)s * C + k * 32 * V, 0.0f);
+    }
+    cp_async_commit();  // always: wait_group counts groups
+  }
+
+  int s = 0;  // ring slot of row i
+  for (int i = 0; i < n; ++i) {
+    cp_async_wait<S - 1>();  // row i's group has landed
+    u32 w[P][4];
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      uint4 v = make_uint4(ninf2<T>(), ninf2<T>(), ninf2<T>(), ninf2<T>());
+      if (has[k]) v = mine[(s * P + k) * 32];
+      w[k][0] = v.x;
+      w[k][1] = v.y;
+      w[k][2] = v.z;
+      w[k][3] = v.w;
+    }
+    // Max over the packed pairs (a tree), then the two halves, then the warp.
+    u32 mk[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) mk[k] = max2<T>(max2<T>(w[k][0], w[k][1]), max2<T>(w[k][2], w[k][3]));
+#pragma unroll
+    for (int h = 1; h < P; h *= 2)
+#pragma unroll
+      for (int k = 0; k + h < P; k += 2 * h) mk[k] = max2<T>(mk[k], mk[k + h]);
+    float mlo, mhi;
+    widen2<T>(mk[0], mlo, mhi);
+    const float m = warp_max(fmaxf(mlo, mhi)) * scale2;  // all -inf row: -inf, outputs NaN
+
+    // Row i is in registers: refill its slot with row i + S. The copies take m as an (unused)
+    // operand, so they issue only once every value read from the slot has arrived.
+    if (i + S < n) {
+      const T* xr = xw + (long long)(i + S) * C;
+#pragma unroll
+      for (int k = 0; k < P; ++k)
+        if (has[k]) cp_async16_s(smine + (s * P + k) * 512, xr + k * 32 * V, m);
+    }
+    cp_async_commit();
+
+    float e[P][V], sk[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float lo, hi;
+        widen2<T>(w[k][j], lo, hi);
+        e[k][2 * j] = sm_ex2(fmaf(lo, scale2, -m));
+        e[k][2 * j + 1] = sm_ex2(fmaf(hi, scale2, -m));
+      }
+      sk[k] = ((e[k][0] + e[k][1]) + (e[k][2] + e[k][3])) + ((e[k][4] + e[k][5]) + (e[k][6] + e[k][7]));
+    }
+#pragma unroll
+    for (int h = 1; h < P; h *= 2)
+#pragma unroll
+      for (int k = 0; k + h < P; k += 2 * h) sk[k] += sk[k + h];
+    const float f = sm_rcp(warp_sum(sk[0]));
+
+    T* yr = yw + (long long)i * C;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      if (has[k]) {
+        uint4 o;
+        o.x = cvt2<T>(e[k][0] * f, e[k][1] * f);
+        o.y = cvt2<T>(e[k][2] * f, e[k][3] * f);
+        o.z = cvt2<T>(e[k][4] * f, e[k][5] * f);
+        o.w = cvt2<T>(e[k][6] * f, e[k][7] * f);
+        *reinterpret_cast<uint4*>(yr + k * 32 * V) = o;
+      }
+    }
+    if (++s == S) s = 0;
   }
 }
 
