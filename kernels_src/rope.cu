@@ -15,10 +15,16 @@
 // (an id outside [0, P) makes that token's outputs NaN: no host check on the launch path), else row
 // (b, t) of a (B, T, Dc) table or row t of a (1, T, Dc) / (T, Dc) one. Tables are T or fp32.
 //
-// Layout: one block per token; threadIdx.x walks the row in chunks of W elements (16 bytes when
-// `vec`, else 1 element or 1 pair), loading the chunk's table entries once, and threadIdx.y walks the
-// Hq + Hkv heads of that token (q heads first, then k heads), kHeadsInFlight heads per thread at a
-// time so that each thread has several 16-byte loads outstanding. fp32 math.
+// Two kernels, fp32 math in both (the launcher's `variant` picks; see src/ops/rope.cpp):
+// - rope_tile_kernel (default; 16-byte aligned rows and table rows): a thread owns one 16-byte
+//   chunk column of one token for a group of U heads of q or of k, issues all of their loads before
+//   the token's table chunk (read once per U heads) and before any math; blocks cover tiles of
+//   consecutive tokens, grid.y the head groups. See the comment above rope_tile_body.
+// - rope_kernel (every other layout: misaligned rows or tables, D / 2 or D not a multiple of the
+//   16-byte pack): one block per token; threadIdx.x walks the row in chunks of W elements (16 bytes
+//   when `vec`, else 1 element or 1 pair), loading the chunk's table entries once, and threadIdx.y
+//   walks the Hq + Hkv heads of that token (q heads first, then k heads), kHeadsInFlight heads per
+//   thread at a time so that each thread has several 16-byte loads outstanding.
 #include "common.cuh"
 
 // N consecutive elements of p as floats: 16- or 8-byte loads when `aligned` (the launcher guarantees
@@ -259,4 +265,227 @@ __global__ void rope_f32tab_kernel(const T* __restrict__ q, const T* __restrict_
                                    int tvec) {
   rope_body<T, float>(q, k, q_out, k_out, cos, sin, pos, Tn, Hq, Hkv, D, qsb, qsh, qst, ksb, ksh,
                       kst, tab_batched, n_pos, pos_sb, interleaved, inverse, vec, tvec);
+}
+
+// ---- tiled kernel (the launcher's default for 16-byte aligned rows and tables) -------------------
+// Element access on raw 16-byte packs (uint4): E = 4 / sizeof(T) elements per 32-bit word. bf16
+// unpacks with one shift or mask per element and packs two results with one cvt (sm_80+).
+KF_DEVICE u32 word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+KF_DEVICE void set_word(uint4& v, int i, u32 x) {
+  if (i == 0) v.x = x;
+  else if (i == 1) v.y = x;
+  else if (i == 2) v.z = x;
+  else v.w = x;
+}
+// Element e (0 = low half) of word w as a float.
+template <typename T> KF_DEVICE float word_elem(u32 w, int e);
+template <> KF_DEVICE float word_elem<float>(u32 w, int) { return __uint_as_float(w); }
+template <> KF_DEVICE float word_elem<bf16>(u32 w, int e) {
+  return __uint_as_float(e ? (w & 0xffff0000u) : (w << 16));
+}
+template <> KF_DEVICE float word_elem<half>(u32 w, int e) {
+  half h;
+  h.bits = (u16)(e ? w >> 16 : w);
+  return to_float(h);
+}
+// A word from E floats (f1 unused when E = 1), rounded to nearest even.
+template <typename T> KF_DEVICE u32 make_word(float f0, float f1);
+template <> KF_DEVICE u32 make_word<float>(float f0, float) { return __float_as_uint(f0); }
+template <> KF_DEVICE u32 make_word<bf16>(float f0, float f1) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f1), "f"(f0));
+  return r;
+}
+template <> KF_DEVICE u32 make_word<half>(float f0, float f1) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f1), "f"(f0));
+  return r;
+}
+// Element j of N consecutive 16-byte packs of C.
+template <typename C, int N>
+KF_DEVICE float pack_elem(const uint4 (&t)[N], int j) {
+  constexpr int E = 4 / (int)sizeof(C), PER = 4 * E;
+  return word_elem<C>(word_of(t[j / PER], (j % PER) / E), j % E);
+}
+template <typename T> KF_DEVICE uint4 ld16cs(const T* p) {
+  return __ldcs(reinterpret_cast<const uint4*>(p));
+}
+template <typename T> KF_DEVICE uint4 ld16(const T* p) { return *reinterpret_cast<const uint4*>(p); }
+template <typename T> KF_DEVICE void st16(T* p, const uint4& v) { *reinterpret_cast<uint4*>(p) = v; }
+
+// Layout: blocks of (bx, by) threads, threadIdx.x over a row's 16-byte chunks (rotate_half: chunk c
+// is elements [cV, cV + V) of the first half *and* the same of the second half, so one thread holds
+// both members of its rotated pairs; interleaved: elements [cV, cV + V), V / 2 pairs), threadIdx.y
+// over a tile of by consecutive tokens. blockIdx.y is a group of U consecutive heads of q (groups
+// 0 .. gq - 1) or of k (the rest), never both, so a group has one base pointer and one head stride;
+// blockIdx.x walks the token tiles with a grid stride (the launcher sizes the grid to what is
+// resident, or to one tile per block). Per (token, chunk) a thread issues the 16-byte loads of its U
+// heads (2U for rotate_half) and of its token's table chunk (once for the U heads) back to back, and
+// only then converts and rotates, table element outer and head inner, results written over their
+// inputs (the table's address depends on no load unless position ids are given). Heads past a
+// tensor's last head (a partial group) re-read that last head and skip their stores, so the loads
+// are unconditional.
+template <typename T, typename C, int U, bool IL>
+KF_DEVICE void rope_tile_body(const T* __restrict__ q, const T* __restrict__ k, T* __restrict__ q_out,
+                              T* __restrict__ k_out, const C* __restrict__ cos,
+                              const C* __restrict__ sin, const long long* __restrict__ pos, int ntok,
+                              int Tn, int Hq, int Hkv, int D, long long qsb, long long qsh,
+                              long long qst, long long ksb, long long ksh, long long kst,
+                              int tab_batched, long long n_pos, long long pos_sb, int inverse,
+                              int ntiles, int gq) {
+  constexpr int V = Pack128<T>::size, E = 4 / (int)sizeof(T);
+  const int half = D / 2, Dc = IL ? half : D;
+  const bool isq = (int)blockIdx.y < gq;
+  const int h0 = (isq ? (int)blockIdx.y : (int)blockIdx.y - gq) * U;
+  const int Hn = isq ? Hq : Hkv;
+  const int last = min(U, Hn - h0) - 1;
+  const T* src0 = isq ? q : k;
+  T* dst0 = isq ? q_out : k_out;
+  const long long sb = isq ? qsb : ksb, sh = isq ? qsh : ksh, st = isq ? qst : kst;
+  const long long dsh = (long long)Tn * D;
+  const float qnan = __int_as_float(0x7fffffff);
+  for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int tok = tile * (int)blockDim.y + (int)threadIdx.y;
+    if (tok >= ntok) break;  // later tiles only hold later tokens
+    const int b = tok / Tn, t = tok - b * Tn;
+    const T* src = src0 + b * sb + t * st + h0 * sh;
+    T* dst = dst0 + (((long long)b * Hn + h0) * Tn + t) * D;
+    const int i0 = threadIdx.x * V;  // blockDim.x is the row's chunk count
+    // 1. the data loads of the U heads (pointers stepped per head: no per-head 64-bit products)
+    uint4 x0[U], x1[U];  // rotate_half: first / second half chunks; interleaved: x0 only
+    {
+      const T* p = src + i0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        x0[u] = ld16cs(p);
+        if constexpr (!IL) x1[u] = ld16cs(p + half);
+        if (u < last) p += sh;
+      }
+    }
+    // 2. the table row (a dependent load with position ids) and its chunk
+    long long trow = tab_batched ? tok : t;
+    bool bad = false;
+    if (pos) {
+      const long long p = pos[b * pos_sb + t];
+      bad = p < 0 || p >= n_pos;
+      trow = bad ? 0 : p;
+    }
+    const C* cr = cos + trow * Dc;
+    const C* sr = sin + trow * Dc;
+    // 3. rotate (table element outer, head inner), then the stores
+    if constexpr (!IL) {
+      constexpr int NT = V * (int)sizeof(C) / 16;  // 16-byte table packs per half chunk
+      uint4 cl[NT], ch[NT], sl[NT], shi[NT];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        cl[n] = ld16(cr + i0 + n * 16 / (int)sizeof(C));
+        ch[n] = ld16(cr + half + i0 + n * 16 / (int)sizeof(C));
+        sl[n] = ld16(sr + i0 + n * 16 / (int)sizeof(C));
+        shi[n] = ld16(sr + half + i0 + n * 16 / (int)sizeof(C));
+      }
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {  // word m of each pack: elements j = mE .. mE + E - 1
+        float c_lo[E], c_hi[E], s_lo[E], s_hi[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const int j = m * E + e;
+          c_lo[e] = pack_elem<C>(cl, j);
+          c_hi[e] = pack_elem<C>(ch, j);
+          s_lo[e] = pack_elem<C>(sl, j);
+          s_hi[e] = pack_elem<C>(shi, j);
+          if (inverse) {  // the transpose: lo = a c_lo + b s_hi, hi = b c_hi - a s_lo
+            const float t_lo = s_lo[e];
+            s_lo[e] = -s_hi[e];
+            s_hi[e] = -t_lo;
+          }
+          if (bad) c_lo[e] = c_hi[e] = qnan;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const u32 wa = word_of(x0[u], m), wb = word_of(x1[u], m);
+          float lo[2], hi[2];
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            const float a = word_elem<T>(wa, e), bb = word_elem<T>(wb, e);
+            lo[e] = a * c_lo[e] - bb * s_lo[e];
+            hi[e] = bb * c_hi[e] + a * s_hi[e];
+          }
+          set_word(x0[u], m, make_word<T>(lo[0], lo[E - 1]));
+          set_word(x1[u], m, make_word<T>(hi[0], hi[E - 1]));
+        }
+      }
+      T* o = dst + i0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (u <= last) {
+          st16(o, x0[u]);
+          st16(o + half, x1[u]);
+        }
+        o += dsh;
+      }
+    } else {
+      constexpr int P = V / 2;
+      float cs[P], sn[P];
+      load_floats<P>(cr + i0 / 2, cs, 1);
+      load_floats<P>(sr + i0 / 2, sn, 1);
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const float cp = bad ? qnan : cs[p], sp = inverse ? -sn[p] : sn[p];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if constexpr (E == 2) {  // pair p is word p
+            const u32 w = word_of(x0[u], p);
+            const float a = word_elem<T>(w, 0), bb = word_elem<T>(w, 1);
+            set_word(x0[u], p, make_word<T>(a * cp - bb * sp, a * sp + bb * cp));
+          } else {  // pair p is words 2p, 2p + 1
+            const float a = __uint_as_float(word_of(x0[u], 2 * p));
+            const float bb = __uint_as_float(word_of(x0[u], 2 * p + 1));
+            set_word(x0[u], 2 * p, __float_as_uint(a * cp - bb * sp));
+            set_word(x0[u], 2 * p + 1, __float_as_uint(a * sp + bb * cp));
+          }
+        }
+      }
+      T* o = dst + i0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (u <= last) st16(o, x0[u]);
+        o += dsh;
+      }
+    }
+  }
+}
+
+// Resident blocks per SM the tiled kernels are compiled for (their register cap); the launcher's
+// kTileBlocksPerSm must match.
+#define ROPE_TILE_MIN_BLOCKS(U) ((U) >= 8 ? 2 : 3)
+
+// Tables stored as T; U heads per thread, IL: interleaved layout. Needs the launcher's `vec` and
+// `tvec` (16-byte aligned rows and table rows).
+template <typename T, int U, bool IL>
+__global__ void __launch_bounds__(256, ROPE_TILE_MIN_BLOCKS(U))
+    rope_tile_kernel(const T* __restrict__ q, const T* __restrict__ k, T* __restrict__ q_out,
+                     T* __restrict__ k_out, const T* __restrict__ cos, const T* __restrict__ sin,
+                     const long long* __restrict__ pos, int ntok, int Tn, int Hq, int Hkv, int D,
+                     long long qsb, long long qsh, long long qst, long long ksb, long long ksh,
+                     long long kst, int tab_batched, long long n_pos, long long pos_sb, int inverse,
+                     int ntiles, int gq) {
+  rope_tile_body<T, T, U, IL>(q, k, q_out, k_out, cos, sin, pos, ntok, Tn, Hq, Hkv, D, qsb, qsh, qst,
+                              ksb, ksh, kst, tab_batched, n_pos, pos_sb, inverse, ntiles, gq);
+}
+
+// Tables stored as fp32 (bf16 / fp16 q and k).
+template <typename T, int U, bool IL>
+__global__ void __launch_bounds__(256, ROPE_TILE_MIN_BLOCKS(U))
+    rope_tile_f32tab_kernel(const T* __restrict__ q, const T* __restrict__ k, T* __restrict__ q_out,
+                            T* __restrict__ k_out, const float* __restrict__ cos,
+                            const float* __restrict__ sin, const long long* __restrict__ pos,
+                            int ntok, int Tn, int Hq, int Hkv, int D, long long qsb, long long qsh,
+                            long long qst, long long ksb, long long ksh, long long kst,
+                            int tab_batched, long long n_pos, long long pos_sb, int inverse,
+                            int ntiles, int gq) {
+  rope_tile_body<T, float, U, IL>(q, k, q_out, k_out, cos, sin, pos, ntok, Tn, Hq, Hkv, D, qsb, qsh,
+                                  qst, ksb, ksh, kst, tab_batched, n_pos, pos_sb, inverse, ntiles,
+                                  gq);
 }
