@@ -21,6 +21,10 @@
 // What limits these kernels is bytes in flight per SM, i.e. registers: the launcher picks K (and,
 // backward, rows per group R) so that loads fill a good part of the register file, and every kernel
 // instantiation compiles without spills (launch bounds below; checked with ptxas for sm_80/sm_90).
+// Backward has two kernels: rmsnorm_backward_kernel (R rows per group loaded at once, then computed;
+// any size) and rmsnorm_backward_pipelined_kernel (the default for 16-byte accesses and rows of up
+// to 1024 chunks: one row at a time with the loads of the next rows always in flight, and about 2/3
+// of the instructions per element).
 #include "common.cuh"
 
 // ---- chunks in registers ------------------------------------------------------------------------
@@ -411,6 +415,245 @@ __global__ void __launch_bounds__(MAXT, 1)
         float s = 0.0f;
         for (int g = 0; g < (int)blockDim.y; ++g) s += fold[g * span + e];
         part[col] = s;
+      }
+    }
+  }
+}
+
+// ---- backward, pipelined (the launcher's default) -------------------------------------------------
+// Same layout and dweight scheme as rmsnorm_backward_kernel (persistent grid of one block per SM,
+// blockDim.y row groups of blockDim.x threads, thread x owns chunks x, x + blockDim.x, ... (K of
+// them) in every row, the weight and the dweight sums of its columns in registers, fold at the end),
+// but one row at a time with the loads of the next P rows always in flight: group y of block b takes
+// rows first = b * blockDim.y + y, first + stride, ... (stride = gridDim.x * blockDim.y); each thread
+// keeps P rows' x, dy (packed, K chunks each) and rstd in registers, buffer p = row number mod P, and
+// refills a buffer with the row P further on as soon as it is done with it. While a thread waits for
+// a row, the P - 1 rows after it are in flight too (the previous kernel had a group's R rows in
+// flight, then nothing while it computed them).
+// A row, per element: g = dy * w, dot += g * x and the dweight sums += dy * x_hat (x_hat = x * r;
+// CBW: rounded to T, as the forward used it); the reduction of dot; then
+// dx = r * (g - x_hat * mean(g * x_hat)) = r * (g + a * x) with a = -r^2 * dot / D: one FMA and one
+// multiply. The weight is kept as fp32.
+// KEEP_G: g stays in registers (fp32, K * V of them) through the reduction and dy's buffer is
+// refilled before it; x's after dx. Otherwise both are refilled after dx and g is recomputed from
+// the packed dy (fewer registers, so room for more rows in flight; 2 more instructions per element).
+// x (and dy) are unpacked a second time for dx so that a row waits out the reduction packed (4
+// registers a chunk): for bf16 that second unpacking uses masks passed as kernel arguments (`lo_mul`
+// = 1 << 16, `hi_mask` = 0xffff0000, read as constant-bank operands), so the compiler cannot merge
+// it with the first and keep the floats alive instead; fp16 uses opaque() (`zero` = 0).
+// Where the loads go: ptxas moves loads up, above the last reads of the buffer they refill; the
+// loaded value then lands in other registers and the move into the buffer's registers at the loop's
+// end waits for the load. So each refill's address depends (+ 0) on a value computed from every read
+// of the buffer (dot for dy's, the last dx value for x's); and on leaving the loop the buffers are
+// used (+ 0), or the loads would be moved below the loop's exit test, behind the next row's wait.
+// Only 16-byte accesses (VEC; the launcher sends other cases to rmsnorm_backward_kernel). Addressing:
+// per-thread byte pointers advanced by a 32-bit step per row (stride * D * sizeof(T) < 2^32, checked
+// by the launcher); past the group's last row the prefetch pointers stay on it (the tail re-reads
+// that row, unused), so every load is unconditional. Chunks past the end of the row (x + k * tx >=
+// nchunk) load the thread's chunk 0 instead (the row's last chunk for threads x >= nchunk) and get
+// weight 0: they add nothing to dot, their dx is not stored and their dweight sums are not written.
+// Reduction of a row: shuffles; for rows of several warps, lane 0 of each warp writes its sum to the
+// group's 16 slots (zeros past the last warp), one group barrier, then every lane reads slot
+// lane % 16 and four more shuffles (the same sums in the same order in every lane). Two sets of slots,
+// used by alternate rows.
+KF_DEVICE const char* plus(const char* p, u64 bytes) {
+  return reinterpret_cast<const char*>(reinterpret_cast<u64>(p) + bytes);
+}
+
+template <typename T>
+KF_DEVICE float reget(const Chunk& c, int i, u32 lo_mul, u32 hi_mask) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(c.w[i]);
+  } else if constexpr (Elems<T>::kOne == Elems<bf16>::kOne) {
+    const u32 w = c.w[i >> 1];
+    return __uint_as_float(i & 1 ? w & hi_mask : w * lo_mul);
+  } else {
+    return Elems<T>::get(c, i);  // the chunk went through opaque() first
+  }
+}
+
+template <typename T, int K, int P, bool KEEP_G, bool CBW, int MAXT>
+__global__ void __launch_bounds__(MAXT, 1)
+    rmsnorm_backward_pipelined_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                      const T* __restrict__ weight, const float* __restrict__ rstd,
+                                      T* __restrict__ dx, float* __restrict__ dw_partial,
+                                      long long rows, int D, float inv_d, u32 lo_mul, u32 hi_mask,
+                                      int zero) {
+  using E = Elems<T>;
+  constexpr int V = E::V;
+  constexpr bool kHalf = sizeof(T) == 2 && E::kOne != Elems<bf16>::kOne;
+  static_assert(MAXT <= 512, "16 warps per row at most");
+  __shared__ float scratch[2][MAXT / 32 * 16];  // [set][group * 16 + warp]; groups <= MAXT / 32
+  extern __shared__ float fold[];
+  const int tx = blockDim.x;
+  const int nchunk = D / V;  // D % V == 0 (VEC)
+  const int nw = tx >> 5;
+  const int lane = threadIdx.x & 31;
+  const u32 kbytes = (u32)tx * 16u;  // from one chunk of a thread to its next
+
+  bool ok[K];
+  u32 koff[K];  // byte offset of chunk k from chunk 0
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    ok[k] = (int)threadIdx.x + k * tx < nchunk;
+    koff[k] = ok[k] ? (u32)k * kbytes : 0u;
+  }
+  float w[K][V], acc[K][V];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const Chunk wc = !ok[k] ? words(0u)
+                     : weight ? load_chunk<T, true, false>(weight + threadIdx.x * V, k * tx, D)
+                              : words(Elems<T>::kOne);
+#pragma unroll
+    for (int i = 0; i < V; ++i) w[k][i] = E::get(wc, i), acc[k][i] = 0.0f;
+  }
+  // Shared-memory byte addresses: this warp's slot (sw) and this lane's read slot (sl) in the set
+  // of the next row; sflip switches both to the other set.
+  const u32 s0 = (u32)__cvta_generic_to_shared(&scratch[0][threadIdx.y * 16]);
+  const u32 sflip = s0 ^ (u32)__cvta_generic_to_shared(&scratch[1][threadIdx.y * 16]);
+  u32 sw = s0 + (threadIdx.x >> 5) * 4, sl = s0 + (lane & 15) * 4;
+  if ((int)threadIdx.x >= nw && threadIdx.x < 16) {  // padding, never written again
+    scratch[0][threadIdx.y * 16 + threadIdx.x] = 0.0f;
+    scratch[1][threadIdx.y * 16 + threadIdx.x] = 0.0f;
+  }
+
+  const long long first = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+  const long long stride = (long long)gridDim.x * blockDim.y;
+  const int n = first < rows ? (int)((rows - 1 - first) / stride) + 1 : 0;  // rows of this group
+  if (n == 0) goto done;  // uniform over the group
+  {
+    const u32 step = (u32)(stride * D) * (u32)sizeof(T);
+    const u32 rstep = (u32)stride * 4u;
+    // Column of chunk 0: a thread past the end of the row (K = 1, nchunk < 32) reads the row's last
+    // chunk instead (never stored, weight 0).
+    const int c0 = min((int)threadIdx.x, nchunk - 1);
+    const long long off = first * D + c0 * V;
+    const char* nx = reinterpret_cast<const char*>(x + off);  // the row to load next
+    // Not KEEP_G: dy's addresses are x's plus gdelta (uniform: one pointer register fewer).
+    const u64 gdelta = reinterpret_cast<u64>(dy) - reinterpret_cast<u64>(x);
+    const char* ng = reinterpret_cast<const char*>(dy + off);  // KEEP_G: dy runs ahead of x
+    const char* nr = reinterpret_cast<const char*>(rstd + first);
+    char* cd = reinterpret_cast<char*>(dx + off);  // current row's dx
+
+    Chunk bx[P][K], bg[P][K];
+    float br[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      if (p > 0) {
+        const u32 inc = p < n ? step : 0u;
+        nx += inc, nr += p < n ? rstep : 0u;
+        if (KEEP_G) ng += inc;
+      }
+      br[p] = *reinterpret_cast<const float*>(nr);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        bx[p][k] = load_chunk<T, true, true>(reinterpret_cast<const T*>(nx + koff[k]), 0, D);
+        bg[p][k] = load_chunk<T, true, true>(
+            reinterpret_cast<const T*>(KEEP_G ? ng + koff[k] : plus(nx, gdelta + koff[k])), 0, D);
+      }
+    }
+
+    for (int t = 0;;) {
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const float r = br[p];
+        const u32 inc = t + P < n ? step : 0u;  // to row t + P, or stay on the group's last row
+        float g[K][V], dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+#pragma unroll
+          for (int i = 0; i < V; i += 2) {  // a pair of elements at a time (CBW rounds pairs)
+            float d[2], xr[2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const float xv = E::get(bx[p][k], i + j);
+              d[j] = E::get(bg[p][k], i + j);
+              g[k][i + j] = d[j] * w[k][i + j];
+              dot = fmaf(g[k][i + j], xv, dot);
+              xr[j] = xv * r;
+            }
+            if (CBW) E::round(xr[0], xr[1]);  // x_hat as the forward used it for the weight
+#pragma unroll
+            for (int j = 0; j < 2; ++j) acc[k][i + j] = fmaf(d[j], xr[j], acc[k][i + j]);
+          }
+        if (KEEP_G) {  // dy's buffer is free: refill it with row t + P
+          // + 0 that depends on dot: see "Where the loads go" above.
+          ng += inc + (__float_as_uint(dot) & (u32)zero);
+#pragma unroll
+          for (int k = 0; k < K; ++k)
+            bg[p][k] = load_chunk<T, true, true>(reinterpret_cast<const T*>(ng + koff[k]), 0, D);
+        }
+        dot = warp_sum(dot);
+        if (nw > 1) {  // rows of several warps: partial sums through shared memory, one barrier
+          if (lane == 0) asm volatile("st.shared.f32 [%0], %1;" ::"r"(sw), "f"(dot));
+          group_barrier();
+          asm volatile("ld.shared.f32 %0, [%1];" : "=f"(dot) : "r"(sl));
+#pragma unroll
+          for (int o = 8; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+          sw ^= sflip, sl ^= sflip;
+        }
+        const float a = -(dot * inv_d) * r * r;
+        u32 last = 0u;  // bits of each chunk's last dx value: see "Where the loads go" above
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          if (kHalf) {
+            opaque(bx[p][k], zero);
+            if (!KEEP_G) opaque(bg[p][k], zero);
+          }
+          float o[V];
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            const float gi = KEEP_G ? g[k][i] : reget<T>(bg[p][k], i, lo_mul, hi_mask) * w[k][i];
+            o[i] = r * fmaf(a, reget<T>(bx[p][k], i, lo_mul, hi_mask), gi);
+          }
+          if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cd + koff[k]), 0, D, E::put(o));
+          last |= __float_as_uint(o[V - 1]);
+        }
+        cd += step;
+        // Refill x's buffer (and dy's) and rstd's with row t + P.
+        const u32 dep = last & (u32)zero;
+        nx += inc + dep, nr += (inc ? rstep : 0u) + dep;
+        br[p] = *reinterpret_cast<const float*>(nr);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          bx[p][k] = load_chunk<T, true, true>(reinterpret_cast<const T*>(nx + koff[k]), 0, D);
+          if (!KEEP_G)
+            bg[p][k] = load_chunk<T, true, true>(
+                reinterpret_cast<const T*>(plus(nx, gdelta + koff[k])), 0, D);
+        }
+        if (++t >= n) {
+          // Leaving: the buffers are used (+ 0), see "Where the loads go" above.
+          u32 sink = 0u;
+#pragma unroll
+          for (int q = 0; q < P; ++q) {
+            sink |= __float_as_uint(br[q]);
+#pragma unroll
+            for (int k = 0; k < K; ++k) sink |= bx[q][k].w[0] | bg[q][k].w[0];
+          }
+          acc[0][0] = __uint_as_float(__float_as_uint(acc[0][0]) | (sink & (u32)zero));
+          goto done;
+        }
+      }
+    }
+  }
+done:
+  if (dw_partial == nullptr) return;  // no weight: nothing to reduce (uniform over the block)
+  float* part = dw_partial + (long long)blockIdx.x * D;
+  const int span = tx * V;  // floats per group and k
+  const int t = threadIdx.y * tx + threadIdx.x;
+  const int nt = tx * blockDim.y;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    __syncthreads();  // the previous k's reads are done
+#pragma unroll
+    for (int i = 0; i < V; ++i) fold[threadIdx.y * span + threadIdx.x * V + i] = acc[k][i];
+    __syncthreads();
+    for (int e = t; e < span; e += nt) {
+      const int cidx = k * span + e;
+      if (cidx < D) {
+        float sum = 0.0f;
+        for (int gi = 0; gi < (int)blockDim.y; ++gi) sum += fold[gi * span + e];
+        part[cidx] = sum;
       }
     }
   }

@@ -37,10 +37,11 @@ def reference(x, weight, eps, dy, nd=1):
     return y.detach(), rstd.detach().reshape(-1), x64.grad, None if w64 is None else w64.grad
 
 
-def check(x, weight, dy, cast_before_weight, nd=1, what=""):
+def check(x, weight, dy, cast_before_weight, nd=1, what="", variant=0):
     dtype = x.dtype
+    what = f"{what} variant {variant}"
     y, rstd = kforge._C.rmsnorm_forward(x, weight, EPS, nd, cast_before_weight)
-    dx, dw = kforge._C.rmsnorm_backward(dy, x, weight, rstd, nd, cast_before_weight)
+    dx, dw = kforge._C.rmsnorm_backward(dy, x, weight, rstd, nd, cast_before_weight, variant)
     ry, rrstd, rdx, rdw = reference(x, weight, EPS, dy, nd)
     assert y.dtype == dtype and rstd.dtype == torch.float32 and dx.dtype == dtype
     assert_close(y, ry, dtype, f"y {what}")
@@ -54,87 +55,135 @@ def check(x, weight, dy, cast_before_weight, nd=1, what=""):
 
 
 # ---- GPU: kernels against float64 ---------------------------------------------------------------------
-# Chosen so every kernel variant runs (see forward_geometry / backward_geometry in src/ops/rmsnorm.cpp):
-# forward one warp per row with K = 1, 2, 4, 8 chunks per thread ((2, 256), (3, 512), (17, 768),
-# (5, 2048)) and one block per row with K = 4 ((4, 2056), bf16 (3, 5, 4100)) and K = 8 ((8, 4096));
-# backward K = 1, 2, 4 with one warp per row and row groups of 2..8 per block, element-wise for
-# odd sizes ((3, 5, 4100) in bf16, (5, 3)).
+# Chosen so every kernel variant runs (see forward_geometry / backward_geometry / pipe_kernel in
+# src/ops/rmsnorm.cpp): forward one warp per row with K = 1, 2, 4, 8 chunks per thread ((2, 256),
+# (3, 512), (17, 768), (5, 2048)) and one block per row with K = 4 ((4, 2056), bf16 (3, 5, 4100)) and
+# K = 8 ((8, 4096)).
+# Backward (every `variant`): the previous kernel (variant 1, and where the pipelined one does not
+# apply) with K = 1, 2, 4, one warp per row and row groups of 2..8 per block, element-wise for odd
+# sizes ((3, 5, 4100) in bf16, (5, 3)) and for rows longer than 1024 chunks ((3, 8192) and (5, 6000)
+# in fp32; test_longest_rows); the pipelined one (variants 0, 2) with K = 1 (one warp per row: (2, 256)
+# bf16, (1000, 64) with lanes past the row's end), and K = 2 in groups of 1 warp ((3, 512) bf16), 2, 4,
+# 8 warps (bf16 (17, 768), (5, 2048), (8, 4096)), 12 warps with padded slots (bf16 (5, 6000)), 16 warps
+# ((3, 8192) bf16, (8, 4096) fp32), and with chunks past the row's end ((4, 2056): bf16 257 chunks on
+# 160 threads, fp32 514 on 288).
 SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056),
-          (3, 512), (5, 2048)]
+          (3, 512), (5, 2048), (3, 8192), (5, 6000)]
+# Backward kernels (the launcher's `variant`): 0 pipelined (default), 1 previous, 2 pipelined deeper.
+VARIANTS = [0, 1, 2]
+variants = pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"v{v}")
 
 
 @gpu
+@variants
 @pytest.mark.parametrize("cast_before_weight", [True, False], ids=["hf", "torch"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_backward(dtype, shape, cast_before_weight):
+def test_forward_backward(dtype, shape, cast_before_weight, variant):
     x = randn(*shape, dtype=dtype)
     w = randn(shape[-1], dtype=dtype, scale=0.5) + 1
     dy = randn(*shape, dtype=dtype)
-    check(x, w, dy, cast_before_weight, what=str(shape))
+    check(x, w, dy, cast_before_weight, what=str(shape), variant=variant)
 
 
 @gpu
+@variants
 @pytest.mark.parametrize("cast_before_weight", [True, False], ids=["hf", "torch"])
-@pytest.mark.parametrize("shape", [(8, 4096), (3, 5, 4100), (17, 768), (5, 3), (6, 16384)],
+@pytest.mark.parametrize("shape", [(8, 4096), (3, 5, 4100), (17, 768), (5, 3), (6, 16384), (1000, 64),
+                                   (3, 8192), (4, 2056)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_float16(shape, cast_before_weight):
+def test_float16(shape, cast_before_weight, variant):
     # fp16 has its own unpacking / rounding code in the kernels (cvt.f32.f16, cvt.rn.f16x2.f32).
     dtype = torch.float16
     x = randn(*shape, dtype=dtype)
     w = randn(shape[-1], dtype=dtype, scale=0.5) + 1
     dy = randn(*shape, dtype=dtype)
-    check(x, w, dy, cast_before_weight, what=str(shape))
+    check(x, w, dy, cast_before_weight, what=str(shape), variant=variant)
 
 
 @gpu
+@variants
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("D", [64, 768, 4096, 6000], ids=lambda d: f"D{d}")
+def test_pipelined_rows_per_group(D, dtype, variant):
+    # The pipelined backward: a group's rows first, first + stride, ... with P rows in flight; row
+    # counts that give the groups 1..6 rows (fewer than P, not a multiple of P, some groups one row
+    # fewer), so every buffer is the last one used and the loads past the end are clamped.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    es = torch.tensor([], dtype=dtype).element_size()
+    nchunk = D * es // 16
+    tx = 32 if nchunk <= 32 else -(-nchunk // 2 // 32) * 32
+    groups = 512 // tx
+    for n in range(1, 7):
+        rows = sms * groups * (n - 1) + (sms * groups * 2) // 3 + 1
+        x, dy = randn(rows, D, dtype=dtype), randn(rows, D, dtype=dtype)
+        w = randn(D, dtype=dtype, scale=0.5) + 1
+        check(x, w, dy, True, what=f"{rows}x{D}", variant=variant)
+        check(x, w, dy, False, what=f"{rows}x{D}", variant=variant)
+
+
+@gpu
+@variants
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_many_rows_odd_size(dtype):
+def test_many_rows_odd_size(dtype, variant):
     # Element-wise kernels (D % 8 != 0 for bf16) over many rows: the persistent backward grid loops.
     x, dy = randn(1000, 4100, dtype=dtype), randn(1000, 4100, dtype=dtype)
-    check(x, randn(4100, dtype=dtype, scale=0.5) + 1, dy, True, what="1000x4100")
+    check(x, randn(4100, dtype=dtype, scale=0.5) + 1, dy, True, what="1000x4100", variant=variant)
 
 
 @gpu
+@variants
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_longest_rows(dtype):
+def test_longest_rows(dtype, variant):
     D = op.MAX_ROW_BYTES // torch.tensor([], dtype=dtype).element_size()
     x, dy = randn(3, D, dtype=dtype), randn(3, D, dtype=dtype)
-    check(x, randn(D, dtype=dtype), dy, True, what=f"D={D}")
+    check(x, randn(D, dtype=dtype), dy, True, what=f"D={D}", variant=variant)
     with pytest.raises(kforge.KforgeError, match="too long"):
         kforge._C.rmsnorm_forward(randn(2, D + 1, dtype=dtype), None, EPS)
 
 
 @gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_llama_size_many_rows(dtype):
+@variants
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_llama_size_many_rows(dtype, variant):
     # 8192 x 4096 (the bench size): the persistent backward grid walks many rows per block.
     x, dy = randn(8192, 4096, dtype=dtype), randn(8192, 4096, dtype=dtype)
-    check(x, randn(4096, dtype=dtype, scale=0.5) + 1, dy, True, what="8192x4096")
+    w = randn(4096, dtype=dtype, scale=0.5) + 1
+    check(x, w, dy, True, what="8192x4096", variant=variant)
+    check(x, w, dy, False, what="8192x4096", variant=variant)
 
 
 @gpu
+@variants
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_without_weight_and_multidim(dtype):
+def test_without_weight_and_multidim(dtype, variant):
     x, dy = randn(6, 5, 32, dtype=dtype), randn(6, 5, 32, dtype=dtype)
-    check(x, None, dy, False, what="no weight")
-    check(x, randn(5, 32, dtype=dtype), dy, False, nd=2, what="normalized (5, 32)")
-    check(x, None, dy, True, nd=3, what="normalized (6, 5, 32)")
+    check(x, None, dy, False, what="no weight", variant=variant)
+    check(x, randn(5, 32, dtype=dtype), dy, False, nd=2, what="normalized (5, 32)", variant=variant)
+    check(x, None, dy, True, nd=3, what="normalized (6, 5, 32)", variant=variant)
+    x, dy = randn(300, 4096, dtype=dtype), randn(300, 4096, dtype=dtype)
+    check(x, None, dy, True, what="no weight, 300x4096", variant=variant)
 
 
 @gpu
+@variants
 @pytest.mark.parametrize("D", [64, 512, 1024, 2048, 4096], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_misaligned_and_strided_inputs(dtype, D):
+def test_misaligned_and_strided_inputs(dtype, D, variant):
     # Misaligned rows take the element-wise kernels: every chunk count K of both directions.
     buf = randn(37 * D + 1, dtype=dtype)
     x = buf[1:].view(37, D)  # 2-byte / 4-byte offset: the element-wise path
-    check(x, randn(D, dtype=dtype), randn(37, D, dtype=dtype), True, what=f"misaligned D={D}")
-    check(x, randn(D, dtype=dtype), randn(37, D, dtype=dtype), False, what=f"misaligned D={D}")
+    w = randn(D, dtype=dtype)
+    check(x, w, randn(37, D, dtype=dtype), True, what=f"misaligned D={D}", variant=variant)
+    check(x, w, randn(37, D, dtype=dtype), False, what=f"misaligned D={D}", variant=variant)
+    # Only dy misaligned (x aligned): the element-wise path too.
+    dyb = randn(37 * D + 1, dtype=dtype)
+    check(randn(37, D, dtype=dtype), w, dyb[1:].view(37, D), True, what=f"misaligned dy D={D}",
+          variant=variant)
     if D != 4096:
         return
     xt = randn(D, 6, dtype=dtype).t()  # non-contiguous: copied by the launcher
-    check(xt, randn(D, dtype=dtype), randn(6, D, dtype=dtype), True, what="transposed")
+    check(xt, randn(D, dtype=dtype), randn(6, D, dtype=dtype), True, what="transposed", variant=variant)
 
 
 @gpu
@@ -152,12 +201,14 @@ def test_hf_rounding_matches_the_helper():
 
 
 @gpu
-def test_dweight_is_deterministic():
-    x, dy = randn(4096, 4096, dtype=torch.bfloat16), randn(4096, 4096, dtype=torch.bfloat16)
-    w = randn(4096, dtype=torch.bfloat16)
+@variants
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dweight_is_deterministic(dtype, variant):
+    x, dy = randn(4096, 4096, dtype=dtype), randn(4096, 4096, dtype=dtype)
+    w = randn(4096, dtype=dtype)
     _, rstd = kforge._C.rmsnorm_forward(x, w, EPS)
-    runs = [kforge._C.rmsnorm_backward(dy, x, w, rstd)[1] for _ in range(3)]
-    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    runs = [kforge._C.rmsnorm_backward(dy, x, w, rstd, variant=variant) for _ in range(3)]
+    assert all(torch.equal(runs[0][1], r[1]) and torch.equal(runs[0][0], r[0]) for r in runs[1:])
 
 
 @gpu
@@ -279,4 +330,11 @@ def test_launcher_rejects_cpu_tensors():
         kforge._C.rmsnorm_forward(torch.randn(2, 8), torch.randn(8), EPS)
     with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
         kforge._C.rmsnorm_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2))
+
+
+def test_launcher_rejects_unknown_variant():
+    for v in (-1, 3):
+        with pytest.raises(kforge.KforgeError, match="variant must be 0, 1 or 2"):
+            kforge._C.rmsnorm_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2),
+                                       variant=v)
 

@@ -54,6 +54,32 @@ BwdKernel bwd_kernels[] = {
     KF_BWD(4, 1, true, true, k16),     KF_BWD(4, 1, false, true, k16),
 };
 #undef KF_BWD
+
+// Pipelined backward kernels (16-byte accesses only; rows of at most kPipeMaxChunks chunks): K chunks
+// per thread and row, P rows in flight, KEEP_G (g = dy * w kept in registers through the
+// reduction), CBW; blocks of kBwdThreads threads, one per SM. Each compiles without spills at 128
+// registers (ptxas for sm_80 and sm_90), with no register move waiting on a load in the hot loop
+// (sm_90 SASS).
+constexpr int kPipeMaxChunks = 1024;
+struct PipeKernel {
+  int K, P;
+  bool keep_g, cbw;
+  Kernel kernel;
+};
+#define KF_PIPE(K, P, KEEP_G, CBW, DTYPES)                                                         \
+  {                                                                                                \
+    K, P, KEEP_G, CBW, {                                                                           \
+      prog, "rmsnorm_backward_pipelined_kernel<{T}, " #K ", " #P ", " #KEEP_G ", " #CBW ", 512>", \
+          DTYPES                                                                                   \
+    }                                                                                              \
+  }
+PipeKernel pipe_kernels[] = {
+    KF_PIPE(1, 8, false, false, kF32), KF_PIPE(2, 4, false, false, kF32),
+    KF_PIPE(1, 4, true, false, k16),   KF_PIPE(2, 2, true, false, k16),
+    KF_PIPE(2, 3, false, false, k16),  KF_PIPE(1, 4, true, true, k16),
+    KF_PIPE(2, 2, true, true, k16),    KF_PIPE(2, 3, false, true, k16),
+};
+#undef KF_PIPE
 Kernel dweight_kernel(prog, "rmsnorm_dweight_kernel<{T}>");
 
 // Longest row, in 16-byte chunks: 16384 bf16/fp16 or 8192 fp32 elements (kforge.ops.rmsnorm's
@@ -97,6 +123,27 @@ BwdGeometry backward_geometry(int nchunk, bool vec, bool cbw, DType dt) {
       return {&k, tx, kBwdThreads / tx};
     }
   fail("rmsnorm_backward", "no kernel for ", nchunk, " chunks");
+}
+
+// Backward kernel choices (the launcher's `variant`).
+enum BwdVariant : int64_t { kPipelined = 0, kPrevious = 1, kPipelinedDeep = 2 };
+
+// Pipelined backward: K = 1 (one warp per row, 16 rows per block) up to 32 chunks, else K = 2 (rows
+// of <= 512 threads). 16-bit types: P = 2 rows in flight keeping g (variant 0), or P = 3 without
+// (variant 2, K = 2 only; K = 1 keeps P = 4 with g); fp32: P = 8 (K = 1) or 4 (K = 2), without g
+// (fp32's unpacking is free, so keeping g saves little). nullptr where the pipelined kernels do not
+// apply (element-wise access, longer rows): the previous kernels take those.
+PipeKernel* pipe_kernel(int nchunk, bool vec, bool cbw, DType dt, int64_t variant) {
+  if (!vec || nchunk > kPipeMaxChunks) return nullptr;
+  const int K = nchunk <= 32 ? 1 : 2;
+  const bool f32 = dt == DType::f32;
+  const bool keep_g = !f32 && (K == 1 || variant != kPipelinedDeep);
+  const int P = f32 ? (K == 1 ? 8 : 4) : keep_g ? (K == 1 ? 4 : 2) : 3;
+  cbw = cbw && !f32;
+  for (PipeKernel& k : pipe_kernels)
+    if (k.K == K && k.P == P && k.keep_g == keep_g && k.cbw == cbw && k.kernel.supports(dt))
+      return &k;
+  fail("rmsnorm_backward", "no pipelined kernel for ", nchunk, " chunks");
 }
 
 // Elements per row: the product of the last `normalized_ndim` sizes of x.
@@ -149,8 +196,10 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_forward(const at::Tensor& x_,
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
     const at::Tensor& dy_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
-    const at::Tensor& rstd_, int64_t normalized_ndim, bool cast_before_weight) {
+    const at::Tensor& rstd_, int64_t normalized_ndim, bool cast_before_weight, int64_t variant) {
   const char* op = "rmsnorm_backward";
+  KF_CHECK(variant >= kPipelined && variant <= kPipelinedDeep, op, "variant must be 0, 1 or 2, got ",
+           variant);
   const at::Tensor x = input(x_, op, "x");
   const at::Tensor dy = input_like(dy_, x, op, "dy");
   KF_CHECK(dy.sizes() == x.sizes(), op, "dy and x sizes differ: ", dy.sizes(), " vs ", x.sizes());
@@ -174,20 +223,42 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   const bool vec = D % V == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
                    (!weight || aligned16(*weight));
   const DType dt = dtype_of(x, op);
-  const BwdGeometry g = backward_geometry(nchunk, vec, cast_before_weight, dt);
-  // Persistent grid: one block per SM (each writes one partial dweight row), fewer when the rows
-  // do not need them.
-  const int64_t rows_per_step = int64_t(g.groups) * g.kernel->R;
-  const unsigned grid = static_cast<unsigned>(
-      std::min<int64_t>((rows + rows_per_step - 1) / rows_per_step, sm_count(on.device)));
+  const int zero = 0;  // see opaque() in the kernel
+  const int sms = sm_count(on.device);
+  PipeKernel* pk =
+      variant == kPrevious ? nullptr : pipe_kernel(nchunk, vec, cast_before_weight, dt, variant);
+  unsigned grid = 0, tx = 0, groups = 0;
+  if (pk) {
+    tx = round32((nchunk + pk->K - 1) / pk->K);
+    groups = kBwdThreads / tx;
+    // Persistent grid: one block per SM, fewer when the rows do not need them; the kernel advances
+    // its pointers by a 32-bit step per row and counts a group's rows in an int.
+    grid = static_cast<unsigned>(std::min<int64_t>((rows + groups - 1) / groups, sms));
+    const int64_t stride = int64_t(grid) * groups;
+    if (stride * D * x.element_size() >= (int64_t(1) << 32) ||
+        (rows + stride - 1) / stride > std::numeric_limits<int>::max() - 8)
+      pk = nullptr;
+  }
+  Kernel* kernel = pk ? &pk->kernel : nullptr;
+  if (!pk) {
+    const BwdGeometry g = backward_geometry(nchunk, vec, cast_before_weight, dt);
+    tx = g.tx, groups = g.groups, kernel = &g.kernel->kernel;
+    const int64_t rows_per_step = int64_t(groups) * g.kernel->R;
+    grid = static_cast<unsigned>(std::min<int64_t>((rows + rows_per_step - 1) / rows_per_step, sms));
+  }
   std::optional<at::Tensor> partial;
   if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
-  const size_t fold_bytes = size_t(g.tx) * g.groups * V * sizeof(float);
-  const int zero = 0;  // see opaque() in the kernel
-  g.kernel->kernel.launch(dt, on.device, on.stream, grid, Dim3(g.tx, g.groups), fold_bytes,
-                          dy.data_ptr(), x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(),
-                          ptr(partial), static_cast<long long>(rows), static_cast<int>(D),
-                          1.0f / static_cast<float>(D), zero);
+  const size_t fold_bytes = size_t(tx) * groups * V * sizeof(float);
+  if (pk)
+    kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), fold_bytes, dy.data_ptr(),
+                   x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
+                   static_cast<long long>(rows), static_cast<int>(D), 1.0f / static_cast<float>(D),
+                   0x10000u, 0xffff0000u, zero);
+  else
+    kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), fold_bytes, dy.data_ptr(),
+                   x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
+                   static_cast<long long>(rows), static_cast<int>(D), 1.0f / static_cast<float>(D),
+                   zero);
   if (weight)
     dweight_kernel.launch(dt, on.device, on.stream, ceil_div(D, 32), Dim3(32, 16), 0,
                           partial->data_ptr(), dweight->data_ptr(), static_cast<int>(grid),
@@ -206,9 +277,16 @@ KFORGE_BIND_OP(rmsnorm) {
         pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true);
   m.def("rmsnorm_backward", &rmsnorm_backward,
         "Backward of rmsnorm_forward from the saved rstd: returns (dx, dweight), dweight None when "
-        "weight is None; dweight is reduced in a fixed order (deterministic).",
+        "weight is None; dweight is reduced in a fixed order (deterministic). variant (for A/B "
+        "timing): 0 (default) the pipelined kernel, each thread keeping the next rows' loads in "
+        "flight (16-bit types: 2 rows, g = dy * w kept in registers); 1 the previous kernel (R rows "
+        "per group loaded, then computed); 2 the pipelined kernel with 3 rows in flight and g "
+        "recomputed (16-bit rows of more than 32 chunks; otherwise as 0). Variants 0 and 2 use the "
+        "previous kernel where they do not apply (odd sizes, misaligned pointers, rows longer than "
+        "1024 16-byte chunks).",
         pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"),
-        pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true);
+        pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true,
+        pybind11::arg("variant") = 0);
 }
 
 }  // namespace kforge
