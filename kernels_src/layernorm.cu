@@ -2,11 +2,17 @@
 // rstd = 1 / sqrt(var + eps) (biased variance); weight and bias are optional (nullptr).
 // Forward saves mean and rstd (fp32, one per row). Backward recomputes xhat = (x - mean) * rstd from
 // x and the saved stats, writes dx, and leaves per-block fp32 partial sums of dweight (dout * xhat)
-// and dbias (dout) in a scratch tensor; a second kernel adds those partials in a fixed order, so
-// dweight / dbias are bitwise reproducible (no float atomics).
+// and dbias (dout) in a scratch tensor (one row per block, blocks persistent: about one per SM); a
+// second kernel adds those partials in a fixed order, so dweight / dbias are bitwise reproducible (no
+// float atomics; a single-kernel "last block folds" scheme would need a zeroed counter per call,
+// i.e. a memset node as well, or a persistent counter shared by concurrent streams).
 //
 // A unit is 16 bytes when VEC (C % pack == 0 and 16-byte aligned pointers), else one element.
-// Two layouts, chosen by the launcher (src/ops/layernorm.cpp):
+// Three layouts, chosen by the launcher (src/ops/layernorm.cpp; its `variant` picks among them for
+// A/B timing):
+// - GROUP (short rows, the default there; see the section below): a row over 32 NW threads (NW
+//   warps), 8 columns a thread, row sums by shuffles plus one shared-memory step behind a barrier of
+//   the row's own warps; a thread's few columns leave room for many warps per SM.
 // - WARP (short rows: at most 32 * P units, P a template parameter): one warp per row, lane l owning
 //   units l, l + 32, ... (at most P), held in registers (16-bit data stays packed until used), so
 //   x / dout are read from DRAM once and every load of a row is issued before its first use; row
@@ -473,6 +479,418 @@ __global__ void __launch_bounds__(32 * LnWarpCfg<T, VEC, P>::bwd_warps, 1)
   }
 }
 
+// ---- GROUP layout ------------------------------------------------------------------------------
+// A row is shared by a group of blockDim.x = 32 NW threads (NW warps; the launcher takes the fewest
+// that cover the row), thread t of the group owning the row's units t, t + 32 NW, ... (at most P,
+// where P V = kGroupCols columns: one bf16 / half unit, two fp32 units or eight scalars). So a
+// thread holds few columns whatever C is (a row's values in few registers, 2 kGroupCols column sums
+// in the backward) and many warps fit per SM. A group takes R consecutive rows at once (all their
+// loads issued before the first use, the next chunk's too where prefetching) and loops over row
+// chunks; blockDim.y groups per block.
+// Row sums: warp shuffles, then (NW > 1) the warps' sums through shared memory behind a barrier of
+// the group's own threads (bar.sync 1 + group, 32 NW: the other groups of the block run on), added in
+// warp order, so every thread of the group gets the same bits. The scratch is double-buffered: one
+// barrier per reduction (a warp can only overwrite a buffer after every warp of its group has passed
+// the next barrier, i.e. finished reading it).
+constexpr int kGroupCols = 8;      // columns per thread
+constexpr int kMaxBlockWarps = 32;  // 1024 threads
+// Launch bounds (src/ops/layernorm.cpp uses the same numbers). Backward: one block per SM
+// (persistent; the block folds its groups' column sums into one partial row) of at most
+// ln_group_bwd_warps warps: 24 (80 registers) or 20 (96; registers are split over the SM's 4
+// quarters, so n warps per quarter get at most 16384 / (32 n) each), whichever compiles without
+// spills (ptxas, sm_80 / sm_90) for the rows a thread holds. Forward: blocks of at most
+// kGroupFwdWarps warps, kGroupFwdBlocks of them resident per SM (56 registers; the launcher caps the
+// grid there, groups loop beyond).
+template <typename T> struct IsHalf { static constexpr bool value = false; };
+template <> struct IsHalf<half> { static constexpr bool value = true; };
+constexpr int ln_group_bwd_warps(bool vec, int elem_size, bool is_half, int R, bool PF) {
+  return vec && !is_half && R == 1 && (elem_size == 2) == PF ? 24 : 20;
+}
+template <typename T, bool VEC, int R, bool PF>
+struct LnGroupBwdCfg {
+  static constexpr int threads = 32 * ln_group_bwd_warps(VEC, (int)sizeof(T), IsHalf<T>::value, R, PF);
+};
+constexpr int kGroupFwdWarps = 12;
+constexpr int kGroupFwdBlocks = 3;
+
+KF_DEVICE void group_barrier(int group, int threads) {
+  asm volatile("bar.sync %0, %1;" : : "r"(group + 1), "r"(threads) : "memory");
+}
+
+// Warp sums of v[0..n) (n a power of two <= 32) by halving butterflies: at offset 16 a lane keeps
+// one half of its values (the lower half if its bit 4 is clear), adds the partner's copy of that half
+// and sends the other half; then offset 8 with the remaining half, ... After log2 n steps a lane holds
+// one value, a plain butterfly over the remaining offsets finishes it. Returns the warp sum of
+// v[lane / (32 / n)]: n - 1 + 5 - log2 n shuffles instead of 5 n.
+template <int n>
+KF_DEVICE float warp_sum_spread(float (&v)[n], int lane) {
+  static_assert(n >= 1 && n <= 32 && (n & (n - 1)) == 0, "n: a power of two <= 32");
+#pragma unroll
+  for (int m = n, o = 16; m > 1; m >>= 1, o >>= 1) {
+    const bool upper = (lane & o) != 0;
+#pragma unroll
+    for (int i = 0; i < m / 2; ++i) {
+      const float send = upper ? v[i] : v[i + m / 2];
+      const float keep = upper ? v[i + m / 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+  }
+  float s = v[0];
+#pragma unroll
+  for (int o = 16 / n; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
+}
+
+// v[i] += r[i], i < n (16- or 8-byte shared memory reads where n allows).
+template <int n>
+KF_DEVICE void warp_sums_add(float (&v)[n], const float* r) {
+  if constexpr (n % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < n; i += 4) {
+      const float4 t = *reinterpret_cast<const float4*>(r + i);
+      v[i] += t.x;
+      v[i + 1] += t.y;
+      v[i + 2] += t.z;
+      v[i + 3] += t.w;
+    }
+  } else if constexpr (n % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < n; i += 2) {
+      const float2 t = *reinterpret_cast<const float2*>(r + i);
+      v[i] += t.x;
+      v[i + 1] += t.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < n; ++i) v[i] += r[i];
+  }
+}
+// Sums of v[0..n) over the nw warps of this thread's group (its warps are first .. first + nw - 1
+// of the block, its barrier is 1 + group), every thread of the group getting the same bits:
+// warp_sum_spread, the warp's n sums to red (lane (32 / n) i writes sum i), a barrier of the group (a
+// warp sync when nw == 1), then each thread adds the warps' sums in warp order. red: this
+// reduction's buffer, kMaxBlockWarps * n floats, 16-byte aligned.
+template <int n>
+KF_DEVICE void group_sum_n(float (&v)[n], float* red, int first, int nw, int group) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float s = warp_sum_spread(v, lane);
+  if ((lane & (32 / n - 1)) == 0) red[(first + warp) * n + lane / (32 / n)] = s;
+  if (nw == 1) {  // the same for the whole group
+    __syncwarp();
+  } else {
+    group_barrier(group, 32 * nw);
+  }
+  const float* r = red + first * n;
+#pragma unroll
+  for (int i = 0; i < n; ++i) v[i] = 0.0f;
+#pragma unroll 1
+  for (int w = 0; w < nw; ++w, r += n) warp_sums_add(v, r);
+}
+
+// Loads this thread's units of one row (units t, t + tpr, ... below `units`; p points at unit t).
+template <int P, typename U, typename T>
+KF_DEVICE void load_strided_last(U (&r)[P], const T* __restrict__ p, int t, int tpr, int units) {
+#pragma unroll
+  for (int k = 0; k < P; ++k)
+    if (t + k * tpr < units) load_unit_last(r[k], p + k * tpr * U::size);
+}
+
+// Forward: group g = y * gridDim.x + blockIdx.x of the grid takes rows [R q, R q + R) for q = g,
+// g + G, ... (G groups in the grid), software-pipelined: the next chunk's x units are loaded (packed)
+// before the current chunk's are used, so every group keeps R rows in flight while it works. A
+// chunk's x is converted to fp32 once and kept (8 floats a row per thread), then the R means (one
+// group reduction), the R variances around them (a second one) and the output. Weight and bias stay
+// in registers as fp32 for all rows. A row past N loads the last row again and is not stored.
+template <typename T, bool VEC, int R>
+__global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
+    layernorm_forward_group_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+                                   const T* __restrict__ bias, T* __restrict__ out,
+                                   float* __restrict__ mean, float* __restrict__ rstd, long long N,
+                                   int C, float eps) {
+  using U = Unit<T, VEC>;
+  constexpr int V = U::size, P = kGroupCols / V;
+  static_assert(kGroupCols % V == 0, "whole units per thread");
+  __shared__ float4 red16[2][kMaxBlockWarps * ((R + 3) / 4)];
+  const int tx = threadIdx.x, ty = threadIdx.y, tpr = blockDim.x, nw = tpr >> 5, first = ty * nw;
+  const int units = C / V;
+  const float inv_c = 1.0f / (float)C;
+
+  float wf[kGroupCols], bf[kGroupCols];
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    U w = U::fill(1.0f), b = U::fill(0.0f);
+    if (tx + k * tpr < units) {
+      if (weight) load_unit(w, weight + (tx + k * tpr) * V);
+      if (bias) load_unit(b, bias + (tx + k * tpr) * V);
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      wf[k * V + i] = w.f(i);
+      bf[k * V + i] = b.f(i);
+    }
+  }
+
+  const int n = (int)N, chunks = (n + R - 1) / R, stride = gridDim.x * blockDim.y;
+  auto load_chunk = [&](U (&xs)[R][P], int q) {
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int row = q * R + j < n ? q * R + j : n - 1;
+      load_strided_last<P>(xs[j], x + (i64)row * C + tx * V, tx, tpr, units);
+    }
+  };
+  auto process = [&](const U (&xs)[R][P], int q, int buf) {
+    const int row0 = q * R;
+    float xf[R][kGroupCols], mu[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+#pragma unroll
+      for (int k = 0; k < P; ++k)
+#pragma unroll
+        for (int i = 0; i < V; ++i) xf[j][k * V + i] = xs[j][k].f(i);
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      mu[j] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < P; ++k)
+        if (tx + k * tpr < units) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) mu[j] += xf[j][k * V + i];
+        }
+    }
+    group_sum_n(mu, reinterpret_cast<float*>(red16[buf]), first, nw, ty);
+
+    // Variance around the mean (not E[x^2] - mean^2, which cancels badly when |mean| >> std).
+    float rs[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      mu[j] *= inv_c;
+      rs[j] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < P; ++k)
+        if (tx + k * tpr < units) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            xf[j][k * V + i] -= mu[j];
+            rs[j] = fmaf(xf[j][k * V + i], xf[j][k * V + i], rs[j]);
+          }
+        }
+    }
+    group_sum_n(rs, reinterpret_cast<float*>(red16[buf ^ 1]), first, nw, ty);
+
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      rs[j] = rsqrtf(fmaf(rs[j], inv_c, eps));
+      if (row0 + j < n) {
+        T* orow = out + (i64)(row0 + j) * C + tx * V;
+#pragma unroll
+        for (int k = 0; k < P; ++k)
+          if (tx + k * tpr < units) {
+            float y[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i)
+              y[i] = fmaf(xf[j][k * V + i] * rs[j], wf[k * V + i], bf[k * V + i]);
+            store_unit(orow + k * tpr * V, U::from(y));
+          }
+      }
+    }
+    // Thread j writes row0 + j's statistics.
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      if (tx == j && row0 + j < n) {
+        mean[row0 + j] = mu[j];
+        rstd[row0 + j] = rs[j];
+      }
+    }
+  };
+
+  // The next chunk's loads are issued as soon as the current chunk's units are copied out (two
+  // buffers used in turn need more registers than the copy's moves cost). Each chunk takes both
+  // reduction buffers (mean, variance).
+  int q = ty * gridDim.x + blockIdx.x;  // groups numbered across blocks first
+  U next[R][P];
+  if (q < chunks) load_chunk(next, q);
+  for (; q < chunks; q += stride) {
+    U cur[R][P];
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+#pragma unroll
+      for (int k = 0; k < P; ++k) cur[j][k] = next[j][k];
+    if (q + stride < chunks) load_chunk(next, q + stride);  // in flight during this chunk
+    process(cur, q, 0);
+  }
+}
+
+// Backward, persistent: one block of blockDim (32 NW, G) per SM (at most); group g = y * gridDim.x +
+// blockIdx.x of the grid (numbered across blocks first, so the groups that get one chunk more are
+// spread over the SMs) takes rows [R q, R q + R) for q = g, g + G', ... (G' groups in the grid): x and
+// dout units of all R rows loaded first (a row past N loads the last row again and is skipped); PF:
+// software-pipelined, the next chunk's loads issued before the current chunk is used (two chunk
+// buffers in registers, used in turn). Per row, with d = x - mean, xhat = d * rstd and gw = dout * w:
+// the row sums of gw and gw * xhat, and this thread's column sums of dout * xhat (dweight) and dout
+// (dbias), in row order; the 2 R row sums in one group reduction; then dx from d and gw, kept as fp32
+// across the reduction (the packed units are dead by then).
+// Column sums: in the thread's own slots of the block's dynamic shared memory (not registers: 16
+// floats a thread would cost a quarter of the register budget; a 16-byte read-modify-write per 4
+// columns and row instead), per group 2 kGroupCols floats per thread: float4 s (s = 0, 1: dweight
+// columns 4s..4s+3 of the thread; 2, 3: dbias) of thread t at float4 s * blockDim.x + t
+// (consecutive threads, consecutive float4s: no bank conflicts). At the end the block's groups are
+// added in group order into partial[blockIdx.x] = [dweight | dbias] (2C floats; partial is nullptr
+// when neither is needed). Every column's sum has a fixed order: the result is reproducible.
+template <typename T, bool VEC, int R, bool PF>
+__global__ void __launch_bounds__(LnGroupBwdCfg<T, VEC, R, PF>::threads, 1)
+    layernorm_backward_group_kernel(const T* __restrict__ dout, const T* __restrict__ x,
+                                    const T* __restrict__ weight, const float* __restrict__ mean,
+                                    const float* __restrict__ rstd, T* __restrict__ dx,
+                                    float* __restrict__ partial, long long N, int C,
+                                    int need_dweight, int need_dbias) {
+  using U = Unit<T, VEC>;
+  constexpr int V = U::size, P = kGroupCols / V;
+  static_assert(kGroupCols == 8 && kGroupCols % V == 0, "whole units, two float4 per thread");
+  __shared__ float4 red16[2][kMaxBlockWarps * ((2 * R + 3) / 4)];
+  extern __shared__ float4 acc16[];  // blockDim.y groups of 4 blockDim.x float4
+  const int tx = threadIdx.x, ty = threadIdx.y, tpr = blockDim.x, nw = tpr >> 5, first = ty * nw;
+  const int units = C / V;
+  const float inv_c = 1.0f / (float)C;
+  const bool acc = partial != nullptr;  // the same for the whole block
+  float4* const mine = acc16 + ty * 4 * tpr + tx;  // this thread's float4 s at mine[s * tpr]
+
+  float wf[kGroupCols];  // this thread's weights (ones without weight), for every row
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    U w = U::fill(1.0f);
+    if (weight && tx + k * tpr < units) load_unit(w, weight + (tx + k * tpr) * V);
+#pragma unroll
+    for (int i = 0; i < V; ++i) wf[k * V + i] = w.f(i);
+  }
+  if (acc) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) mine[s * tpr] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+
+  const int n = (int)N, chunks = (n + R - 1) / R, stride = gridDim.x * blockDim.y;
+  auto load_chunk = [&](U (&xs)[R][P], U (&gs)[R][P], float (&mu)[R], float (&rs)[R], int q) {
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int row = q * R + j < n ? q * R + j : n - 1;
+      load_strided_last<P>(xs[j], x + (i64)row * C + tx * V, tx, tpr, units);
+      load_strided_last<P>(gs[j], dout + (i64)row * C + tx * V, tx, tpr, units);
+      mu[j] = mean[row];
+      rs[j] = rstd[row];
+    }
+  };
+  auto process = [&](const U (&xs)[R][P], const U (&gs)[R][P], const float (&mu)[R],
+                     const float (&rs)[R], int q, int buf) {
+    const int row0 = q * R;
+    float d[R][kGroupCols], gw[R][kGroupCols], sums[2 * R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      sums[2 * j] = sums[2 * j + 1] = 0.0f;
+      const bool live = acc && row0 + j < n;
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        if (tx + k * tpr < units) {
+          float gv[V], xh[V];
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            const int e = k * V + i;
+            gv[i] = gs[j][k].f(i);
+            d[j][e] = xs[j][k].f(i) - mu[j];
+            gw[j][e] = gv[i] * wf[e];
+            xh[i] = d[j][e] * rs[j];
+            sums[2 * j] += gw[j][e];
+            sums[2 * j + 1] = fmaf(gw[j][e], xh[i], sums[2 * j + 1]);
+          }
+          if (live) {  // dweight += dout * xhat, dbias += dout
+            if constexpr (V >= 4) {
+#pragma unroll
+              for (int h = 0; h < V / 4; ++h) {
+                const int s = (k * V) / 4 + h;
+                float4 a = mine[s * tpr], b = mine[(2 + s) * tpr];
+                a.x = fmaf(gv[4 * h], xh[4 * h], a.x);
+                a.y = fmaf(gv[4 * h + 1], xh[4 * h + 1], a.y);
+                a.z = fmaf(gv[4 * h + 2], xh[4 * h + 2], a.z);
+                a.w = fmaf(gv[4 * h + 3], xh[4 * h + 3], a.w);
+                b.x += gv[4 * h], b.y += gv[4 * h + 1], b.z += gv[4 * h + 2], b.w += gv[4 * h + 3];
+                mine[s * tpr] = a;
+                mine[(2 + s) * tpr] = b;
+              }
+            } else {
+              float* const a = reinterpret_cast<float*>(mine + (k / 4) * tpr) + k % 4;
+              float* const b = reinterpret_cast<float*>(mine + (2 + k / 4) * tpr) + k % 4;
+              *a = fmaf(gv[0], xh[0], *a);
+              *b += gv[0];
+            }
+          }
+        }
+      }
+    }
+    group_sum_n(sums, reinterpret_cast<float*>(red16[buf]), first, nw, ty);
+
+    // dx = rs * (gw - mean(gw) - xhat * mean(gw * xhat)) = rs * gw + c1 + d * c2 with
+    // c1 = -rs * mean(gw), c2 = -rs^2 * mean(gw * xhat).
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      if (row0 + j < n) {
+        const float c1 = -rs[j] * (sums[2 * j] * inv_c);
+        const float c2 = -rs[j] * rs[j] * (sums[2 * j + 1] * inv_c);
+        T* drow = dx + (i64)(row0 + j) * C + tx * V;
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+          if (tx + k * tpr < units) {
+            float o[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i)
+              o[i] = fmaf(d[j][k * V + i], c2, fmaf(rs[j], gw[j][k * V + i], c1));
+            store_unit(drow + k * tpr * V, U::from(o));
+          }
+        }
+      }
+    }
+  };
+
+  int q = ty * gridDim.x + blockIdx.x, buf = 0;
+  U ax[R][P], ag[R][P];
+  float amu[R], ars[R];
+  if constexpr (PF) {
+    U bx[R][P], bg[R][P];
+    float bmu[R], brs[R];
+    if (q < chunks) load_chunk(ax, ag, amu, ars, q);
+    while (q < chunks) {
+      if (q + stride < chunks) load_chunk(bx, bg, bmu, brs, q + stride);
+      process(ax, ag, amu, ars, q, buf);
+      q += stride;
+      buf ^= 1;
+      if (q >= chunks) break;
+      if (q + stride < chunks) load_chunk(ax, ag, amu, ars, q + stride);
+      process(bx, bg, bmu, brs, q, buf);
+      q += stride;
+      buf ^= 1;
+    }
+  } else {
+    for (; q < chunks; q += stride, buf ^= 1) {
+      load_chunk(ax, ag, amu, ars, q);
+      process(ax, ag, amu, ars, q, buf);
+    }
+  }
+
+  if (!acc) return;
+  __syncthreads();
+  // Entry t of [dweight | dbias]: column c of unit u = tx' + k tpr, element i, i.e. the owner's
+  // column e = k V + i; added over the groups in group order.
+  const float* const all = reinterpret_cast<const float*>(acc16);
+  float* const prow = partial + (i64)blockIdx.x * 2 * C;
+  const int nthreads = tpr * blockDim.y;
+  for (int t = ty * tpr + tx; t < 2 * C; t += nthreads) {
+    const int which = t >= C, c = t - which * C;
+    if (which ? !need_dbias : !need_dweight) continue;
+    const int u = c / V, k = u / tpr, e = k * V + (c - u * V);
+    const int idx = ((2 * which + (e >> 2)) * tpr + (u - k * tpr)) * 4 + (e & 3);
+    float s = all[idx];
+    for (int g = 1; g < (int)blockDim.y; ++g) s += all[g * 16 * tpr + idx];
+    prow[t] = s;
+  }
+}
+
 // ---- BLOCK layout ------------------------------------------------------------------------------
 // Forward: two-pass mean / variance from registers (FITS) or re-reads, then normalise and store.
 template <typename T, bool VEC, bool FITS>
@@ -716,5 +1134,40 @@ __global__ void layernorm_param_grad_kernel(const float* __restrict__ partial,
     float t = 0.0f;
     for (int y = 0; y < (int)blockDim.y; ++y) t += red[y][threadIdx.x];
     dst[j < C ? j : j - C] = from_float<T>(t);
+  }
+}
+
+// The same sums with every load of a thread in flight at once: blockDim (32, 32), threadIdx.x a
+// column of a 32-wide tile of [dweight | dbias], threadIdx.y taking partial rows y, y + 32, ... (8 per
+// round, loaded before they are added); then warp w adds the 32 strided sums of tile column w by a
+// fixed shuffle tree. Fixed order throughout: reproducible.
+template <typename T>
+__global__ void __launch_bounds__(1024)
+    layernorm_param_grad_fast_kernel(const float* __restrict__ partial, T* __restrict__ dweight,
+                                     T* __restrict__ dbias, int G, int C) {
+  constexpr int kLoads = 8;
+  __shared__ float red[32][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int j = blockIdx.x * 32 + tx;
+  const bool valid = j < 2 * C && (j < C ? dweight != nullptr : dbias != nullptr);
+  float s = 0.0f;
+  if (valid) {
+    const float* p = partial + j;
+    const i64 step = 2 * (i64)C;
+    for (int b0 = ty; b0 < G; b0 += 32 * kLoads) {
+      float v[kLoads];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) v[k] = b0 + 32 * k < G ? p[(b0 + 32 * k) * step] : 0.0f;
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) s += v[k];
+    }
+  }
+  red[ty][tx] = s;
+  __syncthreads();
+  const float t = warp_sum(red[tx][ty]);
+  const int jj = blockIdx.x * 32 + ty;
+  if (tx == 0 && jj < 2 * C) {
+    T* dst = jj < C ? dweight : dbias;
+    if (dst) dst[jj < C ? jj : jj - C] = from_float<T>(t);
   }
 }

@@ -46,9 +46,9 @@ def reference(x, w, b, dout):
     return out.detach(), mean, rstd, x64.grad, grad(w64), grad(b64)
 
 
-def check_against_reference(x, w, b, dout, dtype):
-    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
-    dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+def check_against_reference(x, w, b, dout, dtype, fwd_variant=0, bwd_variant=0):
+    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS, variant=fwd_variant)
+    dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=bwd_variant)
     r_out, r_mean, r_rstd, r_dx, r_dw, r_db = reference(x, w, b, dout)
     n = x.numel() // x.shape[-1]
     assert out.dtype == dtype and mean.dtype == rstd.dtype == torch.float32
@@ -67,9 +67,21 @@ def check_against_reference(x, w, b, dout, dtype):
         assert_close(db, r_db, dtype, "dbias")
 
 
-# Shapes pick every layout and instantiation (P = 16-byte units or elements per lane; a warp takes FR
-# rows at once forward, BR backward: FR = 3 / 2 / 1 and BR = 3 / 2 / 1 for P = 2 / 3 / >= 4, 1 for
-# scalar units). WARP layout (one warp per row), fp32 / bf16 units per lane:
+# Shapes pick every layout and instantiation. Default (variant 0): GROUP layout for rows up to 2048
+# (bf16) / 1024 (fp32, scalar) columns forward and 1024 backward: a row over tpr = 32 NW threads at
+# 8 columns a thread (bf16 16-byte units: C / 8 threads, fp32: C / 8, scalar: C / 8 rounded up to 32);
+# forward groups take 2 rows at once (bf16 / half vec) or 1, backward 1 (variant 2: 2 rows for
+# bf16 / half, prefetching fp32). NW per shape (bf16 / fp32): (64, 128): 1 (half the threads idle) /
+# 1; (5, 100): scalar 1 / 1; (33, 256): 1 / 1; (40, 300): scalar 2 / 2 (threads with one of two fp32
+# units); (33, 384): 2 / 2 (odd N: last forward chunk of 2 rows partial); (48, 512): 2 / 2; (20, 640):
+# 3 (partial warp) / 3; (1, 768), (8, 768), (8192, 768): 3 / 3 (N=1: one live row of a chunk);
+# (16, 1000): 4 / 4; (4096, 1024): 4 / 4; scalar (8 elements a thread) (7, 3): 1, 771: 4;
+# forward only (backward BLOCK): bf16 (24, 1536): 6, (12, 2048): 8, (10, 1600): 7.
+# Groups looping over several chunks (more chunks than groups, the last round partial): (8192, 768),
+# (20000, 768), (4096, 1024), (2000, 771), (3000, 256), (3000, 100). test_max_warps_knob: 1 to 4 groups
+# of 3 warps per SM. Variant 3 also takes (24, 1536), (12, 2048), (10, 1600), 4100 / 4099 (NW 17: one
+# group per block) backward in the GROUP layout.
+# Variant 1 (the previous kernels), WARP layout (one warp per row), fp32 / bf16 units per lane:
 #   (64, 128): P=2 / P=2 (bf16: half the lanes idle; 64 rows: last chunk of 3 rows partial);
 #   (5, 100): 2 (partial chunks fwd and bwd) / scalar P=32; (33, 256): 2 / 2; (40, 300): 3 (last
 #   unit partial) / scalar; (33, 384): 3 (odd N: last chunk of 2 partial) / 2; (48, 512): 4 / 2;
@@ -77,10 +89,6 @@ def check_against_reference(x, w, b, dout, dtype):
 #   (16, 1000): 8 / 4; (4096, 1024): 8 / 4; (7, 3), 771: scalar P=32.
 #   Forward only (the backward takes the BLOCK layout: more than 32 columns a lane): bf16
 #   (24, 1536): P=6, (12, 2048): P=8, (10, 1600): P=8 (partial); fp32 takes BLOCK for those.
-# Warps looping over several chunks (more chunks than resident warps, the last round partial):
-#   forward fp32 (8192, 768), both dtypes (20000, 768); backward (8192, 768), (20000, 768),
-#   (4096, 1024), (2000, 771), bf16 (3000, 100). One round with fewer warps per SM than the
-#   kernel allows: (3000, 256), (1000, 771), fp32 (3000, 100). test_max_warps_knob: 4 to 12.
 # BLOCK layout: 4100 (fp32: 16-byte re-read; bf16: scalar re-read), 4099 (scalar re-read), 20000
 #   (16-byte re-read); N=300 loops several row groups per block in backward.
 # N=1 and 3-D inputs too. AFFINE covers dweight and dbias together, alone, and neither (the
@@ -89,6 +97,8 @@ SHAPES = [(8, 768), (1, 768), (2, 5, 768), (16, 1000), (1000, 771), (7, 3), (3, 
           (2, 4099), (4, 20000), (8192, 768), (64, 128), (33, 256), (40, 300), (33, 384), (48, 512),
           (20, 640), (4096, 1024), (5, 100), (24, 1536), (12, 2048), (10, 1600), (3000, 256),
           (3000, 100), (2000, 771), (20000, 768)]
+# (forward variant, backward variant) pairs besides the default (0, 0); see the bindings' docstrings.
+VARIANTS = [(1, 1), (2, 2), (0, 3)]
 
 
 @gpu
@@ -100,54 +110,79 @@ def test_matches_float64_reference(dtype, shape, affine):
 
 
 @gpu
-@pytest.mark.parametrize("shape", [(64, 768), (33, 771)], ids=str)
-def test_float16(shape):
-    check_against_reference(*make_inputs(shape, torch.float16), torch.float16)
+@pytest.mark.parametrize("variants", VARIANTS, ids=lambda v: f"fwd{v[0]}-bwd{v[1]}")
+@pytest.mark.parametrize("affine", AFFINE)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_variants_match_float64_reference(dtype, shape, affine, variants):
+    check_against_reference(*make_inputs(shape, dtype, affine), dtype, *variants)
 
 
 @gpu
+@pytest.mark.parametrize("variants", [(0, 0)] + VARIANTS, ids=lambda v: f"fwd{v[0]}-bwd{v[1]}")
+@pytest.mark.parametrize("shape", [(64, 768), (33, 771), (300, 1024), (12, 2048), (3, 4100)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_float16(shape, variants):
+    check_against_reference(*make_inputs(shape, torch.float16), torch.float16, *variants)
+
+
+@gpu
+def test_launcher_rejects_unknown_variant():
+    x, w, b, dout = make_inputs((4, 8), torch.float32)
+    with pytest.raises(kforge.KforgeError, match="variant must be 0, 1 or 2"):
+        kforge._C.layernorm_forward(x, w, b, EPS, variant=3)
+    _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
+    with pytest.raises(kforge.KforgeError, match="variant must be 0, 1, 2 or 3"):
+        kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=4)
+
+
+@gpu
+@pytest.mark.parametrize("variants", [(0, 0)] + VARIANTS, ids=lambda v: f"fwd{v[0]}-bwd{v[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_misaligned_and_strided_inputs(dtype):
+def test_misaligned_and_strided_inputs(dtype, variants):
     """Views 2 / 4 bytes off a 16-byte boundary take the scalar path; strided views are copied."""
     n, c = 64, 768
     x, w, b, dout = make_inputs((n, c), dtype)
     x_off = torch.empty(n * c + 1, dtype=dtype, device="cuda")[1:].view(n, c).copy_(x)
     w_off = torch.empty(c + 1, dtype=dtype, device="cuda")[1:].copy_(w)
     assert x_off.data_ptr() % 16 != 0 and w_off.data_ptr() % 16 != 0
-    check_against_reference(x_off, w, b, dout, dtype)
-    check_against_reference(x, w_off, b, dout, dtype)
+    check_against_reference(x_off, w, b, dout, dtype, *variants)
+    check_against_reference(x, w_off, b, dout, dtype, *variants)
     x_t = x.t().contiguous().t()  # same values, column-major
-    check_against_reference(x_t, w, b, dout.t().contiguous().t(), dtype)
+    check_against_reference(x_t, w, b, dout.t().contiguous().t(), dtype, *variants)
 
 
 @gpu
+@pytest.mark.parametrize("variant", [0, 1, 2, 3])
 @pytest.mark.parametrize("shape,dtype", [((8192, 768), torch.float32), ((8192, 768), torch.bfloat16),
                                          ((2000, 771), torch.bfloat16), ((4096, 4100), torch.float32)],
                          ids=str)
-def test_backward_is_deterministic(shape, dtype):
+def test_backward_is_deterministic(shape, dtype, variant):
     x, w, b, dout = make_inputs(shape, dtype)
     _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
-    first = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+    first = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
     for _ in range(3):
-        again = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+        again = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
         for a, r in zip(first, again):
             assert torch.equal(a, r)
 
 
 @gpu
+@pytest.mark.parametrize("variants", [(0, 0)] + VARIANTS, ids=lambda v: f"fwd{v[0]}-bwd{v[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_max_warps_knob(dtype):
+def test_max_warps_knob(dtype, variants):
     """max_warps (A/B timing) only changes how many warps share the rows: per-row results are the
     same bits, the parameter gradients are sums in another grouping (same tolerance)."""
+    fv, bv = variants
     x, w, b, dout = make_inputs((8192, 768), dtype)
-    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
-    grads = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS, variant=fv)
+    grads = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=bv)
     *_, r_dw, r_db = reference(x, w, b, dout)
-    for mw in (4, 8, 12):
-        again = kforge._C.layernorm_forward(x, w, b, EPS, mw)
+    for mw in (2, 4, 8, 12):
+        again = kforge._C.layernorm_forward(x, w, b, EPS, mw, variant=fv)
         for a, r in zip(again, (out, mean, rstd)):
             assert torch.equal(a, r)
-        dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, mw)
+        dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, mw, variant=bv)
         assert torch.equal(dx, grads[0])
         assert_close(dw, r_dw, dtype, "dweight")
         assert_close(db, r_db, dtype, "dbias")

@@ -1,8 +1,17 @@
 // layernorm launchers (see kernels_src/layernorm.cu): forward -> (out, mean, rstd); backward ->
 // (dx, dweight, dbias) with deterministic weight / bias gradients (per-block partials, fixed-order
-// reduce). Rows of up to 32 * 8 units a lane (bf16 C <= 2048, fp32 C <= 1024 forward; C <= 1024
-// backward; scalar C <= 1024) take the WARP layout (one warp per row, compile-time units per lane),
-// longer ones the BLOCK layout.
+// reduce). Layouts: GROUP (a row over 32 NW threads, 8 columns a thread; the default where the WARP
+// layout used to be taken: C <= 2048 bf16 / half, C <= 1024 fp32 and scalar forward, C <= 1024
+// backward), WARP (one warp per row: `variant` 1 and 2), BLOCK (longer rows).
+//
+// `variant` (A/B timing; every value computes the same results up to summation order):
+//   forward:  0 GROUP (default); 1 the previous kernels (WARP / BLOCK); 2 GROUP for bf16 / half,
+//             WARP for fp32.
+//   backward: 0 GROUP, one row a group, the next row prefetched for bf16 / half (default), and the
+//             prefetching parameter-gradient reduce; 1 the previous kernels (WARP / BLOCK and the
+//             previous reduce); 2 GROUP with two rows a group, no prefetch, for bf16 / half and one
+//             prefetched row for fp32; 3 as 0 and GROUP also for longer rows (where a row fits a block
+//             of 640 / 768 threads, C <= 5120 / 6144) instead of BLOCK.
 #include <algorithm>
 #include <optional>
 #include <tuple>
@@ -28,6 +37,7 @@ Kernel bwd_kernels[2][2] = {
     {Kernel(prog, "layernorm_backward_kernel<{T}, true, false>"),
      Kernel(prog, "layernorm_backward_kernel<{T}, true, true>")}};
 Kernel param_grad_kernel(prog, "layernorm_param_grad_kernel<{T}>");
+Kernel param_grad_fast_kernel(prog, "layernorm_param_grad_fast_kernel<{T}>");
 
 // WARP layout (one warp per row), instantiated for these units per lane P: 16-byte units (VEC) or
 // single elements (misaligned pointers, C not a multiple of the pack). Backward units are limited
@@ -53,12 +63,29 @@ Kernel bwd_warp_vec[kNumVecP] = {
 Kernel bwd_warp_scalar[kNumScalarP] = {
     Kernel(prog, "layernorm_backward_warp_kernel<{T}, false, 32>")};
 
+// GROUP layout: <T, VEC, R rows a group takes at once (, PF: the next chunk prefetched)>.
+const std::vector<DType> k16Bit = {DType::bf16, DType::f16};
+Kernel fwd_group_vec16(prog, "layernorm_forward_group_kernel<{T}, true, 2>", k16Bit);
+Kernel fwd_group_vec32(prog, "layernorm_forward_group_kernel<{T}, true, 1>", kF32Only);
+Kernel fwd_group_scalar(prog, "layernorm_forward_group_kernel<{T}, false, 1>");
+Kernel bwd_group_vec16(prog, "layernorm_backward_group_kernel<{T}, true, 1, true>", k16Bit);
+Kernel bwd_group_vec16_r2(prog, "layernorm_backward_group_kernel<{T}, true, 2, false>", k16Bit);
+Kernel bwd_group_vec32(prog, "layernorm_backward_group_kernel<{T}, true, 1, false>", kF32Only);
+Kernel bwd_group_vec32_pf(prog, "layernorm_backward_group_kernel<{T}, true, 1, true>", kF32Only);
+Kernel bwd_group_scalar(prog, "layernorm_backward_group_kernel<{T}, false, 1, false>");
+
 // Must match kernels_src/layernorm.cu.
 constexpr int kRegElems = 8;
 constexpr int kMaxRowsPerBlock = 16;
 constexpr int kFwdWarps = 4;
 constexpr int kMaxBwdColumns = 32;  // columns a lane of the WARP backward keeps sums for
 constexpr int64_t kMaxC = int64_t(1) << 30;  // keeps every in-row index (and 2C) in an int
+constexpr int kGroupCols = 8;                // GROUP layout: columns per thread
+constexpr int kGroupFwdWarps = 12;           // GROUP forward: warps per block (launch bound) ...
+constexpr int kGroupFwdBlocks = 3;           // ... and resident blocks per SM
+constexpr int kMaxNamedBarrierGroups = 15;   // groups of several warps sync on bar.sync 1..15
+constexpr int64_t kMaxGroupRows = int64_t(1) << 30;  // GROUP kernels index rows with int
+enum Variant : int64_t { kDefault = 0, kPrevious = 1, kAlt = 2, kGroupEverywhere = 3 };
 
 // LnWarpCfg<T, VEC, P> of kernels_src/layernorm.cu: rows a forward / backward warp takes at once,
 // resident forward blocks per SM, backward warps per SM (the kernels' launch bounds).
@@ -84,6 +111,17 @@ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t balanced_warps_per_sm(int64_t chunks, int64_t sms, int64_t max_per_sm) {
   const int64_t rounds = cdiv(chunks, sms * max_per_sm);
   return std::max<int64_t>(1, std::min(max_per_sm, cdiv(chunks, sms * rounds)));
+}
+
+// GROUP layout (kernels_src/layernorm.cu): threads per row (a multiple of 32 covering the row at
+// kGroupCols columns a thread) and the backward's warps per block (its launch bound; mirrors
+// ln_group_bwd_warps).
+int64_t group_tpr(int64_t C, bool vec, int64_t elem_size) {
+  const int64_t V = vec ? 16 / elem_size : 1, P = kGroupCols / V;
+  return 32 * cdiv(cdiv(C / V, P), 32);
+}
+int group_bwd_warps(bool vec, int64_t elem_size, bool is_half, int R, bool PF) {
+  return vec && !is_half && R == 1 && (elem_size == 2) == PF ? 24 : 20;
 }
 
 // 16-byte units: C a multiple of the pack (rows then start 16-byte aligned too) and aligned pointers.
@@ -150,13 +188,14 @@ bool aligned_or_absent(const at::Tensor& t) { return !t.defined() || aligned16(t
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
     const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
-    const std::optional<at::Tensor>& bias_, double eps, int64_t max_warps) {
+    const std::optional<at::Tensor>& bias_, double eps, int64_t max_warps, int64_t variant) {
   const at::Tensor x = input(x_, kFwd, "x");
   const auto [N, C] = rows_cols(x, kFwd);
   const at::Tensor w = param(weight_, x, C, kFwd, "weight");
   const at::Tensor b = param(bias_, x, C, kFwd, "bias");
   KF_CHECK(eps >= 0, kFwd, "eps must be >= 0, got ", eps);
   KF_CHECK(max_warps >= 0, kFwd, "max_warps must be >= 0, got ", max_warps);
+  KF_CHECK(variant >= kDefault && variant <= kAlt, kFwd, "variant must be 0, 1 or 2, got ", variant);
   LaunchOn on(x);
   at::Tensor out = new_output_like(x);
   at::Tensor mean = new_output({N}, x.options().dtype(at::kFloat));
@@ -166,13 +205,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
   const bool aligned =
       aligned16(x) && aligned16(out) && aligned_or_absent(w) && aligned_or_absent(b);
   const DType dt = dtype_of(x, kFwd);
-  const bool vec = vec_ok(C, x.element_size(), aligned);
-  if (const WarpPlan wp = warp_plan(C, x.element_size(), vec, /*backward=*/false); wp.index >= 0) {
+  const int64_t es = x.element_size();
+  const bool vec = vec_ok(C, es, aligned);
+  const WarpPlan wp = warp_plan(C, es, vec, /*backward=*/false);
+  const int64_t sms = sm_count(on.device);
+
+  // GROUP: blocks of up to kGroupFwdWarps warps (G groups of tpr threads), kGroupFwdBlocks resident
+  // per SM, as few groups per SM as keep the same number of rounds; groups loop beyond.
+  const int64_t tpr = group_tpr(C, vec, es);
+  const bool group = wp.index >= 0 && N <= kMaxGroupRows && tpr <= 32 * kGroupFwdWarps &&
+                     (variant == kDefault || (variant == kAlt && es == 2));
+  if (group) {
+    Kernel& k = !vec ? fwd_group_scalar : es == 2 ? fwd_group_vec16 : fwd_group_vec32;
+    const int R = vec && es == 2 ? 2 : 1;
+    const int64_t nw = tpr / 32;
+    int64_t G = 32 * kGroupFwdWarps / tpr;
+    if (nw > 1) G = std::min<int64_t>(G, kMaxNamedBarrierGroups);
+    int64_t most = kGroupFwdBlocks * G;  // groups per SM
+    if (max_warps > 0) most = std::min(most, std::max<int64_t>(1, max_warps / nw));
+    G = std::min(G, most);
+    const int64_t chunks = cdiv(N, R);
+    const int64_t per_sm = balanced_warps_per_sm(chunks, sms, most);
+    const int64_t grid = std::min(cdiv(chunks, G), sms * cdiv(per_sm, G));
+    k.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)),
+             Dim3(static_cast<unsigned>(tpr), static_cast<unsigned>(G)), 0, x.data_ptr(),
+             ptr_or_null(w), ptr_or_null(b), out.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+             static_cast<long long>(N), static_cast<int>(C), static_cast<float>(eps));
+    return {out, mean, rstd};
+  }
+
+  if (wp.index >= 0) {
     // Warps of fwd_rows rows each, kFwdWarps per block; no more blocks than stay resident (the
     // kernel's launch bound), as few per SM as keep the same number of rounds.
-    const WarpCfg cfg = ln_warp_cfg(vec, wp.P, x.element_size());
+    const WarpCfg cfg = ln_warp_cfg(vec, wp.P, es);
     Kernel& k = vec ? fwd_warp_vec[wp.index] : fwd_warp_scalar[wp.index];
-    const int64_t sms = sm_count(on.device), chunks = cdiv(N, cfg.fwd_rows);
+    const int64_t chunks = cdiv(N, cfg.fwd_rows);
     int64_t most = int64_t(cfg.fwd_blocks) * kFwdWarps;
     if (max_warps > 0) most = std::min(most, std::max<int64_t>(kFwdWarps, max_warps));
     const int64_t per_sm = balanced_warps_per_sm(chunks, sms, most);
@@ -184,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
     return {out, mean, rstd};
   }
 
-  const RowLayout L = row_layout(C, x.element_size(), aligned);
+  const RowLayout L = row_layout(C, es, aligned);
   // Small blocks pack the SMs best; several rows per block when rows are short.
   const int rows = L.fits ? std::clamp(256 / L.tpr, 1, kMaxRowsPerBlock) : 1;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>((N + rows - 1) / rows, INT32_MAX));
@@ -198,7 +265,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
 std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> layernorm_backward(
     const at::Tensor& dout_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
     const std::optional<at::Tensor>& bias_, const at::Tensor& mean_, const at::Tensor& rstd_,
-    int64_t max_warps) {
+    int64_t max_warps, int64_t variant) {
   const at::Tensor x = input(x_, kBwd, "x");
   const at::Tensor dout = input_like(dout_, x, kBwd, "dout");
   KF_CHECK(dout.sizes() == x.sizes(), kBwd, "dout has shape ", dout.sizes(), ", x has ", x.sizes());
@@ -213,6 +280,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
              t->sizes());
   }
   KF_CHECK(max_warps >= 0, kBwd, "max_warps must be >= 0, got ", max_warps);
+  KF_CHECK(variant >= kDefault && variant <= kGroupEverywhere, kBwd,
+           "variant must be 0, 1, 2 or 3, got ", variant);
   const at::Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
   LaunchOn on(x);
   const DType dt = dtype_of(x, kBwd);
@@ -230,14 +299,46 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
   const bool need_dw = w.defined(), need_db = b.defined();
   at::Tensor partial;  // per-block partial sums [dweight | dbias], one row of 2C floats per block
   int64_t grid = 0;
-  const bool vec = vec_ok(C, x.element_size(), aligned);
-  if (const WarpPlan wp = warp_plan(C, x.element_size(), vec, /*backward=*/true); wp.index >= 0) {
+  const int64_t es = x.element_size();
+  const bool vec = vec_ok(C, es, aligned);
+  const WarpPlan wp = warp_plan(C, es, vec, /*backward=*/true);
+  const int64_t sms = sm_count(on.device);
+
+  // GROUP: one block per SM of G groups (tpr threads each), as few groups per SM as keep the same
+  // number of rounds. The block's column sums take 64 bytes of shared memory per thread.
+  const bool alt = variant == kAlt;
+  Kernel& gk = !vec ? bwd_group_scalar
+               : es == 2 ? (alt ? bwd_group_vec16_r2 : bwd_group_vec16)
+                         : (alt ? bwd_group_vec32_pf : bwd_group_vec32);
+  const int gR = vec && es == 2 && alt ? 2 : 1;
+  const bool gPF = vec && (es == 2) != alt;
+  const int gwarps = group_bwd_warps(vec, es, dt == DType::f16, gR, gPF);
+  const int64_t tpr = group_tpr(C, vec, es);
+  const bool group = variant != kPrevious && N <= kMaxGroupRows && tpr <= 32 * gwarps &&
+                     (wp.index >= 0 || variant == kGroupEverywhere);
+  if (group) {
+    const int64_t nw = tpr / 32;
+    int64_t most = 32 * gwarps / tpr;  // groups per SM
+    if (nw > 1) most = std::min<int64_t>(most, kMaxNamedBarrierGroups);
+    if (max_warps > 0) most = std::min(most, std::max<int64_t>(1, max_warps / nw));
+    const int64_t chunks = cdiv(N, gR);
+    const int64_t G = balanced_warps_per_sm(chunks, sms, most);
+    grid = std::min(sms, cdiv(chunks, G));
+    if (need_dw || need_db) partial = new_output({grid, 2 * C}, x.options().dtype(at::kFloat));
+    const size_t smem =
+        partial.defined() ? static_cast<size_t>(G * tpr * 2 * kGroupCols * sizeof(float)) : 0;
+    gk.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)),
+              Dim3(static_cast<unsigned>(tpr), static_cast<unsigned>(G)), smem, dout.data_ptr(),
+              x.data_ptr(), ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
+              ptr_or_null(partial), static_cast<long long>(N), static_cast<int>(C),
+              static_cast<int>(need_dw), static_cast<int>(need_db));
+  } else if (wp.index >= 0) {
     // Persistent: at most one block per SM, warps of bwd_rows rows each, as few per SM as keep the
     // same number of rounds. A warp's column sums take 32 * P * pack floats of shared memory for
     // dweight and as many for dbias, which may cap the warps of a block.
-    const WarpCfg cfg = ln_warp_cfg(vec, wp.P, x.element_size());
-    const int64_t sms = sm_count(on.device), chunks = cdiv(N, cfg.bwd_rows);
-    const int64_t pack = vec ? 16 / x.element_size() : 1;
+    const WarpCfg cfg = ln_warp_cfg(vec, wp.P, es);
+    const int64_t chunks = cdiv(N, cfg.bwd_rows);
+    const int64_t pack = vec ? 16 / es : 1;
     const int64_t warp_smem = 2 * 32 * wp.P * pack * int64_t(sizeof(float));
     int64_t most = cfg.bwd_warps;
     if (max_warps > 0) most = std::min(most, max_warps);
@@ -256,7 +357,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
              static_cast<long long>(N), static_cast<int>(C), static_cast<int>(need_dw),
              static_cast<int>(need_db), 0);
   } else {
-    const RowLayout L = row_layout(C, x.element_size(), aligned);
+    const RowLayout L = row_layout(C, es, aligned);
     // More rows per block than the forward: each block leaves one partial row of 2C floats, so the
     // grid should be about one wave of resident blocks, each looping over several row groups.
     const int rows = L.fits ? std::clamp(512 / L.tpr, 1, kMaxRowsPerBlock) : 1;
@@ -264,7 +365,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
     // ~1024 resident threads per SM (the FITS backward uses up to 64 registers per thread); at
     // most one partial row per 8 rows, so the scratch never outgrows the input.
     const int64_t max_grid = std::max<int64_t>(
-        1, std::min<int64_t>(sm_count(on.device) * std::max<int64_t>(1, 1024 / threads), (N + 7) / 8));
+        1, std::min<int64_t>(sms * std::max<int64_t>(1, 1024 / threads), (N + 7) / 8));
     const int64_t groups = (N + rows - 1) / rows;
     const int64_t iters = (groups + max_grid - 1) / max_grid;
     grid = (groups + iters - 1) / iters;  // every block gets `iters` groups (last: fewer)
@@ -278,11 +379,10 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
         static_cast<int>(need_dw), static_cast<int>(need_db));
   }
   if (partial.defined()) {
-    param_grad_kernel.launch(dt, on.device, on.stream, Dim3(ceil_div(2 * C, 32)), Dim3(32, 32), 0,
-                             static_cast<const void*>(partial.data_ptr()),
-                             dweight ? dweight->data_ptr() : nullptr,
-                             dbias ? dbias->data_ptr() : nullptr, static_cast<int>(grid),
-                             static_cast<int>(C));
+    Kernel& k = variant == kPrevious ? param_grad_kernel : param_grad_fast_kernel;
+    k.launch(dt, on.device, on.stream, Dim3(ceil_div(2 * C, 32)), Dim3(32, 32), 0,
+             static_cast<const void*>(partial.data_ptr()), dweight ? dweight->data_ptr() : nullptr,
+             dbias ? dbias->data_ptr() : nullptr, static_cast<int>(grid), static_cast<int>(C));
   }
   return {dx, dweight, dbias};
 }
@@ -293,15 +393,25 @@ KFORGE_BIND_OP(layernorm) {
   m.def("layernorm_forward", &layernorm_forward,
         "LayerNorm over the last dim: returns (out, mean, rstd); mean / rstd are float32 (N,). "
         "max_warps (for A/B timing; 0: the kernel's own limit): fewer resident warps per SM on the "
-        "one-warp-per-row path",
+        "one-warp-per-row and GROUP paths. variant (for A/B timing): 0 GROUP layout where rows are "
+        "short (default: a row over 32 NW threads, 8 columns a thread, one or two rows in flight "
+        "per group with the next chunk prefetched); 1 the previous kernels (one warp per row); 2 "
+        "GROUP for bfloat16 / float16, the previous kernels for float32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("eps") = 1e-5, pybind11::arg("max_warps") = 0);
+        pybind11::arg("eps") = 1e-5, pybind11::arg("max_warps") = 0, pybind11::arg("variant") = 0);
   m.def("layernorm_backward", &layernorm_backward,
         "LayerNorm backward: returns (dx, dweight or None, dbias or None); bias is only used to "
         "decide whether dbias is wanted. max_warps (for A/B timing; 0: the kernel's own limit): "
-        "fewer warps per SM on the one-warp-per-row path",
+        "fewer warps per SM on the one-warp-per-row and GROUP paths. variant (for A/B timing): 0 "
+        "GROUP layout where rows are short (default: 8 columns a thread, column sums in shared "
+        "memory, one row a group, bfloat16 / float16 prefetching the next) and the prefetching "
+        "parameter-gradient reduce; 1 the previous kernels (one warp per row, previous reduce); 2 "
+        "GROUP with two rows a group and no prefetch for bfloat16 / float16, one prefetched row for "
+        "float32; 3 as 0, and GROUP also for rows up to 5120 / 6144 columns instead of the "
+        "block-per-row kernels",
         pybind11::arg("dout"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("max_warps") = 0);
+        pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("max_warps") = 0,
+        pybind11::arg("variant") = 0);
 }
 
 }  // namespace kforge
