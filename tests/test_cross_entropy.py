@@ -145,8 +145,8 @@ def test_backward_many_rows_of_many_chunks(dtype, misaligned, reduction):
     assert_close(dx[rows[valid], t[valid]], ref_dx[rows[valid], t[valid]], dtype, "target entries")
 
 
-# Backward layouts (the launcher's `variant`): 0 grid of (row, chunk) blocks with streaming hints (the
-# default, also run by every other test), 1 the grid with default caching, 2 the persistent grid.
+# Backward layouts (the launcher's `variant`): 0 grid of (row, chunk) blocks with streaming hints, 1 the
+# grid with default caching (the default, also run by every other test), 2 the persistent grid.
 BWD_VARIANTS = [0, 1, 2]
 
 

@@ -24,8 +24,9 @@ Kernel bwd_scalar(prog, "cross_entropy_backward_kernel<{T}, false>");
 // __launch_bounds__ minimum blocks per SM in the kernel source.
 constexpr int kBwdThreads = 256, kBwdUnrollGrid = 4, kBwdUnrollVec = 8, kBwdUnrollScalar = 2,
               kBwdBlocksPerSm = 4;
-// Backward layouts (the launcher's `variant`): 0 grid with streaming loads / stores (default),
-// 1 grid with default caching (element-wise rows: as 0), 2 persistent.
+// Backward layouts (the launcher's `variant`): 0 grid with streaming loads / stores, 1 grid with
+// default caching (the default: 5-6 % faster on an H200 at 8192 x 50257; element-wise rows: as 0),
+// 2 persistent.
 enum BwdVariant { kGrid = 0, kGridCached = 1, kPersistent = 2 };
 Kernel reduce(prog, "cross_entropy_reduce_kernel<{T}>");
 
@@ -217,10 +218,10 @@ KFORGE_BIND_OP(cross_entropy) {
   m.def("cross_entropy_backward", &cross_entropy_backward,
         "dlogits = (softmax(logits) - onehot(targets)) * dloss from the forward's lse and n_valid; grad is "
         "the loss gradient ((N,) for none, one element otherwise). Ignored rows get 0, out-of-range rows NaN. "
-        "variant (for A/B timing): 0 one block per (row, chunk) with streaming loads/stores (default), 1 the "
-        "same with default caching, 2 a persistent grid looping over the (row, chunk) items.",
+        "variant (for A/B timing): 0 one block per (row, chunk) with streaming loads/stores, 1 the "
+        "same with default caching (default), 2 a persistent grid looping over the (row, chunk) items.",
         py::arg("grad"), py::arg("logits"), py::arg("targets"), py::arg("lse"), py::arg("n_valid"),
-        py::arg("ignore_index") = -100, py::arg("reduction") = "mean", py::arg("variant") = 0);
+        py::arg("ignore_index") = -100, py::arg("reduction") = "mean", py::arg("variant") = 1);
   m.def("cross_entropy_forward_backward", &cross_entropy_forward_backward,
         "Fused forward + backward for a loss gradient known up front: returns (loss, dlogits), reading the "
         "logits once from DRAM (its second read of each row is meant to hit L2).",

@@ -394,11 +394,12 @@ KFORGE_BIND_OP(layernorm) {
         "LayerNorm over the last dim: returns (out, mean, rstd); mean / rstd are float32 (N,). "
         "max_warps (for A/B timing; 0: the kernel's own limit): fewer resident warps per SM on the "
         "one-warp-per-row and GROUP paths. variant (for A/B timing): 0 GROUP layout where rows are "
-        "short (default: a row over 32 NW threads, 8 columns a thread, one or two rows in flight "
-        "per group with the next chunk prefetched); 1 the previous kernels (one warp per row); 2 "
-        "GROUP for bfloat16 / float16, the previous kernels for float32",
+        "short (a row over 32 NW threads, 8 columns a thread, one or two rows in flight per group "
+        "with the next chunk prefetched); 1 one warp per row (default: on an H200 at 8192 x 768, "
+        "bf16 9.0 us against GROUP's 9.9, fp32 the same within 2 %); 2 GROUP for bfloat16 / "
+        "float16, one warp per row for float32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("eps") = 1e-5, pybind11::arg("max_warps") = 0, pybind11::arg("variant") = 0);
+        pybind11::arg("eps") = 1e-5, pybind11::arg("max_warps") = 0, pybind11::arg("variant") = 1);
   m.def("layernorm_backward", &layernorm_backward,
         "LayerNorm backward: returns (dx, dweight or None, dbias or None); bias is only used to "
         "decide whether dbias is wanted. max_warps (for A/B timing; 0: the kernel's own limit): "

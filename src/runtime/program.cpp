@@ -518,8 +518,11 @@ Kernel::Kernel(Program& program, std::string pattern, std::vector<DType> dtypes)
   index_.fill(-1);
   for (auto& per_dtype : fn_)
     for (auto& f : per_dtype) f.store(nullptr, std::memory_order_relaxed);
+  // 0: the first launch asking for any dynamic shared memory sets the function's limit. The
+  // default limit (48 KiB) counts static plus dynamic shared memory, so a kernel with static
+  // scratch would fail a 48 KiB dynamic request without it.
   for (auto& per_dtype : smem_limit_)
-    for (auto& s : per_dtype) s.store(48 * 1024, std::memory_order_relaxed);
+    for (auto& s : per_dtype) s.store(0, std::memory_order_relaxed);
   const std::string tag = "{T}";
   size_t at = pattern_.find(tag);
   for (DType t : dtypes) {
