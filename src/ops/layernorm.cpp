@@ -214,7 +214,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
   // per SM, as few groups per SM as keep the same number of rounds; groups loop beyond.
   const int64_t tpr = group_tpr(C, vec, es);
   const bool group = wp.index >= 0 && N <= kMaxGroupRows && tpr <= 32 * kGroupFwdWarps &&
-                     (variant == kDefault || (variant == kAlt && es == 2));
+                     (variant == kDefault || (variant == kAlt && es == 4));
   if (group) {
     Kernel& k = !vec ? fwd_group_scalar : es == 2 ? fwd_group_vec16 : fwd_group_vec32;
     const int R = vec && es == 2 ? 2 : 1;
@@ -395,11 +395,11 @@ KFORGE_BIND_OP(layernorm) {
         "max_warps (for A/B timing; 0: the kernel's own limit): fewer resident warps per SM on the "
         "one-warp-per-row and GROUP paths. variant (for A/B timing): 0 GROUP layout where rows are "
         "short (a row over 32 NW threads, 8 columns a thread, one or two rows in flight per group "
-        "with the next chunk prefetched); 1 one warp per row (default: on an H200 at 8192 x 768, "
-        "bf16 9.0 us against GROUP's 9.9, fp32 the same within 2 %); 2 GROUP for bfloat16 / "
-        "float16, one warp per row for float32",
+        "with the next chunk prefetched); 1 one warp per row; 2 (default) GROUP for float32, one "
+        "warp per row for bfloat16 / float16 (on an H200 at 8192 x 768: fp32 GROUP 14.2 us against "
+        "14.8, bf16 one warp per row 9.1 us against GROUP's 9.9)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("eps") = 1e-5, pybind11::arg("max_warps") = 0, pybind11::arg("variant") = 1);
+        pybind11::arg("eps") = 1e-5, pybind11::arg("max_warps") = 0, pybind11::arg("variant") = 2);
   m.def("layernorm_backward", &layernorm_backward,
         "LayerNorm backward: returns (dx, dweight or None, dbias or None); bias is only used to "
         "decide whether dbias is wanted. max_warps (for A/B timing; 0: the kernel's own limit): "
