@@ -472,8 +472,8 @@ KF_DEVICE float reget(const Chunk& c, int i, u32 lo_mul, u32 hi_mask) {
   }
 }
 
-template <typename T, int K, int P, bool KEEP_G, bool CBW, int MAXT, int MINB>
-__global__ void __launch_bounds__(MAXT, MINB)
+template <typename T, int K, int P, bool KEEP_G, bool CBW, int MAXT>
+__global__ void __launch_bounds__(MAXT, 1)
     rmsnorm_backward_pipelined_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                       const T* __restrict__ weight, const float* __restrict__ rstd,
                                       T* __restrict__ dx, float* __restrict__ dw_partial,
@@ -659,171 +659,24 @@ done:
   }
 }
 
-// ---- backward, wide (variant 3): occupancy instead of registers -----------------------------------
-// Rows of at most 512 16-byte chunks (16-bit D <= 4096, fp32 D <= 2048), VEC only. Layout: persistent
-// grid of MINB blocks (<= 512 threads, __launch_bounds__(512, MINB): <= 64 registers at MINB = 2) per
-// SM, blockDim.y row groups of blockDim.x threads; thread x owns ONE chunk of every row of its group
-// (chunk x; threads past the row's end read the last chunk, get weight 0 and store nothing). Group y
-// of block b takes rows first = b * blockDim.y + y, first + stride, ... like the pipelined kernel, and
-// each thread keeps P rows' x, dy (one packed chunk each) and rstd in registers, refilling a buffer
-// with the row P further on as soon as its dx is stored. Per row and thread: 8 (fp32: 4) elements;
-// the weight (fp32) and the dweight sums of its chunk stay in registers; g = dy * w is recomputed from
-// the packed dy for dx (no registers held through the reduction but the packed buffers). Reduction:
-// shuffles, then (several warps) one slot per warp in a double-buffered set, one group barrier, and
-// four more shuffles, as in the pipelined kernel. Addressing: byte pointers and a 32-bit step per row
-// as in the pipelined kernel; past the group's last row the load pointers stay on it.
-template <typename T, int P, bool CBW, int MINB>
-__global__ void __launch_bounds__(512, MINB)
-    rmsnorm_backward_wide_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                 const T* __restrict__ weight, const float* __restrict__ rstd,
-                                 T* __restrict__ dx, float* __restrict__ dw_partial, long long rows,
-                                 int D, float inv_d, u32 lo_mul, u32 hi_mask, int zero) {
-  using E = Elems<T>;
-  constexpr int V = E::V;
-  __shared__ __align__(2048) float scratch[2][512 / 32 * 16];  // [set][group * 16 + warp]
-  extern __shared__ float fold[];
-  const int tx = blockDim.x;
-  const int nchunk = D / V;  // D % V == 0 (VEC)
-  const int nw = tx >> 5;
-  const int lane = threadIdx.x & 31;
-  const bool ok = (int)threadIdx.x < nchunk;
-  const int c0 = min((int)threadIdx.x, nchunk - 1);
-
-  float w[V], acc[V];
-  {
-    const Chunk wc = !ok ? words(0u)
-                     : weight ? load_chunk<T, true, false>(weight, c0, D)
-                              : words(Elems<T>::kOne);
-#pragma unroll
-    for (int i = 0; i < V; ++i) w[i] = E::get(wc, i), acc[i] = 0.0f;
-  }
-  const u32 s0 = (u32)__cvta_generic_to_shared(&scratch[0][threadIdx.y * 16]);
-  constexpr u32 sflip = 1024u;  // the sets are 1024 bytes apart, the first 2048-byte aligned
-  u32 sw = s0 + (threadIdx.x >> 5) * 4, sl = s0 + (lane & 15) * 4;
-  if ((int)threadIdx.x >= nw && threadIdx.x < 16) {  // padding, never written again
-    scratch[0][threadIdx.y * 16 + threadIdx.x] = 0.0f;
-    scratch[1][threadIdx.y * 16 + threadIdx.x] = 0.0f;
-  }
-
-  const long long first = (long long)blockIdx.x * blockDim.y + threadIdx.y;
-  const long long stride = (long long)gridDim.x * blockDim.y;
-  const int n = first < rows ? (int)((rows - 1 - first) / stride) + 1 : 0;  // rows of this group
-  if (n == 0) goto done;  // uniform over the group
-  {
-    // Byte pointers advanced by a 32-bit step per row (stride * D * sizeof(T) < 2^32, checked by the
-    // launcher); dy's address is x's plus a uniform delta.
-    const u32 step = (u32)(stride * D) * (u32)sizeof(T);
-    const u32 rstep = (u32)stride * 4u;
-    const long long off = first * D + c0 * V;
-    const char* nx = reinterpret_cast<const char*>(x + off);  // the row to load next
-    const u64 gdelta = reinterpret_cast<u64>(dy) - reinterpret_cast<u64>(x);
-    const char* nr = reinterpret_cast<const char*>(rstd + first);
-    char* cd = reinterpret_cast<char*>(dx + off);  // the row whose dx is stored next
-    Chunk bx[P], bg[P];
-    float br[P];
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-      if (p > 0 && p < n) nx += step, nr += rstep;
-      br[p] = *reinterpret_cast<const float*>(nr);
-      bx[p] = load_chunk<T, true, true>(reinterpret_cast<const T*>(nx), 0, D);
-      bg[p] = load_chunk<T, true, true>(reinterpret_cast<const T*>(plus(nx, gdelta)), 0, D);
-    }
-
-    for (int t = 0;;) {
-#pragma unroll
-      for (int p = 0; p < P; ++p) {
-        const float r = br[p];
-        float dot = 0.0f;
-#pragma unroll
-        for (int i = 0; i < V; i += 2) {
-          float d[2], xr[2];
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const float xv = E::get(bx[p], i + j);
-            d[j] = E::get(bg[p], i + j);
-            dot = fmaf(d[j] * w[i + j], xv, dot);
-            xr[j] = xv * r;
-          }
-          if (CBW) E::round(xr[0], xr[1]);
-#pragma unroll
-          for (int j = 0; j < 2; ++j) acc[i + j] = fmaf(d[j], xr[j], acc[i + j]);
-        }
-        dot = warp_sum(dot);
-        if (nw > 1) {
-          if (lane == 0) asm volatile("st.shared.f32 [%0], %1;" ::"r"(sw), "f"(dot));
-          group_barrier();
-          asm volatile("ld.shared.f32 %0, [%1];" : "=f"(dot) : "r"(sl));
-#pragma unroll
-          for (int o = 8; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-          sw ^= sflip, sl ^= sflip;
-        }
-        const float a = -(dot * inv_d) * r * r;
-        if (sizeof(T) == 2) {  // unpacked again, after the reduction (fewer registers than masks)
-          opaque(bx[p], zero);
-          opaque(bg[p], zero);
-        }
-        float o[V];
-#pragma unroll
-        for (int i = 0; i < V; ++i) o[i] = r * fmaf(a, E::get(bx[p], i), E::get(bg[p], i) * w[i]);
-        if (ok) store_chunk<T, true>(reinterpret_cast<T*>(cd), 0, D, E::put(o));
-        cd += step;
-        // Refill with row t + P (or stay on the group's last row). The + 0 that depends on the last
-        // dx value keeps ptxas from moving these loads above the buffer's last reads.
-        const u32 dep = __float_as_uint(o[V - 1]) & (u32)zero;
-        const bool more = t + P < n;
-        nx += (more ? step : 0u) + dep, nr += (more ? rstep : 0u) + dep;
-        br[p] = *reinterpret_cast<const float*>(nr);
-        bx[p] = load_chunk<T, true, true>(reinterpret_cast<const T*>(nx), 0, D);
-        bg[p] = load_chunk<T, true, true>(reinterpret_cast<const T*>(plus(nx, gdelta)), 0, D);
-        if (++t >= n) {
-          u32 sink = 0u;  // the buffers are used (+ 0): the loads stay above the loop's exit test
-#pragma unroll
-          for (int q = 0; q < P; ++q) sink |= __float_as_uint(br[q]) | bx[q].w[0] | bg[q].w[0];
-          acc[0] = __uint_as_float(__float_as_uint(acc[0]) | (sink & (u32)zero));
-          goto done;
-        }
-      }
-    }
-  }
-done:
-  if (dw_partial == nullptr) return;  // no weight: nothing to reduce (uniform over the block)
-  {
-    float* part = dw_partial + (long long)blockIdx.x * D;
-    const int span = tx * V;  // floats per group
-    const int t = threadIdx.y * tx + threadIdx.x;
-    const int nt = tx * blockDim.y;
-#pragma unroll
-    for (int i = 0; i < V; ++i) fold[threadIdx.y * span + threadIdx.x * V + i] = acc[i];
-    __syncthreads();
-    for (int e = t; e < span && e < D; e += nt) {
-      float sum = 0.0f;
-      for (int gi = 0; gi < (int)blockDim.y; ++gi) sum += fold[gi * span + e];
-      part[e] = sum;
-    }
-  }
-}
-
 // dweight[j] = sum over g of partial[g][j], in a fixed order.
-// Layout: block (32, NY); thread (x, y) sums partial rows y, y + NY, ... of column blockIdx.x * 32 + x
-// (loads unrolled by 8, so 8 are in flight per thread; the adds stay in order of g), then the NY sums
-// of a column are added in order of y. NY = 16 for variants 0-2; 32 for variant 3, whose persistent
-// grid of several blocks per SM leaves 2-3x more partial rows (G = 264-396 on an H200).
-template <typename T, int NY>
-__global__ void __launch_bounds__(32 * NY)
-    rmsnorm_dweight_kernel(const float* __restrict__ partial, T* __restrict__ dweight, int G, int D) {
-  __shared__ float s[NY][33];
+// Layout: block (32, 16); thread (x, y) sums partial rows y, y + 16, ... of column blockIdx.x * 32 + x,
+// then the 16 sums of a column are added in order of y.
+constexpr int kDwRows = 16;
+template <typename T>
+__global__ void rmsnorm_dweight_kernel(const float* __restrict__ partial, T* __restrict__ dweight,
+                                       int G, int D) {
+  __shared__ float s[kDwRows][33];
   const int j = blockIdx.x * 32 + threadIdx.x;
   float a = 0.0f;
-  if (j < D) {
-#pragma unroll 8
-    for (int g = threadIdx.y; g < G; g += NY) a += partial[(long long)g * D + j];
-  }
+  if (j < D)
+    for (int g = threadIdx.y; g < G; g += kDwRows) a += partial[(long long)g * D + j];
   s[threadIdx.y][threadIdx.x] = a;
   __syncthreads();
   if (threadIdx.y == 0 && j < D) {
     float t = 0.0f;
 #pragma unroll
-    for (int yy = 0; yy < NY; ++yy) t += s[yy][threadIdx.x];
+    for (int yy = 0; yy < kDwRows; ++yy) t += s[yy][threadIdx.x];
     dweight[j] = from_float<T>(t);
   }
 }

@@ -69,8 +69,8 @@ def check_against_reference(x, w, b, dout, dtype, fwd_variant=0, bwd_variant=0):
 
 # Shapes pick every layout and instantiation. Variant 0 (the backward default; the forward default,
 # 2, runs it for fp32): GROUP layout for rows up to 2048 (bf16) / 1024 (fp32, scalar) columns
-# forward and 1024 backward: a row over tpr = 32 NW threads at 8 columns a thread (bf16 16-byte units: C / 8 threads, fp32: C / 8, scalar: C / 8 rounded up to 32);
-# forward groups take 2 rows at once (bf16 / half vec) or 1, backward 1 (variant 2: 2 rows for
+# forward and 1024 backward: a row over tpr = 32 NW threads at 8 columns a thread (bf16 16-byte
+# units: C / 8 threads, fp32: C / 8, scalar: C / 8 rounded up to 32); forward groups take 2 rows at once (bf16 / half vec) or 1, backward 1 (variant 2: 2 rows for
 # bf16 / half, prefetching fp32). NW per shape (bf16 / fp32): (64, 128): 1 (half the threads idle) /
 # 1; (5, 100): scalar 1 / 1; (33, 256): 1 / 1; (40, 300): scalar 2 / 2 (threads with one of two fp32
 # units); (33, 384): 2 / 2 (odd N: last forward chunk of 2 rows partial); (48, 512): 2 / 2; (20, 640):

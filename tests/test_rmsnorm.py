@@ -69,10 +69,8 @@ def check(x, weight, dy, cast_before_weight, nd=1, what="", variant=0):
 # 160 threads, fp32 514 on 288).
 SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056),
           (3, 512), (5, 2048), (3, 8192), (5, 6000)]
-# Backward kernels (the launcher's `variant`): 0 pipelined (default), 1 previous, 2 pipelined deeper,
-# 3 wide (one chunk per thread, 2 blocks per SM: every 16-byte shape here of <= 512 chunks, e.g.
-# (8, 4096) bf16 with 512-thread groups, (1000, 64) with lanes past the row's end, (2, 256) one warp).
-VARIANTS = [0, 1, 2, 3]
+# Backward kernels (the launcher's `variant`): 0 pipelined (default), 1 previous, 2 pipelined deeper.
+VARIANTS = [0, 1, 2]
 variants = pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"v{v}")
 
 
@@ -114,12 +112,8 @@ def test_pipelined_rows_per_group(D, dtype, variant):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     es = torch.tensor([], dtype=dtype).element_size()
     nchunk = D * es // 16
-    if variant == 3 and nchunk <= 512:  # the wide kernel: 2 blocks per SM, one chunk per thread
-        tx, blocks = -(-nchunk // 32) * 32, 2
-    else:
-        tx, blocks = (32 if nchunk <= 32 else -(-nchunk // 2 // 32) * 32), 1
+    tx = 32 if nchunk <= 32 else -(-nchunk // 2 // 32) * 32
     groups = 512 // tx
-    sms = sms * blocks
     for n in range(1, 7):
         rows = sms * groups * (n - 1) + (sms * groups * 2) // 3 + 1
         x, dy = randn(rows, D, dtype=dtype), randn(rows, D, dtype=dtype)
@@ -339,8 +333,8 @@ def test_launcher_rejects_cpu_tensors():
 
 
 def test_launcher_rejects_unknown_variant():
-    for v in (-1, 4):
-        with pytest.raises(kforge.KforgeError, match="variant must be 0, 1, 2 or 3"):
+    for v in (-1, 3):
+        with pytest.raises(kforge.KforgeError, match="variant must be 0, 1 or 2"):
             kforge._C.rmsnorm_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2),
                                        variant=v)
 

@@ -69,7 +69,7 @@ struct PipeKernel {
 #define KF_PIPE(K, P, KEEP_G, CBW, DTYPES)                                                         \
   {                                                                                                \
     K, P, KEEP_G, CBW, {                                                                           \
-      prog, "rmsnorm_backward_pipelined_kernel<{T}, " #K ", " #P ", " #KEEP_G ", " #CBW ", 512, 1>", \
+      prog, "rmsnorm_backward_pipelined_kernel<{T}, " #K ", " #P ", " #KEEP_G ", " #CBW ", 512>", \
           DTYPES                                                                                   \
     }                                                                                              \
   }
@@ -80,31 +80,7 @@ PipeKernel pipe_kernels[] = {
     KF_PIPE(2, 2, true, true, k16),    KF_PIPE(2, 3, false, true, k16),
 };
 #undef KF_PIPE
-Kernel dweight_kernel(prog, "rmsnorm_dweight_kernel<{T}, 16>");
-Kernel dweight_kernel32(prog, "rmsnorm_dweight_kernel<{T}, 32>");
-
-// Wide backward kernels (variant 3; 16-byte accesses, rows of at most kWideMaxChunks chunks): one
-// chunk per thread and row, P rows in flight, CBW; kWideBlocks blocks of <= 512 threads per SM
-// (<= 64 registers per thread, 32 warps per SM).
-constexpr int kWideMaxChunks = 512;
-constexpr int kWideBlocks = 2;
-struct WideKernel {
-  int P;
-  bool cbw;
-  Kernel kernel;
-};
-WideKernel wide_kernels[] = {
-    {3, false, {prog, "rmsnorm_backward_wide_kernel<{T}, 3, false, 2>", kF32}},
-    {2, false, {prog, "rmsnorm_backward_wide_kernel<{T}, 2, false, 2>", k16}},
-    {2, true, {prog, "rmsnorm_backward_wide_kernel<{T}, 2, true, 2>", k16}},
-};
-WideKernel* wide_kernel(int nchunk, bool vec, bool cbw, DType dt) {
-  if (!vec || nchunk > kWideMaxChunks) return nullptr;
-  const bool f32 = dt == DType::f32;
-  for (WideKernel& k : wide_kernels)
-    if (k.P == (f32 ? 3 : 2) && k.cbw == (cbw && !f32) && k.kernel.supports(dt)) return &k;
-  return nullptr;
-}
+Kernel dweight_kernel(prog, "rmsnorm_dweight_kernel<{T}>");
 
 // Longest row, in 16-byte chunks: 16384 bf16/fp16 or 8192 fp32 elements (kforge.ops.rmsnorm's
 // checker declines longer rows).
@@ -150,7 +126,7 @@ BwdGeometry backward_geometry(int nchunk, bool vec, bool cbw, DType dt) {
 }
 
 // Backward kernel choices (the launcher's `variant`).
-enum BwdVariant : int64_t { kPipelined = 0, kPrevious = 1, kPipelinedDeep = 2, kWide = 3 };
+enum BwdVariant : int64_t { kPipelined = 0, kPrevious = 1, kPipelinedDeep = 2 };
 
 // Pipelined backward: K = 1 (one warp per row, 16 rows per block) up to 32 chunks, else K = 2 (rows
 // of <= 512 threads). 16-bit types: P = 2 rows in flight keeping g (variant 0), or P = 3 without
@@ -222,7 +198,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
     const at::Tensor& dy_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
     const at::Tensor& rstd_, int64_t normalized_ndim, bool cast_before_weight, int64_t variant) {
   const char* op = "rmsnorm_backward";
-  KF_CHECK(variant >= kPipelined && variant <= kWide, op, "variant must be 0, 1, 2 or 3, got ",
+  KF_CHECK(variant >= kPipelined && variant <= kPipelinedDeep, op, "variant must be 0, 1 or 2, got ",
            variant);
   const at::Tensor x = input(x_, op, "x");
   const at::Tensor dy = input_like(dy_, x, op, "dy");
@@ -249,23 +225,9 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   const DType dt = dtype_of(x, op);
   const int zero = 0;  // see opaque() in the kernel
   const int sms = sm_count(on.device);
-  WideKernel* wk = variant == kWide ? wide_kernel(nchunk, vec, cast_before_weight, dt) : nullptr;
-  PipeKernel* pk = variant == kPrevious ? nullptr
-                                        : pipe_kernel(nchunk, vec, cast_before_weight, dt,
-                                                      variant == kWide ? kPipelined : variant);
+  PipeKernel* pk =
+      variant == kPrevious ? nullptr : pipe_kernel(nchunk, vec, cast_before_weight, dt, variant);
   unsigned grid = 0, tx = 0, groups = 0;
-  if (wk) {
-    tx = round32(nchunk);
-    groups = kBwdThreads / tx;
-    // Persistent grid: kWideBlocks blocks per SM (fewer when the rows do not need them).
-    grid = static_cast<unsigned>(std::min<int64_t>((rows + groups - 1) / groups, int64_t(kWideBlocks) * sms));
-    const int64_t stride = int64_t(grid) * groups;
-    if (stride * D * x.element_size() >= (int64_t(1) << 32) ||
-        (rows + stride - 1) / stride > std::numeric_limits<int>::max() - 8)
-      wk = nullptr;
-    else
-      pk = nullptr;
-  }
   if (pk) {
     tx = round32((nchunk + pk->K - 1) / pk->K);
     groups = kBwdThreads / tx;
@@ -277,8 +239,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
         (rows + stride - 1) / stride > std::numeric_limits<int>::max() - 8)
       pk = nullptr;
   }
-  Kernel* kernel = wk ? &wk->kernel : pk ? &pk->kernel : nullptr;
-  if (!pk && !wk) {
+  Kernel* kernel = pk ? &pk->kernel : nullptr;
+  if (!pk) {
     const BwdGeometry g = backward_geometry(nchunk, vec, cast_before_weight, dt);
     tx = g.tx, groups = g.groups, kernel = &g.kernel->kernel;
     const int64_t rows_per_step = int64_t(groups) * g.kernel->R;
@@ -287,7 +249,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   std::optional<at::Tensor> partial;
   if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
   const size_t fold_bytes = size_t(tx) * groups * V * sizeof(float);
-  if (pk || wk)
+  if (pk)
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), fold_bytes, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
                    static_cast<long long>(rows), static_cast<int>(D), 1.0f / static_cast<float>(D),
@@ -298,7 +260,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
                    static_cast<long long>(rows), static_cast<int>(D), 1.0f / static_cast<float>(D),
                    zero);
   if (weight)
-    (wk ? dweight_kernel32 : dweight_kernel).launch(dt, on.device, on.stream, ceil_div(D, 32), Dim3(32, wk ? 32 : 16), 0,
+    dweight_kernel.launch(dt, on.device, on.stream, ceil_div(D, 32), Dim3(32, 16), 0,
                           partial->data_ptr(), dweight->data_ptr(), static_cast<int>(grid),
                           static_cast<int>(D));
   return {dx, dweight};
@@ -321,9 +283,7 @@ KFORGE_BIND_OP(rmsnorm) {
         "per group loaded, then computed); 2 the pipelined kernel with 3 rows in flight and g "
         "recomputed (16-bit rows of more than 32 chunks; otherwise as 0). Variants 0 and 2 use the "
         "previous kernel where they do not apply (odd sizes, misaligned pointers, rows longer than "
-        "1024 16-byte chunks). 3: the wide kernel (one 16-byte chunk per thread and row, 2 blocks of <= 512 "
-        "threads per SM at <= 64 registers, 2 rows in flight, 3 for fp32) for 16-byte accesses and rows "
-        "of at most 512 chunks; elsewhere as 0.",
+        "1024 16-byte chunks).",
         pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"),
         pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true,
         pybind11::arg("variant") = 0);
