@@ -76,9 +76,10 @@ def input_sets_for(case: BenchCase, l2_bytes: int) -> list[tuple]:
 
 
 def same_size_copy_us(nbytes: int, l2_bytes: int) -> float:
-    """Median microseconds of a device-to-device copy moving `nbytes` in all (half read, half
-    written), timed like the ops: the ceiling a kernel of that many bytes can reach, launch ramp and
-    tail included, which the 1 GiB copy bandwidth does not show for small sizes."""
+    """Median microseconds of torch's device-to-device `copy_` moving `nbytes` in all (half read,
+    half written), timed like the ops: what a plain copy of that many bytes achieves, launch ramp and
+    tail included, which the 1 GiB copy bandwidth does not show for small sizes. Not a hard ceiling:
+    torch's copy is not the fastest possible copy at small sizes."""
     # fp32 elements, as copy_bandwidth_gbs uses: torch copies 1-byte elements more slowly.
     elems = max(nbytes // 8, 4)
     n = max(1, min(16, -(-2 * l2_bytes // max(nbytes, 1))))
@@ -307,9 +308,9 @@ def markdown(header: dict, result: dict) -> str:
     if kind == "ops":
         bw = result["copy_gbs"]
         lines.append(f"Measured device-to-device copy bandwidth: **{bw:.0f} GB/s** (read + write). "
-                     "`% copy`: kforge GB/s against it; `% same-size copy`: the time of a copy moving "
-                     "the same bytes over kforge's time (the ceiling at that size, launch ramp and tail "
-                     "included).")
+                     "`% copy`: kforge GB/s against it; `% same-size copy`: the time torch's `copy_` "
+                     "takes to move the same bytes, over kforge's time (launch ramp and tail included "
+                     "for both; over 100 % means faster than torch's copy).")
         lines.append("")
         table = [[r["op"], r["dir"], r["shape"], r["dtype"], _fmt(r.get("kforge_us")), _fmt(r.get("kforge_gbs"), 0),
                   _fmt(r.get("kforge_pct_copy"), 0), _fmt(r.get("copy_same_us")),
