@@ -54,6 +54,14 @@ def check(x, weight, dy, cast_before_weight, nd=1, what="", variant=0):
         assert_close(dw, rdw, dtype, f"dweight {what}")
 
 
+def check_random(shape, dtype, cast_before_weight, variant):
+    """check() on random x, dy of `shape` and a weight around 1."""
+    x = randn(*shape, dtype=dtype)
+    w = randn(shape[-1], dtype=dtype, scale=0.5) + 1
+    dy = randn(*shape, dtype=dtype)
+    check(x, w, dy, cast_before_weight, what=str(shape), variant=variant)
+
+
 # ---- GPU: kernels against float64 ---------------------------------------------------------------------
 # Chosen so every kernel variant runs (see forward_geometry / backward_geometry / pipe_kernel in
 # src/ops/rmsnorm.cpp): forward one warp per row with K = 1, 2, 4, 8 chunks per thread ((2, 256),
@@ -80,10 +88,7 @@ variants = pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"v{v}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_backward(dtype, shape, cast_before_weight, variant):
-    x = randn(*shape, dtype=dtype)
-    w = randn(shape[-1], dtype=dtype, scale=0.5) + 1
-    dy = randn(*shape, dtype=dtype)
-    check(x, w, dy, cast_before_weight, what=str(shape), variant=variant)
+    check_random(shape, dtype, cast_before_weight, variant)
 
 
 @gpu
@@ -94,11 +99,7 @@ def test_forward_backward(dtype, shape, cast_before_weight, variant):
                          ids=lambda s: "x".join(map(str, s)))
 def test_float16(shape, cast_before_weight, variant):
     # fp16 has its own unpacking / rounding code in the kernels (cvt.f32.f16, cvt.rn.f16x2.f32).
-    dtype = torch.float16
-    x = randn(*shape, dtype=dtype)
-    w = randn(shape[-1], dtype=dtype, scale=0.5) + 1
-    dy = randn(*shape, dtype=dtype)
-    check(x, w, dy, cast_before_weight, what=str(shape), variant=variant)
+    check_random(shape, torch.float16, cast_before_weight, variant)
 
 
 @gpu

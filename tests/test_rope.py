@@ -116,7 +116,7 @@ def test_forward_backward(dtype, interleaved, case, table_dtype, variant):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_llama_size(dtype, interleaved, variant):
     # The bench size: 4 x 2048 tokens, 32 q heads + 8 kv heads of dim 128, HF (1, T, D) tables. The
-    # persistent variants (0, 3) walk several token tiles per block here.
+    # persistent variants (3, 4) walk several token tiles per block here.
     B, T = 4, 2048
     cos, sin, _ = tables("1t", B, T, 128, interleaved, dtype)
     check(randn(B, 32, T, 128, dtype=dtype), randn(B, 8, T, 128, dtype=dtype), cos, sin, interleaved,
