@@ -53,6 +53,7 @@ __global__ void __launch_bounds__(32 * kColsumRows)
       }
     }
   }
+  kf_allow_dependents();  // colsum_final_kernel's blocks may be scheduled now (they wait for us)
 #pragma unroll
   for (int i = 0; i < U; ++i) red[threadIdx.y][threadIdx.x * U + i] = acc[i];
   __syncthreads();
@@ -71,11 +72,13 @@ __global__ void __launch_bounds__(32 * kColsumRows)
 
 // out[c] = sum of the G partial rows' column c, in a fixed order. blockDim (32, kColsumRows): lane x
 // owns column blockIdx.x * 32 + x, row slot y adds chunks y, y + 8, ... (eight loads in flight), and
-// the slots are added in slot order: a fixed order for every launch.
+// the slots are added in slot order: a fixed order for every launch. Launched as a dependent of the
+// partial kernel (Kernel::launch_dependent): nothing global is touched before kf_wait_prior_grids().
 template <typename T>
 __global__ void __launch_bounds__(32 * kColsumRows)
     colsum_final_kernel(const float* __restrict__ partial, T* __restrict__ out, int G, int C) {
   __shared__ float red[kColsumRows][32];
+  kf_wait_prior_grids();
   const int c = blockIdx.x * 32 + threadIdx.x;
   float s = 0.0f;
   if (c < C) {

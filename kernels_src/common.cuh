@@ -25,6 +25,23 @@ typedef long long i64;
 struct __align__(2) bf16 { u16 bits; };
 struct __align__(2) half { u16 bits; };
 
+// ---- dependent launches (Kernel::launch_dependent in the runtime) --------------------------------
+// A kernel launched as a programmatic dependent may start while the kernel before it on the stream
+// is still draining; it calls kf_wait_prior_grids() before touching global memory, which returns
+// once that kernel has finished and its writes are visible. A no-op before sm_90 (plain launches).
+KF_DEVICE void kf_wait_prior_grids() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the dependent kernel's blocks be scheduled now (e.g. as this block enters its epilogue) rather
+// than when this grid exits. Only scheduling: the dependent still waits in kf_wait_prior_grids().
+KF_DEVICE void kf_allow_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---- conversions --------------------------------------------------------------------------------
 KF_DEVICE float to_float(float x) { return x; }
 KF_DEVICE float to_float(bf16 x) { return __uint_as_float(((u32)x.bits) << 16); }

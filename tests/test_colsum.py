@@ -54,6 +54,31 @@ def test_deterministic_and_strided_and_misaligned(dtype):
 
 
 @gpu
+def test_side_stream_and_cuda_graph_capture():
+    """The final kernel is a dependent launch (Hopper): same results on a side stream, back to back
+    with other work, and replayed from a CUDA graph."""
+    x = randn(8, 1024, 768, dtype=torch.bfloat16)
+    expected = kforge._C.colsum_forward(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = x * 2  # a kernel right before the partial kernel on the same stream
+        side = [kforge._C.colsum_forward(y) for _ in range(3)]
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kforge._C.colsum_forward(x)
+        captured2 = kforge._C.colsum_forward(captured.view(1, -1).expand(4, -1).contiguous())
+    x.mul_(-1)  # replay must see the new values
+    graph.replay()
+    torch.cuda.synchronize()
+    for out in side:
+        assert torch.equal(out, kforge._C.colsum_forward(x * -2))
+    assert torch.equal(captured, -expected)
+    assert_close(captured2, 4 * reference(captured.view(1, -1)), torch.bfloat16, "chained")
+
+
+@gpu
 def test_launcher_edge_cases():
     empty_rows = randn(0, 5)
     torch.testing.assert_close(kforge._C.colsum_forward(empty_rows), torch.zeros(5, device="cuda"))

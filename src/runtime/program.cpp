@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -546,8 +547,25 @@ CUfunction Kernel::function(DType dtype, int device) {
   return f;
 }
 
+namespace {
+// Whether dependent launches are used on `device`: compute capability >= 9.0, cuLaunchKernelEx
+// present, and not switched off by KFORGE_DEPENDENT_LAUNCH=0 (for A/B timing). Cached per device.
+bool dependent_launch_ok(int device) {
+  static std::array<std::atomic<int>, 64> state{};  // 0 unknown, 1 yes, 2 no
+  if (device < 0 || device >= 64) return false;
+  int s = state[device].load(std::memory_order_relaxed);
+  if (s == 0) {
+    const char* env = std::getenv("KFORGE_DEPENDENT_LAUNCH");
+    const bool off = env && std::string(env) == "0";
+    s = (!off && driver().LaunchKernelEx && device_arch(device) >= 90) ? 1 : 2;
+    state[device].store(s, std::memory_order_relaxed);
+  }
+  return s == 1;
+}
+}  // namespace
+
 void Kernel::launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block,
-                        size_t smem, void** params) {
+                        size_t smem, void** params, bool dependent) {
   CUfunction f = function(dtype, device);
   const DriverApi& cu = driver();
   const int t = static_cast<int>(dtype);
@@ -558,14 +576,29 @@ void Kernel::launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim
                  " bytes of dynamic shared memory");
     smem_limit_[t][device].store(static_cast<int>(smem), std::memory_order_relaxed);
   }
-  CUresult r = cu.LaunchKernel(f, grid.x, grid.y, grid.z, block.x, block.y, block.z,
-                               static_cast<unsigned>(smem), stream, params, nullptr);
+  CUresult r;
+  if (dependent && dependent_launch_ok(device)) {
+    CUlaunchAttribute attr[1] = {};
+    attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr[0].value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchConfig lc = {};
+    lc.gridDimX = grid.x, lc.gridDimY = grid.y, lc.gridDimZ = grid.z;
+    lc.blockDimX = block.x, lc.blockDimY = block.y, lc.blockDimZ = block.z;
+    lc.sharedMemBytes = static_cast<unsigned>(smem);
+    lc.hStream = stream;
+    lc.attrs = attr;
+    lc.numAttrs = 1;
+    r = cu.LaunchKernelEx(&lc, f, params, nullptr);
+  } else {
+    r = cu.LaunchKernel(f, grid.x, grid.y, grid.z, block.x, block.y, block.z,
+                        static_cast<unsigned>(smem), stream, params, nullptr);
+  }
   if (r != CUDA_SUCCESS)
     check_cu(r, "kforge: launch of " + pattern_ + " [" + dtype_name(dtype) + "] on cuda:" +
                     std::to_string(device) + " (grid " + std::to_string(grid.x) + "x" +
                     std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", block " +
                     std::to_string(block.x) + "x" + std::to_string(block.y) + ", smem " +
-                    std::to_string(smem) + ")");
+                    std::to_string(smem) + (dependent ? ", dependent launch" : "") + ")");
 }
 
 }  // namespace kforge

@@ -75,7 +75,21 @@ class Kernel {
     launch_raw(dtype, device, stream, grid, block, smem, params);
   }
   void launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block, size_t smem,
-                  void** params);
+                  void** params, bool dependent = false);
+
+  // Launch as a programmatic dependent of the kernel before it on `stream` (Hopper and later): its
+  // blocks may be scheduled while that kernel's last blocks drain, hiding the launch gap between a
+  // kernel and the small reduction that follows it. The kernel MUST call kf_wait_prior_grids()
+  // (common.cuh) before its first global memory access; that waits for the previous kernel to
+  // finish and its writes to be visible, so the result is the same as a plain launch. Plain launch
+  // where unsupported (compute capability < 9.0, a driver without cuLaunchKernelEx) or when the
+  // environment variable KFORGE_DEPENDENT_LAUNCH=0.
+  template <typename... Args>
+  void launch_dependent(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block,
+                        size_t smem, Args... args) {
+    void* params[] = {static_cast<void*>(&args)..., nullptr};
+    launch_raw(dtype, device, stream, grid, block, smem, params, true);
+  }
 
  private:
   friend class Program;
