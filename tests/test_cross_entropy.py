@@ -259,6 +259,33 @@ def test_reductions_are_deterministic():
 
 
 @gpu
+def test_side_stream_and_cuda_graph_capture():
+    """The loss reduction is a dependent launch (Hopper): same bits on a side stream, right after
+    other work, and replayed from a CUDA graph after the logits change."""
+    x = randn(512, 50257, dtype=torch.bfloat16, scale=2.0, seed=5)
+    t = make_targets(512, 50257, -100, 5)
+    g = torch.ones((), device="cuda", dtype=torch.bfloat16)
+    expected = run_separate(x, t, g, -100, "mean")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = x * 1  # a kernel right before the forward on the same stream
+        side = run_separate(y, t, g, -100, "mean")
+    torch.cuda.current_stream().wait_stream(s)
+    for a, b in zip(side, expected):
+        assert torch.equal(a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run_separate(x, t, g, -100, "mean")
+    x.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, run_separate(x, t, g, -100, "mean")):
+        assert torch.equal(a, b)
+    assert not torch.equal(captured[0], expected[0])
+
+
+@gpu
 def test_more_than_2pow31_elements():
     """Row offsets past 2^31 elements: the rows on both sides of the boundary match float64, and the
     mean over all rows matches a chunked float64 reference."""
