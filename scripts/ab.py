@@ -5,6 +5,8 @@
 Each spec is op:dir:binding:variants. The case's own kforge call is run with `variant=v` passed to
 `kforge._C.<binding>` (the op module's `_C` is swapped for a proxy that adds the keyword), and timed
 like the ops benchmark (back-to-back calls, CUDA events, inputs rotated through more than L2).
+A spec op:dir (no binding) times the case's kforge call as it is: for A/B of a process-wide switch,
+e.g. `KFORGE_DEPENDENT_LAUNCH=0 python scripts/ab.py colsum:fwd` against the same without it.
 """
 import functools
 import sys
@@ -29,7 +31,7 @@ def main(specs: list[str]) -> None:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"copy bandwidth {bw:.0f} GB/s")
     for spec in specs:
-        op, d, binding, variants = spec.split(":")
+        op, d, binding, variants = (spec.split(":") + ["", ""])[:4]
         (mod,) = op_modules([op])
         for dtype in (torch.float32, torch.bfloat16):
             for case in mod.bench_cases(dtype, True):
@@ -38,8 +40,8 @@ def main(specs: list[str]) -> None:
                 sets = input_sets_for(case, l2)
                 same = same_size_copy_us(case.bytes, l2)
                 cells = []
-                for v in variants.split(","):
-                    mod._C = _WithVariant(binding, int(v))
+                for v in variants.split(",") if binding else ["-"]:
+                    mod._C = _WithVariant(binding, int(v)) if binding else _C
                     try:
                         us = time_op(case.kforge, sets)
                         cells.append(f"v{v} {us:7.1f} us {100 * case.bytes / (us * 1e-6) / 1e9 / bw:4.0f}%")
