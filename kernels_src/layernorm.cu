@@ -1171,3 +1171,330 @@ __global__ void __launch_bounds__(1024)
     if (dst) dst[jj < C ? jj : jj - C] = from_float<T>(t);
   }
 }
+
+// ---- RING layout (backward) --------------------------------------------------------------------
+// Persistent groups whose rows are all requested as early as the shared memory allows. A row is
+// shared by a group of blockDim.x = tpr = 32 NW threads (the fewest warps covering the row at P
+// 16-byte units a thread: thread t owns units t, t + tpr, ... < C / V), blockDim.y = G groups per
+// block, one block per SM. Group o = y * gridDim.x + blockIdx.x of the grid (numbered across blocks
+// first) takes the contiguous rows [r0, r0 + n), n = q or q + 1 (the launcher divides: N = q TG +
+// rem over TG groups; no division here). Its x and dout rows go through a ring of S row slots in
+// dynamic shared memory by 16-byte cp.async.cg: slots 0..S-1 are requested before anything else,
+// and slot i % S is refilled with row i + S as soon as row i's values have been read from it. Each
+// thread copies exactly the chunks it later reads itself, so its own cp.async.wait_group is all
+// the synchronisation the ring needs (one commit group per row, empty past the end: the count stays
+// uniform). mean / rstd: lane j of every warp loads rows r0 + 32 b + j, one batch of 32 ahead, and
+// row i's pair is shuffled from lane i % 32.
+// Per row, with xhat = (x - mean) rstd and gw = dout w: the row sums of gw and gw xhat (one
+// halving shuffle tree on the two values; for NW > 1 the warps' sums meet in shared memory behind
+// one __syncthreads a row, double-buffered, added in warp order), then dx = rstd gw + c1 + xhat c2.
+// KEEP (P V <= 8 columns a thread): xhat and gw stay in registers as fp32 across the reduction and
+// the slot is refilled before it; otherwise (24 columns a thread) dx re-reads the slot and the
+// refill follows. dweight / dbias: fp32 column sums in registers (fixed columns a thread, row
+// order), folded at the end in group order through the ring's shared memory into
+// partial[blockIdx.x] = [dweight | dbias] (2C floats; partial is nullptr when neither is needed).
+// Every sum has a fixed order: the result is reproducible. Needs 16-byte units (VEC) and N < 2^31.
+KF_DEVICE u32 ln_smem_u32(const void* p) {
+  u32 s;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+  return s;
+}
+// `after`: an unused operand that orders the copy after the instructions computing it (the reads
+// of the slot it overwrites).
+KF_DEVICE void ln_cp_async16(u32 saddr, const void* gmem, float after) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem), "f"(after)
+               : "memory");
+}
+KF_DEVICE void ln_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int n> KF_DEVICE void ln_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory");
+}
+KF_DEVICE void ln_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Launch bounds per instantiation (src/ops/layernorm.cpp mirrors them): 768 threads (80 registers)
+// with the row in registers, 512 (128) for 24 columns a thread (48 column sums, 24 weights).
+template <typename T, int P>
+struct LnRingCfg {
+  static constexpr int V = Vec16<T>::size;
+  static constexpr bool keep = P * V <= 8;
+  static constexpr int threads = keep ? 768 : 512;
+};
+
+constexpr int kLnRingRed = 64;  // >= max(NW, 4) G for every block the launcher makes (<= 768 threads)
+
+template <typename T, int P, int S>
+__global__ void __launch_bounds__(LnRingCfg<T, P>::threads, 1)
+    layernorm_backward_ring_kernel(const T* __restrict__ dout, const T* __restrict__ x,
+                                   const T* __restrict__ weight, const float* __restrict__ mean,
+                                   const float* __restrict__ rstd, T* __restrict__ dx,
+                                   float* __restrict__ partial, int q, int rem, int C,
+                                   int need_dweight, int need_dbias) {
+  using U = Vec16<T>;
+  constexpr int V = U::size, PV = P * V, F4 = 2 * PV / 4;  // float4s of a thread's column sums
+  constexpr bool KEEP = LnRingCfg<T, P>::keep;
+  static_assert(PV % 4 == 0 && (S & (S - 1)) == 0, "whole float4s; S a power of two");
+  // Ring: per group S slots of [x units | dout units] (C / V 16-byte chunks each), unit u of a
+  // tensor at chunk u; consecutive threads, consecutive chunks (no bank conflicts). Reused at the
+  // end for the column-sum fold.
+  extern __shared__ float4 ring16[];
+  // Per warp of the block: (sum gw, sum gw xhat), double-buffered; group y's warp w at y ns + w,
+  // ns = max(NW, 4) (entries past NW stay zero: groups of up to 4 warps add 4 entries unrolled).
+  __shared__ __align__(16) float2 red[2][kLnRingRed];
+  const int tx = threadIdx.x, ty = threadIdx.y, tpr = blockDim.x;
+  const int lane = tx & 31, warp = tx >> 5, nw = tpr >> 5;
+  const int units = C / V;
+  const int o = ty * gridDim.x + blockIdx.x;
+  const int r0 = o * q + min(o, rem), n = q + (o < rem ? 1 : 0);
+  const int iters = q + (rem > 0 ? 1 : 0);  // the same for the whole block (barriers)
+  bool has[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) has[k] = tx + k * tpr < units;
+  float4* const mine = ring16 + (i64)ty * S * 2 * units + tx;  // slot s, unit k: below
+  const u32 smine = ln_smem_u32(mine);
+  // Byte offsets from mine: slot s at s * slot_bytes, its dout units dout_bytes further, unit k at
+  // k * k_bytes.
+  const u32 slot_bytes = 2u * units * 16u, dout_bytes = units * 16u, k_bytes = tpr * 16u;
+  const int k_elems = tpr * V;  // unit k of a row at k * k_elems elements from unit 0
+  const T* xn = x + (i64)r0 * C + tx * V;  // row i + S of the range (the next refill)
+  const T* gn = dout + (i64)r0 * C + tx * V;
+
+  // Unit k of row i2 into the slot at byte offset so (nothing past the range's end).
+  auto refill_unit = [&](int k, u32 so, int i2, const T* xr, const T* gr, float after) {
+    if (i2 < n && has[k]) {
+      const u32 a = smine + so + k * k_bytes;
+      ln_cp_async16(a, xr + k * k_elems, after);
+      ln_cp_async16(a + dout_bytes, gr + k * k_elems, after);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+#pragma unroll
+    for (int k = 0; k < P; ++k) refill_unit(k, s * slot_bytes, s, xn, gn, 0.0f);
+    ln_cp_async_commit();
+    xn += C;
+    gn += C;
+  }
+
+  float wf[PV];  // this thread's weights (ones without weight), for every row, as fp32
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    U w = U::fill(1.0f);
+    if (weight && has[k]) load_unit(w, weight + (tx + k * tpr) * V);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      wf[k * V + i] = w.f(i);
+      asm volatile("" : "+f"(wf[k * V + i]));  // kept as fp32, not re-converted every row
+    }
+  }
+  const int ns = nw > 4 ? nw : 4;
+  if (nw > 1) {  // the same for the whole block
+    for (int e = ty * tpr + tx; e < 2 * kLnRingRed; e += tpr * blockDim.y)
+      (&red[0][0])[e] = make_float2(0.0f, 0.0f);
+    __syncthreads();
+  }
+  // Batches of 32 rows' (mean, rstd): lane j holds row 32 b + j; the next batch in flight.
+  float mc = 0.0f, rc = 0.0f, mn = 0.0f, rn = 0.0f;
+  if (lane < n) mc = mean[r0 + lane], rc = rstd[r0 + lane];
+  if (32 + lane < n) mn = mean[r0 + 32 + lane], rn = rstd[r0 + 32 + lane];
+
+  float accw[PV], accb[PV];  // column sums of dout xhat and dout, this thread's columns
+#pragma unroll
+  for (int e = 0; e < PV; ++e) accw[e] = accb[e] = 0.0f;
+  const float inv_c = 1.0f / (float)C;
+  // Row-sum scratch: this warp's (lanes 0 / 16) entry, and the group's first warp, buffer 0.
+  float* const red_mine = reinterpret_cast<float*>(red[0] + ty * ns + warp) + (lane >> 4);
+  const float2* const red_group = red[0] + ty * ns;
+
+  T* drow = dx + (i64)r0 * C + tx * V;
+  u32 so = 0;  // byte offset of row i's slot
+  for (int i = 0; i < iters; ++i) {
+    if (i > 0 && (i & 31) == 0) {
+      mc = mn, rc = rn, mn = rn = 0.0f;
+      if (i + 32 + lane < n) mn = mean[r0 + i + 32 + lane], rn = rstd[r0 + i + 32 + lane];
+    }
+    const float mu = __shfl_sync(0xffffffffu, mc, i & 31);
+    const float rs = __shfl_sync(0xffffffffu, rc, i & 31);
+    const bool live = i < n;
+    ln_cp_async_wait<S - 1>();  // row i's group has landed (this thread's chunks)
+    const float4* const cur =
+        reinterpret_cast<const float4*>(reinterpret_cast<const char*>(mine) + so);
+
+    float xh[KEEP ? PV : 1], gw[KEEP ? PV : 1];
+    float s1 = 0.0f, s2 = 0.0f;
+    if (live) {
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        if (has[k]) {
+          U a, g;
+          set_words(a, *reinterpret_cast<const int4*>(cur + k * tpr));
+          set_words(g, *reinterpret_cast<const int4*>(cur + units + k * tpr));
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            const float h = (a.f(j) - mu) * rs, gv = g.f(j), t = gv * wf[k * V + j];
+            s1 += t;
+            s2 = fmaf(t, h, s2);
+            accw[k * V + j] = fmaf(gv, h, accw[k * V + j]);
+            accb[k * V + j] += gv;
+            if constexpr (KEEP) {
+              xh[k * V + j] = h;
+              gw[k * V + j] = t;
+            }
+          }
+          // The slot's unit k has been read: refill it with row i + S.
+          if constexpr (KEEP) refill_unit(k, so, i + S, xn, gn, s2);
+        }
+      }
+    }
+    if constexpr (KEEP) ln_cp_async_commit();
+
+    // Row sums over the group: lanes 0..15 end with sum gw, 16..31 with sum gw xhat.
+    {
+      float v[2] = {s1, s2};
+      const float r = warp_sum_spread<2>(v, lane);
+      if (nw == 1) {  // the same for the whole block
+        s1 = __shfl_sync(0xffffffffu, r, 0);
+        s2 = __shfl_sync(0xffffffffu, r, 16);
+      } else {
+        const int b = (i & 1) * kLnRingRed;  // double-buffered: one barrier a row
+        if ((lane & 15) == 0) red_mine[2 * b] = r;
+        __syncthreads();
+        const float2* const rr = red_group + b;
+        if (nw <= 4) {  // the same for the whole block; 16-byte reads (ns = 4: aligned)
+          const float4 t0 = *reinterpret_cast<const float4*>(rr);
+          const float4 t1 = *reinterpret_cast<const float4*>(rr + 2);
+          s1 = ((t0.x + t0.z) + t1.x) + t1.z;
+          s2 = ((t0.y + t0.w) + t1.y) + t1.w;
+        } else {
+          s1 = s2 = 0.0f;
+#pragma unroll 1
+          for (int w = 0; w < nw; ++w) {
+            const float2 t = rr[w];
+            s1 += t.x;
+            s2 += t.y;
+          }
+        }
+      }
+    }
+
+    // dx = rs (gw - mean(gw) - xhat mean(gw xhat)) = rs gw + c1 + xhat c2.
+    if (live) {
+      const float c1 = -rs * (s1 * inv_c), c2 = -rs * (s2 * inv_c);
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        if (has[k]) {
+          float y[V];
+          if constexpr (KEEP) {
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+              y[j] = fmaf(xh[k * V + j], c2, fmaf(rs, gw[k * V + j], c1));
+          } else {
+            U a, g;
+            set_words(a, *reinterpret_cast<const int4*>(cur + k * tpr));
+            set_words(g, *reinterpret_cast<const int4*>(cur + units + k * tpr));
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+              const float h = (a.f(j) - mu) * rs;
+              y[j] = fmaf(h, c2, fmaf(rs, g.f(j) * wf[k * V + j], c1));
+            }
+            refill_unit(k, so, i + S, xn, gn, y[0]);  // y[0] needs both chunks: read
+          }
+          store_unit(drow + k * k_elems, U::from(y));
+        }
+      }
+    }
+    if constexpr (!KEEP) ln_cp_async_commit();
+    xn += C;
+    gn += C;
+    drow += C;
+    so = so + slot_bytes == S * slot_bytes ? 0u : so + slot_bytes;
+  }
+
+  if (!partial) return;  // the same for the whole block
+  kf_allow_dependents();  // the reduce's blocks may be scheduled (they wait for this grid)
+  ln_cp_async_wait_all();
+  __syncthreads();  // every group is done with its slots
+  // Fold: group y's float4 f of thread t at ring16[(y F4 + f) tpr + t]; f < F4 / 2 dweight
+  // columns 4f..4f+3 of the thread, then dbias.
+  float4* const fold = ring16 + (i64)ty * F4 * tpr + tx;
+#pragma unroll
+  for (int f = 0; f < F4 / 2; ++f) {
+    fold[f * tpr] = make_float4(accw[4 * f], accw[4 * f + 1], accw[4 * f + 2], accw[4 * f + 3]);
+    fold[(F4 / 2 + f) * tpr] =
+        make_float4(accb[4 * f], accb[4 * f + 1], accb[4 * f + 2], accb[4 * f + 3]);
+  }
+  __syncthreads();
+  const float* const all = reinterpret_cast<const float*>(ring16);
+  float* const prow = partial + (i64)blockIdx.x * 2 * C;
+  const int nthreads = tpr * blockDim.y, gstride = F4 * tpr * 4;
+  for (int t = ty * tpr + tx; t < 2 * C; t += nthreads) {
+    const int which = t >= C, c = t - which * C;
+    if (which ? !need_dbias : !need_dweight) continue;
+    const int u = c / V, k = u / tpr, e = k * V + (c - u * V);
+    const int idx = ((which * (F4 / 2) + (e >> 2)) * tpr + (u - k * tpr)) * 4 + (e & 3);
+    float sum = all[idx];
+    for (int g = 1; g < (int)blockDim.y; ++g) sum += all[g * gstride + idx];
+    prow[t] = sum;
+  }
+}
+
+// dweight / dbias = column sums of the G partial rows (2C floats each, 2C % 4 == 0: 16-byte rows),
+// in a fixed order. blockDim (kPgX, kPgY): threadIdx.x a float4 column of the block's 4 kPgX-float
+// tile of [dweight | dbias], threadIdx.y the partial rows y, y + kPgY, ... (kPgLoads 16-byte loads
+// issued before they are added; a warp reads 8 rows of 64 contiguous bytes); then the kPgY
+// per-thread sums of each column in order, four at a time, and those in order. Launched as a
+// dependent of the kernel writing the partials (Kernel::launch_dependent): nothing global is touched
+// before kf_wait_prior_grids().
+constexpr int kPgX = 4, kPgY = 64, kPgLoads = 4;
+template <typename T>
+__global__ void __launch_bounds__(kPgX * kPgY)
+    layernorm_param_grad_vec_kernel(const float* __restrict__ partial, T* __restrict__ dweight,
+                                    T* __restrict__ dbias, int G, int C) {
+  constexpr int W = 4 * kPgX, Q = kPgY / 4;  // tile columns; partial sums of 4 rows per column
+  static_assert(W * Q == kPgX * kPgY, "one stage-2 thread per (column, quarter)");
+  __shared__ float red[kPgY][W + 1];
+  kf_wait_prior_grids();
+  const int tx = threadIdx.x, ty = threadIdx.y, n4 = C / 2;  // float4s per partial row
+  const int j4 = blockIdx.x * kPgX + tx;
+  float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const bool need = j4 < n4 && ((4 * j4 < C && dweight) || (4 * j4 + 3 >= C && dbias));
+  if (need) {
+    const float4* const p = reinterpret_cast<const float4*>(partial) + j4;
+    for (int b0 = ty; b0 < G; b0 += kPgY * kPgLoads) {
+      float4 v[kPgLoads];
+#pragma unroll
+      for (int k = 0; k < kPgLoads; ++k) {
+        const int b = b0 + k * kPgY;
+        v[k] = b < G ? __ldcs(p + (i64)b * n4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int k = 0; k < kPgLoads; ++k) {
+        s.x += v[k].x;
+        s.y += v[k].y;
+        s.z += v[k].z;
+        s.w += v[k].w;
+      }
+    }
+  }
+  red[ty][4 * tx] = s.x;
+  red[ty][4 * tx + 1] = s.y;
+  red[ty][4 * tx + 2] = s.z;
+  red[ty][4 * tx + 3] = s.w;
+  __syncthreads();
+  const int tid = ty * kPgX + tx, c = tid % W, part = tid / W;
+  float t = 0.0f;
+#pragma unroll
+  for (int y = 0; y < 4; ++y) t += red[4 * part + y][c];
+  __syncthreads();
+  red[part][c] = t;
+  __syncthreads();
+  if (tid < W) {
+    float u = 0.0f;
+#pragma unroll
+    for (int y = 0; y < Q; ++y) u += red[y][tid];
+    const int j = blockIdx.x * W + tid;
+    if (j < 2 * C) {
+      T* const dst = j < C ? dweight : dbias;
+      if (dst) dst[j < C ? j : j - C] = from_float<T>(u);
+    }
+  }
+}

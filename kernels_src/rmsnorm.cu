@@ -21,10 +21,12 @@
 // What limits these kernels is bytes in flight per SM, i.e. registers: the launcher picks K (and,
 // backward, rows per group R) so that loads fill a good part of the register file, and every kernel
 // instantiation compiles without spills (launch bounds below; checked with ptxas for sm_80/sm_90).
-// Backward has two kernels: rmsnorm_backward_kernel (R rows per group loaded at once, then computed;
-// any size) and rmsnorm_backward_pipelined_kernel (the default for 16-byte accesses and rows of up
-// to 1024 chunks: one row at a time with the loads of the next rows always in flight, and about 2/3
-// of the instructions per element).
+// Backward has three kernels: rmsnorm_backward_kernel (R rows per group loaded at once, then
+// computed; any size), rmsnorm_backward_pipelined_kernel (the default for 16-byte accesses and rows
+// of up to 1024 chunks: one row at a time with the loads of the next rows always in flight, and about
+// 2/3 of the instructions per element) and rmsnorm_backward_ring_kernel (16-byte accesses, rows of up
+// to 1024 chunks: the next rows staged in shared memory by cp.async instead of registers, so many
+// more bytes in flight per SM).
 #include "common.cuh"
 
 // ---- chunks in registers ------------------------------------------------------------------------
@@ -659,24 +661,323 @@ done:
   }
 }
 
+// ---- backward, shared-memory ring (variants 3, 4, 5) ---------------------------------------------
+// Layout: persistent grid (blocks spread evenly over the SMs, 1 or 2 per SM); a block is blockDim.y
+// row groups of blockDim.x threads and takes blockDim.y rows at a time (a row group of the tensor):
+// row groups blockIdx.x, + gridDim.x, ... Thread x owns chunks x, x + blockDim.x, ... (K of them) of
+// its group's row, in every row it visits: it keeps their weight (fp32) and dweight sums in registers.
+// blockDim.x is a multiple of 32 (<= 512) or a power of two below 32 (several rows per warp).
+// Rows are staged in shared memory by cp.async (16 bytes per chunk, .cg), in a ring of S stages per
+// block (a stage: the block's rows of x and dy, plus rstd); the first S row groups are requested up
+// front, and as soon as a thread has read its chunks of a stage into registers (and used them all in
+// dot), it requests the row group S further on into that stage. Each thread copies exactly the
+// chunks it later reads itself (rstd: the first thread of each warp-segment of a group copies it and
+// hands it on by a shuffle), so cp.async.wait_group S - 1 alone orders the ring: no barrier guards
+// it. A group is committed every row group, empty when nothing is left to request, so the count
+// holds. Rows past the end of the tensor (the last row group) are zero-filled by the thread itself
+// (st.shared) with rstd 0; chunks past the end of the row (x + k * blockDim.x >= D / V) are zeros,
+// written once, never copied, with weight 0. So every read is unconditional and adds nothing where
+// there is no data; dx is stored only for real rows and chunks.
+// Per element the same arithmetic (and rounding) as the pipelined kernel: g = dy * w, dot += g * x,
+// dweight sums += dy * x_hat (CBW: x_hat rounded to T first); one reduction of dot per row (shuffles;
+// groups of several warps: lane 0 of each warp writes its sum to the group's 16 slots, zeros past the
+// last warp, one __syncthreads, every lane reads slot lane % 16 and four more shuffles; two sets of
+// slots used by alternate rows); dx = r * (g + a * x), a = -r^2 * dot / D.
+// At the end the block writes its dweight sums as row blockIdx.x of dw_partial (fp32, D wide):
+// directly when blockDim.y == 1, else added over the groups in order of the group through the ring's
+// shared memory.
+// Only 16-byte accesses (D % V == 0, pointers 16-byte aligned; the launcher checks). Dynamic shared
+// memory: S * (2 * blockDim.y * blockDim.x * K * 16 + nseg * 4) bytes, nseg = blockDim.y *
+// blockDim.x / 32 (blockDim.x >= 32) or blockDim.y (smaller groups).
+KF_DEVICE u32 rn_smem(const void* p) {
+  u32 s;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+  return s;
+}
+KF_DEVICE void rn_cp16(u32 saddr, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(g) : "memory");
+}
+KF_DEVICE void rn_cp4(u32 saddr, const void* g) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(saddr), "l"(g) : "memory");
+}
+KF_DEVICE void rn_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+KF_DEVICE void rn_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+KF_DEVICE Chunk rn_lds(u32 a) {
+  Chunk c;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(c.w[0]), "=r"(c.w[1]), "=r"(c.w[2]), "=r"(c.w[3])
+               : "r"(a)
+               : "memory");
+  return c;
+}
+KF_DEVICE void rn_sts0(u32 a) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(a), "r"(0u) : "memory");
+}
+KF_DEVICE float rn_lds_f32(u32 a) {
+  float f;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(f) : "r"(a) : "memory");
+  return f;
+}
+KF_DEVICE void rn_sts_f32(u32 a, float f) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(a), "f"(f) : "memory");
+}
+
+template <typename T, int K, int S, bool CBW, int NT, int MINB>
+__global__ void __launch_bounds__(NT, MINB)
+    rmsnorm_backward_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                 const T* __restrict__ weight, const float* __restrict__ rstd,
+                                 T* __restrict__ dx, float* __restrict__ dw_partial, long long rows,
+                                 int D, float inv_d, int zero) {
+  using E = Elems<T>;
+  constexpr int V = E::V;
+  static_assert(NT <= 512 && NT % 64 == 0, "groups of <= 16 warps");
+  __shared__ float red[2][NT / 4];  // [set][group * 16 + warp]: groups of >= 64 threads, <= NT / 64
+  extern __shared__ uint4 ring[];
+  const int tx = blockDim.x, G = blockDim.y;
+  const int tid = threadIdx.y * tx + threadIdx.x;
+  const int lane = tid & 31;
+  const int nchunk = D / V;
+  const int rowpad = tx * K;  // chunks of a row in a stage
+  const u32 kstep = (u32)tx * 16u;  // bytes from one chunk of a thread to its next (row and stage)
+  const u32 stage_bytes = 2u * (u32)(G * rowpad) * 16u;
+  const u32 dyoff = (u32)(G * rowpad) * 16u;  // dy's rows follow x's in a stage
+  const u32 my = rn_smem(ring) + (u32)(threadIdx.y * rowpad + threadIdx.x) * 16u;
+  const int nseg = tx >= 32 ? (tx * G) >> 5 : G;  // rstd slots per stage
+  const u32 rslot =
+      rn_smem(ring) + (u32)S * stage_bytes + (u32)(tx >= 32 ? tid >> 5 : (int)threadIdx.y) * 4u;
+  const u32 rstage = (u32)nseg * 4u;
+  const bool leader = (threadIdx.x & 31) == 0;  // copies and reads rstd for its warp-segment
+  const int src = lane - (int)(threadIdx.x & 31);
+
+  bool ok[K];
+  float w[K][V], acc[K][V];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int c = threadIdx.x + k * tx;
+    ok[k] = c < nchunk;
+    const Chunk wc = !ok[k]  ? words(0u)
+                     : weight ? load_chunk<T, true, false>(weight, c, D)
+                              : words(E::kOne);
+#pragma unroll
+    for (int i = 0; i < V; ++i) w[k][i] = E::get(wc, i), acc[k][i] = 0.0f;
+    if (!ok[k])  // never copied: zeros in every stage
+      for (int s = 0; s < S; ++s) {
+        rn_sts0(my + (u32)s * stage_bytes + (u32)k * kstep);
+        rn_sts0(my + (u32)s * stage_bytes + dyoff + (u32)k * kstep);
+      }
+  }
+  const int nw = tx >> 5;
+  if (tx > 32 && (int)threadIdx.x >= nw && threadIdx.x < 16) {  // padding slots, never written again
+    red[0][threadIdx.y * 16 + threadIdx.x] = 0.0f;
+    red[1][threadIdx.y * 16 + threadIdx.x] = 0.0f;
+  }
+
+  // Row groups of the block (n, the same for all its threads: the launcher's grid is <= the number
+  // of row groups) and the rows of this thread's group (nv <= n: the tensor's last row group may be
+  // partial). Addressing: byte pointers advanced by a 32-bit step per row group (the launcher checks
+  // that gridDim.x * G * D * sizeof(T) < 2^32).
+  const long long row0 = (long long)blockIdx.x * G + threadIdx.y;
+  const long long rstep = (long long)gridDim.x * G;
+  const long long ngroups = (rows + G - 1) / G;
+  const int n = (int)((ngroups - 1 - blockIdx.x) / gridDim.x) + 1;
+  const int nv = row0 < rows ? (int)((rows - 1 - row0) / rstep) + 1 : 0;
+  const u32 step = (u32)(rstep * D) * (u32)sizeof(T);
+  const u32 rbytes = (u32)rstep * 4u;
+  const long long off = row0 * D + threadIdx.x * V;
+  const char* lx = reinterpret_cast<const char*>(x + off);  // the row to request next
+  const char* lr = reinterpret_cast<const char*>(rstd + row0);
+  const u64 gdelta = reinterpret_cast<u64>(dy) - reinterpret_cast<u64>(x);
+  char* cdx = reinterpret_cast<char*>(dx + off);  // the row being computed
+
+  // Requests row group t into stage s (zeros past the end of the tensor). `dep`: 0, computed from what
+  // the thread last read of the stage, so the copies wait for those reads.
+  auto request = [&](int t, int s, u32 dep) {
+    const u32 sa = my + (u32)s * stage_bytes + dep;
+    const u32 ra = rslot + (u32)s * rstage + dep;
+    if (t < nv) {
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        if (ok[k]) {
+          rn_cp16(sa + (u32)k * kstep, lx + k * kstep);
+          rn_cp16(sa + dyoff + (u32)k * kstep, plus(lx, gdelta + k * kstep));
+        }
+      if (leader) rn_cp4(ra, lr);
+    } else {
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        if (ok[k]) {
+          rn_sts0(sa + (u32)k * kstep);
+          rn_sts0(sa + dyoff + (u32)k * kstep);
+        }
+      if (leader) rn_sts_f32(ra, 0.0f);
+    }
+    lx += step;
+    lr += rbytes;
+  };
+
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    if (s < n) request(s, s, 0u);
+    rn_commit();  // always: wait_group counts groups
+  }
+
+  int s = 0;  // the stage of row group t
+  u32 set = 0u;  // reduction slot set
+#pragma unroll 1
+  for (int t = 0; t < n; ++t) {
+    rn_wait<S - 1>();  // row group t has landed (this thread's part of it)
+    const u32 sa = my + (u32)s * stage_bytes;
+    Chunk xc[K], gc[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      xc[k] = rn_lds(sa + (u32)k * kstep);
+      gc[k] = rn_lds(sa + dyoff + (u32)k * kstep);
+    }
+    float r = leader ? rn_lds_f32(rslot + (u32)s * rstage) : 0.0f;
+    r = __shfl_sync(0xffffffffu, r, src);
+
+    float g[K][V], dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+      for (int i = 0; i < V; i += 2) {  // a pair of elements at a time (CBW rounds pairs)
+        float d[2], xr[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float xv = E::get(xc[k], i + j);
+          d[j] = E::get(gc[k], i + j);
+          g[k][i + j] = d[j] * w[k][i + j];
+          dot = fmaf(g[k][i + j], xv, dot);
+          xr[j] = xv * r;
+        }
+        if (CBW) E::round(xr[0], xr[1]);  // x_hat as the forward used it for the weight
+#pragma unroll
+        for (int j = 0; j < 2; ++j) acc[k][i + j] = fmaf(d[j], xr[j], acc[k][i + j]);
+      }
+    // Stage s is read (dot depends on every word of it): request row group t + S into it.
+    if (t + S < n) request(t + S, s, __float_as_uint(dot) & (u32)zero);
+    rn_commit();
+
+    if (tx <= 32) {  // one warp or less per row: shuffles within the group
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+        if (o < tx) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    } else {
+      dot = warp_sum(dot);
+      float* slots = &red[0][0] + set + threadIdx.y * 16;
+      if (lane == 0) slots[threadIdx.x >> 5] = dot;
+      __syncthreads();
+      dot = slots[lane & 15];
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      set ^= NT / 4;
+    }
+    const float a = -(dot * inv_d) * r * r;
+    if (t < nv) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        float o[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) o[i] = r * fmaf(a, E::get(xc[k], i), g[k][i]);
+        if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cdx + k * kstep), 0, D, E::put(o));
+      }
+    }
+    cdx += step;
+    s = s + 1 == S ? 0 : s + 1;
+  }
+
+  if (dw_partial == nullptr) return;  // no weight: nothing to reduce (uniform over the block)
+  float* part = dw_partial + (long long)blockIdx.x * D;
+  if (G == 1) {
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (ok[k]) {
+        float* p = part + (threadIdx.x + k * tx) * V;
+#pragma unroll
+        for (int i = 0; i < V; i += 4)
+          *reinterpret_cast<float4*>(p + i) =
+              make_float4(acc[k][i], acc[k][i + 1], acc[k][i + 2], acc[k][i + 3]);
+      }
+    return;
+  }
+  // Several groups: add their sums column by column in order of the group, through the ring (every
+  // copy has landed: the groups left are empty).
+  rn_wait<0>();
+  __syncthreads();  // every thread is done reading the ring
+  float* fold = reinterpret_cast<float*>(ring);
+  const int span = rowpad * V;  // floats per group (>= D)
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < V; ++i) fold[threadIdx.y * span + (threadIdx.x + k * tx) * V + i] = acc[k][i];
+  __syncthreads();
+  for (int e = tid; e < D; e += tx * G) {
+    float sum = 0.0f;
+    for (int gi = 0; gi < G; ++gi) sum += fold[gi * span + e];
+    part[e] = sum;
+  }
+}
+
 // dweight[j] = sum over g of partial[g][j], in a fixed order.
-// Layout: block (32, 16); thread (x, y) sums partial rows y, y + 16, ... of column blockIdx.x * 32 + x,
-// then the 16 sums of a column are added in order of y.
-constexpr int kDwRows = 16;
-template <typename T>
-__global__ void rmsnorm_dweight_kernel(const float* __restrict__ partial, T* __restrict__ dweight,
-                                       int G, int D) {
-  __shared__ float s[kDwRows][33];
-  const int j = blockIdx.x * 32 + threadIdx.x;
-  float a = 0.0f;
-  if (j < D)
-    for (int g = threadIdx.y; g < G; g += kDwRows) a += partial[(long long)g * D + j];
-  s[threadIdx.y][threadIdx.x] = a;
+// Layout: blocks of (8, 32) threads; thread (x, y) owns columns 4 * (blockIdx.x * 8 + x) + 0..3 and
+// adds partial rows y, y + 32, y + 64, ... in order of the row, issuing the loads of up to 16 rows
+// (16 bytes each when VEC: D % 4 == 0) before the first add; then the 32 sums of a column are added in
+// a fixed tree (two shuffles within a warp, then the 8 warps in order).
+constexpr int kDwQuads = 8, kDwSlices = 32, kDwBatch = 16;
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kDwQuads * kDwSlices)
+    rmsnorm_dweight_kernel(const float* __restrict__ partial, T* __restrict__ dweight, int G, int D) {
+  __shared__ float4 s[kDwQuads * kDwSlices / 32][kDwQuads];
+  kf_wait_prior_grids();  // a dependent launch: the partial rows are written by the kernel before
+  const int j = (blockIdx.x * kDwQuads + threadIdx.x) * 4;
+  float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (j < D) {
+    for (int g0 = threadIdx.y; g0 < G; g0 += kDwSlices * kDwBatch) {
+      float4 v[kDwBatch];
+#pragma unroll
+      for (int u = 0; u < kDwBatch; ++u) {
+        const int g = g0 + u * kDwSlices;
+        const float* p = partial + (long long)g * D + j;
+        v[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (g < G) {
+          if (VEC) {
+            v[u] = __ldcg(reinterpret_cast<const float4*>(p));
+          } else {
+            v[u].x = __ldcg(p);
+            if (j + 1 < D) v[u].y = __ldcg(p + 1);
+            if (j + 2 < D) v[u].z = __ldcg(p + 2);
+            if (j + 3 < D) v[u].w = __ldcg(p + 3);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kDwBatch; ++u) a.x += v[u].x, a.y += v[u].y, a.z += v[u].z, a.w += v[u].w;
+    }
+  }
+  // Lane = x + 8 * (y % 4): the warp's 4 slices of a column, then the warps.
+#pragma unroll
+  for (int o = 8; o < 32; o <<= 1) {
+    a.x += __shfl_xor_sync(0xffffffffu, a.x, o);
+    a.y += __shfl_xor_sync(0xffffffffu, a.y, o);
+    a.z += __shfl_xor_sync(0xffffffffu, a.z, o);
+    a.w += __shfl_xor_sync(0xffffffffu, a.w, o);
+  }
+  const int warp = threadIdx.y >> 2;
+  if ((threadIdx.y & 3) == 0) s[warp][threadIdx.x] = a;
   __syncthreads();
   if (threadIdx.y == 0 && j < D) {
-    float t = 0.0f;
+    float4 t = s[0][threadIdx.x];
 #pragma unroll
-    for (int yy = 0; yy < kDwRows; ++yy) t += s[yy][threadIdx.x];
-    dweight[j] = from_float<T>(t);
+    for (int q = 1; q < kDwQuads * kDwSlices / 32; ++q) {
+      const float4 b = s[q][threadIdx.x];
+      t.x += b.x, t.y += b.y, t.z += b.z, t.w += b.w;
+    }
+    const float tv[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (j + i < D) dweight[j + i] = from_float<T>(tv[i]);
   }
 }

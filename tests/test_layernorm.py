@@ -93,12 +93,28 @@ def check_against_reference(x, w, b, dout, dtype, fwd_variant=0, bwd_variant=0):
 #   (16-byte re-read); N=300 loops several row groups per block in backward.
 # N=1 and 3-D inputs too. AFFINE covers dweight and dbias together, alone, and neither (the
 # backward then keeps no column sums at all).
+# Backward variants 4..7, RING layout (16-byte units only; tpr = 32 * ceil(C / V / P / 32) threads
+# a row, G groups a block; the rows split into contiguous ranges of q or q + 1 per group):
+#   bf16 / half P=1 (v4 S=8, v5 S=4) NW: 768: 3 (G=8 at 8192 rows: 7 or 8 rows a group, S=4
+#   keeps half of them in slots, refilled), (20000, 768): 19 rows a group, the ring wraps; (1, 768), (8, 768),
+#   (2, 5, 768): rows < grid, one group a block); 1000: 4;
+#   1024: 4; 1536: 6 and 2048: 8 (more than 4 warps: the looped cross-warp sum); 1600: 7; 4096:
+#   16 (G=1 at S=8); 128 / 256: 1 (one warp a row, shuffles only; 128 bf16: half the lanes idle);
+#   384: 2; 512: 2; 640: 3 (partial warp).
+#   bf16 / half P=3 (v6 S=4, v7 S=8): 768: 1 (warp per row, slot re-read); 1600: 3 (units of a
+#   thread partly missing); 4096: 6; 20000 (v7): 27 warps > 16: falls back.
+#   fp32 P=2 (v4 S=4, v5 S=8): 768: 3; 1000: 4; 4100: 17 (v4: G=1; v5: slots over the shared memory:
+#   falls back); 100: 1, 300: 2 (partial warps). fp32 P=6 (v6 S=4, v7 S=2): 768: 1;
+#   4096 / 4100: 6; 20000: 27 > 16 warps: falls back.
+#   Fall back to variant 0's kernels: 771, 4099, (7, 3), misaligned / strided views; bf16 100, 300,
+#   4100 (C % 8 != 0). The 16-byte parameter-gradient reduce runs where 2C % 4 == 0 (and after the
+#   fallbacks), the previous one otherwise (771, 4099, 3).
 SHAPES = [(8, 768), (1, 768), (2, 5, 768), (16, 1000), (1000, 771), (7, 3), (3, 4100), (300, 4100),
           (2, 4099), (4, 20000), (8192, 768), (64, 128), (33, 256), (40, 300), (33, 384), (48, 512),
           (20, 640), (4096, 1024), (5, 100), (24, 1536), (12, 2048), (10, 1600), (3000, 256),
-          (3000, 100), (2000, 771), (20000, 768)]
+          (3000, 100), (2000, 771), (20000, 768), (16, 4096), (300, 4096), (100, 1600)]
 # (forward variant, backward variant) pairs besides the default (0, 0); see the bindings' docstrings.
-VARIANTS = [(1, 1), (2, 2), (0, 3)]
+VARIANTS = [(1, 1), (2, 2), (0, 3), (0, 4), (0, 5), (0, 6), (0, 7)]
 
 
 @gpu
@@ -132,8 +148,8 @@ def test_launcher_rejects_unknown_variant():
     with pytest.raises(kforge.KforgeError, match="variant must be 0, 1 or 2"):
         kforge._C.layernorm_forward(x, w, b, EPS, variant=3)
     _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
-    with pytest.raises(kforge.KforgeError, match="variant must be 0, 1, 2 or 3"):
-        kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=4)
+    with pytest.raises(kforge.KforgeError, match=r"variant must be in \[0, 7\]"):
+        kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=8)
 
 
 @gpu
@@ -153,9 +169,10 @@ def test_misaligned_and_strided_inputs(dtype, variants):
 
 
 @gpu
-@pytest.mark.parametrize("variant", [0, 1, 2, 3])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7])
 @pytest.mark.parametrize("shape,dtype", [((8192, 768), torch.float32), ((8192, 768), torch.bfloat16),
-                                         ((2000, 771), torch.bfloat16), ((4096, 4100), torch.float32)],
+                                         ((2000, 771), torch.bfloat16), ((4096, 4100), torch.float32),
+                                         ((1000, 4096), torch.bfloat16)],
                          ids=str)
 def test_backward_is_deterministic(shape, dtype, variant):
     x, w, b, dout = make_inputs(shape, dtype)
@@ -191,19 +208,22 @@ def test_max_warps_knob(dtype, variants):
 
 
 @gpu
-def test_cuda_graph_capture_of_backward():
-    """The backward allocates its partial-sum scratch from PyTorch's allocator: capturable."""
-    x, w, b, dout = make_inputs((512, 768), torch.bfloat16)
+@pytest.mark.parametrize("variant", [0, 4, 5, 6, 7])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_capture_of_backward(dtype, variant):
+    """The backward allocates its partial-sum scratch from PyTorch's allocator: capturable (the
+    RING variants' reduce is a dependent launch)."""
+    x, w, b, dout = make_inputs((512, 768), dtype)
     _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
-    expected = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+    expected = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (compile, load) outside the capture
-        kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+        kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+        captured = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
     graph.replay()
     torch.cuda.synchronize()
     for a, r in zip(captured, expected):

@@ -77,8 +77,16 @@ def check_random(shape, dtype, cast_before_weight, variant):
 # 160 threads, fp32 514 on 288).
 SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056),
           (3, 512), (5, 2048), (3, 8192), (5, 6000)]
-# Backward kernels (the launcher's `variant`): 0 pipelined (default), 1 previous, 2 pipelined deeper.
-VARIANTS = [0, 1, 2]
+# The ring kernel (variants 3, 4, 5; see ring_shape / ring_plan in src/ops/rmsnorm.cpp) on these shapes:
+# rows of one block ((8, 4096) bf16: 512 chunks on 256 / 512 / 128 threads), of several warps with
+# several rows per block ((17, 768) bf16: 96 chunks, groups of 64 / 96 / 32 threads), a warp or less
+# per row ((2, 256), (1000, 64) bf16: 8 chunks on groups of 4 / 8 / 2 threads; (6, 5, 32)), chunks
+# past the row's end ((4, 2056): 257 chunks), longer rows (513..1024 chunks: (3, 8192) bf16,
+# (8, 4096) fp32, (5, 6000) bf16: 750 chunks), and the fallback to variant 0's kernels ((3, 5, 4100)
+# bf16, misaligned, rows of > 1024 chunks). test_ring_rows covers row counts around the grid.
+# Backward kernels (the launcher's `variant`): 0 pipelined (default), 1 previous, 2 pipelined deeper,
+# 3, 4, 5 the shared-memory ring.
+VARIANTS = [0, 1, 2, 3, 4, 5]
 variants = pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"v{v}")
 
 
@@ -121,6 +129,45 @@ def test_pipelined_rows_per_group(D, dtype, variant):
         w = randn(D, dtype=dtype, scale=0.5) + 1
         check(x, w, dy, True, what=f"{rows}x{D}", variant=variant)
         check(x, w, dy, False, what=f"{rows}x{D}", variant=variant)
+
+
+RING_VARIANTS = [3, 4, 5]
+
+
+@gpu
+@pytest.mark.parametrize("variant", RING_VARIANTS, ids=lambda v: f"v{v}")
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("D", [8, 64, 768, 4096, 4100, 8192], ids=lambda d: f"D{d}")
+def test_ring_rows(D, dtype, variant):
+    # The ring kernel's persistent grid (1..3 blocks per SM, blocks of 1..512 rows at a time) with row
+    # counts from 1 to several times the grid: fewer rows than blocks, a partial last row group
+    # (zero-filled rows), blocks with fewer row groups than stages, one more, many more. D=8: 1 or 2
+    # chunks (groups of 1 thread); D=4100: bf16 / fp16 fall back to variant 0's kernels (D % 8 != 0);
+    # D=8192 fp32: rows of 2048 chunks fall back too.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows in sorted({1, 2, 3, 7, sms - 1, sms + 1, 2 * sms + 5, 3 * sms + 1, 5 * sms * 2 + 7,
+                        9 * sms * 3 + 2}):
+        if rows * D > 12_000_000:
+            continue
+        x, dy = randn(rows, D, dtype=dtype), randn(rows, D, dtype=dtype)
+        w = randn(D, dtype=dtype, scale=0.5) + 1
+        check(x, w, dy, True, what=f"{rows}x{D}", variant=variant)
+        if rows in (1, 3 * sms + 1):
+            check(x, w, dy, False, what=f"{rows}x{D}", variant=variant)
+            check(x, None, dy, True, what=f"{rows}x{D} no weight", variant=variant)
+
+
+@gpu
+@pytest.mark.parametrize("G", [1, 2, 131, 132, 133, 264, 300, 1000], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("D", [4096, 4100, 3], ids=lambda d: f"D{d}")
+def test_dweight_partial_rows(G, D):
+    # rmsnorm_dweight_kernel over as many partial rows as the backward grid has blocks (G rows give
+    # min(G, the grid) of them, 1..3 per SM): 16-byte loads for D % 4 == 0 (4096; 4100 through the
+    # previous backward kernel, rows of > 1024 chunks), element-wise otherwise (D = 3).
+    x, dy = randn(G, D), randn(G, D)
+    w = randn(D, scale=0.5) + 1
+    for variant in VARIANTS:
+        check(x, w, dy, True, what=f"{G}x{D}", variant=variant)
 
 
 @gpu
@@ -334,8 +381,8 @@ def test_launcher_rejects_cpu_tensors():
 
 
 def test_launcher_rejects_unknown_variant():
-    for v in (-1, 3):
-        with pytest.raises(kforge.KforgeError, match="variant must be 0, 1 or 2"):
+    for v in (-1, 6):
+        with pytest.raises(kforge.KforgeError, match=r"variant must be in \[0, 5\]"):
             kforge._C.rmsnorm_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2),
                                        variant=v)
 

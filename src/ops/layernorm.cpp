@@ -11,7 +11,13 @@
 //             prefetching parameter-gradient reduce; 1 the previous kernels (WARP / BLOCK and the
 //             previous reduce); 2 GROUP with two rows a group, no prefetch, for bf16 / half and one
 //             prefetched row for fp32; 3 as 0 and GROUP also for longer rows (where a row fits a block
-//             of 640 / 768 threads, C <= 5120 / 6144) instead of BLOCK.
+//             of 640 / 768 threads, C <= 5120 / 6144) instead of BLOCK; 4..7 RING (rows streamed
+//             through S shared-memory row slots per group by cp.async, one block per SM, column
+//             sums in registers) and the 16-byte dependent parameter-gradient reduce: 4: 8 columns
+//             a thread, S = 8 (bf16 / half) / 4 (fp32); 5: 8 columns, S = 4 / 8; 6: 24 columns (one
+//             warp per row at C = 768), S = 4 / 4; 7: 24 columns, S = 8 / 2. Where RING does not
+//             apply (no 16-byte units, N >= 2^31, a group's slots over the shared memory) they
+//             fall back to variant 0's kernels (with the new reduce where 2C % 4 == 0).
 #include <algorithm>
 #include <optional>
 #include <tuple>
@@ -74,6 +80,25 @@ Kernel bwd_group_vec32(prog, "layernorm_backward_group_kernel<{T}, true, 1, fals
 Kernel bwd_group_vec32_pf(prog, "layernorm_backward_group_kernel<{T}, true, 1, true>", kF32Only);
 Kernel bwd_group_scalar(prog, "layernorm_backward_group_kernel<{T}, false, 1, false>");
 
+// RING layout (backward variants 4..7): <T, P units a thread, S row slots a group>; index
+// variant - 4. 16-bit: P = 1 (8 columns a thread) S = 8, 4; P = 3 (24 columns) S = 4, 8. fp32: P = 2
+// (8 columns) S = 4, 8; P = 6 (24 columns) S = 4, 2.
+struct RingShape {
+  int P, S;
+};
+constexpr RingShape kRing16[4] = {{1, 8}, {1, 4}, {3, 4}, {3, 8}};
+constexpr RingShape kRing32[4] = {{2, 4}, {2, 8}, {6, 4}, {6, 2}};
+Kernel bwd_ring16[4] = {Kernel(prog, "layernorm_backward_ring_kernel<{T}, 1, 8>", k16Bit),
+                        Kernel(prog, "layernorm_backward_ring_kernel<{T}, 1, 4>", k16Bit),
+                        Kernel(prog, "layernorm_backward_ring_kernel<{T}, 3, 4>", k16Bit),
+                        Kernel(prog, "layernorm_backward_ring_kernel<{T}, 3, 8>", k16Bit)};
+Kernel bwd_ring32[4] = {Kernel(prog, "layernorm_backward_ring_kernel<{T}, 2, 4>", kF32Only),
+                        Kernel(prog, "layernorm_backward_ring_kernel<{T}, 2, 8>", kF32Only),
+                        Kernel(prog, "layernorm_backward_ring_kernel<{T}, 6, 4>", kF32Only),
+                        Kernel(prog, "layernorm_backward_ring_kernel<{T}, 6, 2>", kF32Only)};
+// Parameter-gradient reduce with 16-byte loads (2C % 4 == 0), launched as a dependent.
+Kernel param_grad_vec_kernel(prog, "layernorm_param_grad_vec_kernel<{T}>");
+
 // Must match kernels_src/layernorm.cu.
 constexpr int kRegElems = 8;
 constexpr int kMaxRowsPerBlock = 16;
@@ -85,7 +110,10 @@ constexpr int kGroupFwdWarps = 12;           // GROUP forward: warps per block (
 constexpr int kGroupFwdBlocks = 3;           // ... and resident blocks per SM
 constexpr int kMaxNamedBarrierGroups = 15;   // groups of several warps sync on bar.sync 1..15
 constexpr int64_t kMaxGroupRows = int64_t(1) << 30;  // GROUP kernels index rows with int
-enum Variant : int64_t { kDefault = 0, kPrevious = 1, kAlt = 2, kGroupEverywhere = 3 };
+enum Variant : int64_t { kDefault = 0, kPrevious = 1, kAlt = 2, kGroupEverywhere = 3, kRingFirst = 4,
+                         kRingLast = 7 };
+constexpr int kPgX = 4, kPgY = 64;  // layernorm_param_grad_vec_kernel: float4 columns x partial rows
+constexpr int kRingStaticSmem = 2 * 64 * 8;  // the ring kernel's reduction scratch (bytes)
 
 // LnWarpCfg<T, VEC, P> of kernels_src/layernorm.cu: rows a forward / backward warp takes at once,
 // resident forward blocks per SM, backward warps per SM (the kernels' launch bounds).
@@ -123,6 +151,10 @@ int64_t group_tpr(int64_t C, bool vec, int64_t elem_size) {
 int group_bwd_warps(bool vec, int64_t elem_size, bool is_half, int R, bool PF) {
   return vec && !is_half && R == 1 && (elem_size == 2) == PF ? 24 : 20;
 }
+
+// RING layout (kernels_src/layernorm.cu, LnRingCfg): launch bound (threads a block) for P units of
+// V elements a thread: the row in registers (P V <= 8) or re-read from shared memory.
+int ring_threads(int P, int64_t V) { return P * V <= 8 ? 768 : 512; }
 
 // 16-byte units: C a multiple of the pack (rows then start 16-byte aligned too) and aligned pointers.
 bool vec_ok(int64_t C, int64_t elem_size, bool aligned) { return aligned && C % (16 / elem_size) == 0; }
@@ -262,6 +294,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
   return {out, mean, rstd};
 }
 
+// dweight / dbias from the G partial rows: the 16-byte dependent reduce where asked for and 2C % 4
+// == 0, else the previous ones.
+void param_grad(const at::Tensor& partial, std::optional<at::Tensor>& dweight,
+                std::optional<at::Tensor>& dbias, int64_t G, int64_t C, DType dt, const LaunchOn& on,
+                bool vec, bool previous = false) {
+  const void* p = partial.data_ptr();
+  void* dw = dweight ? dweight->data_ptr() : nullptr;
+  void* db = dbias ? dbias->data_ptr() : nullptr;
+  if (vec && C % 2 == 0) {
+    param_grad_vec_kernel.launch_dependent(dt, on.device, on.stream, Dim3(ceil_div(2 * C, 4 * kPgX)),
+                                           Dim3(kPgX, kPgY), 0, p, dw, db, static_cast<int>(G),
+                                           static_cast<int>(C));
+    return;
+  }
+  Kernel& k = previous ? param_grad_kernel : param_grad_fast_kernel;
+  k.launch(dt, on.device, on.stream, Dim3(ceil_div(2 * C, 32)), Dim3(32, 32), 0, p, dw, db,
+           static_cast<int>(G), static_cast<int>(C));
+}
+
 std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> layernorm_backward(
     const at::Tensor& dout_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
     const std::optional<at::Tensor>& bias_, const at::Tensor& mean_, const at::Tensor& rstd_,
@@ -280,8 +331,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
              t->sizes());
   }
   KF_CHECK(max_warps >= 0, kBwd, "max_warps must be >= 0, got ", max_warps);
-  KF_CHECK(variant >= kDefault && variant <= kGroupEverywhere, kBwd,
-           "variant must be 0, 1, 2 or 3, got ", variant);
+  KF_CHECK(variant >= kDefault && variant <= kRingLast, kBwd, "variant must be in [0, 7], got ",
+           variant);
   const at::Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
   LaunchOn on(x);
   const DType dt = dtype_of(x, kBwd);
@@ -303,6 +354,40 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
   const bool vec = vec_ok(C, es, aligned);
   const WarpPlan wp = warp_plan(C, es, vec, /*backward=*/true);
   const int64_t sms = sm_count(on.device);
+
+  // RING: one block per SM of G groups (tpr threads each), as many groups as the shared memory
+  // holds (S row slots of x and dout each; the fold at the end reuses it) and the launch bound
+  // allows, as few as keep the same number of rounds; the N rows split into contiguous ranges of q
+  // or q + 1 rows, one per group. Rows too long for one group's slots take the paths below.
+  const bool ring_variant = variant >= kRingFirst;
+  if (ring_variant && vec && N < (int64_t(1) << 31)) {
+    const int64_t V = 16 / es, units = C / V;
+    const int vi = static_cast<int>(variant - kRingFirst);
+    const RingShape rsh = es == 2 ? kRing16[vi] : kRing32[vi];
+    const int64_t rtpr = 32 * cdiv(cdiv(units, rsh.P), 32);
+    const int64_t ring_bytes = int64_t(rsh.S) * 2 * units * 16;   // a group's slots
+    const int64_t fold_bytes = 2 * rsh.P * V * 4 * rtpr;          // a group's column sums
+    const int64_t per_group = std::max(ring_bytes, fold_bytes);
+    const int64_t optin = at::cuda::getDeviceProperties(on.device)->sharedMemPerBlockOptin;
+    const int64_t budget = optin - kRingStaticSmem;
+    int64_t most = std::min<int64_t>(ring_threads(rsh.P, V) / rtpr, budget / per_group);
+    if (max_warps > 0) most = std::min(most, std::max<int64_t>(1, max_warps / (rtpr / 32)));
+    if (most >= 1) {
+      const int64_t G = balanced_warps_per_sm(N, sms, most);
+      grid = std::min(sms, cdiv(N, G));
+      const int64_t groups = grid * G;
+      if (need_dw || need_db) partial = new_output({grid, 2 * C}, x.options().dtype(at::kFloat));
+      Kernel& k = es == 2 ? bwd_ring16[vi] : bwd_ring32[vi];
+      k.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)),
+               Dim3(static_cast<unsigned>(rtpr), static_cast<unsigned>(G)),
+               static_cast<size_t>(G * per_group), dout.data_ptr(), x.data_ptr(), ptr_or_null(w),
+               mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), ptr_or_null(partial),
+               static_cast<int>(N / groups), static_cast<int>(N % groups), static_cast<int>(C),
+               static_cast<int>(need_dw), static_cast<int>(need_db));
+      if (partial.defined()) param_grad(partial, dweight, dbias, grid, C, dt, on, /*vec=*/true);
+      return {dx, dweight, dbias};
+    }
+  }
 
   // GROUP: one block per SM of G groups (tpr threads each), as few groups per SM as keep the same
   // number of rounds. The block's column sums take 64 bytes of shared memory per thread.
@@ -378,12 +463,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
         dx.data_ptr(), ptr_or_null(partial), static_cast<long long>(N), static_cast<int>(C),
         static_cast<int>(need_dw), static_cast<int>(need_db));
   }
-  if (partial.defined()) {
-    Kernel& k = variant == kPrevious ? param_grad_kernel : param_grad_fast_kernel;
-    k.launch(dt, on.device, on.stream, Dim3(ceil_div(2 * C, 32)), Dim3(32, 32), 0,
-             static_cast<const void*>(partial.data_ptr()), dweight ? dweight->data_ptr() : nullptr,
-             dbias ? dbias->data_ptr() : nullptr, static_cast<int>(grid), static_cast<int>(C));
-  }
+  if (partial.defined())
+    param_grad(partial, dweight, dbias, grid, C, dt, on, ring_variant, variant == kPrevious);
   return {dx, dweight, dbias};
 }
 
@@ -409,7 +490,12 @@ KFORGE_BIND_OP(layernorm) {
         "parameter-gradient reduce; 1 the previous kernels (one warp per row, previous reduce); 2 "
         "GROUP with two rows a group and no prefetch for bfloat16 / float16, one prefetched row for "
         "float32; 3 as 0, and GROUP also for rows up to 5120 / 6144 columns instead of the "
-        "block-per-row kernels",
+        "block-per-row kernels; 4..7 RING (persistent groups streaming their rows through S "
+        "shared-memory row slots by cp.async, column sums in registers) and the 16-byte "
+        "parameter-gradient reduce launched as a dependent: 4: 8 columns a thread, S = 8 for "
+        "bfloat16 / float16, 4 for float32; 5: 8 columns, S = 4 / 8; 6: 24 columns (one warp per "
+        "row at C = 768), S = 4 / 4; 7: 24 columns, S = 8 / 2; rows RING cannot take (no 16-byte "
+        "units, slots over the shared memory) fall back to variant 0's kernels",
         pybind11::arg("dout"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
         pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("max_warps") = 0,
         pybind11::arg("variant") = 0);

@@ -80,7 +80,37 @@ PipeKernel pipe_kernels[] = {
     KF_PIPE(2, 2, true, true, k16),    KF_PIPE(2, 3, false, true, k16),
 };
 #undef KF_PIPE
-Kernel dweight_kernel(prog, "rmsnorm_dweight_kernel<{T}>");
+
+// Ring backward kernels (variants 3, 4, 5; 16-byte accesses only, rows of at most kRingMaxChunks
+// chunks): K chunks per thread and row, S stages of shared memory per block, blocks of at most NT
+// threads, MINB blocks per SM for the register budget (launch bounds), CBW. Each compiles without
+// spills (ptxas for sm_80 and sm_90).
+constexpr int kRingMaxChunks = 1024;
+struct RingShape {
+  int K, S, NT, MINB;
+};
+struct RingKernel {
+  RingShape shape;
+  bool cbw;
+  Kernel kernel;
+};
+#define KF_RING(K, S, NT, MINB, CBW, DTYPES)                                                      \
+  {                                                                                               \
+    {K, S, NT, MINB}, CBW, {                                                                      \
+      prog,                                                                                       \
+          "rmsnorm_backward_ring_kernel<{T}, " #K ", " #S ", " #CBW ", " #NT ", " #MINB ">", DTYPES \
+    }                                                                                             \
+  }
+#define KF_RING3(K, S, NT, MINB) \
+  KF_RING(K, S, NT, MINB, false, kF32), KF_RING(K, S, NT, MINB, false, k16), KF_RING(K, S, NT, MINB, true, k16)
+RingKernel ring_kernels[] = {KF_RING3(2, 6, 256, 2), KF_RING3(1, 4, 512, 2), KF_RING3(4, 4, 128, 3),
+                             KF_RING3(2, 6, 512, 1), KF_RING3(2, 4, 512, 1)};
+#undef KF_RING3
+#undef KF_RING
+
+// dweight from the partial rows: 16-byte loads (D % 4 == 0) or element-wise.
+Kernel dweight_kernels[2] = {{prog, "rmsnorm_dweight_kernel<{T}, false>"},
+                             {prog, "rmsnorm_dweight_kernel<{T}, true>"}};
 
 // Longest row, in 16-byte chunks: 16384 bf16/fp16 or 8192 fp32 elements (kforge.ops.rmsnorm's
 // checker declines longer rows).
@@ -126,7 +156,15 @@ BwdGeometry backward_geometry(int nchunk, bool vec, bool cbw, DType dt) {
 }
 
 // Backward kernel choices (the launcher's `variant`).
-enum BwdVariant : int64_t { kPipelined = 0, kPrevious = 1, kPipelinedDeep = 2 };
+enum BwdVariant : int64_t {
+  kPipelined = 0,
+  kPrevious = 1,
+  kPipelinedDeep = 2,
+  kRingK2 = 3,  // ring: 2 chunks per thread, 6 stages, blocks of 256 threads, 2 per SM
+  kRingK1 = 4,  // ring: 1 chunk per thread, 4 stages, blocks of 512 threads, 2 per SM
+  kRingK4 = 5,  // ring: 4 chunks per thread, 4 stages, blocks of 128 threads, 3 per SM
+  kNumVariants = 6,
+};
 
 // Pipelined backward: K = 1 (one warp per row, 16 rows per block) up to 32 chunks, else K = 2 (rows
 // of <= 512 threads). 16-bit types: P = 2 rows in flight keeping g (variant 0), or P = 3 without
@@ -144,6 +182,70 @@ PipeKernel* pipe_kernel(int nchunk, bool vec, bool cbw, DType dt, int64_t varian
     if (k.K == K && k.P == P && k.keep_g == keep_g && k.cbw == cbw && k.kernel.supports(dt))
       return &k;
   fail("rmsnorm_backward", "no pipelined kernel for ", nchunk, " chunks");
+}
+
+// Ring kernel shape of a variant: rows of <= 512 chunks as named in BwdVariant; longer rows (<= 1024
+// chunks: bf16/fp16 D <= 8192, fp32 D <= 4096) 2 chunks per thread in blocks of 512 threads, one per
+// SM, 6 stages (4 for variant 4).
+RingShape ring_shape(int64_t variant, int nchunk) {
+  const bool longer = nchunk > 512;
+  if (variant == kRingK1) return longer ? RingShape{2, 4, 512, 1} : RingShape{1, 4, 512, 2};
+  if (variant == kRingK4) return longer ? RingShape{2, 6, 512, 1} : RingShape{4, 4, 128, 3};
+  return longer ? RingShape{2, 6, 512, 1} : RingShape{2, 6, 256, 2};
+}
+
+struct RingPlan {
+  Kernel* kernel = nullptr;  // nullptr: the ring kernels do not apply
+  unsigned tx = 0, groups = 0, grid = 0;
+  size_t smem = 0;
+};
+
+// Ring backward (variants 3..5): a row group of `groups` rows of tx threads per block, tx = the
+// thread count for K chunks each, a multiple of 32 or a power of two below 32 (the kernel's
+// reductions rely on it); the stages in dynamic shared memory (see the kernel); a persistent grid of
+// as many blocks per SM as registers and shared memory allow (at most the row groups). Not applied
+// (kernel nullptr) to element-wise access, rows longer than kRingMaxChunks, shared memory beyond the
+// device's limit, or a tensor too large for the kernel's 32-bit row step.
+RingPlan ring_plan(int nchunk, bool vec, bool cbw, DType dt, int64_t variant, int64_t rows, int64_t D,
+                   int64_t elem, int device) {
+  RingPlan p;
+  if (!vec || nchunk > kRingMaxChunks) return p;
+  const RingShape sh = ring_shape(variant, nchunk);
+  cbw = cbw && dt != DType::f32;
+  RingKernel* rk = nullptr;
+  for (RingKernel& k : ring_kernels)
+    if (k.shape.K == sh.K && k.shape.S == sh.S && k.shape.NT == sh.NT && k.shape.MINB == sh.MINB &&
+        k.cbw == cbw && k.kernel.supports(dt))
+      rk = &k;
+  if (!rk) fail("rmsnorm_backward", "no ring kernel for ", nchunk, " chunks");
+  int tx = (nchunk + sh.K - 1) / sh.K;
+  if (tx <= 32) {
+    int t = 1;
+    while (t < tx) t *= 2;
+    tx = t;
+  } else {
+    tx = static_cast<int>(round32(tx));
+  }
+  const int groups = sh.NT / tx;  // tx <= NT: nchunk <= K * NT for every shape
+  const int nseg = tx >= 32 ? tx * groups / 32 : groups;
+  const size_t smem = size_t(sh.S) * (size_t(2) * groups * tx * sh.K * 16 + size_t(nseg) * 4);
+  const size_t static_smem = size_t(2) * sh.NT;  // red[2][NT / 4] floats
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
+  if (smem + static_smem > prop->sharedMemPerBlockOptin) return p;
+  const size_t per_block = smem + static_smem + prop->reservedSharedMemPerBlock;
+  const int64_t fit = static_cast<int64_t>(prop->sharedMemPerMultiprocessor / per_block);
+  const int64_t per_sm = std::max<int64_t>(1, std::min<int64_t>(sh.MINB, fit));
+  const int64_t ngroups = (rows + groups - 1) / groups;
+  const int64_t grid = std::min<int64_t>(ngroups, per_sm * prop->multiProcessorCount);
+  if (grid * groups * D * elem >= (int64_t(1) << 32) ||
+      (ngroups + grid - 1) / grid > std::numeric_limits<int>::max() - 16)
+    return p;
+  p.kernel = &rk->kernel;
+  p.tx = static_cast<unsigned>(tx);
+  p.groups = static_cast<unsigned>(groups);
+  p.grid = static_cast<unsigned>(grid);
+  p.smem = smem;
+  return p;
 }
 
 // Elements per row: the product of the last `normalized_ndim` sizes of x.
@@ -198,8 +300,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
     const at::Tensor& dy_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
     const at::Tensor& rstd_, int64_t normalized_ndim, bool cast_before_weight, int64_t variant) {
   const char* op = "rmsnorm_backward";
-  KF_CHECK(variant >= kPipelined && variant <= kPipelinedDeep, op, "variant must be 0, 1 or 2, got ",
-           variant);
+  KF_CHECK(variant >= 0 && variant < kNumVariants, op, "variant must be in [0, ", kNumVariants - 1,
+           "], got ", variant);
   const at::Tensor x = input(x_, op, "x");
   const at::Tensor dy = input_like(dy_, x, op, "dy");
   KF_CHECK(dy.sizes() == x.sizes(), op, "dy and x sizes differ: ", dy.sizes(), " vs ", x.sizes());
@@ -225,9 +327,16 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   const DType dt = dtype_of(x, op);
   const int zero = 0;  // see opaque() in the kernel
   const int sms = sm_count(on.device);
-  PipeKernel* pk =
-      variant == kPrevious ? nullptr : pipe_kernel(nchunk, vec, cast_before_weight, dt, variant);
-  unsigned grid = 0, tx = 0, groups = 0;
+  const int64_t elem = x.element_size();
+  const RingPlan ring = variant >= kRingK2 ? ring_plan(nchunk, vec, cast_before_weight, dt, variant, rows,
+                                                       D, elem, on.device)
+                                           : RingPlan{};
+  // Where a ring variant does not apply, variant 0's kernels take the rows.
+  PipeKernel* pk = variant == kPrevious || ring.kernel
+                       ? nullptr
+                       : pipe_kernel(nchunk, vec, cast_before_weight, dt,
+                                     variant >= kRingK2 ? kPipelined : variant);
+  unsigned grid = ring.grid, tx = ring.tx, groups = ring.groups;
   if (pk) {
     tx = round32((nchunk + pk->K - 1) / pk->K);
     groups = kBwdThreads / tx;
@@ -239,8 +348,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
         (rows + stride - 1) / stride > std::numeric_limits<int>::max() - 8)
       pk = nullptr;
   }
-  Kernel* kernel = pk ? &pk->kernel : nullptr;
-  if (!pk) {
+  Kernel* kernel = ring.kernel ? ring.kernel : pk ? &pk->kernel : nullptr;
+  if (!kernel) {
     const BwdGeometry g = backward_geometry(nchunk, vec, cast_before_weight, dt);
     tx = g.tx, groups = g.groups, kernel = &g.kernel->kernel;
     const int64_t rows_per_step = int64_t(groups) * g.kernel->R;
@@ -249,7 +358,12 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   std::optional<at::Tensor> partial;
   if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
   const size_t fold_bytes = size_t(tx) * groups * V * sizeof(float);
-  if (pk)
+  if (ring.kernel)
+    kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), ring.smem, dy.data_ptr(),
+                   x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
+                   static_cast<long long>(rows), static_cast<int>(D), 1.0f / static_cast<float>(D),
+                   zero);
+  else if (pk)
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), fold_bytes, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
                    static_cast<long long>(rows), static_cast<int>(D), 1.0f / static_cast<float>(D),
@@ -260,9 +374,9 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
                    static_cast<long long>(rows), static_cast<int>(D), 1.0f / static_cast<float>(D),
                    zero);
   if (weight)
-    dweight_kernel.launch(dt, on.device, on.stream, ceil_div(D, 32), Dim3(32, 16), 0,
-                          partial->data_ptr(), dweight->data_ptr(), static_cast<int>(grid),
-                          static_cast<int>(D));
+    dweight_kernels[D % 4 == 0 ? 1 : 0].launch_dependent(
+        dt, on.device, on.stream, ceil_div(D, 32), Dim3(8, 32), 0, partial->data_ptr(),
+        dweight->data_ptr(), static_cast<int>(grid), static_cast<int>(D));
   return {dx, dweight};
 }
 
@@ -281,9 +395,14 @@ KFORGE_BIND_OP(rmsnorm) {
         "timing): 0 (default) the pipelined kernel, each thread keeping the next rows' loads in "
         "flight (16-bit types: 2 rows, g = dy * w kept in registers); 1 the previous kernel (R rows "
         "per group loaded, then computed); 2 the pipelined kernel with 3 rows in flight and g "
-        "recomputed (16-bit rows of more than 32 chunks; otherwise as 0). Variants 0 and 2 use the "
-        "previous kernel where they do not apply (odd sizes, misaligned pointers, rows longer than "
-        "1024 16-byte chunks).",
+        "recomputed (16-bit rows of more than 32 chunks; otherwise as 0); 3, 4, 5 the ring kernel "
+        "(rows staged in shared memory by cp.async, S stages per block, persistent grid): 3 with 2 "
+        "16-byte chunks per thread, 6 stages, blocks of 256 threads (2 per SM); 4 with 1 chunk, 4 "
+        "stages, 512 threads (2 per SM); 5 with 4 chunks, 4 stages, 128 threads (3 per SM); rows of "
+        "513..1024 chunks: 2 chunks, 512 threads, 6 stages (4 for variant 4), one block per SM. "
+        "Variants 0 and 2 use the previous kernel where they do not apply (odd sizes, misaligned "
+        "pointers, rows longer than 1024 16-byte chunks); variants 3..5 use variant 0's kernels "
+        "there (and where the stages exceed the device's shared memory).",
         pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"),
         pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true,
         pybind11::arg("variant") = 0);

@@ -12,7 +12,8 @@ Thunder symbols:
         weight may be None (then dweight is None). cast_before_weight=True: y = weight * T(x * rstd)
         (HF); False: y = T(x * rstd * weight) (torch F.rms_norm, thunder.torch.rms_norm).
         kforge._C.rmsnorm_backward also takes variant= (0 default, 1 the previous backward kernel,
-        2 a deeper-pipelined one) for A/B timing (scripts/ab.py); the operators use the default.
+        2 a deeper-pipelined one, 3 / 4 / 5 the shared-memory ring kernel with 2 / 1 / 4 chunks per
+        thread) for A/B timing (scripts/ab.py); the operators use the default.
 
 Claims: `kforge_rms_norm` (the helper) and `thunder.torch.rms_norm` (F.rms_norm), forward and
 backward. Saved for backward: x, weight, rstd.
