@@ -50,8 +50,9 @@ def main(specs: list[str]) -> None:
                         cells.append(f"v{v} ERROR {type(e).__name__}: {str(e)[:80]}")
                     finally:
                         mod._C = _C
-                print(f"{op:10s} {d} {case.shape:26s} {str(dtype)[6:]:9s} copy {same:6.1f} us | "
-                      + " | ".join(cells), flush=True)
+                eager = time_op(case.eager, sets)
+                print(f"{op:10s} {d} {case.shape:26s} {str(dtype)[6:]:9s} copy {same:6.1f} us | eager "
+                      f"{eager:7.1f} us | " + " | ".join(cells), flush=True)
                 del sets
                 torch.cuda.empty_cache()
 
