@@ -4,21 +4,34 @@
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
         --section WarpStateStats python3 scripts/ncu_probe.py rmsnorm:bwd:bf16 layernorm::bf16
 
-Arguments are op[:dir[:dtype]] filters (empty part = any); only the first (quick) size is run.
+Arguments are op[:dir[:dtype[:binding=variant]]] filters (empty part = any); only the first (quick)
+size is run. With binding=variant, `kforge._C.<binding>` is called with that `variant` (as scripts/ab.py
+does), e.g. rmsnorm:bwd:bf16:rmsnorm_backward=5.
 """
+import functools
 import sys
 
 import torch
 
+from kforge import _C
 from kforge.bench.harness import op_modules
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def main(argv: list[str]) -> None:
-    want = [(a.split(":") + ["", ""])[:3] for a in argv]
-    for op, d, dt in want:
+    want = [(a.split(":") + ["", "", ""])[:4] for a in argv]
+    for op, d, dt, bv in want:
         for mod in op_modules([op]):
+            if bv:
+                binding, v = bv.split("=")
+
+                class Proxy:  # _C with `variant=v` added to one binding
+                    def __getattr__(self, name, binding=binding, v=int(v)):
+                        fn = getattr(_C, name)
+                        return functools.partial(fn, variant=v) if name == binding else fn
+
+                mod._C = Proxy()
             for name, dtype in DT.items():
                 if dt and dt != name:
                     continue
@@ -31,7 +44,8 @@ def main(argv: list[str]) -> None:
                     case.kforge(*inputs)
                     torch.cuda.nvtx.range_pop()
                     torch.cuda.synchronize()
-                    print("ran", case.op, case.direction, case.shape, name, flush=True)
+                    print("ran", case.op, case.direction, case.shape, name, bv, flush=True)
+            mod._C = _C
 
 
 if __name__ == "__main__":

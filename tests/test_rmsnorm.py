@@ -86,7 +86,7 @@ SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64)
 # bf16, misaligned, rows of > 1024 chunks). test_ring_rows covers row counts around the grid.
 # Backward kernels (the launcher's `variant`): 0 pipelined (default), 1 previous, 2 pipelined deeper,
 # 3, 4, 5 the shared-memory ring.
-VARIANTS = [0, 1, 2, 3, 4, 5]
+VARIANTS = [0, 1, 2, 3, 4, 5, 6, 7, 8]
 variants = pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"v{v}")
 
 
@@ -131,7 +131,7 @@ def test_pipelined_rows_per_group(D, dtype, variant):
         check(x, w, dy, False, what=f"{rows}x{D}", variant=variant)
 
 
-RING_VARIANTS = [3, 4, 5]
+RING_VARIANTS = [3, 4, 5, 6, 7, 8]
 
 
 @gpu
@@ -381,8 +381,8 @@ def test_launcher_rejects_cpu_tensors():
 
 
 def test_launcher_rejects_unknown_variant():
-    for v in (-1, 6):
-        with pytest.raises(kforge.KforgeError, match=r"variant must be in \[0, 5\]"):
+    for v in (-1, 9):
+        with pytest.raises(kforge.KforgeError, match=r"variant must be in \[0, 8\]"):
             kforge._C.rmsnorm_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2),
                                        variant=v)
 

@@ -104,7 +104,8 @@ struct RingKernel {
 #define KF_RING3(K, S, NT, MINB) \
   KF_RING(K, S, NT, MINB, false, kF32), KF_RING(K, S, NT, MINB, false, k16), KF_RING(K, S, NT, MINB, true, k16)
 RingKernel ring_kernels[] = {KF_RING3(2, 6, 256, 2), KF_RING3(1, 4, 512, 2), KF_RING3(4, 4, 128, 3),
-                             KF_RING3(2, 6, 512, 1), KF_RING3(2, 4, 512, 1)};
+                             KF_RING3(2, 6, 512, 1), KF_RING3(2, 4, 512, 1), KF_RING3(4, 4, 384, 1),
+                             KF_RING3(4, 3, 384, 1), KF_RING3(4, 5, 256, 1), KF_RING3(2, 3, 512, 1)};
 #undef KF_RING3
 #undef KF_RING
 
@@ -163,7 +164,10 @@ enum BwdVariant : int64_t {
   kRingK2 = 3,  // ring: 2 chunks per thread, 6 stages, blocks of 256 threads, 2 per SM
   kRingK1 = 4,  // ring: 1 chunk per thread, 4 stages, blocks of 512 threads, 2 per SM
   kRingK4 = 5,  // ring: 4 chunks per thread, 4 stages, blocks of 128 threads, 3 per SM
-  kNumVariants = 6,
+  kRingK4G3 = 6,   // ring: 4 chunks, 4 stages, 3 row groups in one block of 384 threads per SM
+  kRingK4G3S3 = 7, // as 6 with 3 stages
+  kRingK4G2S5 = 8, // ring: 4 chunks, 5 stages, 2 row groups in one block of 256 threads per SM
+  kNumVariants = 9,
 };
 
 // Pipelined backward: K = 1 (one warp per row, 16 rows per block) up to 32 chunks, else K = 2 (rows
@@ -191,6 +195,9 @@ RingShape ring_shape(int64_t variant, int nchunk) {
   const bool longer = nchunk > 512;
   if (variant == kRingK1) return longer ? RingShape{2, 4, 512, 1} : RingShape{1, 4, 512, 2};
   if (variant == kRingK4) return longer ? RingShape{2, 6, 512, 1} : RingShape{4, 4, 128, 3};
+  if (variant == kRingK4G3) return longer ? RingShape{2, 4, 512, 1} : RingShape{4, 4, 384, 1};
+  if (variant == kRingK4G3S3) return longer ? RingShape{2, 3, 512, 1} : RingShape{4, 3, 384, 1};
+  if (variant == kRingK4G2S5) return longer ? RingShape{2, 4, 512, 1} : RingShape{4, 5, 256, 1};
   return longer ? RingShape{2, 6, 512, 1} : RingShape{2, 6, 256, 2};
 }
 
@@ -399,7 +406,10 @@ KFORGE_BIND_OP(rmsnorm) {
         "(rows staged in shared memory by cp.async, S stages per block, persistent grid): 3 with 2 "
         "16-byte chunks per thread, 6 stages, blocks of 256 threads (2 per SM); 4 with 1 chunk, 4 "
         "stages, 512 threads (2 per SM); 5 with 4 chunks, 4 stages, 128 threads (3 per SM); rows of "
-        "513..1024 chunks: 2 chunks, 512 threads, 6 stages (4 for variant 4), one block per SM. "
+        "513..1024 chunks: 2 chunks, 512 threads, 6 stages (4 for variant 4), one block per SM; 6, 7, 8 "
+        "one block per SM of 4 chunks per thread: 6 three rows at a time (384 threads), 4 stages; 7 "
+        "the same with 3 stages; 8 two rows at a time (256 threads), 5 stages (rows of 513..1024 "
+        "chunks: 2 chunks, 512 threads, 4, 3, 4 stages). "
         "Variants 0 and 2 use the previous kernel where they do not apply (odd sizes, misaligned "
         "pointers, rows longer than 1024 16-byte chunks); variants 3..5 use variant 0's kernels "
         "there (and where the stages exceed the device's shared memory).",
