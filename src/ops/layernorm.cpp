@@ -294,8 +294,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
   return {out, mean, rstd};
 }
 
-// dweight / dbias from the G partial rows: the 16-byte dependent reduce where asked for and 2C % 4
-// == 0, else the previous ones.
+// dweight / dbias from the G partial rows: the 16-byte dependent reduce where asked for (every
+// variant but 1) and 2C % 4 == 0, else the previous ones.
 void param_grad(const at::Tensor& partial, std::optional<at::Tensor>& dweight,
                 std::optional<at::Tensor>& dbias, int64_t G, int64_t C, DType dt, const LaunchOn& on,
                 bool vec, bool previous = false) {
@@ -464,7 +464,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
         static_cast<int>(need_dw), static_cast<int>(need_db));
   }
   if (partial.defined())
-    param_grad(partial, dweight, dbias, grid, C, dt, on, ring_variant, variant == kPrevious);
+    param_grad(partial, dweight, dbias, grid, C, dt, on, /*vec=*/variant != kPrevious,
+               variant == kPrevious);
   return {dx, dweight, dbias};
 }
 
