@@ -746,7 +746,6 @@ __global__ void __launch_bounds__(LnGroupBwdCfg<T, VEC, R, PF>::threads, 1)
   using U = Unit<T, VEC>;
   constexpr int V = U::size, P = kGroupCols / V;
   static_assert(kGroupCols == 8 && kGroupCols % V == 0, "whole units, two float4 per thread");
-  kf_allow_dependents();  // as in layernorm_backward_ring_kernel
   __shared__ float4 red16[2][kMaxBlockWarps * ((2 * R + 3) / 4)];
   extern __shared__ float4 acc16[];  // blockDim.y groups of 4 blockDim.x float4
   const int tx = threadIdx.x, ty = threadIdx.y, tpr = blockDim.x, nw = tpr >> 5, first = ty * nw;
@@ -1234,9 +1233,6 @@ __global__ void __launch_bounds__(LnRingCfg<T, P>::threads, 1)
   constexpr int V = U::size, PV = P * V, F4 = 2 * PV / 4;  // float4s of a thread's column sums
   constexpr bool KEEP = LnRingCfg<T, P>::keep;
   static_assert(PV % 4 == 0 && (S & (S - 1)) == 0, "whole float4s; S a power of two");
-  // The param-grad reduce (a dependent launch) may be scheduled now: its blocks take SMs as ours
-  // leave and wait for this grid's partial rows, so no launch latency follows this kernel.
-  kf_allow_dependents();
   // Ring: per group S slots of [x units | dout units] (C / V 16-byte chunks each), unit u of a
   // tensor at chunk u; consecutive threads, consecutive chunks (no bank conflicts). Reused at the
   // end for the column-sum fold.

@@ -736,9 +736,6 @@ __global__ void __launch_bounds__(NT, MINB)
   static_assert(NT <= 512 && NT % 64 == 0, "groups of <= 16 warps");
   __shared__ float red[2][NT / 4];  // [set][group * 16 + warp]: groups of >= 64 threads, <= NT / 64
   extern __shared__ uint4 ring[];
-  // Let rmsnorm_dweight_kernel (a dependent launch) be scheduled now: its blocks take SMs as ours
-  // leave and start the moment this grid's partial rows are visible, not a launch latency later.
-  kf_allow_dependents();
   const int tx = blockDim.x, G = blockDim.y;
   const int tid = threadIdx.y * tx + threadIdx.x;
   const int lane = tid & 31;
