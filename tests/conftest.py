@@ -37,14 +37,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "",
-                 tol: float | None = None) -> None:
-    """Relative-error check with the per-dtype tolerance (or `tol`); shapes must match exactly."""
+                 tol: float | None = None, scale: float | None = None) -> None:
+    """Relative-error check with the per-dtype tolerance (or `tol`); shapes must match exactly.
+
+    `scale`: the norm of the terms `ref` is a difference of, where that can be far larger than
+    `ref` itself (a normalisation's dx over a handful of columns cancels): the error is then
+    measured against max(||ref||, scale), since the inputs' rounding is relative to the terms."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     err = rel_err(out, ref)
     limit = REL_TOL[dtype] if tol is None else tol
     # Below the dtype's smallest normal number there is no relative precision to ask for (fp16
     # subnormals start at 6.1e-5): measure against at least that magnitude per element.
-    floor = torch.finfo(dtype).tiny * out.numel() ** 0.5
+    floor = max(torch.finfo(dtype).tiny * out.numel() ** 0.5, scale or 0.0)
     ref_norm = ref.double().norm().item()
     if 0 < ref_norm < floor and math.isfinite(err):
         err = err * ref_norm / floor

@@ -44,8 +44,8 @@ def check_against_reference(x, dout, dtype, variants=None):
 SHAPES = [(1,), (7,), (1000,), (4096,), (8192 + 9,), (8, 3072), (3, 5, 771), ((1 << 20) + 3,),
           (64, 16384 + 5)]
 # (forward variant, backward variant), see the bindings' docstrings: 0 the original grid-stride
-# kernels, 1 the default (4 packs per thread, streaming stores), 2 default stores, 3 two packs per
-# thread in 256-thread blocks, 4 eight packs per thread, 5 (forward only) the hardware tanh for 16-bit
+# kernels, 1 four packs per thread with streaming stores, 2 default stores, 3 (the default) two
+# packs per thread in 256-thread blocks, 4 eight packs per thread, 5 (forward only) the hardware tanh for 16-bit
 # types.
 VARIANTS = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 1)]
 variant_ids = lambda v: f"fwd{v[0]}-bwd{v[1]}"

@@ -57,7 +57,10 @@ def check_against_reference(x, w, b, dout, dtype, fwd_variant=0, bwd_variant=0):
     # The stats are fp32 whatever the input dtype.
     assert_close(mean, r_mean, torch.float32, "mean")
     assert_close(rstd, r_rstd, torch.float32, "rstd")
-    assert_close(dx, r_dx, dtype, "dx")
+    # dx = rstd (g - mean(g) - x_hat mean(g x_hat)), g = dout * w: over a few columns the terms
+    # cancel, so its error is relative to them (see assert_close).
+    g = dout.double() * (1.0 if w is None else w.double())
+    assert_close(dx, r_dx, dtype, "dx", scale=(g * r_rstd.reshape(*x.shape[:-1], 1)).norm().item())
     assert (dw is None) == (w is None) and (db is None) == (b is None)
     if w is not None:
         assert dw.dtype == w.dtype

@@ -4,13 +4,13 @@
 // `variant` (for A/B timing; every value computes gelu to within the tests' tolerances):
 //   0  the original layout: grid-stride loop, one 16-byte pack per thread per step, 256-thread blocks,
 //      at most 16 blocks per SM, streaming loads, default stores.
-//   1  (default) no loop: 128-thread blocks, P = 4 packs per thread (backward: 4 of dout and 4 of x),
+//   1  no loop: 128-thread blocks, P = 4 packs per thread (backward: 4 of dout and 4 of x),
 //      all loads issued before the math, grid = packs / (P * 128) + 1, streaming loads and stores.
 //      Forward 32 registers (16 blocks per SM: 128 KB of loads in flight per SM), backward 48 (10
 //      blocks: 160 KB).
 //   2  as 1 with default (write-back) stores.
-//   3  as 1 with 256-thread blocks and P = 2: 32 registers, 8 blocks per SM (forward 64 KB in
-//      flight, backward 128 KB).
+//   3  (default: the fastest on the H200, scripts/ab.py in BENCHMARKS.md) as 1 with 256-thread
+//      blocks and P = 2: 32 registers, 8 blocks per SM (forward 64 KB in flight, backward 128 KB).
 //   4  as 1 with P = 8: forward 64 registers (8 blocks, 128 KB), backward 128 (4 blocks, 128 KB).
 //   5  forward only: as 1 with the hardware tanh.approx for bf16 / fp16 (float32: as 1).
 // Misaligned pointers (any of them off a 16-byte boundary) take variant 0's scalar path whatever
@@ -120,18 +120,18 @@ at::Tensor gelu_backward(const at::Tensor& dout_, const at::Tensor& x_, int64_t 
 KFORGE_BIND_OP(gelu) {
   m.def("gelu_forward", &gelu_forward,
         "gelu, tanh approximation. variant (for A/B timing): 0 the original grid-stride kernel (one "
-        "16-byte pack per thread per step); 1 (default) 128-thread blocks, 4 packs per thread with all "
+        "16-byte pack per thread per step); 1 128-thread blocks, 4 packs per thread with all "
         "loads first, non-persistent grid, streaming loads and stores, 32 registers; 2 as 1 with default "
-        "stores; 3 256-thread blocks, 2 packs per thread; 4 8 packs per thread; 5 as 1 with the hardware "
+        "stores; 3 (default) 256-thread blocks, 2 packs per thread; 4 8 packs per thread; 5 as 1 with the hardware "
         "tanh for bfloat16 / float16 (float32: as 1). Misaligned inputs take variant 0's scalar path.",
-        pybind11::arg("x"), pybind11::arg("variant") = 1);
+        pybind11::arg("x"), pybind11::arg("variant") = 3);
   m.def("gelu_backward", &gelu_backward,
         "gradient of the tanh-approximation gelu: dout * gelu'(x). variant (for A/B timing): 0 the "
-        "original grid-stride kernel; 1 (default) 128-thread blocks, 4 packs of dout and 4 of x per "
+        "original grid-stride kernel; 1 128-thread blocks, 4 packs of dout and 4 of x per "
         "thread with all loads first, non-persistent grid, streaming loads and stores; 2 as 1 with "
-        "default stores; 3 256-thread blocks, 2 packs per thread; 4 8 packs per thread. Misaligned "
+        "default stores; 3 (default) 256-thread blocks, 2 packs per thread; 4 8 packs per thread. Misaligned "
         "inputs take variant 0's scalar path.",
-        pybind11::arg("dout"), pybind11::arg("x"), pybind11::arg("variant") = 1);
+        pybind11::arg("dout"), pybind11::arg("x"), pybind11::arg("variant") = 3);
 }
 
 }  // namespace kforge

@@ -7,8 +7,9 @@
 // `variant` (A/B timing; every value computes the same results up to summation order):
 //   forward:  0 GROUP (default); 1 the previous kernels (WARP / BLOCK); 2 GROUP for bf16 / half,
 //             WARP for fp32.
-//   backward: 0 GROUP, one row a group, the next row prefetched for bf16 / half (default), and the
-//             prefetching parameter-gradient reduce; 1 the previous kernels (WARP / BLOCK and the
+//   backward: 0 (default) RING as 5 for bf16 / half rows of up to 1024 columns; otherwise GROUP,
+//             one row a group, the next row prefetched for bf16 / half, and the 16-byte dependent
+//             parameter-gradient reduce (the prefetching one where 2C % 4 != 0); 1 the previous kernels (WARP / BLOCK and the
 //             previous reduce); 2 GROUP with two rows a group, no prefetch, for bf16 / half and one
 //             prefetched row for fp32; 3 as 0 and GROUP also for longer rows (where a row fits a block
 //             of 640 / 768 threads, C <= 5120 / 6144) instead of BLOCK; 4..7 RING (rows streamed
@@ -359,6 +360,10 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
   // holds (S row slots of x and dout each; the fold at the end reuses it) and the launch bound
   // allows, as few as keep the same number of rounds; the N rows split into contiguous ranges of q
   // or q + 1 rows, one per group. Rows too long for one group's slots take the paths below.
+  // The default for 16-bit rows of up to 1024 columns is RING as variant 5 (S = 4): on the H200
+  // (scripts/ab.py, BENCHMARKS.md) 16.1-16.9 us against GROUP's 17.1-17.8 at 8192 x 768 bf16, while
+  // for fp32 GROUP stays ahead (22.8-23.7 against RING's 25.4-27.6).
+  if (variant == kDefault && es == 2 && C <= 1024) variant = kRingFirst + 1;
   const bool ring_variant = variant >= kRingFirst;
   if (ring_variant && vec && N < (int64_t(1) << 31)) {
     const int64_t V = 16 / es, units = C / V;
@@ -486,9 +491,10 @@ KFORGE_BIND_OP(layernorm) {
         "LayerNorm backward: returns (dx, dweight or None, dbias or None); bias is only used to "
         "decide whether dbias is wanted. max_warps (for A/B timing; 0: the kernel's own limit): "
         "fewer warps per SM on the one-warp-per-row and GROUP paths. variant (for A/B timing): 0 "
-        "GROUP layout where rows are short (default: 8 columns a thread, column sums in shared "
-        "memory, one row a group, bfloat16 / float16 prefetching the next) and the prefetching "
-        "parameter-gradient reduce; 1 the previous kernels (one warp per row, previous reduce); 2 "
+        "(default) RING as 5 for bfloat16 / float16 rows of up to 1024 columns, otherwise GROUP "
+        "layout where rows are short (8 columns a thread, column sums in shared memory, one row a "
+        "group, bfloat16 / float16 prefetching the next) and the 16-byte parameter-gradient reduce "
+        "launched as a dependent; 1 the previous kernels (one warp per row, previous reduce); 2 "
         "GROUP with two rows a group and no prefetch for bfloat16 / float16, one prefetched row for "
         "float32; 3 as 0, and GROUP also for rows up to 5120 / 6144 columns instead of the "
         "block-per-row kernels; 4..7 RING (persistent groups streaming their rows through S "
