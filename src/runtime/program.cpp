@@ -564,23 +564,65 @@ bool dependent_launch_ok(int device) {
 }
 }  // namespace
 
+bool cooperative_launch_ok(int device) {
+  static std::array<std::atomic<int>, 64> state{};  // 0 unknown, 1 yes, 2 no
+  if (device < 0 || device >= 64) return false;
+  int s = state[device].load(std::memory_order_relaxed);
+  if (s == 0) {
+    const char* env = std::getenv("KFORGE_COOPERATIVE_LAUNCH");
+    const bool off = env && std::string(env) == "0";
+    const DriverApi& cu = driver();
+    int coop = 0;
+    CUdevice dev;
+    if (!off && cu.LaunchKernelEx && cu.DeviceGet(&dev, device) == CUDA_SUCCESS &&
+        cu.DeviceGetAttribute(&coop, CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH, dev) == CUDA_SUCCESS)
+      s = coop ? 1 : 2;
+    else
+      s = 2;
+    state[device].store(s, std::memory_order_relaxed);
+  }
+  return s == 1;
+}
+
+void Kernel::allow_smem(CUfunction f, int t, int device, size_t smem) {
+  if (static_cast<int>(smem) <= smem_limit_[t][device].load(std::memory_order_relaxed)) return;
+  check_cu(driver().FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     static_cast<int>(smem)),
+           "kforge: " + pattern_ + ": requesting " + std::to_string(smem) +
+               " bytes of dynamic shared memory");
+  smem_limit_[t][device].store(static_cast<int>(smem), std::memory_order_relaxed);
+}
+
+int Kernel::max_active_blocks_per_sm(DType dtype, int device, int threads, size_t smem) {
+  CUfunction f = function(dtype, device);
+  allow_smem(f, static_cast<int>(dtype), device, smem);  // else sizes over 48 KB count as unfit
+  int n = 0;
+  check_cu(driver().OccupancyMaxActiveBlocksPerMultiprocessor(&n, f, threads, smem),
+           "kforge: occupancy of " + pattern_);
+  return n;
+}
+
 void Kernel::launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block,
-                        size_t smem, void** params, bool dependent) {
+                        size_t smem, void** params, Mode mode) {
   CUfunction f = function(dtype, device);
   const DriverApi& cu = driver();
-  const int t = static_cast<int>(dtype);
-  if (static_cast<int>(smem) > smem_limit_[t][device].load(std::memory_order_relaxed)) {
-    check_cu(cu.FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                 static_cast<int>(smem)),
-             "kforge: " + pattern_ + ": requesting " + std::to_string(smem) +
-                 " bytes of dynamic shared memory");
-    smem_limit_[t][device].store(static_cast<int>(smem), std::memory_order_relaxed);
-  }
+  allow_smem(f, static_cast<int>(dtype), device, smem);
+  const bool dependent = mode == Mode::dependent && dependent_launch_ok(device);
+  const bool cooperative = mode == Mode::cooperative;
+  if (cooperative && !cooperative_launch_ok(device))
+    throw Error("kforge: " + pattern_ + ": cooperative launch requested on cuda:" +
+                std::to_string(device) + ", which does not support it (or KFORGE_COOPERATIVE_LAUNCH=0); "
+                "the launcher must check cooperative_launch_ok first");
   CUresult r;
-  if (dependent && dependent_launch_ok(device)) {
+  if (dependent || cooperative) {
     CUlaunchAttribute attr[1] = {};
-    attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr[0].value.programmaticStreamSerializationAllowed = 1;
+    if (dependent) {
+      attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attr[0].value.programmaticStreamSerializationAllowed = 1;
+    } else {
+      attr[0].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+      attr[0].value.cooperative = 1;
+    }
     CUlaunchConfig lc = {};
     lc.gridDimX = grid.x, lc.gridDimY = grid.y, lc.gridDimZ = grid.z;
     lc.blockDimX = block.x, lc.blockDimY = block.y, lc.blockDimZ = block.z;
@@ -598,7 +640,8 @@ void Kernel::launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim
                     std::to_string(device) + " (grid " + std::to_string(grid.x) + "x" +
                     std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", block " +
                     std::to_string(block.x) + "x" + std::to_string(block.y) + ", smem " +
-                    std::to_string(smem) + (dependent ? ", dependent launch" : "") + ")");
+                    std::to_string(smem) + (dependent ? ", dependent launch" : "") +
+                    (cooperative ? ", cooperative launch" : "") + ")");
 }
 
 }  // namespace kforge
