@@ -2,22 +2,15 @@
 // as x * sigmoid(2u) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)), one exp and one divide.
 // Nothing is saved: backward recomputes from x, dx = dout * gelu'(x).
 // Compiled with fast math: ex2.approx and the approximate reciprocal stay far inside the fp32
-// tolerance. The hardware tanh.approx.f32 (max relative error ~2^-11) does not: it is used only by
-// the forward variant gelu_forward_packs_kernel<..., FastTanh = true> for 16-bit outputs: with a
-// worst-case 2^-11 error on every tanh, the simulated relative error stays under 0.12 (bf16) / 0.5
-// (fp16) of the test tolerances. The backward never uses it: there the worst case exceeds the bf16
-// tolerance (x (1 - t^2) u' amplifies the error in t).
+// tolerance.
 //
-// Two layouts (the launcher's `variant` picks one):
-// - gelu_{forward,backward}_kernel (variant 0, the original): grid-stride loop with 64-bit indices,
-//   one 16-byte pack per thread per step when every pointer is 16-byte aligned (`vec`), then a
-//   grid-stride scalar loop over what the packs left. Also the misaligned (vec = 0) fallback of
-//   every variant.
-// - gelu_{forward,backward}_packs_kernel<T, P, B, ...> (variants >= 1; 16-byte aligned pointers
-//   only): no loop; block b of B threads covers packs [b P B, (b + 1) P B), thread t packs t, t + B,
-//   ... (each warp coalesced), all P (backward: 2 P) 16-byte streaming loads issued before the first
-//   use (see gelu_gate). The grid is packs / (P B) + 1 blocks: the last one is partial
-//   (bounds-checked, possibly empty) and also does the < 8-element scalar tail.
+// - gelu_{forward,backward}_kernel (every pointer 16-byte aligned): no loop; block b of 256 threads
+//   covers packs [b 2 256, (b + 1) 2 256), thread t packs t and t + 256 (each warp coalesced), both
+//   (backward: all four) 16-byte streaming loads issued before the first use (see gelu_gate), and
+//   streaming stores. The grid is packs / 512 + 1 blocks: the last one is partial (bounds-checked,
+//   possibly empty) and also does the < 8-element scalar tail.
+// - gelu_{forward,backward}_scalar_kernel (any pointer misaligned): grid-stride loop over elements
+//   with 64-bit indices.
 #include "common.cuh"
 
 constexpr float kGeluS = 0.7978845608028654f;  // sqrt(2 / pi)
@@ -38,43 +31,23 @@ KF_DEVICE float gelu_grad(float x) {
   return s + 2.0f * x * s * (1.0f - s) * du;
 }
 
+// Misaligned pointers: grid-stride loop, one element per thread per step, 64-bit indices.
 template <typename T>
-__global__ void gelu_forward_kernel(const T* __restrict__ x, T* __restrict__ out, long long n,
-                                    int vec) {
-  constexpr int V = Pack128<T>::size;
-  const long long packs = vec ? n / V : 0;
+__global__ void gelu_forward_scalar_kernel(const T* __restrict__ x, T* __restrict__ out, long long n) {
   const long long stride = (long long)gridDim.x * blockDim.x;
-  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  for (long long i = tid; i < packs; i += stride) {
-    const Pack128<T> a = load128cs(x + i * V);
-    Pack128<T> r;
-#pragma unroll
-    for (int k = 0; k < V; ++k) r.set(k, gelu_value(a.f(k)));
-    store128(out + i * V, r);
-  }
-  for (long long t = packs * V + tid; t < n; t += stride)
+  for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride)
     out[t] = from_float<T>(gelu_value(to_float(x[t])));
 }
 
 template <typename T>
-__global__ void gelu_backward_kernel(const T* __restrict__ dout, const T* __restrict__ x,
-                                     T* __restrict__ dx, long long n, int vec) {
-  constexpr int V = Pack128<T>::size;
-  const long long packs = vec ? n / V : 0;
+__global__ void gelu_backward_scalar_kernel(const T* __restrict__ dout, const T* __restrict__ x,
+                                            T* __restrict__ dx, long long n) {
   const long long stride = (long long)gridDim.x * blockDim.x;
-  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  for (long long i = tid; i < packs; i += stride) {
-    const Pack128<T> g = load128cs(dout + i * V), a = load128cs(x + i * V);
-    Pack128<T> r;
-#pragma unroll
-    for (int k = 0; k < V; ++k) r.set(k, g.f(k) * gelu_grad(a.f(k)));
-    store128(dx + i * V, r);
-  }
-  for (long long t = packs * V + tid; t < n; t += stride)
+  for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride)
     dx[t] = from_float<T>(to_float(dout[t]) * gelu_grad(to_float(x[t])));
 }
 
-// ---- pack kernels (variants >= 1) -------------------------------------------------------------------
+// ---- 16-byte packs ------------------------------------------------------------------------------
 // The same math with the constants folded: exp(-2u) = 2^(x (kE1 + kE3 x^2)); 7 instructions per
 // element forward (2 of them MUFU), 12 backward with the dout product (gelu_value / gelu_grad under
 // fast math: 10 and 16).
@@ -93,21 +66,10 @@ KF_DEVICE float gelu_rcp(float v) {  // 1 / v; 0 for v = inf. __fdividef(1, v) a
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
   return r;
 }
-KF_DEVICE float gelu_tanh_approx(float v) {
-  float r;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(r) : "f"(v));
-  return r;
-}
 
 KF_DEVICE float gelu_value_fast(float x) {
   const float e = gelu_ex2(x * fmaf(kGeluE3, x * x, kGeluE1));  // exp(-2u); inf for x -> -inf
   return __fdividef(x, 1.0f + e);                                // -> -0 there, as in gelu_value
-}
-// 0.5 x (1 + tanh(u)) with the hardware tanh: 6 instructions, one MUFU (16-bit outputs only).
-KF_DEVICE float gelu_value_tanh(float x) {
-  const float t = gelu_tanh_approx(x * fmaf(kGeluS * kGeluC, x * x, kGeluS));
-  const float h = 0.5f * x;
-  return fmaf(h, t, h);
 }
 // gelu'(x) = s (1 + x (1 - s) 2u'), s = sigmoid(2u) = 1 / (1 + exp(-2u)) (see gelu_grad).
 KF_DEVICE float gelu_grad_fast(float x) {
@@ -153,12 +115,7 @@ template <> struct GeluWord<half> {
 };
 
 KF_DEVICE int4 gelu_ld(const void* p) { return __ldcs(reinterpret_cast<const int4*>(p)); }
-template <bool StoreCS> KF_DEVICE void gelu_st(void* p, int4 v) {
-  if (StoreCS)
-    __stcs(reinterpret_cast<int4*>(p), v);
-  else
-    *reinterpret_cast<int4*>(p) = v;
-}
+KF_DEVICE void gelu_st(void* p, int4 v) { __stcs(reinterpret_cast<int4*>(p), v); }
 KF_DEVICE u32 word(const int4& v, int i) {
   return (u32)(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);
 }
@@ -170,12 +127,12 @@ KF_DEVICE void set_word(int4& v, int i, u32 w) {
 }
 
 // One 32-bit word of a pack (1 float or 2 16-bit elements) in, one out.
-template <typename T, bool Tanh> KF_DEVICE u32 gelu_forward_word(u32 w) {
+template <typename T> KF_DEVICE u32 gelu_forward_word(u32 w) {
   typedef GeluWord<T> W;
   float f[W::kElems];
   W::unpack(w, f);
 #pragma unroll
-  for (int j = 0; j < W::kElems; ++j) f[j] = Tanh ? gelu_value_tanh(f[j]) : gelu_value_fast(f[j]);
+  for (int j = 0; j < W::kElems; ++j) f[j] = gelu_value_fast(f[j]);
   return W::pack(f);
 }
 template <typename T> KF_DEVICE u32 gelu_backward_word(u32 g, u32 w) {
@@ -188,10 +145,10 @@ template <typename T> KF_DEVICE u32 gelu_backward_word(u32 g, u32 w) {
   return W::pack(f);
 }
 
-template <typename T, bool Tanh> KF_DEVICE int4 gelu_forward_pack(int4 a) {
+template <typename T> KF_DEVICE int4 gelu_forward_pack(int4 a) {
   int4 r;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) set_word(r, i, gelu_forward_word<T, Tanh>(word(a, i)));
+  for (int i = 0; i < 4; ++i) set_word(r, i, gelu_forward_word<T>(word(a, i)));
   return r;
 }
 template <typename T> KF_DEVICE int4 gelu_backward_pack(int4 g, int4 a) {
@@ -202,8 +159,8 @@ template <typename T> KF_DEVICE int4 gelu_backward_pack(int4 g, int4 a) {
 }
 
 // Load gate: ptxas sinks a thread's later independent loads towards their first use (for the 16-bit
-// types and the backward only 2-3 of the P or 2 P 16-byte loads were issued up front, the rest after
-// the first packs' math, each then costing another memory latency); a data dependence of one pack's
+// types and the backward only some of the 16-byte loads were issued up front, the rest after the
+// first packs' math, each then costing another memory latency); a data dependence of one pack's
 // math on every load did not stop it (it scheduled that pack last). A branch on every load does:
 // the math sits after `if (!gelu_gate(...))`, whose condition ORs one word of every pack and masks
 // it with n >> 62 (0 for every real tensor, not known to the compiler). A taken gate would fall
@@ -221,16 +178,19 @@ template <int P> KF_DEVICE bool gelu_gate(const int4 (&g)[P], const int4 (&a)[P]
   return (t & (u32)((unsigned long long)n >> 62)) != 0;
 }
 
-// Block b of B threads: packs [b P B, (b + 1) P B), thread t takes packs t + k B (k < P); the block
-// with (b + 1) P B > packs (always the last one) is bounds-checked and writes the scalar tail.
-// MinBlocks: __launch_bounds__ minimum resident blocks per SM (caps the registers: 16 x 128 threads,
-// 32 registers, full occupancy); StoreCS: streaming (evict-first) stores; FastTanh: gelu_value_tanh
-// for 16-bit T.
-template <typename T, int P, int B, int MinBlocks, bool StoreCS, bool FastTanh>
-__global__ void __launch_bounds__(B, MinBlocks) gelu_forward_packs_kernel(const T* __restrict__ x,
-                                                               T* __restrict__ out, long long n) {
-  constexpr int V = Pack128<T>::size;
-  constexpr bool kTanh = FastTanh && sizeof(T) == 2;
+// Packs per thread and threads per block of gelu_{forward,backward}_kernel (kPacksPerThread and
+// kThreads in src/ops/gelu.cpp). The __launch_bounds__ minimum of 8 resident blocks per SM caps the
+// registers at 32 (full occupancy) without spilling (nvcc --resource-usage, sm_80 and sm_90).
+constexpr int kGeluP = 2;
+constexpr int kGeluB = 256;
+constexpr int kGeluMinBlocks = 8;
+
+// Block b: packs [b P B, (b + 1) P B), thread t takes packs t + k B (k < P); the block with
+// (b + 1) P B > packs (always the last one) is bounds-checked and writes the scalar tail.
+template <typename T>
+__global__ void __launch_bounds__(kGeluB, kGeluMinBlocks)
+    gelu_forward_kernel(const T* __restrict__ x, T* __restrict__ out, long long n) {
+  constexpr int V = Pack128<T>::size, P = kGeluP, B = kGeluB;
   const long long packs = n / V;
   const long long first = (long long)blockIdx.x * (P * B) + threadIdx.x;  // this thread's first pack
   const T* xp = x + first * V;
@@ -241,7 +201,7 @@ __global__ void __launch_bounds__(B, MinBlocks) gelu_forward_packs_kernel(const 
     for (int k = 0; k < P; ++k) a[k] = gelu_ld(xp + k * B * V);
     if (!gelu_gate(a, n)) {
 #pragma unroll
-      for (int k = 0; k < P; ++k) gelu_st<StoreCS>(op + k * B * V, gelu_forward_pack<T, kTanh>(a[k]));
+      for (int k = 0; k < P; ++k) gelu_st(op + k * B * V, gelu_forward_pack<T>(a[k]));
       return;
     }
   }
@@ -251,20 +211,17 @@ __global__ void __launch_bounds__(B, MinBlocks) gelu_forward_packs_kernel(const 
     if (k * B < left) a[k] = gelu_ld(xp + k * B * V);
 #pragma unroll
   for (int k = 0; k < P; ++k)
-    if (k * B < left) gelu_st<StoreCS>(op + k * B * V, gelu_forward_pack<T, kTanh>(a[k]));
+    if (k * B < left) gelu_st(op + k * B * V, gelu_forward_pack<T>(a[k]));
   const long long t = packs * V + threadIdx.x;  // n - packs V < V <= B elements
-  if (t < n) {
-    const float v = to_float(x[t]);
-    out[t] = from_float<T>(kTanh ? gelu_value_tanh(v) : gelu_value_fast(v));
-  }
+  if (t < n) out[t] = from_float<T>(gelu_value_fast(to_float(x[t])));
 }
 
-// Layout as gelu_forward_packs_kernel; 2 P loads (dout and x) in flight per thread.
-template <typename T, int P, int B, int MinBlocks, bool StoreCS>
-__global__ void __launch_bounds__(B, MinBlocks) gelu_backward_packs_kernel(const T* __restrict__ dout,
-                                                                const T* __restrict__ x,
-                                                                T* __restrict__ dx, long long n) {
-  constexpr int V = Pack128<T>::size;
+// Layout as gelu_forward_kernel; 2 P loads (dout and x) in flight per thread.
+template <typename T>
+__global__ void __launch_bounds__(kGeluB, kGeluMinBlocks)
+    gelu_backward_kernel(const T* __restrict__ dout, const T* __restrict__ x, T* __restrict__ dx,
+                         long long n) {
+  constexpr int V = Pack128<T>::size, P = kGeluP, B = kGeluB;
   const long long packs = n / V;
   const long long first = (long long)blockIdx.x * (P * B) + threadIdx.x;
   const T* gp = dout + first * V;
@@ -279,7 +236,7 @@ __global__ void __launch_bounds__(B, MinBlocks) gelu_backward_packs_kernel(const
     }
     if (!gelu_gate(g, a, n)) {
 #pragma unroll
-      for (int k = 0; k < P; ++k) gelu_st<StoreCS>(op + k * B * V, gelu_backward_pack<T>(g[k], a[k]));
+      for (int k = 0; k < P; ++k) gelu_st(op + k * B * V, gelu_backward_pack<T>(g[k], a[k]));
       return;
     }
   }
@@ -293,7 +250,7 @@ __global__ void __launch_bounds__(B, MinBlocks) gelu_backward_packs_kernel(const
   }
 #pragma unroll
   for (int k = 0; k < P; ++k)
-    if (k * B < left) gelu_st<StoreCS>(op + k * B * V, gelu_backward_pack<T>(g[k], a[k]));
+    if (k * B < left) gelu_st(op + k * B * V, gelu_backward_pack<T>(g[k], a[k]));
   const long long t = packs * V + threadIdx.x;
   if (t < n) dx[t] = from_float<T>(to_float(dout[t]) * gelu_grad_fast(to_float(x[t])));
 }

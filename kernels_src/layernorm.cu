@@ -8,19 +8,23 @@
 // i.e. a memset node as well, or a persistent counter shared by concurrent streams).
 //
 // A unit is 16 bytes when VEC (C % pack == 0 and 16-byte aligned pointers), else one element.
-// Three layouts, chosen by the launcher (src/ops/layernorm.cpp; its `variant` picks among them for
-// A/B timing):
-// - GROUP (short rows, the default there; see the section below): a row over 32 NW threads (NW
-//   warps), 8 columns a thread, row sums by shuffles plus one shared-memory step behind a barrier of
-//   the row's own warps; a thread's few columns leave room for many warps per SM.
-// - WARP (short rows: at most 32 * P units, P a template parameter): one warp per row, lane l owning
-//   units l, l + 32, ... (at most P), held in registers (16-bit data stays packed until used), so
-//   x / dout are read from DRAM once and every load of a row is issued before its first use; row
-//   sums by warp shuffles only (no shared memory, no __syncthreads). A warp takes several rows at
-//   once (all their loads in flight together) and loops over row groups; the grid never exceeds
-//   the resident warps, so there is no second wave. Backward: one block per SM, each warp keeping
-//   its weight units in registers and its dweight / dbias column sums in its own slice of shared
-//   memory; at the end the block's warps are added in warp order into one partial row per block.
+// Four layouts; src/ops/layernorm.cpp picks one by dtype, C and N:
+// - GROUP (rows of up to 1024 columns: the fp32 forward, the fp32 16-byte and every scalar
+//   backward): a row over 32 NW threads (NW warps), 8 columns a thread, row sums by shuffles plus
+//   one shared-memory step behind a barrier of the row's own warps; a thread's few columns leave
+//   room for many warps per SM.
+// - WARP (the bf16 / half forward of up to 32 * P units, P a template parameter; otherwise only
+//   rows past the GROUP / RING kernels' int row index): one warp per row, lane l owning units l,
+//   l + 32, ... (at most P), held in registers (16-bit data stays packed until used), so x / dout
+//   are read from DRAM once and every load of a row is issued before its first use; row sums by
+//   warp shuffles only (no shared memory, no __syncthreads). A warp takes several rows at once (all
+//   their loads in flight together) and loops over row groups; the grid never exceeds the resident
+//   warps, so there is no second wave. Backward: one block per SM, each warp keeping its weight
+//   units in registers and its dweight / dbias column sums in its own slice of shared memory; at
+//   the end the block's warps are added in warp order into one partial row per block.
+// - RING (the bf16 / half backward with 16-byte units, up to 1024 columns): persistent groups of
+//   32 NW threads, one 16-byte unit a thread, streaming their rows through a few shared-memory
+//   row slots by cp.async; column sums in registers.
 // - BLOCK (longer rows): blockDim.x threads (a multiple of 32) share one row, thread t owning the
 //   row's units t, t + blockDim.x, ...; blockDim.y rows per block; blocks stride over groups of
 //   blockDim.y rows. FITS: a thread owns at most kRegElems elements, so its part of the row stays in
@@ -482,11 +486,9 @@ __global__ void __launch_bounds__(32 * LnWarpCfg<T, VEC, P>::bwd_warps, 1)
 // ---- GROUP layout ------------------------------------------------------------------------------
 // A row is shared by a group of blockDim.x = 32 NW threads (NW warps; the launcher takes the fewest
 // that cover the row), thread t of the group owning the row's units t, t + 32 NW, ... (at most P,
-// where P V = kGroupCols columns: one bf16 / half unit, two fp32 units or eight scalars). So a
-// thread holds few columns whatever C is (a row's values in few registers, 2 kGroupCols column sums
-// in the backward) and many warps fit per SM. A group takes R consecutive rows at once (all their
-// loads issued before the first use, the next chunk's too where prefetching) and loops over row
-// chunks; blockDim.y groups per block.
+// where P V = kGroupCols columns: two fp32 units or eight scalars). So a thread holds few columns
+// whatever C is (a row's values in few registers, 2 kGroupCols column sums in the backward) and many
+// warps fit per SM. A group takes one row at a time and loops over rows; blockDim.y groups per block.
 // Row sums: warp shuffles, then (NW > 1) the warps' sums through shared memory behind a barrier of
 // the group's own threads (bar.sync 1 + group, 32 NW: the other groups of the block run on), added in
 // warp order, so every thread of the group gets the same bits. The scratch is double-buffered: one
@@ -496,20 +498,12 @@ constexpr int kGroupCols = 8;      // columns per thread
 constexpr int kMaxBlockWarps = 32;  // 1024 threads
 // Launch bounds (src/ops/layernorm.cpp uses the same numbers). Backward: one block per SM
 // (persistent; the block folds its groups' column sums into one partial row) of at most
-// ln_group_bwd_warps warps: 24 (80 registers) or 20 (96; registers are split over the SM's 4
-// quarters, so n warps per quarter get at most 16384 / (32 n) each), whichever compiles without
-// spills (ptxas, sm_80 / sm_90) for the rows a thread holds. Forward: blocks of at most
+// ln_group_bwd_warps warps: 24 (80 registers) for fp32 16-byte units, 20 (96) for scalars
+// (registers are split over the SM's 4 quarters, so n warps per quarter get at most 16384 / (32 n)
+// each), the most that compile without spills (ptxas, sm_80 / sm_90). Forward: blocks of at most
 // kGroupFwdWarps warps, kGroupFwdBlocks of them resident per SM (56 registers; the launcher caps the
 // grid there, groups loop beyond).
-template <typename T> struct IsHalf { static constexpr bool value = false; };
-template <> struct IsHalf<half> { static constexpr bool value = true; };
-constexpr int ln_group_bwd_warps(bool vec, int elem_size, bool is_half, int R, bool PF) {
-  return vec && !is_half && R == 1 && (elem_size == 2) == PF ? 24 : 20;
-}
-template <typename T, bool VEC, int R, bool PF>
-struct LnGroupBwdCfg {
-  static constexpr int threads = 32 * ln_group_bwd_warps(VEC, (int)sizeof(T), IsHalf<T>::value, R, PF);
-};
+constexpr int ln_group_bwd_warps(bool vec) { return vec ? 24 : 20; }
 constexpr int kGroupFwdWarps = 12;
 constexpr int kGroupFwdBlocks = 3;
 
@@ -541,35 +535,24 @@ KF_DEVICE float warp_sum_spread(float (&v)[n], int lane) {
   return s;
 }
 
-// v[i] += r[i], i < n (16- or 8-byte shared memory reads where n allows).
+// v[i] += r[i], i < n (n = 1 or 2: the mean / variance, or the backward's two row sums; 8-byte
+// shared memory reads for two).
 template <int n>
 KF_DEVICE void warp_sums_add(float (&v)[n], const float* r) {
-  if constexpr (n % 4 == 0) {
-#pragma unroll
-    for (int i = 0; i < n; i += 4) {
-      const float4 t = *reinterpret_cast<const float4*>(r + i);
-      v[i] += t.x;
-      v[i + 1] += t.y;
-      v[i + 2] += t.z;
-      v[i + 3] += t.w;
-    }
-  } else if constexpr (n % 2 == 0) {
-#pragma unroll
-    for (int i = 0; i < n; i += 2) {
-      const float2 t = *reinterpret_cast<const float2*>(r + i);
-      v[i] += t.x;
-      v[i + 1] += t.y;
-    }
+  static_assert(n == 1 || n == 2, "one or two sums");
+  if constexpr (n == 2) {
+    const float2 t = *reinterpret_cast<const float2*>(r);
+    v[0] += t.x;
+    v[1] += t.y;
   } else {
-#pragma unroll
-    for (int i = 0; i < n; ++i) v[i] += r[i];
+    v[0] += r[0];
   }
 }
 // Sums of v[0..n) over the nw warps of this thread's group (its warps are first .. first + nw - 1
 // of the block, its barrier is 1 + group), every thread of the group getting the same bits:
 // warp_sum_spread, the warp's n sums to red (lane (32 / n) i writes sum i), a barrier of the group (a
 // warp sync when nw == 1), then each thread adds the warps' sums in warp order. red: this
-// reduction's buffer, kMaxBlockWarps * n floats, 16-byte aligned.
+// reduction's buffer, kMaxBlockWarps * n floats, 8-byte aligned.
 template <int n>
 KF_DEVICE void group_sum_n(float (&v)[n], float* red, int first, int nw, int group) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -595,13 +578,12 @@ KF_DEVICE void load_strided_last(U (&r)[P], const T* __restrict__ p, int t, int 
     if (t + k * tpr < units) load_unit_last(r[k], p + k * tpr * U::size);
 }
 
-// Forward: group g = y * gridDim.x + blockIdx.x of the grid takes rows [R q, R q + R) for q = g,
-// g + G, ... (G groups in the grid), software-pipelined: the next chunk's x units are loaded (packed)
-// before the current chunk's are used, so every group keeps R rows in flight while it works. A
-// chunk's x is converted to fp32 once and kept (8 floats a row per thread), then the R means (one
-// group reduction), the R variances around them (a second one) and the output. Weight and bias stay
-// in registers as fp32 for all rows. A row past N loads the last row again and is not stored.
-template <typename T, bool VEC, int R>
+// Forward: group g = y * gridDim.x + blockIdx.x of the grid takes rows g, g + G, ... (G groups in
+// the grid), software-pipelined: the next row's x units are loaded before the current row's are
+// used, so every group keeps a row in flight while it works. A row's x is converted to fp32 once and
+// kept (8 floats a thread), then the mean (one group reduction), the variance around it (a second
+// one) and the output. Weight and bias stay in registers as fp32 for all rows.
+template <typename T, bool VEC>
 __global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
     layernorm_forward_group_kernel(const T* __restrict__ x, const T* __restrict__ weight,
                                    const T* __restrict__ bias, T* __restrict__ out,
@@ -610,7 +592,7 @@ __global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
   using U = Unit<T, VEC>;
   constexpr int V = U::size, P = kGroupCols / V;
   static_assert(kGroupCols % V == 0, "whole units per thread");
-  __shared__ float4 red16[2][kMaxBlockWarps * ((R + 3) / 4)];
+  __shared__ float red[2][kMaxBlockWarps];  // mean, variance
   const int tx = threadIdx.x, ty = threadIdx.y, tpr = blockDim.x, nw = tpr >> 5, first = ty * nw;
   const int units = C / V;
   const float inv_c = 1.0f / (float)C;
@@ -630,105 +612,74 @@ __global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
     }
   }
 
-  const int n = (int)N, chunks = (n + R - 1) / R, stride = gridDim.x * blockDim.y;
-  auto load_chunk = [&](U (&xs)[R][P], int q) {
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const int row = q * R + j < n ? q * R + j : n - 1;
-      load_strided_last<P>(xs[j], x + (i64)row * C + tx * V, tx, tpr, units);
-    }
+  const int n = (int)N, stride = gridDim.x * blockDim.y;
+  auto load_x = [&](U (&xs)[P], int row) {
+    load_strided_last<P>(xs, x + (i64)row * C + tx * V, tx, tpr, units);
   };
-  auto process = [&](const U (&xs)[R][P], int q, int buf) {
-    const int row0 = q * R;
-    float xf[R][kGroupCols], mu[R];
+  auto process = [&](const U (&xs)[P], int row) {
+    float xf[kGroupCols], mu[1] = {0.0f};
 #pragma unroll
-    for (int j = 0; j < R; ++j)
+    for (int k = 0; k < P; ++k)
 #pragma unroll
-      for (int k = 0; k < P; ++k)
+      for (int i = 0; i < V; ++i) xf[k * V + i] = xs[k].f(i);
 #pragma unroll
-        for (int i = 0; i < V; ++i) xf[j][k * V + i] = xs[j][k].f(i);
+    for (int k = 0; k < P; ++k)
+      if (tx + k * tpr < units) {
 #pragma unroll
-    for (int j = 0; j < R; ++j) {
-      mu[j] = 0.0f;
-#pragma unroll
-      for (int k = 0; k < P; ++k)
-        if (tx + k * tpr < units) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) mu[j] += xf[j][k * V + i];
-        }
-    }
-    group_sum_n(mu, reinterpret_cast<float*>(red16[buf]), first, nw, ty);
+        for (int i = 0; i < V; ++i) mu[0] += xf[k * V + i];
+      }
+    group_sum_n(mu, red[0], first, nw, ty);
 
     // Variance around the mean (not E[x^2] - mean^2, which cancels badly when |mean| >> std).
-    float rs[R];
+    float rs[1] = {0.0f};
+    mu[0] *= inv_c;
 #pragma unroll
-    for (int j = 0; j < R; ++j) {
-      mu[j] *= inv_c;
-      rs[j] = 0.0f;
+    for (int k = 0; k < P; ++k)
+      if (tx + k * tpr < units) {
 #pragma unroll
-      for (int k = 0; k < P; ++k)
-        if (tx + k * tpr < units) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) {
-            xf[j][k * V + i] -= mu[j];
-            rs[j] = fmaf(xf[j][k * V + i], xf[j][k * V + i], rs[j]);
-          }
+        for (int i = 0; i < V; ++i) {
+          xf[k * V + i] -= mu[0];
+          rs[0] = fmaf(xf[k * V + i], xf[k * V + i], rs[0]);
         }
-    }
-    group_sum_n(rs, reinterpret_cast<float*>(red16[buf ^ 1]), first, nw, ty);
+      }
+    group_sum_n(rs, red[1], first, nw, ty);
 
+    rs[0] = rsqrtf(fmaf(rs[0], inv_c, eps));
+    T* orow = out + (i64)row * C + tx * V;
 #pragma unroll
-    for (int j = 0; j < R; ++j) {
-      rs[j] = rsqrtf(fmaf(rs[j], inv_c, eps));
-      if (row0 + j < n) {
-        T* orow = out + (i64)(row0 + j) * C + tx * V;
+    for (int k = 0; k < P; ++k)
+      if (tx + k * tpr < units) {
+        float y[V];
 #pragma unroll
-        for (int k = 0; k < P; ++k)
-          if (tx + k * tpr < units) {
-            float y[V];
-#pragma unroll
-            for (int i = 0; i < V; ++i)
-              y[i] = fmaf(xf[j][k * V + i] * rs[j], wf[k * V + i], bf[k * V + i]);
-            store_unit(orow + k * tpr * V, U::from(y));
-          }
+        for (int i = 0; i < V; ++i) y[i] = fmaf(xf[k * V + i] * rs[0], wf[k * V + i], bf[k * V + i]);
+        store_unit(orow + k * tpr * V, U::from(y));
       }
-    }
-    // Thread j writes row0 + j's statistics.
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      if (tx == j && row0 + j < n) {
-        mean[row0 + j] = mu[j];
-        rstd[row0 + j] = rs[j];
-      }
+    if (tx == 0) {
+      mean[row] = mu[0];
+      rstd[row] = rs[0];
     }
   };
 
-  // The next chunk's loads are issued as soon as the current chunk's units are copied out (two
-  // buffers used in turn need more registers than the copy's moves cost). Each chunk takes both
-  // reduction buffers (mean, variance).
-  int q = ty * gridDim.x + blockIdx.x;  // groups numbered across blocks first
-  U next[R][P];
-  if (q < chunks) load_chunk(next, q);
-  for (; q < chunks; q += stride) {
-    U cur[R][P];
+  // The next row's loads are issued as soon as the current row's units are copied out (two buffers
+  // used in turn need more registers than the copy's moves cost).
+  int row = ty * gridDim.x + blockIdx.x;  // groups numbered across blocks first
+  U next[P];
+  if (row < n) load_x(next, row);
+  for (; row < n; row += stride) {
+    U cur[P];
 #pragma unroll
-    for (int j = 0; j < R; ++j)
-#pragma unroll
-      for (int k = 0; k < P; ++k) cur[j][k] = next[j][k];
-    if (q + stride < chunks) load_chunk(next, q + stride);  // in flight during this chunk
-    process(cur, q, 0);
+    for (int k = 0; k < P; ++k) cur[k] = next[k];
+    if (row + stride < n) load_x(next, row + stride);  // in flight during this row
+    process(cur, row);
   }
 }
 
 // Backward, persistent: one block of blockDim (32 NW, G) per SM (at most); group g = y * gridDim.x +
-// blockIdx.x of the grid (numbered across blocks first, so the groups that get one chunk more are
-// spread over the SMs) takes rows [R q, R q + R) for q = g, g + G', ... (G' groups in the grid): x and
-// dout units of all R rows loaded first (a row past N loads the last row again and is skipped); PF:
-// software-pipelined, the next chunk's loads issued before the current chunk is used (two chunk
-// buffers in registers, used in turn). Per row, with d = x - mean, xhat = d * rstd and gw = dout * w:
-// the row sums of gw and gw * xhat, and this thread's column sums of dout * xhat (dweight) and dout
-// (dbias), in row order; the 2 R row sums in one group reduction; then dx from d and gw, kept as fp32
-// across the reduction (the packed units are dead by then).
+// blockIdx.x of the grid (numbered across blocks first, so the groups that get one row more are
+// spread over the SMs) takes rows g, g + G', ... (G' groups in the grid). Per row, with d = x - mean,
+// xhat = d * rstd and gw = dout * w: the row sums of gw and gw * xhat, and this thread's column sums
+// of dout * xhat (dweight) and dout (dbias); the 2 row sums in one group reduction; then dx from d
+// and gw, kept as fp32 across the reduction (the packed units are dead by then).
 // Column sums: in the thread's own slots of the block's dynamic shared memory (not registers: 16
 // floats a thread would cost a quarter of the register budget; a 16-byte read-modify-write per 4
 // columns and row instead), per group 2 kGroupCols floats per thread: float4 s (s = 0, 1: dweight
@@ -736,8 +687,9 @@ __global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
 // (consecutive threads, consecutive float4s: no bank conflicts). At the end the block's groups are
 // added in group order into partial[blockIdx.x] = [dweight | dbias] (2C floats; partial is nullptr
 // when neither is needed). Every column's sum has a fixed order: the result is reproducible.
-template <typename T, bool VEC, int R, bool PF>
-__global__ void __launch_bounds__(LnGroupBwdCfg<T, VEC, R, PF>::threads, 1)
+// 16-byte units are fp32 only (bf16 / half rows with 16-byte units take the RING layout).
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(32 * ln_group_bwd_warps(VEC), 1)
     layernorm_backward_group_kernel(const T* __restrict__ dout, const T* __restrict__ x,
                                     const T* __restrict__ weight, const float* __restrict__ mean,
                                     const float* __restrict__ rstd, T* __restrict__ dx,
@@ -746,7 +698,8 @@ __global__ void __launch_bounds__(LnGroupBwdCfg<T, VEC, R, PF>::threads, 1)
   using U = Unit<T, VEC>;
   constexpr int V = U::size, P = kGroupCols / V;
   static_assert(kGroupCols == 8 && kGroupCols % V == 0, "whole units, two float4 per thread");
-  __shared__ float4 red16[2][kMaxBlockWarps * ((2 * R + 3) / 4)];
+  static_assert(!VEC || sizeof(T) == 4, "16-byte units: fp32 (the launch bound is sized for it)");
+  __shared__ __align__(16) float red[2][2 * kMaxBlockWarps];  // double-buffered row sums
   extern __shared__ float4 acc16[];  // blockDim.y groups of 4 blockDim.x float4
   const int tx = threadIdx.x, ty = threadIdx.y, tpr = blockDim.x, nw = tpr >> 5, first = ty * nw;
   const int units = C / V;
@@ -767,110 +720,76 @@ __global__ void __launch_bounds__(LnGroupBwdCfg<T, VEC, R, PF>::threads, 1)
     for (int s = 0; s < 4; ++s) mine[s * tpr] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 
-  const int n = (int)N, chunks = (n + R - 1) / R, stride = gridDim.x * blockDim.y;
-  auto load_chunk = [&](U (&xs)[R][P], U (&gs)[R][P], float (&mu)[R], float (&rs)[R], int q) {
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const int row = q * R + j < n ? q * R + j : n - 1;
-      load_strided_last<P>(xs[j], x + (i64)row * C + tx * V, tx, tpr, units);
-      load_strided_last<P>(gs[j], dout + (i64)row * C + tx * V, tx, tpr, units);
-      mu[j] = mean[row];
-      rs[j] = rstd[row];
-    }
+  const int n = (int)N, stride = gridDim.x * blockDim.y;
+  auto load = [&](U (&xs)[P], U (&gs)[P], float& mu, float& rs, int row) {
+    load_strided_last<P>(xs, x + (i64)row * C + tx * V, tx, tpr, units);
+    load_strided_last<P>(gs, dout + (i64)row * C + tx * V, tx, tpr, units);
+    mu = mean[row];
+    rs = rstd[row];
   };
-  auto process = [&](const U (&xs)[R][P], const U (&gs)[R][P], const float (&mu)[R],
-                     const float (&rs)[R], int q, int buf) {
-    const int row0 = q * R;
-    float d[R][kGroupCols], gw[R][kGroupCols], sums[2 * R];
+  auto process = [&](const U (&xs)[P], const U (&gs)[P], float mu, float rs, int row, int buf) {
+    float d[kGroupCols], gw[kGroupCols], sums[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int j = 0; j < R; ++j) {
-      sums[2 * j] = sums[2 * j + 1] = 0.0f;
-      const bool live = acc && row0 + j < n;
+    for (int k = 0; k < P; ++k) {
+      if (tx + k * tpr < units) {
+        float gv[V], xh[V];
 #pragma unroll
-      for (int k = 0; k < P; ++k) {
-        if (tx + k * tpr < units) {
-          float gv[V], xh[V];
+        for (int i = 0; i < V; ++i) {
+          const int e = k * V + i;
+          gv[i] = gs[k].f(i);
+          d[e] = xs[k].f(i) - mu;
+          gw[e] = gv[i] * wf[e];
+          xh[i] = d[e] * rs;
+          sums[0] += gw[e];
+          sums[1] = fmaf(gw[e], xh[i], sums[1]);
+        }
+        if (acc) {  // dweight += dout * xhat, dbias += dout
+          if constexpr (V >= 4) {
 #pragma unroll
-          for (int i = 0; i < V; ++i) {
-            const int e = k * V + i;
-            gv[i] = gs[j][k].f(i);
-            d[j][e] = xs[j][k].f(i) - mu[j];
-            gw[j][e] = gv[i] * wf[e];
-            xh[i] = d[j][e] * rs[j];
-            sums[2 * j] += gw[j][e];
-            sums[2 * j + 1] = fmaf(gw[j][e], xh[i], sums[2 * j + 1]);
-          }
-          if (live) {  // dweight += dout * xhat, dbias += dout
-            if constexpr (V >= 4) {
-#pragma unroll
-              for (int h = 0; h < V / 4; ++h) {
-                const int s = (k * V) / 4 + h;
-                float4 a = mine[s * tpr], b = mine[(2 + s) * tpr];
-                a.x = fmaf(gv[4 * h], xh[4 * h], a.x);
-                a.y = fmaf(gv[4 * h + 1], xh[4 * h + 1], a.y);
-                a.z = fmaf(gv[4 * h + 2], xh[4 * h + 2], a.z);
-                a.w = fmaf(gv[4 * h + 3], xh[4 * h + 3], a.w);
-                b.x += gv[4 * h], b.y += gv[4 * h + 1], b.z += gv[4 * h + 2], b.w += gv[4 * h + 3];
-                mine[s * tpr] = a;
-                mine[(2 + s) * tpr] = b;
-              }
-            } else {
-              float* const a = reinterpret_cast<float*>(mine + (k / 4) * tpr) + k % 4;
-              float* const b = reinterpret_cast<float*>(mine + (2 + k / 4) * tpr) + k % 4;
-              *a = fmaf(gv[0], xh[0], *a);
-              *b += gv[0];
+            for (int h = 0; h < V / 4; ++h) {
+              const int s = (k * V) / 4 + h;
+              float4 a = mine[s * tpr], b = mine[(2 + s) * tpr];
+              a.x = fmaf(gv[4 * h], xh[4 * h], a.x);
+              a.y = fmaf(gv[4 * h + 1], xh[4 * h + 1], a.y);
+              a.z = fmaf(gv[4 * h + 2], xh[4 * h + 2], a.z);
+              a.w = fmaf(gv[4 * h + 3], xh[4 * h + 3], a.w);
+              b.x += gv[4 * h], b.y += gv[4 * h + 1], b.z += gv[4 * h + 2], b.w += gv[4 * h + 3];
+              mine[s * tpr] = a;
+              mine[(2 + s) * tpr] = b;
             }
+          } else {
+            float* const a = reinterpret_cast<float*>(mine + (k / 4) * tpr) + k % 4;
+            float* const b = reinterpret_cast<float*>(mine + (2 + k / 4) * tpr) + k % 4;
+            *a = fmaf(gv[0], xh[0], *a);
+            *b += gv[0];
           }
         }
       }
     }
-    group_sum_n(sums, reinterpret_cast<float*>(red16[buf]), first, nw, ty);
+    group_sum_n(sums, red[buf], first, nw, ty);
 
     // dx = rs * (gw - mean(gw) - xhat * mean(gw * xhat)) = rs * gw + c1 + d * c2 with
     // c1 = -rs * mean(gw), c2 = -rs^2 * mean(gw * xhat).
+    const float c1 = -rs * (sums[0] * inv_c);
+    const float c2 = -rs * rs * (sums[1] * inv_c);
+    T* drow = dx + (i64)row * C + tx * V;
 #pragma unroll
-    for (int j = 0; j < R; ++j) {
-      if (row0 + j < n) {
-        const float c1 = -rs[j] * (sums[2 * j] * inv_c);
-        const float c2 = -rs[j] * rs[j] * (sums[2 * j + 1] * inv_c);
-        T* drow = dx + (i64)(row0 + j) * C + tx * V;
+    for (int k = 0; k < P; ++k) {
+      if (tx + k * tpr < units) {
+        float o[V];
 #pragma unroll
-        for (int k = 0; k < P; ++k) {
-          if (tx + k * tpr < units) {
-            float o[V];
-#pragma unroll
-            for (int i = 0; i < V; ++i)
-              o[i] = fmaf(d[j][k * V + i], c2, fmaf(rs[j], gw[j][k * V + i], c1));
-            store_unit(drow + k * tpr * V, U::from(o));
-          }
-        }
+        for (int i = 0; i < V; ++i) o[i] = fmaf(d[k * V + i], c2, fmaf(rs, gw[k * V + i], c1));
+        store_unit(drow + k * tpr * V, U::from(o));
       }
     }
   };
 
-  int q = ty * gridDim.x + blockIdx.x, buf = 0;
-  U ax[R][P], ag[R][P];
-  float amu[R], ars[R];
-  if constexpr (PF) {
-    U bx[R][P], bg[R][P];
-    float bmu[R], brs[R];
-    if (q < chunks) load_chunk(ax, ag, amu, ars, q);
-    while (q < chunks) {
-      if (q + stride < chunks) load_chunk(bx, bg, bmu, brs, q + stride);
-      process(ax, ag, amu, ars, q, buf);
-      q += stride;
-      buf ^= 1;
-      if (q >= chunks) break;
-      if (q + stride < chunks) load_chunk(ax, ag, amu, ars, q + stride);
-      process(bx, bg, bmu, brs, q, buf);
-      q += stride;
-      buf ^= 1;
-    }
-  } else {
-    for (; q < chunks; q += stride, buf ^= 1) {
-      load_chunk(ax, ag, amu, ars, q);
-      process(ax, ag, amu, ars, q, buf);
-    }
+  int row = ty * gridDim.x + blockIdx.x, buf = 0;
+  U xs[P], gs[P];
+  float mu, rs;
+  for (; row < n; row += stride, buf ^= 1) {
+    load(xs, gs, mu, rs, row);
+    process(xs, gs, mu, rs, row, buf);
   }
 
   if (!acc) return;
@@ -1111,40 +1030,15 @@ __global__ void KF_LN_BOUNDS layernorm_backward_kernel(const T* __restrict__ dou
   }
 }
 
-// dweight / dbias = column sums of the G per-block partial rows, always in the same order.
-// Layout: blockDim (32, 32): threadIdx.x is a column of a 32-wide tile of [dweight | dbias] (2C
-// columns), threadIdx.y strides over the partial rows (a few loads each, all in flight at once);
-// the 32 strided sums are then added in order.
-template <typename T>
-__global__ void layernorm_param_grad_kernel(const float* __restrict__ partial,
-                                            T* __restrict__ dweight, T* __restrict__ dbias, int G,
-                                            int C) {
-  __shared__ float red[32][33];
-  const int j = blockIdx.x * 32 + threadIdx.x;
-  T* dst = j < C ? dweight : dbias;
-  const bool valid = j < 2 * C && dst != nullptr;
-  float s = 0.0f;
-  if (valid) {
-#pragma unroll 8
-    for (int b = threadIdx.y; b < G; b += blockDim.y) s += partial[(i64)b * 2 * C + j];
-  }
-  red[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && valid) {
-    float t = 0.0f;
-    for (int y = 0; y < (int)blockDim.y; ++y) t += red[y][threadIdx.x];
-    dst[j < C ? j : j - C] = from_float<T>(t);
-  }
-}
-
-// The same sums with every load of a thread in flight at once: blockDim (32, 32), threadIdx.x a
-// column of a 32-wide tile of [dweight | dbias], threadIdx.y taking partial rows y, y + 32, ... (8 per
-// round, loaded before they are added); then warp w adds the 32 strided sums of tile column w by a
-// fixed shuffle tree. Fixed order throughout: reproducible.
+// dweight / dbias = column sums of the G per-block partial rows, in a fixed order (any C; the
+// launcher takes it for odd C, layernorm_param_grad_vec_kernel below otherwise): blockDim (32, 32),
+// threadIdx.x a column of a 32-wide tile of [dweight | dbias], threadIdx.y taking partial rows y,
+// y + 32, ... (8 per round, loaded before they are added); then warp w adds the 32 strided sums of
+// tile column w by a fixed shuffle tree. Fixed order throughout: reproducible.
 template <typename T>
 __global__ void __launch_bounds__(1024)
-    layernorm_param_grad_fast_kernel(const float* __restrict__ partial, T* __restrict__ dweight,
-                                     T* __restrict__ dbias, int G, int C) {
+    layernorm_param_grad_kernel(const float* __restrict__ partial, T* __restrict__ dweight,
+                                T* __restrict__ dbias, int G, int C) {
   constexpr int kLoads = 8;
   __shared__ float red[32][33];
   const int tx = threadIdx.x, ty = threadIdx.y;
@@ -1173,27 +1067,27 @@ __global__ void __launch_bounds__(1024)
 }
 
 // ---- RING layout (backward) --------------------------------------------------------------------
-// Persistent groups whose rows are all requested as early as the shared memory allows. A row is
-// shared by a group of blockDim.x = tpr = 32 NW threads (the fewest warps covering the row at P
-// 16-byte units a thread: thread t owns units t, t + tpr, ... < C / V), blockDim.y = G groups per
-// block, one block per SM. Group o = y * gridDim.x + blockIdx.x of the grid (numbered across blocks
-// first) takes the contiguous rows [r0, r0 + n), n = q or q + 1 (the launcher divides: N = q TG +
-// rem over TG groups; no division here). Its x and dout rows go through a ring of S row slots in
-// dynamic shared memory by 16-byte cp.async.cg: slots 0..S-1 are requested before anything else,
-// and slot i % S is refilled with row i + S as soon as row i's values have been read from it. Each
-// thread copies exactly the chunks it later reads itself, so its own cp.async.wait_group is all
-// the synchronisation the ring needs (one commit group per row, empty past the end: the count stays
-// uniform). mean / rstd: lane j of every warp loads rows r0 + 32 b + j, one batch of 32 ahead, and
-// row i's pair is shuffled from lane i % 32.
+// bf16 / half rows with 16-byte units, up to 1024 columns. Persistent groups whose rows are all
+// requested as early as the shared memory allows. A row is shared by a group of blockDim.x = tpr =
+// 32 NW threads (the fewest warps covering the row's C / 8 units), thread t owning unit t (8
+// columns), blockDim.y = G groups per block, one block per SM. Group o = y * gridDim.x + blockIdx.x
+// of the grid (numbered across blocks first) takes the contiguous rows [r0, r0 + n), n = q or q + 1
+// (the launcher divides: N = q TG + rem over TG groups; no division here). Its x and dout rows go
+// through a ring of kRingSlots row slots in dynamic shared memory by 16-byte cp.async.cg: every slot
+// is requested before anything else, and slot i % S is refilled with row i + S as soon as row i's
+// values have been read from it (before the row's reduction). Each thread copies exactly the chunks
+// it later reads itself, so its own cp.async.wait_group is all the synchronisation the ring needs
+// (one commit group per row, empty past the end: the count stays uniform). mean / rstd: lane j of
+// every warp loads rows r0 + 32 b + j, one batch of 32 ahead, and row i's pair is shuffled from
+// lane i % 32.
 // Per row, with xhat = (x - mean) rstd and gw = dout w: the row sums of gw and gw xhat (one
 // halving shuffle tree on the two values; for NW > 1 the warps' sums meet in shared memory behind
-// one __syncthreads a row, double-buffered, added in warp order), then dx = rstd gw + c1 + xhat c2.
-// KEEP (P V <= 8 columns a thread): xhat and gw stay in registers as fp32 across the reduction and
-// the slot is refilled before it; otherwise (24 columns a thread) dx re-reads the slot and the
-// refill follows. dweight / dbias: fp32 column sums in registers (fixed columns a thread, row
-// order), folded at the end in group order through the ring's shared memory into
-// partial[blockIdx.x] = [dweight | dbias] (2C floats; partial is nullptr when neither is needed).
-// Every sum has a fixed order: the result is reproducible. Needs 16-byte units (VEC) and N < 2^31.
+// one __syncthreads a row, double-buffered, added in warp order), then dx = rstd gw + c1 + xhat c2
+// from xhat and gw kept in registers as fp32 across the reduction. dweight / dbias: fp32 column
+// sums in registers (fixed columns a thread, row order), folded at the end in group order through
+// the ring's shared memory into partial[blockIdx.x] = [dweight | dbias] (2C floats; partial is
+// nullptr when neither is needed). Every sum has a fixed order: the result is reproducible. Needs
+// N < 2^31.
 KF_DEVICE u32 ln_smem_u32(const void* p) {
   u32 s;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
@@ -1211,28 +1105,23 @@ template <int n> KF_DEVICE void ln_cp_async_wait() {
 }
 KF_DEVICE void ln_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// Launch bounds per instantiation (src/ops/layernorm.cpp mirrors them): 768 threads (80 registers)
-// with the row in registers, 512 (128) for 24 columns a thread (48 column sums, 24 weights).
-template <typename T, int P>
-struct LnRingCfg {
-  static constexpr int V = Vec16<T>::size;
-  static constexpr bool keep = P * V <= 8;
-  static constexpr int threads = keep ? 768 : 512;
-};
+// src/ops/layernorm.cpp mirrors these: row slots a group (S), the launch bound (768 threads: 80
+// registers) and the row-sum scratch (>= max(NW, 4) G for every block the launcher makes with
+// NW > 1: NW <= 4, G <= 12).
+constexpr int kRingSlots = 4;
+constexpr int kRingThreads = 768;
+constexpr int kLnRingRed = 64;
 
-constexpr int kLnRingRed = 64;  // >= max(NW, 4) G for every block the launcher makes (<= 768 threads)
-
-template <typename T, int P, int S>
-__global__ void __launch_bounds__(LnRingCfg<T, P>::threads, 1)
+template <typename T>
+__global__ void __launch_bounds__(kRingThreads, 1)
     layernorm_backward_ring_kernel(const T* __restrict__ dout, const T* __restrict__ x,
                                    const T* __restrict__ weight, const float* __restrict__ mean,
                                    const float* __restrict__ rstd, T* __restrict__ dx,
                                    float* __restrict__ partial, int q, int rem, int C,
                                    int need_dweight, int need_dbias) {
   using U = Vec16<T>;
-  constexpr int V = U::size, PV = P * V, F4 = 2 * PV / 4;  // float4s of a thread's column sums
-  constexpr bool KEEP = LnRingCfg<T, P>::keep;
-  static_assert(PV % 4 == 0 && (S & (S - 1)) == 0, "whole float4s; S a power of two");
+  constexpr int V = U::size, S = kRingSlots;
+  static_assert(V == 8, "bf16 / half: 8 columns a thread, two float4 of each column sum");
   // Ring: per group S slots of [x units | dout units] (C / V 16-byte chunks each), unit u of a
   // tensor at chunk u; consecutive threads, consecutive chunks (no bank conflicts). Reused at the
   // end for the column-sum fold.
@@ -1246,44 +1135,38 @@ __global__ void __launch_bounds__(LnRingCfg<T, P>::threads, 1)
   const int o = ty * gridDim.x + blockIdx.x;
   const int r0 = o * q + min(o, rem), n = q + (o < rem ? 1 : 0);
   const int iters = q + (rem > 0 ? 1 : 0);  // the same for the whole block (barriers)
-  bool has[P];
-#pragma unroll
-  for (int k = 0; k < P; ++k) has[k] = tx + k * tpr < units;
-  float4* const mine = ring16 + (i64)ty * S * 2 * units + tx;  // slot s, unit k: below
+  const bool has = tx < units;
+  float4* const mine = ring16 + (i64)ty * S * 2 * units + tx;  // slot s: below
   const u32 smine = ln_smem_u32(mine);
-  // Byte offsets from mine: slot s at s * slot_bytes, its dout units dout_bytes further, unit k at
-  // k * k_bytes.
-  const u32 slot_bytes = 2u * units * 16u, dout_bytes = units * 16u, k_bytes = tpr * 16u;
-  const int k_elems = tpr * V;  // unit k of a row at k * k_elems elements from unit 0
+  // Byte offsets from mine: slot s at s * slot_bytes, its dout unit dout_bytes further.
+  const u32 slot_bytes = 2u * units * 16u, dout_bytes = units * 16u;
   const T* xn = x + (i64)r0 * C + tx * V;  // row i + S of the range (the next refill)
   const T* gn = dout + (i64)r0 * C + tx * V;
 
-  // Unit k of row i2 into the slot at byte offset so (nothing past the range's end).
-  auto refill_unit = [&](int k, u32 so, int i2, const T* xr, const T* gr, float after) {
-    if (i2 < n && has[k]) {
-      const u32 a = smine + so + k * k_bytes;
-      ln_cp_async16(a, xr + k * k_elems, after);
-      ln_cp_async16(a + dout_bytes, gr + k * k_elems, after);
+  // This thread's unit of row i2 into the slot at byte offset so (nothing past the range's end).
+  auto refill = [&](u32 so, int i2, const T* xr, const T* gr, float after) {
+    if (i2 < n && has) {
+      const u32 a = smine + so;
+      ln_cp_async16(a, xr, after);
+      ln_cp_async16(a + dout_bytes, gr, after);
     }
   };
 #pragma unroll
   for (int s = 0; s < S; ++s) {
-#pragma unroll
-    for (int k = 0; k < P; ++k) refill_unit(k, s * slot_bytes, s, xn, gn, 0.0f);
+    refill(s * slot_bytes, s, xn, gn, 0.0f);
     ln_cp_async_commit();
     xn += C;
     gn += C;
   }
 
-  float wf[PV];  // this thread's weights (ones without weight), for every row, as fp32
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
+  float wf[V];  // this thread's weights (ones without weight), for every row, as fp32
+  {
     U w = U::fill(1.0f);
-    if (weight && has[k]) load_unit(w, weight + (tx + k * tpr) * V);
+    if (weight && has) load_unit(w, weight + tx * V);
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      wf[k * V + i] = w.f(i);
-      asm volatile("" : "+f"(wf[k * V + i]));  // kept as fp32, not re-converted every row
+    for (int j = 0; j < V; ++j) {
+      wf[j] = w.f(j);
+      asm volatile("" : "+f"(wf[j]));  // kept as fp32, not re-converted every row
     }
   }
   const int ns = nw > 4 ? nw : 4;
@@ -1297,9 +1180,9 @@ __global__ void __launch_bounds__(LnRingCfg<T, P>::threads, 1)
   if (lane < n) mc = mean[r0 + lane], rc = rstd[r0 + lane];
   if (32 + lane < n) mn = mean[r0 + 32 + lane], rn = rstd[r0 + 32 + lane];
 
-  float accw[PV], accb[PV];  // column sums of dout xhat and dout, this thread's columns
+  float accw[V], accb[V];  // column sums of dout xhat and dout, this thread's columns
 #pragma unroll
-  for (int e = 0; e < PV; ++e) accw[e] = accb[e] = 0.0f;
+  for (int j = 0; j < V; ++j) accw[j] = accb[j] = 0.0f;
   const float inv_c = 1.0f / (float)C;
   // Row-sum scratch: this warp's (lanes 0 / 16) entry, and the group's first warp, buffer 0.
   float* const red_mine = reinterpret_cast<float*>(red[0] + ty * ns + warp) + (lane >> 4);
@@ -1314,38 +1197,30 @@ __global__ void __launch_bounds__(LnRingCfg<T, P>::threads, 1)
     }
     const float mu = __shfl_sync(0xffffffffu, mc, i & 31);
     const float rs = __shfl_sync(0xffffffffu, rc, i & 31);
-    const bool live = i < n;
+    const bool live = i < n && has;
     ln_cp_async_wait<S - 1>();  // row i's group has landed (this thread's chunks)
     const float4* const cur =
         reinterpret_cast<const float4*>(reinterpret_cast<const char*>(mine) + so);
 
-    float xh[KEEP ? PV : 1], gw[KEEP ? PV : 1];
+    float xh[V], gw[V];
     float s1 = 0.0f, s2 = 0.0f;
     if (live) {
+      U a, g;
+      set_words(a, *reinterpret_cast<const int4*>(cur));
+      set_words(g, *reinterpret_cast<const int4*>(cur + units));
 #pragma unroll
-      for (int k = 0; k < P; ++k) {
-        if (has[k]) {
-          U a, g;
-          set_words(a, *reinterpret_cast<const int4*>(cur + k * tpr));
-          set_words(g, *reinterpret_cast<const int4*>(cur + units + k * tpr));
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            const float h = (a.f(j) - mu) * rs, gv = g.f(j), t = gv * wf[k * V + j];
-            s1 += t;
-            s2 = fmaf(t, h, s2);
-            accw[k * V + j] = fmaf(gv, h, accw[k * V + j]);
-            accb[k * V + j] += gv;
-            if constexpr (KEEP) {
-              xh[k * V + j] = h;
-              gw[k * V + j] = t;
-            }
-          }
-          // The slot's unit k has been read: refill it with row i + S.
-          if constexpr (KEEP) refill_unit(k, so, i + S, xn, gn, s2);
-        }
+      for (int j = 0; j < V; ++j) {
+        const float h = (a.f(j) - mu) * rs, gv = g.f(j), t = gv * wf[j];
+        s1 += t;
+        s2 = fmaf(t, h, s2);
+        accw[j] = fmaf(gv, h, accw[j]);
+        accb[j] += gv;
+        xh[j] = h;
+        gw[j] = t;
       }
+      refill(so, i + S, xn, gn, s2);  // the slot has been read: row i + S into it
     }
-    if constexpr (KEEP) ln_cp_async_commit();
+    ln_cp_async_commit();
 
     // Row sums over the group: lanes 0..15 end with sum gw, 16..31 with sum gw xhat.
     {
@@ -1379,30 +1254,11 @@ __global__ void __launch_bounds__(LnRingCfg<T, P>::threads, 1)
     // dx = rs (gw - mean(gw) - xhat mean(gw xhat)) = rs gw + c1 + xhat c2.
     if (live) {
       const float c1 = -rs * (s1 * inv_c), c2 = -rs * (s2 * inv_c);
+      float y[V];
 #pragma unroll
-      for (int k = 0; k < P; ++k) {
-        if (has[k]) {
-          float y[V];
-          if constexpr (KEEP) {
-#pragma unroll
-            for (int j = 0; j < V; ++j)
-              y[j] = fmaf(xh[k * V + j], c2, fmaf(rs, gw[k * V + j], c1));
-          } else {
-            U a, g;
-            set_words(a, *reinterpret_cast<const int4*>(cur + k * tpr));
-            set_words(g, *reinterpret_cast<const int4*>(cur + units + k * tpr));
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-              const float h = (a.f(j) - mu) * rs;
-              y[j] = fmaf(h, c2, fmaf(rs, g.f(j) * wf[k * V + j], c1));
-            }
-            refill_unit(k, so, i + S, xn, gn, y[0]);  // y[0] needs both chunks: read
-          }
-          store_unit(drow + k * k_elems, U::from(y));
-        }
-      }
+      for (int j = 0; j < V; ++j) y[j] = fmaf(xh[j], c2, fmaf(rs, gw[j], c1));
+      store_unit(drow, U::from(y));
     }
-    if constexpr (!KEEP) ln_cp_async_commit();
     xn += C;
     gn += C;
     drow += C;
@@ -1412,24 +1268,23 @@ __global__ void __launch_bounds__(LnRingCfg<T, P>::threads, 1)
   if (!partial) return;  // the same for the whole block
   ln_cp_async_wait_all();
   __syncthreads();  // every group is done with its slots
-  // Fold: group y's float4 f of thread t at ring16[(y F4 + f) tpr + t]; f < F4 / 2 dweight
-  // columns 4f..4f+3 of the thread, then dbias.
-  float4* const fold = ring16 + (i64)ty * F4 * tpr + tx;
+  // Fold: group y's float4 f of thread t at ring16[(4 y + f) tpr + t]; f = 0, 1: dweight columns
+  // 4f..4f+3 of the thread, 2, 3: dbias.
+  float4* const fold = ring16 + (i64)ty * 4 * tpr + tx;
 #pragma unroll
-  for (int f = 0; f < F4 / 2; ++f) {
+  for (int f = 0; f < 2; ++f) {
     fold[f * tpr] = make_float4(accw[4 * f], accw[4 * f + 1], accw[4 * f + 2], accw[4 * f + 3]);
-    fold[(F4 / 2 + f) * tpr] =
-        make_float4(accb[4 * f], accb[4 * f + 1], accb[4 * f + 2], accb[4 * f + 3]);
+    fold[(2 + f) * tpr] = make_float4(accb[4 * f], accb[4 * f + 1], accb[4 * f + 2], accb[4 * f + 3]);
   }
   __syncthreads();
   const float* const all = reinterpret_cast<const float*>(ring16);
   float* const prow = partial + (i64)blockIdx.x * 2 * C;
-  const int nthreads = tpr * blockDim.y, gstride = F4 * tpr * 4;
+  const int nthreads = tpr * blockDim.y, gstride = 16 * tpr;
   for (int t = ty * tpr + tx; t < 2 * C; t += nthreads) {
     const int which = t >= C, c = t - which * C;
     if (which ? !need_dbias : !need_dweight) continue;
-    const int u = c / V, k = u / tpr, e = k * V + (c - u * V);
-    const int idx = ((which * (F4 / 2) + (e >> 2)) * tpr + (u - k * tpr)) * 4 + (e & 3);
+    const int u = c / V, e = c - u * V;  // unit u = the owner thread, its column e
+    const int idx = ((2 * which + (e >> 2)) * tpr + u) * 4 + (e & 3);
     float sum = all[idx];
     for (int g = 1; g < (int)blockDim.y; ++g) sum += all[g * gstride + idx];
     prow[t] = sum;

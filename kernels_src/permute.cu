@@ -7,19 +7,17 @@
 // merge_heads forward copy head-major -> token-major. Nothing is saved for backward: the backward of
 // each copy is the inverse copy.
 //
-// Layout: a token row (P * NH * HS elements) is cut into `cols` columns of W elements (W = 16 bytes
-// when HS and the pointers allow, else one element); column j is part p, head h, offset c in HS.
-// blockIdx.x picks a chunk of blockDim.x consecutive columns (the column math, with its divisions,
-// is done once per thread); blockIdx.y walks (b, tile of K * blockDim.y tokens) grid-stride, and
-// thread (x, y) moves its column of tokens y, y + blockDim.y, ... of the tile: K loads, then K
-// stores. A warp covers 32 consecutive columns of one token: 512 contiguous bytes on the token
-// side, whole head rows (128 bytes for bf16 HS = 64) on the head side, and a block's tile is
-// K * blockDim.y consecutive tokens, contiguous on both sides. Offsets are 64-bit.
-// That is variant 0 (permute_tokens_to_heads_kernel / permute_heads_to_tokens_kernel); variants 1-3
-// are permute_lanes_kernel below (one wave of token lanes, no divisions in the loop).
+// A token row (P * NH * HS elements) is cut into `cols` columns of W elements (W = 16 bytes when HS,
+// the strides and the pointers allow, else one element); column j is part p, head h, offset c in HS.
+// Two kernels, both K loads then K stores per thread and round, warps over consecutive columns of a
+// token (512 contiguous bytes on the token side, whole head rows on the head side):
+// - permute_lanes_kernel (what the launcher runs): one wave of token lanes, 32-bit byte strides,
+//   no divisions in the token loop (layout below).
+// - permute_tokens_to_heads_kernel / permute_heads_to_tokens_kernel: tiles of tokens with 64-bit
+//   offsets, for the tensors whose byte strides or row do not fit in 32 bits.
 #include "common.cuh"
 
-constexpr int kPermuteK = 4;  // tokens per thread
+constexpr int kPermuteK = 4;  // tokens per thread and tile (permute_tiles)
 
 template <typename T, int W> struct PermuteChunk { typedef Pack128<T> type; };
 template <typename T> struct PermuteChunk<T, 1> { typedef T type; };
@@ -39,6 +37,11 @@ KF_DEVICE void permute_store(T* p, const typename PermuteChunk<T, W>::type& v) {
     store128cs(p, v);
 }
 
+// ---- tiles (64-bit offsets) ---------------------------------------------------------------------
+// blockIdx.x picks a chunk of blockDim.x consecutive columns (the column math, with its divisions,
+// is done once per thread); blockIdx.y walks (b, tile of K * blockDim.y tokens) grid-stride, and
+// thread (x, y) moves its column of tokens y, y + blockDim.y, ... of the tile: K loads, then K
+// stores. A block's tile is K * blockDim.y consecutive tokens, contiguous on both sides.
 // tok: token-major (B, seq, cols * W); h0, h1, h2: head-major parts (B, NH, seq, HS) with element
 // strides (sb, sh, st, 1), `cols` = parts * NH * HS / W. TO_HEADS: tok -> heads, else heads -> tok
 // (the source side is only read).
@@ -98,7 +101,7 @@ __global__ void permute_heads_to_tokens_kernel(const T* __restrict__ h0, const T
                                                        tiles_per_seq, units, sb, sh, st);
 }
 
-// ---- variants 1-3: persistent token lanes ---------------------------------------------------------
+// ---- persistent token lanes (32-bit byte strides) ------------------------------------------------
 // One wave of 256-thread blocks (the launcher sizes it from the pinned occupancy below). Thread g is
 // column col = g % cols of token lane lane = g / cols (lane < lanes, the rest exit); it moves tokens
 // tf = lane, lane + lanes, lane + 2 lanes, ... of the B * seq tokens, K per round: K loads (of 16
@@ -106,9 +109,10 @@ __global__ void permute_heads_to_tokens_kernel(const T* __restrict__ h0, const T
 // covers 512 contiguous bytes on the token side and whole head rows on the head side. The column
 // math (part, head, offset) is done once per thread; per token the only division (b = tf / seq) is
 // a multiply-high by a magic number (permute_div). Byte strides sbB, stB, rowB and the thread count
-// fit in 32 bits (the launcher checks, else variant 0 runs): addresses are 64-bit base + u32 * u32.
-// Register budget pinned by __launch_bounds__: K <= 2: 8 blocks (2048 threads) per SM, K = 4: 6,
-// K = 8: 4; the launcher uses the same numbers (lanes_min_blocks in src/ops/permute.cpp).
+// fit in 32 bits (the launcher checks, else the tiles run): addresses are 64-bit base + u32 * u32.
+// K = 1, 2 or 4 (the launcher's choice); register budget pinned by __launch_bounds__: K <= 2: 8
+// blocks (2048 threads) per SM, K = 4: 6; the launcher uses the same numbers (lanes_min_blocks in
+// src/ops/permute.cpp).
 
 // n / d for n < 2^31 and 1 <= d < 2^31: umulhi(2n, m) >> s with s = ceil(log2 d) and
 // m = ceil(2^(31 + s) / d) < 2^32 (computed by the launcher; error < n / 2^(31 + s) < 1 / d).
@@ -152,7 +156,7 @@ KF_DEVICE void permute_lanes_round(u64 tbase, u64 hbase, u32 tf0, u32 lanes, u32
   }
 }
 
-constexpr int permute_lanes_min_blocks(int K) { return K <= 2 ? 8 : (K == 4 ? 6 : 4); }
+constexpr int permute_lanes_min_blocks(int K) { return K <= 2 ? 8 : 6; }
 
 // tok: token-major (B * seq tokens of rowB bytes); h0, h1, h2: head-major parts with byte strides
 // (sbB, shB, stB, 1 element). TO_HEADS: tok -> heads, else heads -> tok (the source is only read).

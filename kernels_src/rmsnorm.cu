@@ -8,7 +8,8 @@
 // rstd; with g = dy * w: dx = rstd * (g - x_hat * mean(g * x_hat)), and dweight = sum over rows of
 // dy * x_hat (x_hat rounded to T first under cast_before_weight, as the forward used it).
 // dweight is deterministic: each backward block accumulates fp32 sums for its rows in registers and
-// writes one partial row; rmsnorm_dweight_kernel adds the partial rows in a fixed order.
+// writes one partial row; the partial rows are added in a fixed order, by the ring kernel itself
+// after a grid-wide barrier (FUSED, a cooperative launch) or by rmsnorm_dweight_kernel.
 //
 // Layout shared by both directions: a row is split into chunks of V = 16 / sizeof(T) elements;
 // blockDim.x threads own a row (one warp, or several warps), blockDim.y rows are handled side by
@@ -21,12 +22,11 @@
 // What limits these kernels is bytes in flight per SM, i.e. registers: the launcher picks K (and,
 // backward, rows per group R) so that loads fill a good part of the register file, and every kernel
 // instantiation compiles without spills (launch bounds below; checked with ptxas for sm_80/sm_90).
-// Backward has three kernels: rmsnorm_backward_kernel (R rows per group loaded at once, then
-// computed; any size), rmsnorm_backward_pipelined_kernel (the default for 16-byte accesses and rows
-// of up to 1024 chunks: one row at a time with the loads of the next rows always in flight, and about
-// 2/3 of the instructions per element) and rmsnorm_backward_ring_kernel (16-byte accesses, rows of up
-// to 1024 chunks: the next rows staged in shared memory by cp.async instead of registers, so many
-// more bytes in flight per SM).
+// Backward kernels: rmsnorm_backward_ring_kernel (16-byte accesses, rows of up to 1024 chunks: the
+// next rows staged in shared memory by cp.async, many bytes in flight per SM); where its stages do
+// not fit in shared memory, rmsnorm_backward_pipelined_kernel (the next rows' loads in registers);
+// for anything else (element-wise access, longer rows) rmsnorm_backward_kernel (R rows per group
+// loaded at once, then computed; any size).
 #include "common.cuh"
 
 // ---- chunks in registers ------------------------------------------------------------------------
@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(MAXT, 1)
   }
 }
 
-// ---- backward, pipelined (the launcher's default) -------------------------------------------------
+// ---- backward, pipelined (where the ring's stages do not fit in shared memory) --------------------
 // Same layout and dweight scheme as rmsnorm_backward_kernel (persistent grid of one block per SM,
 // blockDim.y row groups of blockDim.x threads, thread x owns chunks x, x + blockDim.x, ... (K of
 // them) in every row, the weight and the dweight sums of its columns in registers, fold at the end),
@@ -436,9 +436,9 @@ __global__ void __launch_bounds__(MAXT, 1)
 // CBW: rounded to T, as the forward used it); the reduction of dot; then
 // dx = r * (g - x_hat * mean(g * x_hat)) = r * (g + a * x) with a = -r^2 * dot / D: one FMA and one
 // multiply. The weight is kept as fp32.
-// KEEP_G: g stays in registers (fp32, K * V of them) through the reduction and dy's buffer is
-// refilled before it; x's after dx. Otherwise both are refilled after dx and g is recomputed from
-// the packed dy (fewer registers, so room for more rows in flight; 2 more instructions per element).
+// KEEP_G (16-bit types): g stays in registers (fp32, K * V of them) through the reduction and dy's
+// buffer is refilled before it; x's after dx. Otherwise (fp32, whose unpacking is free) both are
+// refilled after dx and g is recomputed from dy (fewer registers, so room for more rows in flight).
 // x (and dy) are unpacked a second time for dx so that a row waits out the reduction packed (4
 // registers a chunk): for bf16 that second unpacking uses masks passed as kernel arguments (`lo_mul`
 // = 1 << 16, `hi_mask` = 0xffff0000, read as constant-bank operands), so the compiler cannot merge
@@ -661,8 +661,8 @@ done:
   }
 }
 
-// ---- backward, shared-memory ring (variants 3, 4, 5) ---------------------------------------------
-// Layout: persistent grid (blocks spread evenly over the SMs, 1 or 2 per SM); a block is blockDim.y
+// ---- backward, shared-memory ring (the default for 16-byte rows of <= 1024 chunks) ---------------
+// Layout: persistent grid of one block per SM (at most the row groups); a block is blockDim.y
 // row groups of blockDim.x threads and takes blockDim.y rows at a time (a row group of the tensor):
 // row groups blockIdx.x, + gridDim.x, ... Thread x owns chunks x, x + blockDim.x, ... (K of them) of
 // its group's row, in every row it visits: it keeps their weight (fp32) and dweight sums in registers.
@@ -685,7 +685,8 @@ done:
 // slots used by alternate rows); dx = r * (g + a * x), a = -r^2 * dot / D.
 // At the end the block writes its dweight sums as row blockIdx.x of dw_partial (fp32, D wide):
 // directly when blockDim.y == 1, else added over the groups in order of the group through the ring's
-// shared memory.
+// shared memory. FUSED (cooperative launch, weight given): then a grid-wide barrier, and the blocks
+// add the partial rows into dweight (reduce_partials below); otherwise rmsnorm_dweight_kernel does.
 // Only 16-byte accesses (D % V == 0, pointers 16-byte aligned; the launcher checks). Dynamic shared
 // memory: S * (2 * blockDim.y * blockDim.x * K * 16 + nseg * 4) bytes, nseg = blockDim.y *
 // blockDim.x / 32 (blockDim.x >= 32) or blockDim.y (smaller groups).
@@ -725,12 +726,60 @@ KF_DEVICE void rn_sts_f32(u32 a, float f) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(a), "f"(f) : "memory");
 }
 
-template <typename T, int K, int S, bool CBW, int NT, int MINB>
-__global__ void __launch_bounds__(NT, MINB)
+// FUSED: dweight = the sum of the gridDim.x partial rows, after a grid-wide barrier (the partial rows
+// come from other SMs: read through L2, __ldcg). Block b owns the float4 columns [b * W, (b + 1) * W),
+// W = ceil(D / 4 / gridDim.x). A column is added by a team of L lanes of one warp, L the smallest
+// power of two (<= 32) that leaves each lane at most kRedRows rows: lane l adds rows l, l + L, ... in
+// order of the row (kRedRows loads issued before the first add), then a shuffle tree over the team
+// (xor 1, 2, ..., L / 2). L depends on gridDim.x only, so a column's order of addition is the same
+// whichever block and team add it, and the same in every run. Written as T, rounded once.
+constexpr int kRedRows = 8;
+template <typename T>
+KF_DEVICE void reduce_partials(const float* __restrict__ partial, T* __restrict__ dweight, int D,
+                               int tid, int nt) {
+  kf_grid_sync();
+  const int P = gridDim.x, D4 = D >> 2;  // D % 4 == 0 (16-byte rows)
+  int L = 1;
+  while (L < 32 && L * kRedRows < P) L <<= 1;
+  const int W = (D4 + P - 1) / P;
+  const int first = blockIdx.x * W, end = min(first + W, D4);
+  const int team = tid / L, l = tid & (L - 1), teams = nt / L;  // nt: a multiple of 32
+  const float4* p4 = reinterpret_cast<const float4*>(partial);
+  for (int base = first; base < end; base += teams) {  // the same trip count in the whole block
+    const int c = base + team;
+    const bool live = c < end;
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int g0 = l; g0 < P; g0 += L * kRedRows) {
+      float4 v[kRedRows];
+#pragma unroll
+      for (int u = 0; u < kRedRows; ++u) {
+        const int g = g0 + u * L;
+        v[u] = live && g < P ? __ldcg(p4 + (long long)g * D4 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int u = 0; u < kRedRows; ++u) a.x += v[u].x, a.y += v[u].y, a.z += v[u].z, a.w += v[u].w;
+    }
+    for (int o = 1; o < L; o <<= 1) {
+      a.x += __shfl_xor_sync(0xffffffffu, a.x, o);
+      a.y += __shfl_xor_sync(0xffffffffu, a.y, o);
+      a.z += __shfl_xor_sync(0xffffffffu, a.z, o);
+      a.w += __shfl_xor_sync(0xffffffffu, a.w, o);
+    }
+    if (live && l == 0) {
+      T* d = dweight + 4 * c;
+      d[0] = from_float<T>(a.x), d[1] = from_float<T>(a.y);
+      d[2] = from_float<T>(a.z), d[3] = from_float<T>(a.w);
+    }
+  }
+}
+
+template <typename T, int K, int S, bool CBW, int NT, bool FUSED>
+__global__ void __launch_bounds__(NT, 1)
     rmsnorm_backward_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                  const T* __restrict__ weight, const float* __restrict__ rstd,
-                                 T* __restrict__ dx, float* __restrict__ dw_partial, long long rows,
-                                 int D, float inv_d, int zero) {
+                                 T* __restrict__ dx, float* __restrict__ dw_partial,
+                                 T* __restrict__ dweight, long long rows, int D, float inv_d,
+                                 int zero) {
   using E = Elems<T>;
   constexpr int V = E::V;
   static_assert(NT <= 512 && NT % 64 == 0, "groups of <= 16 warps");
@@ -889,7 +938,7 @@ __global__ void __launch_bounds__(NT, MINB)
     s = s + 1 == S ? 0 : s + 1;
   }
 
-  if (dw_partial == nullptr) return;  // no weight: nothing to reduce (uniform over the block)
+  if (dw_partial == nullptr) return;  // no weight (never FUSED): nothing to reduce
   float* part = dw_partial + (long long)blockIdx.x * D;
   if (G == 1) {
 #pragma unroll
@@ -901,27 +950,30 @@ __global__ void __launch_bounds__(NT, MINB)
           *reinterpret_cast<float4*>(p + i) =
               make_float4(acc[k][i], acc[k][i + 1], acc[k][i + 2], acc[k][i + 3]);
       }
-    return;
-  }
-  // Several groups: add their sums column by column in order of the group, through the ring (every
-  // copy has landed: the groups left are empty).
-  rn_wait<0>();
-  __syncthreads();  // every thread is done reading the ring
-  float* fold = reinterpret_cast<float*>(ring);
-  const int span = rowpad * V;  // floats per group (>= D)
+  } else {
+    // Several groups: add their sums column by column in order of the group, through the ring
+    // (every copy has landed: the groups left are empty).
+    rn_wait<0>();
+    __syncthreads();  // every thread is done reading the ring
+    float* fold = reinterpret_cast<float*>(ring);
+    const int span = rowpad * V;  // floats per group (>= D)
 #pragma unroll
-  for (int k = 0; k < K; ++k)
+    for (int k = 0; k < K; ++k)
 #pragma unroll
-    for (int i = 0; i < V; ++i) fold[threadIdx.y * span + (threadIdx.x + k * tx) * V + i] = acc[k][i];
-  __syncthreads();
-  for (int e = tid; e < D; e += tx * G) {
-    float sum = 0.0f;
-    for (int gi = 0; gi < G; ++gi) sum += fold[gi * span + e];
-    part[e] = sum;
+      for (int i = 0; i < V; ++i)
+        fold[threadIdx.y * span + (threadIdx.x + k * tx) * V + i] = acc[k][i];
+    __syncthreads();
+    for (int e = tid; e < D; e += tx * G) {
+      float sum = 0.0f;
+      for (int gi = 0; gi < G; ++gi) sum += fold[gi * span + e];
+      part[e] = sum;
+    }
   }
+  if constexpr (FUSED) reduce_partials<T>(dw_partial, dweight, D, tid, tx * G);
 }
 
-// dweight[j] = sum over g of partial[g][j], in a fixed order.
+// dweight[j] = sum over g of partial[g][j], in a fixed order (after every backward kernel but the
+// FUSED ring).
 // Layout: blocks of (8, 32) threads; thread (x, y) owns columns 4 * (blockIdx.x * 8 + x) + 0..3 and
 // adds partial rows y, y + 32, y + 64, ... in order of the row, issuing the loads of up to 16 rows
 // (16 bytes each when VEC: D % 4 == 0) before the first add; then the 32 sums of a column are added in

@@ -1,6 +1,7 @@
 """Where an rmsnorm backward call's time goes: time per call with and without the weight (without
-it there is no dweight reduction kernel), and the kernels' durations and the gaps between them over
-back-to-back calls (torch.profiler / CUPTI). GPU only: python scripts/rmsnorm_gaps.py 5 6 7 (variants)."""
+it there is no dweight reduction), and the kernels' durations and the gaps between them over
+back-to-back calls (torch.profiler / CUPTI). GPU only: python scripts/rmsnorm_gaps.py 0 1 (variants:
+0 the ring reducing dweight itself, one kernel; 1 the ring, then the dweight kernel)."""
 import sys
 import torch
 from torch.profiler import profile, ProfilerActivity

@@ -1,5 +1,6 @@
-"""gelu (tanh approximation): launchers against a float64 reference (forward and backward) for every
-kernel variant, the 16-byte / scalar-tail paths, saturation, > 2^31 elements, and the Thunder claim.
+"""gelu (tanh approximation): launchers against a float64 reference (forward and backward): the 16-byte
+pack kernels (full and partial blocks, scalar tail) and the scalar kernels that misaligned pointers
+take, saturation, > 2^31 elements, and the Thunder claim.
 
 CPU tests: decline reasons (exact gelu, CPU tensors, fp64), the fallback to torch on CPU tensors, and
 the Thunder plumbing (metas, grad transform) with the launchers swapped for a torch reference.
@@ -26,61 +27,52 @@ def reference(x, dout):
     return out.detach(), x64.grad
 
 
-def check_against_reference(x, dout, dtype, variants=None):
-    """`variants`: (forward, backward) launcher variants; None: the bindings' defaults."""
-    fv, bv = (None, None) if variants is None else variants
-    out = kforge._C.gelu_forward(x) if fv is None else kforge._C.gelu_forward(x, variant=fv)
-    dx = kforge._C.gelu_backward(dout, x) if bv is None else kforge._C.gelu_backward(dout, x, variant=bv)
+def check_against_reference(x, dout, dtype):
+    out, dx = kforge._C.gelu_forward(x), kforge._C.gelu_backward(dout, x)
     r_out, r_dx = reference(x, dout)
     assert out.dtype == dx.dtype == dtype and out.shape == dx.shape == x.shape
     assert_close(out, r_out, dtype, "out")
     assert_close(dx, r_dx, dtype, "dx")
 
 
-# 16-byte packs plus every scalar-tail length; 1-element and 3-D inputs; multi-step grid-stride loops
-# (variant 0). Pack kernels (variants 1-5) cover P * B packs per block, 512 or 1024 packs (2048-8192
-# elements): shapes below one block (partial block only), exact multiples of a block (8 x 3072, 4096,
-# 8192: the last block is empty of packs), and many full blocks plus a partial one and a scalar tail.
+def misaligned(t):
+    """A copy of t one element off a 16-byte boundary."""
+    off = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+    assert off.data_ptr() % 16 != 0
+    return off
+
+
+# 16-byte packs plus every scalar-tail length; 1-element and 3-D inputs. A block covers P * B = 512
+# packs (2048 fp32 / 4096 16-bit elements): shapes below one block (partial block only), exact
+# multiples of a block (4096, 8 x 3072: the last block is empty of packs), and many full blocks plus
+# a partial one and a scalar tail.
 SHAPES = [(1,), (7,), (1000,), (4096,), (8192 + 9,), (8, 3072), (3, 5, 771), ((1 << 20) + 3,),
-          (64, 16384 + 5)]
-# (forward variant, backward variant), see the bindings' docstrings: 0 the original grid-stride
-# kernels, 1 four packs per thread with streaming stores, 2 default stores, 3 (the default) two
-# packs per thread in 256-thread blocks, 4 eight packs per thread, 5 (forward only) the hardware tanh for 16-bit
-# types.
-VARIANTS = [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 1)]
-variant_ids = lambda v: f"fwd{v[0]}-bwd{v[1]}"
+          (64, 16384 + 5), (33, 3072 + 1)]
 
 
 @gpu
-@pytest.mark.parametrize("variants", VARIANTS, ids=variant_ids)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
-def test_matches_float64_reference(dtype, shape, variants):
+def test_matches_float64_reference(dtype, shape):
     x = randn(*shape, dtype=dtype, scale=3.0)
     dout = randn(*shape, dtype=dtype)
-    check_against_reference(x, dout, dtype, variants)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
-def test_default_variant_matches_float64_reference(dtype):
-    x = randn(33, 3072 + 1, dtype=dtype, scale=3.0)
-    dout = randn(33, 3072 + 1, dtype=dtype)
     check_against_reference(x, dout, dtype)
 
 
 @gpu
-@pytest.mark.parametrize("variants", VARIANTS, ids=variant_ids)
+@pytest.mark.parametrize("align", ["aligned", "misaligned"])
 @pytest.mark.parametrize("reps", [1, 1000], ids=lambda r: f"x{r}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_saturation_and_extremes(dtype, reps, variants):
+def test_saturation_and_extremes(dtype, reps, align):
     """Far tails: gelu -> x / 0 and gelu' -> 1 / 0 without inf or NaN from the exp overflowing.
-    15 values (scalar tail / partial block), and repeated 1000 times (full blocks of every variant)."""
+    15 values (scalar tail / partial block), and repeated 1000 times (full blocks); misaligned: the
+    scalar kernels."""
     vals = [-1e4, -100.0, -20.0, -10.0, -5.0, -1.0, -0.75, -1e-3, 0.0, 1e-3, 0.5, 3.0, 10.0, 100.0, 1e4]
     x = torch.tensor(vals, device="cuda").repeat(reps).to(dtype)
+    if align == "misaligned":
+        x = misaligned(x)
     dout = torch.ones_like(x)
-    fv, bv = variants
-    out, dx = kforge._C.gelu_forward(x, variant=fv), kforge._C.gelu_backward(dout, x, variant=bv)
+    out, dx = kforge._C.gelu_forward(x), kforge._C.gelu_backward(dout, x)
     r_out, r_dx = reference(x, dout)
     assert torch.isfinite(out).all() and torch.isfinite(dx).all()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -89,36 +81,35 @@ def test_saturation_and_extremes(dtype, reps, variants):
 
 
 @gpu
-@pytest.mark.parametrize("variants", VARIANTS, ids=variant_ids)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_misaligned_and_strided_inputs(dtype, variants):
-    """A view off a 16-byte boundary takes the scalar path (every variant); a strided view is copied
-    first."""
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_misaligned_and_strided_inputs(dtype):
+    """A view off a 16-byte boundary (x or dout) takes the scalar kernels; a strided view is copied
+    first (then the pack kernels)."""
     n = 4099
     x, dout = randn(n, dtype=dtype, scale=3.0), randn(n, dtype=dtype)
-    x_off = torch.empty(n + 1, dtype=dtype, device="cuda")[1:].copy_(x)
-    assert x_off.data_ptr() % 16 != 0
-    check_against_reference(x_off, dout, dtype, variants)
-    check_against_reference(x, torch.empty(n + 1, dtype=dtype, device="cuda")[1:].copy_(dout), dtype,
-                            variants)
+    check_against_reference(misaligned(x), dout, dtype)
+    check_against_reference(x, misaligned(dout), dtype)
     xs, ds = randn(96, 64, dtype=dtype).t(), randn(96, 64, dtype=dtype).t()
-    check_against_reference(xs, ds, dtype, variants)
+    check_against_reference(xs, ds, dtype)
 
 
 @gpu
-@pytest.mark.parametrize("variants", VARIANTS, ids=variant_ids)
-def test_more_than_2_31_elements(variants):
-    """64-bit offsets: the packs and the scalar tail past element 2^31 are right."""
+@pytest.mark.parametrize("align", ["aligned", "misaligned"])
+def test_more_than_2_31_elements(align):
+    """64-bit offsets: the packs and the scalar tail (aligned), or the scalar kernels' grid-stride
+    loop (misaligned), past element 2^31 are right."""
     n = (1 << 31) + (1 << 20) + 5
     need = 4 * n * 2 + (2 << 30)  # x, dout, out, dx in bf16, plus slack for the references
     free, _ = torch.cuda.mem_get_info()
     if free < need:
         pytest.skip(f"needs {need / 2**30:.1f} GiB free GPU memory, {free / 2**30:.1f} GiB free")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16).mul_(3)
-    dout = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
-    out = kforge._C.gelu_forward(x, variant=variants[0])
-    dx = kforge._C.gelu_backward(dout, x, variant=variants[1])
+    off = 1 if align == "misaligned" else 0  # views one element into their buffers
+    x = torch.randn(n + off, device="cuda", generator=gen, dtype=torch.bfloat16)[off:].mul_(3)
+    dout = torch.randn(n + off, device="cuda", generator=gen, dtype=torch.bfloat16)[off:]
+    assert (x.data_ptr() % 16 != 0) == (dout.data_ptr() % 16 != 0) == bool(off)
+    out = kforge._C.gelu_forward(x)
+    dx = kforge._C.gelu_backward(dout, x)
     for start in (0, (1 << 31) - (1 << 16), n - (1 << 16)):  # head, across 2^31, tail
         sl = slice(start, start + (1 << 17))
         r_out, r_dx = reference(x[sl], dout[sl])
@@ -192,15 +183,15 @@ def test_cpu_tensors_fall_back_to_torch(approximate):
     assert any(r.startswith("gelu: ") and expected in r for r in reasons), reasons
 
 
-def test_launchers_reject_unknown_variants():
-    """Checked before anything else, so CPU tensors show it."""
+def test_bindings_take_no_variant():
+    """One kernel choice per input (the launcher's); no A/B `variant` keyword."""
+    for fn in (kforge._C.gelu_forward, kforge._C.gelu_backward):
+        assert "variant" not in fn.__doc__, fn.__doc__
     x = randn(16, device="cpu")
-    for v in (-1, 6):
-        with pytest.raises(kforge.KforgeError, match="gelu_forward: variant must be 0 to 5"):
-            kforge._C.gelu_forward(x, variant=v)
-    for v in (-1, 5):
-        with pytest.raises(kforge.KforgeError, match="gelu_backward: variant must be 0 to 4"):
-            kforge._C.gelu_backward(x, x, variant=v)
+    with pytest.raises(TypeError):
+        kforge._C.gelu_forward(x, variant=3)
+    with pytest.raises(TypeError):
+        kforge._C.gelu_backward(x, x, variant=3)
 
 
 def test_launchers_reject_cpu_tensors():

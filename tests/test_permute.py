@@ -1,13 +1,12 @@
 """split_qkv / merge_heads: the copy kernels against PyTorch's views (exact: they only move data), in
 both directions, on 16-byte packs (HS a multiple of the pack) and element-wise (odd HS, misaligned
-views), and the Thunder operators that replace the model helpers.
+views): the token lanes with K = 1, 2 and 4 tokens per round, and the 64-bit tiles they fall back to
+past 32-bit byte strides; and the Thunder operators that replace the model helpers.
 
 CPU tests: the helpers, decline reasons, the fallback to torch on CPU tensors, launcher errors, and
 the Thunder plumbing (metas, grad transforms) with the launchers swapped for torch.
 """
 from __future__ import annotations
-
-import re
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from thunder.core.trace import TraceCtx, tracectx
 import kforge
 from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers
 from kforge import _thunder
+from kforge import profile as kp
 from kforge.ops import permute as pm
 from kforge.ops.permute import merge_heads, split_qkv
 
@@ -42,51 +42,55 @@ def assert_same(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert torch.equal(out, ref), f"{what}: {(out.double() - ref.double()).abs().max()} max difference"
 
 
+def kernels_run(fn):
+    """fn()'s result and the kforge kernel functions it launched (CUDA profiler, kernels_src names)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    names = {kp.kforge_kernel(e.name) for e in prof.events() if e.device_type == DeviceType.CUDA}
+    return out, names - {None}
+
+
 # GPT-2 124M; HS a multiple of the 16-byte pack for both dtypes (64, 16), for fp32 only (12), or for
-# neither (5, 6, 1, 63); T = 1 and odd T. 40 heads of 64: token rows of 320 to 1920 16-byte columns, cut
-# into up to four column chunks (blockIdx.x), and for the fp32 split (132 SMs) twice as many token
-# tiles as blocks (the grid-stride loop); 8x1024x12x64: the fp32 split in two column chunks.
-# Variants 1-3 (token lanes, K tokens per thread and round; 132 SMs): K = 1 for the small shapes (and
-# always for T = 1: 5x1 remaps (b, 0) to (0, b); 1x1x1x1 the single token); K = 2 in one round for
-# the bf16 merge of 4x1024 and bf16 split of 1x1000 (v1, v3), over rounds for v3 at 8x1024; K = 4
-# in one round for the bf16 merge of 8x1024 (v1), over rounds for the splits of 4x1024 / 8x1024 /
-# 2x1030 and element-wise for 4x1024x12x63 (v1); K = 8 for every shape with v2 (over rounds for the
-# 8x1024 and 2x1030 splits).
+# neither (5, 6, 1, 63); T = 1 and odd T. The token lanes' K (tokens per thread and round; 132 SMs,
+# either layout direction): K = 1 for the small shapes (and always for T = 1: 5x1 remaps (b, 0) to
+# (0, b); 1x1x1x1 the single token); K = 2 (one round) for the 16-bit merge of 4x1024, the 16-bit
+# split of 1x1000, the fp32 merge of 2x1024 and the fp32 split of 1x700, and element-wise for the
+# merge of 1x500x12x63 and the split of 1x200x12x63; K = 4 in one round for the 16-bit merge of
+# 8x1024, over rounds for the splits of 4x1024 / 8x1024 / 2x1030 and element-wise for 4x1024x12x63
+# and 1x500x12x63.
 SHAPES = [(8, 1024, 12, 64), (1, 1, 1, 1), (2, 5, 3, 8), (3, 7, 12, 64), (2, 33, 4, 6), (2, 17, 5, 12),
           (1, 1000, 12, 64), (2, 9, 16, 5), (1, 3, 2, 16), (2, 1030, 40, 64), (4, 1024, 12, 64),
-          (5, 1, 3, 8), (4, 1024, 12, 63)]
-
-# The launchers' `variant` (every value must give the same result): 0 the tiled kernel, 1 token lanes
-# with K <= 4 (default), 2 lanes with K = 8, 3 lanes with K <= 2.
-VARIANTS = [0, 1, 2, 3]
-variants = pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"v{v}")
+          (5, 1, 3, 8), (4, 1024, 12, 63), (2, 1024, 12, 64), (1, 700, 12, 64), (1, 500, 12, 63),
+          (1, 200, 12, 63)]
 
 
 @gpu
-@variants
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
-def test_split_and_merge_match_torch(dtype, shape, variant):
+def test_split_and_merge_match_torch(dtype, shape):
     B, T, NH, HS = shape
     C = NH * HS
     qkv = randn(B, T, 3 * C, dtype=dtype)
-    outs = kforge._C.split_qkv_forward(qkv, NH, variant=variant)
+    outs = kforge._C.split_qkv_forward(qkv, NH)
     for out, ref, name in zip(outs, ref_split(qkv, NH), "qkv"):
         assert_same(out, ref.contiguous(), f"split {name}")
     dq, dk, dv = (randn(B, NH, T, HS, dtype=dtype) for _ in range(3))
-    assert_same(kforge._C.split_qkv_backward(dq, dk, dv, variant=variant),
+    assert_same(kforge._C.split_qkv_backward(dq, dk, dv),
                 torch.cat([ref_merge(g) for g in (dq, dk, dv)], -1), "dqkv")
     y = randn(B, NH, T, HS, dtype=dtype)
-    assert_same(kforge._C.merge_heads_forward(y, variant=variant), ref_merge(y).contiguous(), "merge")
+    assert_same(kforge._C.merge_heads_forward(y), ref_merge(y).contiguous(), "merge")
     dout = randn(B, T, C, dtype=dtype)
-    assert_same(kforge._C.merge_heads_backward(dout, NH, variant=variant),
+    assert_same(kforge._C.merge_heads_backward(dout, NH),
                 dout.view(B, T, NH, HS).transpose(1, 2).contiguous(), "dy")
 
 
 @gpu
-@variants
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_misaligned_and_strided_inputs(dtype, variant):
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_misaligned_and_strided_inputs(dtype):
     """Views 1 element off a 16-byte boundary take the element-wise path; strided views are copied."""
     B, T, NH, HS = 2, 7, 12, 64
 
@@ -95,37 +99,36 @@ def test_misaligned_and_strided_inputs(dtype, variant):
 
     qkv = randn(B, T, 3 * NH * HS, dtype=dtype)
     assert off(qkv).data_ptr() % 16 != 0
-    for out, ref in zip(kforge._C.split_qkv_forward(off(qkv), NH, variant=variant), ref_split(qkv, NH)):
+    for out, ref in zip(kforge._C.split_qkv_forward(off(qkv), NH), ref_split(qkv, NH)):
         assert_same(out, ref.contiguous(), "split (misaligned)")
     y = randn(B, NH, T, HS, dtype=dtype)
-    assert_same(kforge._C.merge_heads_forward(off(y), variant=variant), ref_merge(y).contiguous(),
+    assert_same(kforge._C.merge_heads_forward(off(y)), ref_merge(y).contiguous(),
                 "merge (misaligned)")
     dout = randn(B, T, NH * HS, dtype=dtype)
-    assert_same(kforge._C.merge_heads_backward(off(dout), NH, variant=variant),
+    assert_same(kforge._C.merge_heads_backward(off(dout), NH),
                 dout.view(B, T, NH, HS).transpose(1, 2).contiguous(), "merge backward (misaligned)")
     grads = [randn(B, NH, T, HS, dtype=dtype) for _ in range(3)]
-    assert_same(kforge._C.split_qkv_backward(*(off(g) for g in grads), variant=variant),
+    assert_same(kforge._C.split_qkv_backward(*(off(g) for g in grads)),
                 torch.cat([ref_merge(g) for g in grads], -1), "split backward (misaligned)")
     # q, k, v straight from the eager helper: strided views of qkv.
     q, k, v = split_qkv(qkv, NH)
-    assert_same(kforge._C.split_qkv_backward(q, k, v, variant=variant), qkv,
+    assert_same(kforge._C.split_qkv_backward(q, k, v), qkv,
                 "split backward of strided views")
-    assert_same(kforge._C.merge_heads_forward(q, variant=variant), ref_merge(q).contiguous(),
+    assert_same(kforge._C.merge_heads_forward(q), ref_merge(q).contiguous(),
                 "merge of a strided view")
 
 
 @gpu
-@variants
-def test_round_trips_and_missing_gradients(variant):
+def test_round_trips_and_missing_gradients():
     B, T, NH, HS = 2, 31, 12, 64
     qkv = randn(B, T, 3 * NH * HS, dtype=torch.bfloat16)
-    q, k, v = kforge._C.split_qkv_forward(qkv, NH, variant=variant)
-    assert_same(kforge._C.split_qkv_backward(q, k, v, variant=variant), qkv, "split then inverse")
+    q, k, v = kforge._C.split_qkv_forward(qkv, NH)
+    assert_same(kforge._C.split_qkv_backward(q, k, v), qkv, "split then inverse")
     y = randn(B, NH, T, HS, dtype=torch.bfloat16)
-    merged = kforge._C.merge_heads_forward(y, variant=variant)
-    assert_same(kforge._C.merge_heads_backward(merged, NH, variant=variant), y, "merge then inverse")
+    merged = kforge._C.merge_heads_forward(y)
+    assert_same(kforge._C.merge_heads_backward(merged, NH), y, "merge then inverse")
     # An unused output's gradient (None) counts as zeros.
-    dqkv = kforge._C.split_qkv_backward(None, k, None, variant=variant)
+    dqkv = kforge._C.split_qkv_backward(None, k, None)
     C = NH * HS
     assert_same(dqkv[..., C:2 * C].contiguous(), qkv[..., C:2 * C].contiguous(), "dk part")
     assert (dqkv[..., :C] == 0).all() and (dqkv[..., 2 * C:] == 0).all()
@@ -153,21 +156,16 @@ def test_launchers_reject_bad_arguments():
         kforge._C.merge_heads_backward(qkv, 5)
     with pytest.raises(kforge.KforgeError, match="not supported"):
         kforge._C.merge_heads_forward(q.double())
-    for bad in (-1, len(VARIANTS)):
-        with pytest.raises(kforge.KforgeError, match="variant must be"):
-            kforge._C.merge_heads_forward(q, variant=bad)
-        with pytest.raises(kforge.KforgeError, match="variant must be"):
-            kforge._C.split_qkv_backward(q, q, q, variant=bad)
     q0, _, _ = kforge._C.split_qkv_forward(randn(2, 0, 36), 3)
     assert q0.shape == (2, 3, 0, 4)
 
 
 @gpu
-@variants
 @pytest.mark.parametrize("HS", [64, 5], ids=["vec", "elementwise"])
-def test_more_than_2_31_elements(HS, variant):
-    """64-bit offsets on both sides: y (2, 3, T, HS) of > 2^31 bf16 elements, merged to (2, T, 3 HS)
-    (= qkv of one head), split back, and both inverses; compared bit for bit (random bit patterns)."""
+def test_more_than_2_31_elements(HS):
+    """Past 2^31 elements on both sides, byte strides still < 2^32 (the token lanes: 64-bit base plus
+    32-bit products): y (2, 3, T, HS) of > 2^31 bf16 elements, merged to (2, T, 3 HS) (= qkv of one
+    head), split back, and both inverses; compared bit for bit (random bit patterns)."""
     B, NH = 2, 3
     T = 2**31 // (B * NH * HS) + 1
     n = B * NH * T * HS
@@ -183,20 +181,68 @@ def test_more_than_2_31_elements(HS, variant):
     def same(a, b):  # bit for bit: random patterns include NaNs
         return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
-    out = kforge._C.merge_heads_forward(y, variant=variant)  # (B, T, NH * HS)
+    out = kforge._C.merge_heads_forward(y)  # (B, T, NH * HS)
     assert out.shape == (B, T, NH * HS)
     for b in range(B):
         for h in range(NH):
             assert same(out[b, :, h * HS:(h + 1) * HS], y[b, h]), ("merge", b, h)
-    dy = kforge._C.merge_heads_backward(out, NH, variant=variant)
+    dy = kforge._C.merge_heads_backward(out, NH)
     assert same(dy, y), "merge backward"
     del dy
     # one head of HS per part: q, k, v = y[:, 0], y[:, 1], y[:, 2]
-    parts = kforge._C.split_qkv_forward(out, 1, variant=variant)
+    parts = kforge._C.split_qkv_forward(out, 1)
     for p, t in enumerate(parts):
         assert t.shape == (B, 1, T, HS) and same(t[:, 0], y[:, p]), ("split", p)
     del y
-    assert same(kforge._C.split_qkv_backward(*parts, variant=variant), out), "split backward"
+    assert same(kforge._C.split_qkv_backward(*parts), out), "split backward"
+
+
+@gpu
+# ~19 GiB each: two cases cover both tile instantiations (16-byte and element-wise) and both
+# element sizes, without crowding the GPU when the test workers run them at once.
+@pytest.mark.parametrize("dtype, HS", [(torch.float32, 64), (torch.bfloat16, 5)],
+                         ids=["fp32-vec", "bf16-elementwise"])
+def test_tiles_past_32_bit_byte_strides(dtype, HS):
+    """A head part whose batch stride is 4 GiB or more does not fit the token lanes' 32-bit byte
+    strides: the 64-bit tiles run. dout (2, T, 3 HS) with a batch of one part (T HS elements x 3
+    heads) past 2^32 bytes: merge backward (tokens -> heads), then merge forward and split backward
+    of its heads as three strided parts (heads -> tokens, one part and three); compared bit for bit
+    (random bit patterns). The kernels that ran are read from the CUDA profiler."""
+    es = torch.empty((), dtype=dtype).element_size()
+    ity = torch.int32 if es == 4 else torch.int16  # same-size integers: exact compares, NaNs included
+    B, NH = 2, 3
+    T = -(-2**32 // (es * NH * HS))  # batch stride NH T HS elements: >= 2^32 bytes
+    n = B * T * NH * HS
+    need = 2 * n * es + (2 << 30)  # two tensors at a time, a compare temporary (n / 6 bytes), slack
+    free, _ = torch.cuda.mem_get_info()
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB free GPU memory, {free / 2**30:.1f} GiB free")
+    y_small = randn(B, NH, 5, HS, dtype=dtype)
+    out_small, ran = kernels_run(lambda: kforge._C.merge_heads_forward(y_small))
+    assert ran == {"permute_lanes_kernel"}, ran  # the same call on small tensors: the lanes
+    assert_same(out_small, ref_merge(y_small).contiguous(), "small merge")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dout = torch.randint(-2**15, 2**15, (B, T, NH * HS * es // 2), dtype=torch.int16, device="cuda",
+                         generator=gen).view(dtype)
+
+    def check(tok, heads, what):  # tok (B, T, NH HS) against heads (B, NH, T, HS), head by head
+        for b in range(B):
+            for h in range(NH):
+                part = tok[b, :, h * HS:(h + 1) * HS]
+                assert torch.equal(part.view(ity), heads[b, h].view(ity)), (what, b, h)
+
+    dy, ran = kernels_run(lambda: kforge._C.merge_heads_backward(dout, NH))
+    assert ran == {"permute_tokens_to_heads_kernel"}, ran
+    check(dout, dy, "merge backward")
+    del dout
+    out, ran = kernels_run(lambda: kforge._C.merge_heads_forward(dy))
+    assert ran == {"permute_heads_to_tokens_kernel"}, ran
+    check(out, dy, "merge forward")
+    del out
+    # q, k, v = the three heads of dy: strided parts (same strides) read in place; dqkv is dout again
+    dqkv, ran = kernels_run(lambda: kforge._C.split_qkv_backward(dy[:, 0:1], dy[:, 1:2], dy[:, 2:3]))
+    assert ran == {"permute_heads_to_tokens_kernel"}, ran
+    check(dqkv, dy, "split backward")
 
 
 # ---- Thunder, GPU ---------------------------------------------------------------------------------
@@ -232,10 +278,9 @@ def test_thunder_jit_replaces_split_and_merge(dtype):
 
 
 @gpu
-@variants
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("HS", [64, 7], ids=lambda h: f"HS{h}")
-def test_strided_head_inputs_are_read_in_place(dtype, HS, variant):
+def test_strided_head_inputs_are_read_in_place(dtype, HS):
     """Token-major (B, NH, T, HS) views - what flash attention's backward returns for q, k, v that
     were views of qkv, and its forward output - are read with their strides; mixed layouts fall back
     to contiguous copies. 16-byte (HS 64) and element (HS 7) paths."""
@@ -243,15 +288,15 @@ def test_strided_head_inputs_are_read_in_place(dtype, HS, variant):
     grads = [randn(B, T, NH, HS, dtype=dtype).transpose(1, 2) for _ in range(3)]
     assert not grads[0].is_contiguous()
     ref = torch.cat([ref_merge(g) for g in grads], -1)
-    assert_same(kforge._C.split_qkv_backward(*grads, variant=variant), ref,
+    assert_same(kforge._C.split_qkv_backward(*grads), ref,
                 "split backward of token-major grads")
     mixed = [grads[0].contiguous(), grads[1], grads[2]]
-    assert_same(kforge._C.split_qkv_backward(*mixed, variant=variant), ref, "split backward of mixed layouts")
-    assert_same(kforge._C.split_qkv_backward(None, grads[1], None, variant=variant),
+    assert_same(kforge._C.split_qkv_backward(*mixed), ref, "split backward of mixed layouts")
+    assert_same(kforge._C.split_qkv_backward(None, grads[1], None),
                 torch.cat([torch.zeros_like(ref_merge(grads[0])), ref_merge(grads[1]),
                            torch.zeros_like(ref_merge(grads[0]))], -1), "split backward, one given")
     y = randn(B, T, NH, HS, dtype=dtype).transpose(1, 2)
-    assert_same(kforge._C.merge_heads_forward(y, variant=variant), ref_merge(y).contiguous(),
+    assert_same(kforge._C.merge_heads_forward(y), ref_merge(y).contiguous(),
                 "merge of a token-major view")
 
 
@@ -317,10 +362,12 @@ def test_helpers_are_the_head_split_and_merge():
     torch.testing.assert_close(merge_heads(q), qkv[..., :NH * HS], rtol=0, atol=0)
 
 
-def test_bindings_document_their_variants():
+def test_bindings_take_no_variant():
+    """One kernel choice per input (the launcher's); no A/B `variant` keyword."""
     for name in ("split_qkv_forward", "split_qkv_backward", "merge_heads_forward", "merge_heads_backward"):
-        doc = getattr(kforge._C, name).__doc__
-        assert re.search(r"variant: [^=]*= 1\)", doc) and all(f" {v} " in doc for v in VARIANTS), (name, doc)
+        assert "variant" not in getattr(kforge._C, name).__doc__, name
+    with pytest.raises(TypeError):
+        kforge._C.merge_heads_forward(randn(2, 2, 3, 2, device="cpu"), variant=1)
 
 
 def test_launchers_reject_cpu_tensors():

@@ -1,13 +1,18 @@
 """rmsnorm: Hugging Face Llama RMSNorm and F.rms_norm on kforge's kernels.
 
 GPU: forward (y, rstd) and backward (dx, dweight) against float64 references, both rounding
-conventions, odd / misaligned / strided inputs, deterministic dweight, thunder.jit traces.
+conventions, odd / misaligned / strided inputs, deterministic dweight, side streams and CUDA graphs,
+thunder.jit traces.
 CPU: checker declines with reasons, thunder.jit falling back to the helper's decomposition, launcher
 errors.
 """
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -75,31 +80,35 @@ def check_random(shape, dtype, cast_before_weight, variant):
 
 
 # ---- GPU: kernels against float64 ---------------------------------------------------------------------
-# Chosen so every kernel variant runs (see forward_geometry / backward_geometry / pipe_kernel in
-# src/ops/rmsnorm.cpp): forward one warp per row with K = 1, 2, 4, 8 chunks per thread ((2, 256),
-# (3, 512), (17, 768), (5, 2048)) and one block per row with K = 4 ((4, 2056), bf16 (3, 5, 4100)) and
-# K = 8 ((8, 4096)).
-# Backward (every `variant`): the previous kernel (variant 1, and where the pipelined one does not
-# apply) with K = 1, 2, 4, one warp per row and row groups of 2..8 per block, element-wise for odd
-# sizes ((3, 5, 4100) in bf16, (5, 3)) and for rows longer than 1024 chunks ((3, 8192) and (5, 6000)
-# in fp32; test_longest_rows); the pipelined one (variants 0, 2) with K = 1 (one warp per row: (2, 256)
-# bf16, (1000, 64) with lanes past the row's end), and K = 2 in groups of 1 warp ((3, 512) bf16), 2, 4,
-# 8 warps (bf16 (17, 768), (5, 2048), (8, 4096)), 12 warps with padded slots (bf16 (5, 6000)), 16 warps
-# ((3, 8192) bf16, (8, 4096) fp32), and with chunks past the row's end ((4, 2056): bf16 257 chunks on
-# 160 threads, fp32 514 on 288).
+# Chosen so every kernel instantiation runs (see forward_geometry / ring_plan / pipe_kernel /
+# backward_geometry in src/ops/rmsnorm.cpp): forward one warp per row with K = 1, 2, 4, 8 chunks per
+# thread ((2, 256), (3, 512), (17, 768), (5, 2048)) and one block per row with K = 4 ((4, 2056),
+# bf16 (3, 5, 4100)) and K = 8 ((8, 4096)).
+# Backward, the ring kernel (variants 0 fused and 1 unfused): rows of <= 512 chunks on 4 chunks per
+# thread, several row groups per block ((8, 4096) bf16 and (5, 2048) fp32: 512 chunks, three rows of
+# 128 threads; (17, 768) bf16: 96 chunks, twelve rows of 32), groups of less than a warp ((2, 256)
+# bf16: 32 chunks on 8 threads; (1000, 64) bf16: 8 chunks on 2; (5, 3) is element-wise), chunks
+# past the row's end ((4, 2056) bf16: 257 chunks on 96 threads); longer rows (513..1024 chunks:
+# (3, 8192) bf16, (8, 4096) fp32, (4, 2056) fp32, (5, 6000) bf16: 750 chunks on 384 threads) on 2
+# chunks per thread, one row per block. Grids of 1..11 blocks here; test_ring_rows and
+# test_dweight_partial_rows cover more.
+# Where the ring does not apply, under every variant, rmsnorm_backward_kernel: element-wise for odd
+# sizes ((3, 5, 4100) bf16, (5, 3)) and misaligned pointers, and rows of > 1024 chunks ((3, 8192) and
+# (5, 6000) fp32, test_longest_rows), K = 1, 2, 4. Variant 2 never takes the ring: the pipelined
+# kernel (only where the ring's stages do not fit in shared memory otherwise) with K = 1 (one warp
+# per row: (2, 256) bf16, (1000, 64) with lanes past the row's end) and K = 2 in groups of 1 warp
+# ((3, 512) bf16), 2, 4, 8 warps (bf16 (17, 768), (5, 2048), (8, 4096)), 12 warps with padded slots
+# (bf16 (5, 6000)), 16 warps ((3, 8192) bf16, (8, 4096) fp32), and with chunks past the row's end
+# ((4, 2056): bf16 257 chunks on 160 threads, fp32 514 on 288).
 SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056),
           (3, 512), (5, 2048), (3, 8192), (5, 6000)]
-# The ring kernel (variants 3, 4, 5; see ring_shape / ring_plan in src/ops/rmsnorm.cpp) on these shapes:
-# rows of one block ((8, 4096) bf16: 512 chunks on 256 / 512 / 128 threads), of several warps with
-# several rows per block ((17, 768) bf16: 96 chunks, groups of 64 / 96 / 32 threads), a warp or less
-# per row ((2, 256), (1000, 64) bf16: 8 chunks on groups of 4 / 8 / 2 threads; (6, 5, 32)), chunks
-# past the row's end ((4, 2056): 257 chunks), longer rows (513..1024 chunks: (3, 8192) bf16,
-# (8, 4096) fp32, (5, 6000) bf16: 750 chunks), and the fallback to variant 0's kernels ((3, 5, 4100)
-# bf16, misaligned, rows of > 1024 chunks). test_ring_rows covers row counts around the grid.
-# Backward kernels (the launcher's `variant`): 0 pipelined (default), 1 previous, 2 pipelined deeper,
-# 3, 4, 5 the shared-memory ring.
-VARIANTS = [0, 1, 2, 3, 4, 5, 6, 7, 8]
+# Backward kernels (the launcher's `variant`): 0 the ring reducing dweight itself (cooperative
+# launch; the default), 1 the ring then rmsnorm_dweight_kernel, 2 the kernels for what the ring
+# does not take.
+VARIANTS = [0, 1, 2]
+RING_VARIANTS = [0, 1]
 variants = pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"v{v}")
+ring_variants = pytest.mark.parametrize("variant", RING_VARIANTS, ids=lambda v: f"v{v}")
 
 
 @gpu
@@ -123,13 +132,13 @@ def test_float16(shape, cast_before_weight, variant):
 
 
 @gpu
-@variants
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
 @pytest.mark.parametrize("D", [64, 768, 4096, 6000], ids=lambda d: f"D{d}")
-def test_pipelined_rows_per_group(D, dtype, variant):
-    # The pipelined backward: a group's rows first, first + stride, ... with P rows in flight; row
-    # counts that give the groups 1..6 rows (fewer than P, not a multiple of P, some groups one row
-    # fewer), so every buffer is the last one used and the loads past the end are clamped.
+def test_pipelined_rows_per_group(D, dtype):
+    # The pipelined backward (variant 2): a group's rows first, first + stride, ... with P rows in
+    # flight; row counts that give the groups 1..6 rows (fewer than P, not a multiple of P, some
+    # groups one row fewer), so every buffer is the last one used and the loads past the end are
+    # clamped.
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     es = torch.tensor([], dtype=dtype).element_size()
     nchunk = D * es // 16
@@ -139,23 +148,21 @@ def test_pipelined_rows_per_group(D, dtype, variant):
         rows = sms * groups * (n - 1) + (sms * groups * 2) // 3 + 1
         x, dy = randn(rows, D, dtype=dtype), randn(rows, D, dtype=dtype)
         w = randn(D, dtype=dtype, scale=0.5) + 1
-        check(x, w, dy, True, what=f"{rows}x{D}", variant=variant)
-        check(x, w, dy, False, what=f"{rows}x{D}", variant=variant)
-
-
-RING_VARIANTS = [3, 4, 5, 6, 7, 8]
+        check(x, w, dy, True, what=f"{rows}x{D}", variant=2)
+        check(x, w, dy, False, what=f"{rows}x{D}", variant=2)
 
 
 @gpu
-@pytest.mark.parametrize("variant", RING_VARIANTS, ids=lambda v: f"v{v}")
+@ring_variants
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
 @pytest.mark.parametrize("D", [8, 64, 768, 4096, 4100, 8192], ids=lambda d: f"D{d}")
 def test_ring_rows(D, dtype, variant):
-    # The ring kernel's persistent grid (1..3 blocks per SM, blocks of 1..512 rows at a time) with row
+    # The ring kernel's persistent grid (one block per SM, blocks of 1..384 rows at a time) with row
     # counts from 1 to several times the grid: fewer rows than blocks, a partial last row group
-    # (zero-filled rows), blocks with fewer row groups than stages, one more, many more. D=8: 1 or 2
-    # chunks (groups of 1 thread); D=4100: bf16 / fp16 fall back to variant 0's kernels (D % 8 != 0);
-    # D=8192 fp32: rows of 2048 chunks fall back too.
+    # (zero-filled rows), blocks with fewer row groups than stages, one more, many more; for the
+    # fused reduction, 1 to all SMs' partial rows (teams of 1..32 lanes a column). D=8: 1 or 2 chunks
+    # (groups of 1 thread); D=4100: bf16 / fp16 take rmsnorm_backward_kernel (D % 8 != 0); D=8192
+    # fp32: rows of 2048 chunks do too. Without weight, variant 0 runs the unfused ring.
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for rows in sorted({1, 2, 3, 7, sms - 1, sms + 1, 2 * sms + 5, 3 * sms + 1, 5 * sms * 2 + 7,
                         9 * sms * 3 + 2}):
@@ -170,12 +177,15 @@ def test_ring_rows(D, dtype, variant):
 
 
 @gpu
-@pytest.mark.parametrize("G", [1, 2, 131, 132, 133, 264, 300, 1000], ids=lambda g: f"G{g}")
-@pytest.mark.parametrize("D", [4096, 4100, 3], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("G", [1, 2, 9, 20, 40, 100, 131, 132, 133, 264, 300, 1000],
+                         ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("D", [4096, 768, 4100, 3], ids=lambda d: f"D{d}")
 def test_dweight_partial_rows(G, D):
-    # rmsnorm_dweight_kernel over as many partial rows as the backward grid has blocks (G rows give
-    # min(G, the grid) of them, 1..3 per SM): 16-byte loads for D % 4 == 0 (4096; 4100 through the
-    # previous backward kernel, rows of > 1024 chunks), element-wise otherwise (D = 3).
+    # fp32 rows: as many partial rows as the backward grid has blocks (min(G, the SMs) at D = 4096,
+    # one row per block; D = 768: six rows per block). Variant 0: the fused reduction with teams of
+    # 1, 2, 4, 8, 16, 32 lanes a column (up to 8 partial rows a lane); variants 1, 2:
+    # rmsnorm_dweight_kernel, 16-byte loads for D % 4 == 0 (4096, 768; 4100 through
+    # rmsnorm_backward_kernel, rows of > 1024 chunks), element-wise otherwise (D = 3).
     x, dy = randn(G, D), randn(G, D)
     w = randn(D, scale=0.5) + 1
     for variant in VARIANTS:
@@ -262,13 +272,63 @@ def test_hf_rounding_matches_the_helper():
 
 @gpu
 @variants
+@pytest.mark.parametrize("shape", [(4096, 4096), (500, 768)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_dweight_is_deterministic(dtype, variant):
-    x, dy = randn(4096, 4096, dtype=dtype), randn(4096, 4096, dtype=dtype)
-    w = randn(4096, dtype=dtype)
+def test_dweight_is_deterministic(dtype, shape, variant):
+    # Three runs, the same bits (variant 0: the blocks finish in a different order every run; the
+    # fused reduction's order does not depend on it).
+    x, dy = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
+    w = randn(shape[-1], dtype=dtype)
     _, rstd = kforge._C.rmsnorm_forward(x, w, EPS)
     runs = [kforge._C.rmsnorm_backward(dy, x, w, rstd, variant=variant) for _ in range(3)]
     assert all(torch.equal(runs[0][1], r[1]) and torch.equal(runs[0][0], r[0]) for r in runs[1:])
+
+
+@gpu
+@ring_variants
+def test_side_stream_and_cuda_graph_capture(variant):
+    """Variant 0 is a cooperative launch, variant 1's reduction a dependent launch: the same bits on
+    a side stream right after other work, and replayed from a CUDA graph after dy changes."""
+    x, dy = randn(3000, 4096, dtype=torch.bfloat16), randn(3000, 4096, dtype=torch.bfloat16)
+    w = randn(4096, dtype=torch.bfloat16, scale=0.5) + 1
+    _, rstd = kforge._C.rmsnorm_forward(x, w, EPS)
+    expected = kforge._C.rmsnorm_backward(dy, x, w, rstd, variant=variant)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        dy2 = dy * 2  # a kernel right before the backward on the same stream
+        side = [kforge._C.rmsnorm_backward(dy2, x, w, rstd, variant=variant) for _ in range(3)]
+    torch.cuda.current_stream().wait_stream(s)
+    again = kforge._C.rmsnorm_backward(dy2, x, w, rstd, variant=variant)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kforge._C.rmsnorm_backward(dy, x, w, rstd, variant=variant)
+    dy.mul_(-1)  # replay must see the new values
+    graph.replay()
+    torch.cuda.synchronize()
+    for dx, dw in side:
+        assert torch.equal(dx, again[0]) and torch.equal(dw, again[1])
+    assert torch.equal(captured[0], -expected[0]) and torch.equal(captured[1], -expected[1])
+    check(x, w, -dy, True, what="after replay", variant=variant)
+
+
+@gpu
+def test_without_cooperative_launch():
+    """KFORGE_COOPERATIVE_LAUNCH=0: variant 0 runs the unfused ring, the same bits as variant 1."""
+    code = """
+        import torch, kforge
+        g = torch.Generator().manual_seed(0)
+        x, dy = (torch.randn(2, 1000, 4096, generator=g).bfloat16().cuda() for _ in range(2))
+        w = torch.randn(4096, generator=g).bfloat16().cuda()
+        _, rstd = kforge._C.rmsnorm_forward(x, w, 1e-5)
+        a = kforge._C.rmsnorm_backward(dy, x, w, rstd, variant=0)
+        b = kforge._C.rmsnorm_backward(dy, x, w, rstd, variant=1)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    """
+    env = dict(os.environ, KFORGE_COOPERATIVE_LAUNCH="0")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, f"subprocess failed:\n{r.stdout}\n{r.stderr}"
 
 
 @gpu
@@ -393,8 +453,8 @@ def test_launcher_rejects_cpu_tensors():
 
 
 def test_launcher_rejects_unknown_variant():
-    for v in (-1, 9):
-        with pytest.raises(kforge.KforgeError, match=r"variant must be in \[0, 8\]"):
+    for v in (-1, 3):
+        with pytest.raises(kforge.KforgeError, match=r"variant must be in \[0, 2\]"):
             kforge._C.rmsnorm_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2),
                                        variant=v)
 

@@ -1,5 +1,7 @@
 // permute launchers: split_qkv (B, T, 3C) -> q, k, v (B, NH, T, HS) and merge_heads
-// (B, NH, T, HS) -> (B, T, C), forward and backward (see kernels_src/permute.cu).
+// (B, NH, T, HS) -> (B, T, C), forward and backward (see kernels_src/permute.cu). Every copy runs
+// the persistent token lanes (permute_lanes_kernel), or the 64-bit tiles where the lanes' 32-bit
+// byte strides do not fit (a head part or token row past 4 GiB).
 #include "../runtime/torch_launch.h"
 
 #include <optional>
@@ -8,38 +10,31 @@ namespace kforge {
 namespace {
 
 Program prog("permute");
-// By VEC: 16-byte columns (HS a multiple of the pack, pointers aligned) or one element.
+// By VEC: 16-byte columns (HS and the strides a multiple of the pack, pointers aligned) or one
+// element. The tiles (64-bit offsets):
 Kernel to_heads_vec(prog, "permute_tokens_to_heads_kernel<{T}, true>");
 Kernel to_heads_elem(prog, "permute_tokens_to_heads_kernel<{T}, false>");
 Kernel to_tokens_vec(prog, "permute_heads_to_tokens_kernel<{T}, true>");
 Kernel to_tokens_elem(prog, "permute_heads_to_tokens_kernel<{T}, false>");
-// Variants 1-3: permute_lanes_kernel<T, VEC, TO_HEADS, K>, K = 1, 2, 4, 8 tokens per round.
+// The token lanes: permute_lanes_kernel<T, VEC, TO_HEADS, K>, K = 1, 2, 4 tokens per round.
 #define KF_PERMUTE_LANES(VEC, DIR)                                                   \
   Kernel(prog, "permute_lanes_kernel<{T}, " #VEC ", " #DIR ", 1>"),                  \
       Kernel(prog, "permute_lanes_kernel<{T}, " #VEC ", " #DIR ", 2>"),              \
-      Kernel(prog, "permute_lanes_kernel<{T}, " #VEC ", " #DIR ", 4>"),              \
-      Kernel(prog, "permute_lanes_kernel<{T}, " #VEC ", " #DIR ", 8>")
-Kernel lanes_kernels[16] = {KF_PERMUTE_LANES(false, false), KF_PERMUTE_LANES(false, true),
+      Kernel(prog, "permute_lanes_kernel<{T}, " #VEC ", " #DIR ", 4>")
+Kernel lanes_kernels[12] = {KF_PERMUTE_LANES(false, false), KF_PERMUTE_LANES(false, true),
                             KF_PERMUTE_LANES(true, false), KF_PERMUTE_LANES(true, true)};
 #undef KF_PERMUTE_LANES
 Kernel& lanes_kernel(bool vec, bool to_heads, int k_index) {
-  return lanes_kernels[(vec ? 8 : 0) + (to_heads ? 4 : 0) + k_index];
+  return lanes_kernels[(vec ? 6 : 0) + (to_heads ? 3 : 0) + k_index];
 }
 
 constexpr int64_t kTokensPerThread = 4;  // kPermuteK in kernels_src/permute.cu
 constexpr int64_t kMaxBlockX = 512;      // columns per block
 constexpr int64_t kTargetBlock = 256;    // threads per block when a token row is short
 
-// The launchers' `variant`: 0 the tiled kernel (permute_tokens_to_heads_kernel /
-// permute_heads_to_tokens_kernel); 1-3 the persistent token lanes (permute_lanes_kernel) with
-// K tokens per thread and round: 1: the smallest K of 1, 2, 4 that needs one round, else 4 (6 blocks
-// of 256 per SM); 2: K = 8 (4 blocks per SM); 3: K = 1 or 2, else 2 (8 blocks per SM, full
-// occupancy, more rounds). Variants 1-3 fall back to 0 where their 32-bit byte strides do not fit.
-constexpr int64_t kNumVariants = 4;
-constexpr int64_t kDefaultVariant = 1;  // also the Python bindings' default
 constexpr int kLanesBlock = 256;
 // Blocks per SM pinned by permute_lanes_min_blocks(K) (__launch_bounds__) in kernels_src/permute.cu.
-int lanes_min_blocks(int K) { return K <= 2 ? 8 : (K == 4 ? 6 : 4); }
+int lanes_min_blocks(int K) { return K <= 2 ? 8 : 6; }
 
 // permute_div magic numbers of d (1 <= d < 2^31): s = ceil(log2 d), m = ceil(2^(31 + s) / d).
 struct Magic {
@@ -53,8 +48,9 @@ Magic magic(int64_t d) {
   return {static_cast<uint32_t>(m), s};
 }
 
-// Variants 1-3 (permute_lanes_kernel); false where they do not apply (then variant 0 runs).
-bool launch_lanes(int64_t variant, bool split, bool vec, const at::Tensor& tokens,
+// The token lanes (permute_lanes_kernel); false where their 32-bit byte strides, thread index or
+// token counter do not fit (then the tiles run).
+bool launch_lanes(bool split, bool vec, const at::Tensor& tokens,
                   const std::vector<at::Tensor>& heads, int64_t B, int64_t T, int64_t NH,
                   int64_t HS, int64_t sb, int64_t sh, int64_t st, const LaunchOn& on,
                   const char* op) {
@@ -70,14 +66,13 @@ bool launch_lanes(int64_t variant, bool split, bool vec, const at::Tensor& token
   const int64_t rowB = parts * NH * HS * es, sbB = sb * es, stB = st * es;
   const int64_t u32max = int64_t(std::numeric_limits<uint32_t>::max());
   if (rowB > u32max || sbB > u32max || stB > u32max || sbB < 0 || stB < 0) return false;
-  // K: variant 1 the smallest of 1, 2, 4 with one round, else 4; 2: 8; 3: 1 or 2, else 2.
+  // K: the smallest of 1, 2, 4 that moves every token in one round of one wave, else 4 (rounds).
   const int sms = sm_count(on.device);
   auto lanes_max = [&](int K) {
     return std::max<int64_t>(1, int64_t(sms) * lanes_min_blocks(K) * kLanesBlock / cols);
   };
-  int K = variant == 2 ? 8 : 1;
-  const int kmax = variant == 1 ? 4 : (variant == 2 ? 8 : 2);
-  while (K < kmax && ntok > K * lanes_max(K)) K *= 2;
+  int K = 1;
+  while (K < 4 && ntok > K * lanes_max(K)) K *= 2;
   const int64_t rounds = (ntok + K * lanes_max(K) - 1) / (K * lanes_max(K));
   const int64_t lanes = (ntok + K * rounds - 1) / (K * rounds);  // <= lanes_max(K)
   const int64_t threads = lanes * cols;
@@ -89,7 +84,7 @@ bool launch_lanes(int64_t variant, bool split, bool vec, const at::Tensor& token
   const Magic ms = seq >= 2 ? magic(seq) : Magic{0, 1};
   void* h[3];
   for (int p = 0; p < 3; ++p) h[p] = heads[std::min<int64_t>(p, parts - 1)].data_ptr();
-  const int k_index = K == 1 ? 0 : (K == 2 ? 1 : (K == 4 ? 2 : 3));
+  const int k_index = K == 1 ? 0 : (K == 2 ? 1 : 2);
   const Dim3 grid(ceil_div(threads, kLanesBlock)), block(kLanesBlock);
   auto i32 = [](int64_t v) { return static_cast<int>(static_cast<uint32_t>(v)); };  // u32 bits
   lanes_kernel(vec, split, k_index)
@@ -102,13 +97,12 @@ bool launch_lanes(int64_t variant, bool split, bool vec, const at::Tensor& token
 
 // Copies between token-major `tokens` (B, T, parts * NH * HS) and head-major `heads` (parts tensors
 // of shape (B, NH, T, HS)): tokens -> heads when `split`, else heads -> tokens.
-// Variant 0 geometry: the row's `cols` columns in the fewest chunks of <= 512 threads (blockIdx.x),
-// as many token lanes per block as fit in 256 threads (blockDim.y; fewer for short sequences), 4
-// tokens per thread; blockIdx.y walks (b, token tile) units: at most about two waves of blocks, each
-// block the same number of units.
+// The token lanes where they fit; else the tiles: the row's `cols` columns in the fewest chunks of
+// <= 512 threads (blockIdx.x), as many token lanes per block as fit in 256 threads (blockDim.y;
+// fewer for short sequences), 4 tokens per thread; blockIdx.y walks (b, token tile) units: at most
+// about two waves of blocks, each block the same number of units.
 void launch(bool split, const at::Tensor& tokens, const std::vector<at::Tensor>& heads, int64_t B,
-            int64_t T, int64_t NH, int64_t HS, int64_t variant, const char* op) {
-  KF_CHECK(variant >= 0 && variant < kNumVariants, op, "variant must be 0, 1, 2 or 3, got ", variant);
+            int64_t T, int64_t NH, int64_t HS, const char* op) {
   const int parts = static_cast<int>(heads.size());
   const int64_t row = parts * NH * HS;
   KF_CHECK(B * T <= std::numeric_limits<int>::max() && row <= std::numeric_limits<int>::max(), op,
@@ -120,9 +114,7 @@ void launch(bool split, const at::Tensor& tokens, const std::vector<at::Tensor>&
   const int64_t sb = heads[0].stride(0), sh = heads[0].stride(1), st = heads[0].stride(2);
   bool vec = HS % V == 0 && aligned16(tokens) && sb % V == 0 && sh % V == 0 && st % V == 0;
   for (const at::Tensor& h : heads) vec = vec && aligned16(h);
-  if (variant != 0 &&
-      launch_lanes(variant, split, vec, tokens, heads, B, T, NH, HS, sb, sh, st, on, op))
-    return;
+  if (launch_lanes(split, vec, tokens, heads, B, T, NH, HS, sb, sh, st, on, op)) return;
   const int64_t cols = vec ? row / V : row;
   const int64_t nchunks = (cols + kMaxBlockX - 1) / kMaxBlockX;
   const int64_t bx = (cols + nchunks - 1) / nchunks;
@@ -165,8 +157,7 @@ void heads_in_place_or_contiguous(std::vector<at::Tensor>& heads) {
 }
 
 // (B, T, 3C) -> q, k, v, each (B, NH, T, HS) contiguous.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv_forward(const at::Tensor& qkv_, int64_t n_head,
-                                                                 int64_t variant) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv_forward(const at::Tensor& qkv_, int64_t n_head) {
   const char* op = "split_qkv_forward";
   const at::Tensor qkv = input(qkv_, op, "qkv");
   KF_CHECK(qkv.dim() == 3, op, "qkv must be (B, T, 3C), got ", qkv.sizes());
@@ -176,14 +167,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv_forward(const at::Tenso
   const int64_t HS = C3 / (3 * n_head);
   std::vector<at::Tensor> heads;
   for (int p = 0; p < 3; ++p) heads.push_back(new_output({B, n_head, T, HS}, qkv.options()));
-  launch(true, qkv, heads, B, T, n_head, HS, variant, op);
+  launch(true, qkv, heads, B, T, n_head, HS, op);
   return {heads[0], heads[1], heads[2]};
 }
 
 // dq, dk, dv (B, NH, T, HS) -> dqkv (B, T, 3C). A missing gradient (None: that output was unused)
 // counts as zeros; at least one must be given.
 at::Tensor split_qkv_backward(const std::optional<at::Tensor>& dq_, const std::optional<at::Tensor>& dk_,
-                              const std::optional<at::Tensor>& dv_, int64_t variant) {
+                              const std::optional<at::Tensor>& dv_) {
   const char* op = "split_qkv_backward";
   const std::optional<at::Tensor>* given[3] = {&dq_, &dk_, &dv_};
   const char* names[3] = {"dq", "dk", "dv"};
@@ -208,12 +199,12 @@ at::Tensor split_qkv_backward(const std::optional<at::Tensor>& dq_, const std::o
   heads_in_place_or_contiguous(heads);
   const int64_t B = ref.size(0), NH = ref.size(1), T = ref.size(2), HS = ref.size(3);
   at::Tensor dqkv = new_output({B, T, 3 * NH * HS}, ref.options());
-  launch(false, dqkv, heads, B, T, NH, HS, variant, op);
+  launch(false, dqkv, heads, B, T, NH, HS, op);
   return dqkv;
 }
 
 // y (B, NH, T, HS) -> (B, T, C).
-at::Tensor merge_heads_forward(const at::Tensor& y_, int64_t variant) {
+at::Tensor merge_heads_forward(const at::Tensor& y_) {
   const char* op = "merge_heads_forward";
   check_input(y_, op, "y");
   KF_CHECK(y_.dim() == 4, op, "y must be (B, NH, T, HS), got ", y_.sizes());
@@ -222,12 +213,12 @@ at::Tensor merge_heads_forward(const at::Tensor& y_, int64_t variant) {
   const at::Tensor& y = heads[0];
   const int64_t B = y.size(0), NH = y.size(1), T = y.size(2), HS = y.size(3);
   at::Tensor out = new_output({B, T, NH * HS}, y.options());
-  launch(false, out, heads, B, T, NH, HS, variant, op);
+  launch(false, out, heads, B, T, NH, HS, op);
   return out;
 }
 
 // dout (B, T, C) -> dy (B, NH, T, HS).
-at::Tensor merge_heads_backward(const at::Tensor& dout_, int64_t n_head, int64_t variant) {
+at::Tensor merge_heads_backward(const at::Tensor& dout_, int64_t n_head) {
   const char* op = "merge_heads_backward";
   const at::Tensor dout = input(dout_, op, "dout");
   KF_CHECK(dout.dim() == 3, op, "dout must be (B, T, C), got ", dout.sizes());
@@ -235,31 +226,23 @@ at::Tensor merge_heads_backward(const at::Tensor& dout_, int64_t n_head, int64_t
   const int64_t B = dout.size(0), T = dout.size(1), C = dout.size(2);
   KF_CHECK(C % n_head == 0, op, "last dim ", C, " is not a multiple of n_head = ", n_head);
   at::Tensor dy = new_output({B, n_head, T, C / n_head}, dout.options());
-  launch(true, dout, {dy}, B, T, n_head, C / n_head, variant, op);
+  launch(true, dout, {dy}, B, T, n_head, C / n_head, op);
   return dy;
 }
 
 }  // namespace
 
-// Every launcher takes `variant` (A/B timing; every value gives the same result; see launch_lanes).
-#define KF_PERMUTE_VARIANT_DOC                                                                   \
-  " variant: 0 tiled kernel (previous), 1 persistent token lanes with K <= 4 tokens per thread " \
-  "(default), 2 lanes with K = 8, 3 lanes with K <= 2 (full occupancy); all give the same result."
-
 KFORGE_BIND_OP(permute) {
   m.def("split_qkv_forward", &split_qkv_forward,
-        "qkv (B, T, 3C) -> q, k, v, each (B, n_head, T, C / n_head) contiguous." KF_PERMUTE_VARIANT_DOC,
-        pybind11::arg("qkv"), pybind11::arg("n_head"), pybind11::arg("variant") = kDefaultVariant);
+        "qkv (B, T, 3C) -> q, k, v, each (B, n_head, T, C / n_head) contiguous.", pybind11::arg("qkv"),
+        pybind11::arg("n_head"));
   m.def("split_qkv_backward", &split_qkv_backward,
-        "dq, dk, dv (B, NH, T, HS; None counts as zeros) -> dqkv (B, T, 3 NH HS)." KF_PERMUTE_VARIANT_DOC,
-        pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"),
-        pybind11::arg("variant") = kDefaultVariant);
-  m.def("merge_heads_forward", &merge_heads_forward,
-        "y (B, NH, T, HS) -> (B, T, NH HS) contiguous." KF_PERMUTE_VARIANT_DOC, pybind11::arg("y"),
-        pybind11::arg("variant") = kDefaultVariant);
-  m.def("merge_heads_backward", &merge_heads_backward,
-        "dout (B, T, C) -> dy (B, n_head, T, C / n_head)." KF_PERMUTE_VARIANT_DOC,
-        pybind11::arg("dout"), pybind11::arg("n_head"), pybind11::arg("variant") = kDefaultVariant);
+        "dq, dk, dv (B, NH, T, HS; None counts as zeros) -> dqkv (B, T, 3 NH HS).", pybind11::arg("dq"),
+        pybind11::arg("dk"), pybind11::arg("dv"));
+  m.def("merge_heads_forward", &merge_heads_forward, "y (B, NH, T, HS) -> (B, T, NH HS) contiguous.",
+        pybind11::arg("y"));
+  m.def("merge_heads_backward", &merge_heads_backward, "dout (B, T, C) -> dy (B, n_head, T, C / n_head).",
+        pybind11::arg("dout"), pybind11::arg("n_head"));
 }
 
 }  // namespace kforge

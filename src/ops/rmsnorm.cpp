@@ -1,7 +1,10 @@
 // rmsnorm launchers: forward (y, rstd) and backward (dx, dweight); see kernels_src/rmsnorm.cu.
 #include <pybind11/stl.h>
 
+#include <map>
+#include <mutex>
 #include <optional>
+#include <tuple>
 
 #include "../runtime/torch_launch.h"
 
@@ -25,8 +28,8 @@ Kernel fwd_kernels[2][4] = {{{prog, "rmsnorm_forward_kernel<{T}, 1, false>"},
 // Backward kernels: K chunks per thread and row, R rows per group at a time, VEC, CBW
 // (cast_before_weight, 16-bit types only: fp32 is the same either way), blocks of at most
 // kBwdThreads threads (one per SM, <= 128 registers per thread). R is what fits in registers without
-// spilling (checked with NVRTC's ptxas for sm_80 and sm_90): fewer rows for the element-wise variants
-// and for 16-bit types at K = 4 (8 fp32 dweight sums per chunk instead of 4).
+// spilling (checked with NVRTC's ptxas for sm_80 and sm_90): fewer rows for element-wise access and
+// for 16-bit types at K = 4 (8 fp32 dweight sums per chunk instead of 4).
 constexpr int kBwdThreads = 512;  // MAXT of every backward kernel name below
 const std::vector<DType> kF32 = {DType::f32};
 const std::vector<DType> k16 = {DType::bf16, DType::f16};
@@ -55,11 +58,11 @@ BwdKernel bwd_kernels[] = {
 };
 #undef KF_BWD
 
-// Pipelined backward kernels (16-byte accesses only; rows of at most kPipeMaxChunks chunks): K chunks
-// per thread and row, P rows in flight, KEEP_G (g = dy * w kept in registers through the
-// reduction), CBW; blocks of kBwdThreads threads, one per SM. Each compiles without spills at 128
-// registers (ptxas for sm_80 and sm_90), with no register move waiting on a load in the hot loop
-// (sm_90 SASS).
+// Pipelined backward kernels (16-byte accesses only; rows of at most kPipeMaxChunks chunks; where the
+// ring's stages do not fit in shared memory): K chunks per thread and row, P rows in flight, KEEP_G
+// (g = dy * w kept in registers through the reduction: 16-bit types), CBW; blocks of kBwdThreads
+// threads, one per SM. Each compiles without spills at 128 registers (ptxas for sm_80 and sm_90),
+// with no register move waiting on a load in the hot loop (sm_90 SASS).
 constexpr int kPipeMaxChunks = 1024;
 struct PipeKernel {
   int K, P;
@@ -76,37 +79,39 @@ struct PipeKernel {
 PipeKernel pipe_kernels[] = {
     KF_PIPE(1, 8, false, false, kF32), KF_PIPE(2, 4, false, false, kF32),
     KF_PIPE(1, 4, true, false, k16),   KF_PIPE(2, 2, true, false, k16),
-    KF_PIPE(2, 3, false, false, k16),  KF_PIPE(1, 4, true, true, k16),
-    KF_PIPE(2, 2, true, true, k16),    KF_PIPE(2, 3, false, true, k16),
+    KF_PIPE(1, 4, true, true, k16),    KF_PIPE(2, 2, true, true, k16),
 };
 #undef KF_PIPE
 
-// Ring backward kernels (variants 3, 4, 5; 16-byte accesses only, rows of at most kRingMaxChunks
-// chunks): K chunks per thread and row, S stages of shared memory per block, blocks of at most NT
-// threads, MINB blocks per SM for the register budget (launch bounds), CBW. Each compiles without
+// Ring backward kernels (16-byte accesses only, rows of at most kRingMaxChunks chunks), one block per
+// SM: K chunks per thread and row, S stages of shared memory, blocks of at most NT threads; rows of
+// <= 512 chunks 4 chunks per thread in blocks of 384 threads (at D = 4096 bf16: three rows at a
+// time), longer rows (bf16 / fp16 D <= 8192, fp32 D <= 4096) 2 chunks per thread, 512 threads; 3
+// stages. CBW; FUSED: the dweight reduction in the kernel (cooperative launch). Each compiles without
 // spills (ptxas for sm_80 and sm_90).
 constexpr int kRingMaxChunks = 1024;
 struct RingShape {
-  int K, S, NT, MINB;
+  int K, S, NT;
 };
+constexpr RingShape kRingShort{4, 3, 384}, kRingLong{2, 3, 512};
 struct RingKernel {
   RingShape shape;
-  bool cbw;
+  bool cbw, fused;
   Kernel kernel;
 };
-#define KF_RING(K, S, NT, MINB, CBW, DTYPES)                                                      \
-  {                                                                                               \
-    {K, S, NT, MINB}, CBW, {                                                                      \
-      prog,                                                                                       \
-          "rmsnorm_backward_ring_kernel<{T}, " #K ", " #S ", " #CBW ", " #NT ", " #MINB ">", DTYPES \
-    }                                                                                             \
+#define KF_RING(K, S, NT, CBW, FUSED, DTYPES)                                                      \
+  {                                                                                                \
+    {K, S, NT}, CBW, FUSED, {                                                                      \
+      prog,                                                                                        \
+          "rmsnorm_backward_ring_kernel<{T}, " #K ", " #S ", " #CBW ", " #NT ", " #FUSED ">", DTYPES \
+    }                                                                                              \
   }
-#define KF_RING3(K, S, NT, MINB) \
-  KF_RING(K, S, NT, MINB, false, kF32), KF_RING(K, S, NT, MINB, false, k16), KF_RING(K, S, NT, MINB, true, k16)
-RingKernel ring_kernels[] = {KF_RING3(2, 6, 256, 2), KF_RING3(1, 4, 512, 2), KF_RING3(4, 4, 128, 3),
-                             KF_RING3(2, 6, 512, 1), KF_RING3(2, 4, 512, 1), KF_RING3(4, 4, 384, 1),
-                             KF_RING3(4, 3, 384, 1), KF_RING3(4, 5, 256, 1), KF_RING3(2, 3, 512, 1)};
-#undef KF_RING3
+#define KF_RING6(K, S, NT)                                                                       \
+  KF_RING(K, S, NT, false, false, kF32), KF_RING(K, S, NT, false, false, k16),                    \
+      KF_RING(K, S, NT, true, false, k16), KF_RING(K, S, NT, false, true, kF32),                  \
+      KF_RING(K, S, NT, false, true, k16), KF_RING(K, S, NT, true, true, k16)
+RingKernel ring_kernels[] = {KF_RING6(4, 3, 384), KF_RING6(2, 3, 512)};
+#undef KF_RING6
 #undef KF_RING
 
 // dweight from the partial rows: 16-byte loads (D % 4 == 0) or element-wise.
@@ -158,29 +163,23 @@ BwdGeometry backward_geometry(int nchunk, bool vec, bool cbw, DType dt) {
 
 // Backward kernel choices (the launcher's `variant`).
 enum BwdVariant : int64_t {
-  kPipelined = 0,
-  kPrevious = 1,
-  kPipelinedDeep = 2,
-  kRingK2 = 3,  // ring: 2 chunks per thread, 6 stages, blocks of 256 threads, 2 per SM
-  kRingK1 = 4,  // ring: 1 chunk per thread, 4 stages, blocks of 512 threads, 2 per SM
-  kRingK4 = 5,  // ring: 4 chunks per thread, 4 stages, blocks of 128 threads, 3 per SM
-  kRingK4G3 = 6,   // ring: 4 chunks, 4 stages, 3 row groups in one block of 384 threads per SM
-  kRingK4G3S3 = 7, // as 6 with 3 stages
-  kRingK4G2S5 = 8, // ring: 4 chunks, 5 stages, 2 row groups in one block of 256 threads per SM
-  kNumVariants = 9,
+  kFused = 0,     // the ring with the dweight reduction in the kernel, where it applies (default)
+  kUnfused = 1,   // the ring writing partial rows, then rmsnorm_dweight_kernel
+  kFallback = 2,  // never the ring: the kernels that take the inputs the ring does not (tests)
+  kNumVariants = 3,
 };
 
 // Pipelined backward: K = 1 (one warp per row, 16 rows per block) up to 32 chunks, else K = 2 (rows
-// of <= 512 threads). 16-bit types: P = 2 rows in flight keeping g (variant 0), or P = 3 without
-// (variant 2, K = 2 only; K = 1 keeps P = 4 with g); fp32: P = 8 (K = 1) or 4 (K = 2), without g
-// (fp32's unpacking is free, so keeping g saves little). nullptr where the pipelined kernels do not
-// apply (element-wise access, longer rows): the previous kernels take those.
-PipeKernel* pipe_kernel(int nchunk, bool vec, bool cbw, DType dt, int64_t variant) {
+// of <= 512 threads). 16-bit types: P = 2 rows in flight (K = 1: 4) keeping g; fp32: P = 8 (K = 1) or
+// 4 (K = 2), without g (fp32's unpacking is free, so keeping g saves little). nullptr where the
+// pipelined kernels do not apply (element-wise access, longer rows): rmsnorm_backward_kernel takes
+// those.
+PipeKernel* pipe_kernel(int nchunk, bool vec, bool cbw, DType dt) {
   if (!vec || nchunk > kPipeMaxChunks) return nullptr;
   const int K = nchunk <= 32 ? 1 : 2;
   const bool f32 = dt == DType::f32;
-  const bool keep_g = !f32 && (K == 1 || variant != kPipelinedDeep);
-  const int P = f32 ? (K == 1 ? 8 : 4) : keep_g ? (K == 1 ? 4 : 2) : 3;
+  const bool keep_g = !f32;
+  const int P = f32 ? (K == 1 ? 8 : 4) : (K == 1 ? 4 : 2);
   cbw = cbw && !f32;
   for (PipeKernel& k : pipe_kernels)
     if (k.K == K && k.P == P && k.keep_g == keep_g && k.cbw == cbw && k.kernel.supports(dt))
@@ -188,43 +187,50 @@ PipeKernel* pipe_kernel(int nchunk, bool vec, bool cbw, DType dt, int64_t varian
   fail("rmsnorm_backward", "no pipelined kernel for ", nchunk, " chunks");
 }
 
-// Ring kernel shape of a variant: rows of <= 512 chunks as named in BwdVariant; longer rows (<= 1024
-// chunks: bf16/fp16 D <= 8192, fp32 D <= 4096) 2 chunks per thread in blocks of 512 threads, one per
-// SM, 6 stages (4 for variant 4).
-RingShape ring_shape(int64_t variant, int nchunk) {
-  const bool longer = nchunk > 512;
-  if (variant == kRingK1) return longer ? RingShape{2, 4, 512, 1} : RingShape{1, 4, 512, 2};
-  if (variant == kRingK4) return longer ? RingShape{2, 6, 512, 1} : RingShape{4, 4, 128, 3};
-  if (variant == kRingK4G3) return longer ? RingShape{2, 4, 512, 1} : RingShape{4, 4, 384, 1};
-  if (variant == kRingK4G3S3) return longer ? RingShape{2, 3, 512, 1} : RingShape{4, 3, 384, 1};
-  if (variant == kRingK4G2S5) return longer ? RingShape{2, 4, 512, 1} : RingShape{4, 5, 256, 1};
-  return longer ? RingShape{2, 6, 512, 1} : RingShape{2, 6, 256, 2};
+// Blocks of a kernel that fit on one SM at once (the driver's occupancy query, remembered per
+// kernel, dtype, device, block size and shared memory).
+int blocks_per_sm(Kernel& k, DType dt, int device, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<const Kernel*, int, int, int, size_t>, int> known;
+  const auto key = std::make_tuple(&k, static_cast<int>(dt), device, threads, smem);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = known.find(key);
+    if (it != known.end()) return it->second;
+  }
+  const int n = k.max_active_blocks_per_sm(dt, device, threads, smem);
+  std::lock_guard<std::mutex> lock(mu);
+  known.emplace(key, n);
+  return n;
 }
 
 struct RingPlan {
   Kernel* kernel = nullptr;  // nullptr: the ring kernels do not apply
+  bool fused = false;        // kernel reduces dweight itself: launch it cooperatively
   unsigned tx = 0, groups = 0, grid = 0;
   size_t smem = 0;
 };
 
-// Ring backward (variants 3..5): a row group of `groups` rows of tx threads per block, tx = the
-// thread count for K chunks each, a multiple of 32 or a power of two below 32 (the kernel's
-// reductions rely on it); the stages in dynamic shared memory (see the kernel); a persistent grid of
-// as many blocks per SM as registers and shared memory allow (at most the row groups). Not applied
-// (kernel nullptr) to element-wise access, rows longer than kRingMaxChunks, shared memory beyond the
-// device's limit, or a tensor too large for the kernel's 32-bit row step.
-RingPlan ring_plan(int nchunk, bool vec, bool cbw, DType dt, int64_t variant, int64_t rows, int64_t D,
+// Ring backward: a row group of `groups` rows of tx threads per block, tx = the thread count for K
+// chunks each, a multiple of 32 or a power of two below 32 (the kernel's reductions rely on it); the
+// stages in dynamic shared memory (see the kernel); a persistent grid of one block per SM (at most
+// the row groups). Not applied (kernel nullptr) to element-wise access, rows longer than
+// kRingMaxChunks, shared memory beyond the device's limit, or a tensor too large for the kernel's
+// 32-bit row step. `fused` asks for the FUSED kernel: given only where the device launches
+// cooperatively and the whole grid fits on the GPU at once (occupancy query); else the unfused one.
+RingPlan ring_plan(int nchunk, bool vec, bool cbw, bool fused, DType dt, int64_t rows, int64_t D,
                    int64_t elem, int device) {
   RingPlan p;
   if (!vec || nchunk > kRingMaxChunks) return p;
-  const RingShape sh = ring_shape(variant, nchunk);
+  const RingShape sh = nchunk > 512 ? kRingLong : kRingShort;
   cbw = cbw && dt != DType::f32;
-  RingKernel* rk = nullptr;
+  fused = fused && cooperative_launch_ok(device);
+  RingKernel *rk = nullptr, *fk = nullptr;
   for (RingKernel& k : ring_kernels)
-    if (k.shape.K == sh.K && k.shape.S == sh.S && k.shape.NT == sh.NT && k.shape.MINB == sh.MINB &&
-        k.cbw == cbw && k.kernel.supports(dt))
-      rk = &k;
-  if (!rk) fail("rmsnorm_backward", "no ring kernel for ", nchunk, " chunks");
+    if (k.shape.K == sh.K && k.shape.S == sh.S && k.shape.NT == sh.NT && k.cbw == cbw &&
+        k.kernel.supports(dt))
+      (k.fused ? fk : rk) = &k;
+  if (!rk || !fk) fail("rmsnorm_backward", "no ring kernel for ", nchunk, " chunks");
   int tx = (nchunk + sh.K - 1) / sh.K;
   if (tx <= 32) {
     int t = 1;
@@ -239,15 +245,16 @@ RingPlan ring_plan(int nchunk, bool vec, bool cbw, DType dt, int64_t variant, in
   const size_t static_smem = size_t(2) * sh.NT;  // red[2][NT / 4] floats
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
   if (smem + static_smem > prop->sharedMemPerBlockOptin) return p;
-  const size_t per_block = smem + static_smem + prop->reservedSharedMemPerBlock;
-  const int64_t fit = static_cast<int64_t>(prop->sharedMemPerMultiprocessor / per_block);
-  const int64_t per_sm = std::max<int64_t>(1, std::min<int64_t>(sh.MINB, fit));
   const int64_t ngroups = (rows + groups - 1) / groups;
-  const int64_t grid = std::min<int64_t>(ngroups, per_sm * prop->multiProcessorCount);
+  const int64_t grid = std::min<int64_t>(ngroups, prop->multiProcessorCount);
   if (grid * groups * D * elem >= (int64_t(1) << 32) ||
       (ngroups + grid - 1) / grid > std::numeric_limits<int>::max() - 16)
     return p;
-  p.kernel = &rk->kernel;
+  if (fused)
+    fused = grid <= int64_t(blocks_per_sm(fk->kernel, dt, device, tx * groups, smem)) *
+                        prop->multiProcessorCount;
+  p.kernel = fused ? &fk->kernel : &rk->kernel;
+  p.fused = fused;
   p.tx = static_cast<unsigned>(tx);
   p.groups = static_cast<unsigned>(groups);
   p.grid = static_cast<unsigned>(grid);
@@ -335,14 +342,14 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   const int zero = 0;  // see opaque() in the kernel
   const int sms = sm_count(on.device);
   const int64_t elem = x.element_size();
-  const RingPlan ring = variant >= kRingK2 ? ring_plan(nchunk, vec, cast_before_weight, dt, variant, rows,
-                                                       D, elem, on.device)
-                                           : RingPlan{};
-  // Where a ring variant does not apply, variant 0's kernels take the rows.
-  PipeKernel* pk = variant == kPrevious || ring.kernel
-                       ? nullptr
-                       : pipe_kernel(nchunk, vec, cast_before_weight, dt,
-                                     variant >= kRingK2 ? kPipelined : variant);
+  // The ring where it applies (fused: the dweight reduction in the kernel, where the device allows);
+  // elsewhere the pipelined kernel (16-byte rows of <= 1024 chunks), else rmsnorm_backward_kernel.
+  const RingPlan ring = variant == kFallback
+                            ? RingPlan{}
+                            : ring_plan(nchunk, vec, cast_before_weight,
+                                        variant == kFused && weight.has_value(), dt, rows, D, elem,
+                                        on.device);
+  PipeKernel* pk = ring.kernel ? nullptr : pipe_kernel(nchunk, vec, cast_before_weight, dt);
   unsigned grid = ring.grid, tx = ring.tx, groups = ring.groups;
   if (pk) {
     tx = round32((nchunk + pk->K - 1) / pk->K);
@@ -365,22 +372,27 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   std::optional<at::Tensor> partial;
   if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
   const size_t fold_bytes = size_t(tx) * groups * V * sizeof(float);
-  if (ring.kernel)
+  const float inv_d = 1.0f / static_cast<float>(D);
+  if (ring.fused)
+    kernel->launch_cooperative(dt, on.device, on.stream, grid, Dim3(tx, groups), ring.smem,
+                               dy.data_ptr(), x.data_ptr(), ptr(weight), rstd.data_ptr(),
+                               dx.data_ptr(), ptr(partial), ptr(dweight),
+                               static_cast<long long>(rows), static_cast<int>(D), inv_d, zero);
+  else if (ring.kernel)
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), ring.smem, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
-                   static_cast<long long>(rows), static_cast<int>(D), 1.0f / static_cast<float>(D),
-                   zero);
+                   static_cast<void*>(nullptr), static_cast<long long>(rows), static_cast<int>(D),
+                   inv_d, zero);
   else if (pk)
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), fold_bytes, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
-                   static_cast<long long>(rows), static_cast<int>(D), 1.0f / static_cast<float>(D),
-                   0x10000u, 0xffff0000u, zero);
+                   static_cast<long long>(rows), static_cast<int>(D), inv_d, 0x10000u, 0xffff0000u,
+                   zero);
   else
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), fold_bytes, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
-                   static_cast<long long>(rows), static_cast<int>(D), 1.0f / static_cast<float>(D),
-                   zero);
-  if (weight)
+                   static_cast<long long>(rows), static_cast<int>(D), inv_d, zero);
+  if (weight && !ring.fused)
     dweight_kernels[D % 4 == 0 ? 1 : 0].launch_dependent(
         dt, on.device, on.stream, ceil_div(D, 32), Dim3(8, 32), 0, partial->data_ptr(),
         dweight->data_ptr(), static_cast<int>(grid), static_cast<int>(D));
@@ -398,24 +410,19 @@ KFORGE_BIND_OP(rmsnorm) {
         pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true);
   m.def("rmsnorm_backward", &rmsnorm_backward,
         "Backward of rmsnorm_forward from the saved rstd: returns (dx, dweight), dweight None when "
-        "weight is None; dweight is reduced in a fixed order (deterministic). variant (for A/B "
-        "timing; the default, 7, was the fastest on the H200): 0 the pipelined kernel, each thread keeping the next rows' loads in "
-        "flight (16-bit types: 2 rows, g = dy * w kept in registers); 1 the previous kernel (R rows "
-        "per group loaded, then computed); 2 the pipelined kernel with 3 rows in flight and g "
-        "recomputed (16-bit rows of more than 32 chunks; otherwise as 0); 3, 4, 5 the ring kernel "
-        "(rows staged in shared memory by cp.async, S stages per block, persistent grid): 3 with 2 "
-        "16-byte chunks per thread, 6 stages, blocks of 256 threads (2 per SM); 4 with 1 chunk, 4 "
-        "stages, 512 threads (2 per SM); 5 with 4 chunks, 4 stages, 128 threads (3 per SM); rows of "
-        "513..1024 chunks: 2 chunks, 512 threads, 6 stages (4 for variant 4), one block per SM; 6, 7, 8 "
-        "one block per SM of 4 chunks per thread: 6 three rows at a time (384 threads), 4 stages; 7 "
-        "the same with 3 stages; 8 two rows at a time (256 threads), 5 stages (rows of 513..1024 "
-        "chunks: 2 chunks, 512 threads, 4, 3, 4 stages). "
-        "Variants 0 and 2 use the previous kernel where they do not apply (odd sizes, misaligned "
-        "pointers, rows longer than 1024 16-byte chunks); variants 3..5 use variant 0's kernels "
-        "there (and where the stages exceed the device's shared memory).",
+        "weight is None; dweight is reduced in a fixed order (deterministic, the same bits every "
+        "run). variant (for A/B timing): 0 (default) the shared-memory ring kernel (16-byte "
+        "accesses, rows of <= 1024 16-byte chunks; persistent grid of one block per SM) reducing "
+        "dweight itself after a grid-wide barrier (cooperative launch), where the device launches "
+        "cooperatively (KFORGE_COOPERATIVE_LAUNCH != 0) and the grid fits on it at once; else as "
+        "1: the ring kernel writing one partial dweight row per block, then a separate reduction "
+        "kernel; 2 (tests) never the ring: the kernels that take what the ring does not (a "
+        "register-pipelined kernel for 16-byte rows of <= 1024 chunks whose stages do not fit in "
+        "shared memory, another kernel for odd sizes, misaligned pointers and longer rows; those "
+        "inputs take them under every variant).",
         pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"),
         pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true,
-        pybind11::arg("variant") = static_cast<int64_t>(kRingK4G3S3));
+        pybind11::arg("variant") = static_cast<int64_t>(kFused));
 }
 
 }  // namespace kforge

@@ -2,9 +2,9 @@
 
 Forward (`kforge_gelu_forward`) saves nothing of its own: backward (`kforge_gelu_backward`)
 recomputes gelu'(x) from the input, so only x is kept for the backward pass. Both kernels move 16
-bytes per thread per access with a scalar tail, and index with 64 bits (any numel). The launchers'
-`variant` keyword picks a kernel layout for A/B timing (values in the bindings' docstrings and
-src/ops/gelu.cpp). Kernels: kernels_src/gelu.cu.
+bytes per thread per access (2 packs per thread, all loaded before the math) with a scalar tail,
+misaligned inputs take a scalar kernel, and offsets are 64-bit (any numel). Kernels:
+kernels_src/gelu.cu.
 
 Claims `thunder.torch.gelu` only for approximate="tanh"; the exact erf form is declined.
 """
