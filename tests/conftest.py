@@ -18,6 +18,20 @@ NO_GPU_REASON = "needs a CUDA GPU (run the GPU suite on the GPU machine)"
 # Use as a decorator / pytestmark on every test that launches a kernel.
 gpu = pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bigmem: needs 10+ GiB of GPU memory (tensors past 2^31 elements)")
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist with --dist loadgroup the bigmem tests share one worker, so they run one at a
+    # time instead of several at once exhausting the GPU's memory for every other worker.
+    for item in items:
+        if item.get_closest_marker("bigmem"):
+            item.add_marker(pytest.mark.xdist_group("bigmem"))
+
+
 # Relative error ||out - ref|| / ||ref|| against a float64 reference computed from the same
 # (rounded) inputs. fp32 kernels accumulate in fp32: well under 1e-5 for these sizes; bf16/fp16
 # results carry one output rounding (2^-8 / 2^-11 relative) plus fp32 accumulation.

@@ -286,6 +286,7 @@ def test_side_stream_and_cuda_graph_capture():
 
 
 @gpu
+@pytest.mark.bigmem
 def test_more_than_2pow31_elements():
     """Row offsets past 2^31 elements: the rows on both sides of the boundary match float64, and the
     mean over all rows matches a chunked float64 reference."""

@@ -95,6 +95,7 @@ def test_misaligned_and_strided_inputs(dtype):
 
 @gpu
 @pytest.mark.parametrize("align", ["aligned", "misaligned"])
+@pytest.mark.bigmem
 def test_more_than_2_31_elements(align):
     """64-bit offsets: the packs and the scalar tail (aligned), or the scalar kernels' grid-stride
     loop (misaligned), past element 2^31 are right."""

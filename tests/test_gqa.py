@@ -88,6 +88,7 @@ def test_strided_and_misaligned(dtype):
 
 @gpu
 @pytest.mark.parametrize("D", [256, 255], ids=["vec", "elementwise"])
+@pytest.mark.bigmem
 def test_more_than_2_31_elements(D):
     """64-bit offsets: out (1, 9, 2^20, D) bf16 passes 2^31 elements (heads 8 and up start past it),
     for both forward layouts; the backward of out (3 equal copies) is exactly 3 x."""

@@ -162,6 +162,7 @@ def test_launchers_reject_bad_arguments():
 
 @gpu
 @pytest.mark.parametrize("HS", [64, 5], ids=["vec", "elementwise"])
+@pytest.mark.bigmem
 def test_more_than_2_31_elements(HS):
     """Past 2^31 elements on both sides, byte strides still < 2^32 (the token lanes: 64-bit base plus
     32-bit products): y (2, 3, T, HS) of > 2^31 bf16 elements, merged to (2, T, 3 HS) (= qkv of one
@@ -199,9 +200,10 @@ def test_more_than_2_31_elements(HS):
 
 @gpu
 # ~19 GiB each: two cases cover both tile instantiations (16-byte and element-wise) and both
-# element sizes, without crowding the GPU when the test workers run them at once.
+# element sizes.
 @pytest.mark.parametrize("dtype, HS", [(torch.float32, 64), (torch.bfloat16, 5)],
                          ids=["fp32-vec", "bf16-elementwise"])
+@pytest.mark.bigmem
 def test_tiles_past_32_bit_byte_strides(dtype, HS):
     """A head part whose batch stride is 4 GiB or more does not fit the token lanes' 32-bit byte
     strides: the 64-bit tiles run. dout (2, T, 3 HS) with a batch of one part (T HS elements x 3

@@ -80,6 +80,7 @@ def test_saturated_inputs():
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory < 40 * 2**30,
                     reason="needs 40 GiB of GPU memory")
+@pytest.mark.bigmem
 def test_more_than_2_pow_31_elements():
     n = 2**31 + 24  # packs and scalars past the 32-bit offset range
     g = torch.full((n,), 1.5, device="cuda", dtype=torch.bfloat16)
