@@ -548,40 +548,45 @@ CUfunction Kernel::function(DType dtype, int device) {
 }
 
 namespace {
-// Whether dependent launches are used on `device`: compute capability >= 9.0, cuLaunchKernelEx
-// present, and not switched off by KFORGE_DEPENDENT_LAUNCH=0 (for A/B timing). Cached per device.
-bool dependent_launch_ok(int device) {
-  static std::array<std::atomic<int>, 64> state{};  // 0 unknown, 1 yes, 2 no
+// A per-device yes / no decided once by `decide(device)` (switches read from the environment and
+// device attributes: fixed for the process). Devices past the table's size get "no".
+template <typename F>
+bool per_device_once(std::array<std::atomic<int>, 64>& state, int device, F decide) {
   if (device < 0 || device >= 64) return false;
-  int s = state[device].load(std::memory_order_relaxed);
+  int s = state[device].load(std::memory_order_relaxed);  // 0 unknown, 1 yes, 2 no
   if (s == 0) {
-    const char* env = std::getenv("KFORGE_DEPENDENT_LAUNCH");
-    const bool off = env && std::string(env) == "0";
-    s = (!off && driver().LaunchKernelEx && device_arch(device) >= 90) ? 1 : 2;
+    s = decide(device) ? 1 : 2;
     state[device].store(s, std::memory_order_relaxed);
   }
   return s == 1;
 }
+
+bool env_is_zero(const char* name) {
+  const char* env = std::getenv(name);
+  return env && std::string(env) == "0";
+}
+
+// Whether dependent launches are used on `device`: compute capability >= 9.0, cuLaunchKernelEx
+// present, and not switched off by KFORGE_DEPENDENT_LAUNCH=0 (for A/B timing).
+bool dependent_launch_ok(int device) {
+  static std::array<std::atomic<int>, 64> state{};
+  return per_device_once(state, device, [](int d) {
+    return !env_is_zero("KFORGE_DEPENDENT_LAUNCH") && driver().LaunchKernelEx && device_arch(d) >= 90;
+  });
+}
 }  // namespace
 
 bool cooperative_launch_ok(int device) {
-  static std::array<std::atomic<int>, 64> state{};  // 0 unknown, 1 yes, 2 no
-  if (device < 0 || device >= 64) return false;
-  int s = state[device].load(std::memory_order_relaxed);
-  if (s == 0) {
-    const char* env = std::getenv("KFORGE_COOPERATIVE_LAUNCH");
-    const bool off = env && std::string(env) == "0";
+  static std::array<std::atomic<int>, 64> state{};
+  return per_device_once(state, device, [](int d) {
     const DriverApi& cu = driver();
-    int coop = 0;
+    if (env_is_zero("KFORGE_COOPERATIVE_LAUNCH") || !cu.LaunchKernelEx) return false;
     CUdevice dev;
-    if (!off && cu.LaunchKernelEx && cu.DeviceGet(&dev, device) == CUDA_SUCCESS &&
-        cu.DeviceGetAttribute(&coop, CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH, dev) == CUDA_SUCCESS)
-      s = coop ? 1 : 2;
-    else
-      s = 2;
-    state[device].store(s, std::memory_order_relaxed);
-  }
-  return s == 1;
+    int coop = 0;
+    return cu.DeviceGet(&dev, d) == CUDA_SUCCESS &&
+           cu.DeviceGetAttribute(&coop, CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH, dev) == CUDA_SUCCESS &&
+           coop != 0;
+  });
 }
 
 void Kernel::allow_smem(CUfunction f, int t, int device, size_t smem) {
