@@ -811,6 +811,13 @@ __global__ void __launch_bounds__(32 * ln_group_bwd_warps(VEC), 1)
 }
 
 // ---- BLOCK layout ------------------------------------------------------------------------------
+// Units of V elements a thread keeps in registers: 1 bf16/half pack, 2 fp32 packs or 8 scalars (FITS).
+template <int V, bool FITS>
+KF_DEVICE constexpr int block_reg_units() {
+  static_assert(kRegElems % V == 0, "a thread's registers hold whole units");
+  return FITS ? kRegElems / V : 1;
+}
+
 // Forward: two-pass mean / variance from registers (FITS) or re-reads, then normalise and store.
 template <typename T, bool VEC, bool FITS>
 __global__ void KF_LN_BOUNDS layernorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
@@ -818,10 +825,7 @@ __global__ void KF_LN_BOUNDS layernorm_forward_kernel(const T* __restrict__ x, c
                                          float* __restrict__ mean, float* __restrict__ rstd,
                                          long long N, int C, float eps) {
   using U = Unit<T, VEC>;
-  constexpr int V = U::size;
-  // Units a thread keeps in registers: 1 bf16/half pack, 2 fp32 packs or 8 scalars (FITS).
-  constexpr int KR = FITS ? kRegElems / V : 1;
-  static_assert(kRegElems % V == 0, "a thread's registers hold whole units");
+  constexpr int V = U::size, KR = block_reg_units<V, FITS>();
   __shared__ float red[2][kMaxRowsPerBlock][32];
   const int units = C / V, tpr = blockDim.x, tx = threadIdx.x;
   const int K = FITS ? KR : (units + tpr - 1) / tpr;  // FITS: the launcher ensured units <= KR * tpr
@@ -908,10 +912,7 @@ __global__ void KF_LN_BOUNDS layernorm_backward_kernel(const T* __restrict__ dou
                                           float* __restrict__ partial, long long N, int C,
                                           int need_dweight, int need_dbias) {
   using U = Unit<T, VEC>;
-  constexpr int V = U::size;
-  // Units a thread keeps in registers: 1 bf16/half pack, 2 fp32 packs or 8 scalars (FITS).
-  constexpr int KR = FITS ? kRegElems / V : 1;
-  static_assert(kRegElems % V == 0, "a thread's registers hold whole units");
+  constexpr int V = U::size, KR = block_reg_units<V, FITS>();
   __shared__ float red[2][kMaxRowsPerBlock][32];
   const int units = C / V, tpr = blockDim.x, tx = threadIdx.x;
   const int K = FITS ? KR : (units + tpr - 1) / tpr;

@@ -204,6 +204,21 @@ KF_DEVICE void rope_pairs_token(const T* q, const T* k, T* q_out, T* k_out, cons
   }
 }
 
+// Table row of token tok = (b, t) (see the top of the file); `bad`: its position id is outside
+// [0, n_pos) (row 0 is read instead and the caller writes NaN). I: the caller's index type.
+template <typename I>
+KF_DEVICE long long table_row(const long long* pos, I b, I t, I tok, int tab_batched,
+                              long long n_pos, long long pos_sb, bool& bad) {
+  long long row = tab_batched ? tok : t;
+  bad = false;
+  if (pos) {
+    const long long p = pos[b * pos_sb + t];
+    bad = p < 0 || p >= n_pos;
+    row = bad ? 0 : p;
+  }
+  return row;
+}
+
 template <typename T, typename C>
 KF_DEVICE void rope_body(const T* q, const T* k, T* q_out, T* k_out, const C* cos, const C* sin,
                          const long long* pos, int Tn, int Hq, int Hkv, int D, long long qsb,
@@ -213,13 +228,8 @@ KF_DEVICE void rope_body(const T* q, const T* k, T* q_out, T* k_out, const C* co
   constexpr int V = Pack128<T>::size;
   const long long tok = blockIdx.x;
   const long long b = tok / Tn, t = tok - b * Tn;
-  long long trow = tab_batched ? tok : t;
-  bool bad = false;
-  if (pos) {
-    const long long p = pos[b * pos_sb + t];
-    bad = p < 0 || p >= n_pos;
-    trow = bad ? 0 : p;
-  }
+  bool bad;
+  const long long trow = table_row(pos, b, t, tok, tab_batched, n_pos, pos_sb, bad);
   const int Dc = interleaved ? D / 2 : D;
   const C* cr = cos + trow * Dc;
   const C* sr = sin + trow * Dc;
@@ -365,13 +375,8 @@ KF_DEVICE void rope_tile_body(const T* __restrict__ q, const T* __restrict__ k, 
       }
     }
     // 2. the table row (a dependent load with position ids) and its chunk
-    long long trow = tab_batched ? tok : t;
-    bool bad = false;
-    if (pos) {
-      const long long p = pos[b * pos_sb + t];
-      bad = p < 0 || p >= n_pos;
-      trow = bad ? 0 : p;
-    }
+    bool bad;
+    const long long trow = table_row(pos, b, t, tok, tab_batched, n_pos, pos_sb, bad);
     const C* cr = cos + trow * Dc;
     const C* sr = sin + trow * Dc;
     // 3. rotate (table element outer, head inner), then the stores

@@ -68,11 +68,7 @@ KF_DEVICE Pack128<T> load_pack(const T* p, int vec) {
 }
 template <typename T>
 KF_DEVICE Pack128<T> load_pack_cs(const T* p, int vec) {
-  if (vec) return load128cs(p);
-  Pack128<T> r;
-#pragma unroll
-  for (int i = 0; i < Pack128<T>::size; ++i) r[i] = p[i];
-  return r;
+  return vec ? load128cs(p) : load_pack(p, 0);
 }
 // Streaming store: the stream kernels' outputs must not evict the row that pass 2 re-reads from L2.
 template <typename T>

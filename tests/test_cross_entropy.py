@@ -15,6 +15,15 @@ REDUCTIONS = ["mean", "sum", "none"]
 SHAPES = [(1, 7), (1000, 7), (1, 50257), (16, 50257), (300, 1000)]
 
 
+def make_logits(n: int, v: int, dtype: torch.dtype, seed: int, misaligned: bool) -> torch.Tensor:
+    """Random (n, v) logits; misaligned: starting one element past a 16-byte boundary."""
+    if not misaligned:
+        return randn(n, v, dtype=dtype, scale=2.0, seed=seed)
+    x = randn(n * v + 1, dtype=dtype, scale=2.0, seed=seed)[1:].view(n, v)
+    assert x.data_ptr() % 16 != 0
+    return x
+
+
 def make_targets(n: int, v: int, ignore_index: int, seed: int, frac_ignored: float = 0.15,
                  device: str = "cuda") -> torch.Tensor:
     """Random classes, about `frac_ignored` of them set to ignore_index; row 0 always counts."""
@@ -127,11 +136,7 @@ def test_backward_many_rows_of_many_chunks(dtype, misaligned, reduction):
     [0, V)), and the element-wise path (logits one element off dlogits' 16-byte phase)."""
     n, v = 700, 50257
     seed = 77 + misaligned
-    if misaligned:
-        x = randn(n * v + 1, dtype=dtype, scale=2.0, seed=seed)[1:].view(n, v)
-        assert x.data_ptr() % 16 != 0
-    else:
-        x = randn(n, v, dtype=dtype, scale=2.0, seed=seed)
+    x = make_logits(n, v, dtype, seed, misaligned)
     t = make_targets(n, v, 5, seed, frac_ignored=0.2)
     t[1], t[2] = 0, v - 1  # targets in a row's scalar head / tail / first and last chunk
     g = make_grad(reduction, n, dtype, seed)
@@ -162,11 +167,7 @@ def test_backward_variants_match_float64(dtype, n, v, misaligned, variant):
     elements; 16-byte packs and element-wise. (fp16 "mean" gradients of 50257-wide rows over 200
     rows are mostly fp16 subnormals, too coarse for the norm check: not compared.)"""
     seed = 5 * n + v + misaligned
-    if misaligned:
-        x = randn(n * v + 1, dtype=dtype, scale=2.0, seed=seed)[1:].view(n, v)
-        assert x.data_ptr() % 16 != 0
-    else:
-        x = randn(n, v, dtype=dtype, scale=2.0, seed=seed)
+    x = make_logits(n, v, dtype, seed, misaligned)
     t = make_targets(n, v, 3, seed, frac_ignored=0.2)
     t[1], t[2], t[4] = 0, v - 1, v  # first / last element of a row; out of range (NaN row)
     good = t != v

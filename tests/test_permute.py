@@ -248,6 +248,33 @@ def test_tiles_past_32_bit_byte_strides(dtype, HS):
 
 
 # ---- Thunder, GPU ---------------------------------------------------------------------------------
+def jit_grads(fn, x, w, n_head, dout, executors=(kforge.executor,)):
+    """thunder.jit(fn)(x, w, n_head), its gradients of x and w for dout, and the last forward and
+    backward traces as text."""
+    jfn = thunder.jit(fn, executors=list(executors))
+    out = jfn(x, w, n_head)
+    grads = torch.autograd.grad(out, (x, w), dout)
+    return out, grads, str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+
+
+def cpu_inputs(dtype=torch.float64):
+    """x (2, 5, 12), w (12, 36) (3 heads of 4) and dout on the CPU."""
+    return (randn(2, 5, 12, device="cpu", dtype=dtype).requires_grad_(True),
+            randn(12, 36, device="cpu", dtype=dtype).requires_grad_(True),
+            randn(2, 5, 12, device="cpu", dtype=dtype))
+
+
+def jit_matches_eager(fn, x, w, dout):
+    """jit_grads of fn with 3 heads, output and gradients compared with eager fn; returns the eager
+    output and the traces."""
+    out, grads, fwd, bwd = jit_grads(fn, x, w, 3, dout)
+    ref = fn(x, w, 3)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, torch.autograd.grad(ref, (x, w), dout)):
+        torch.testing.assert_close(g, r)
+    return ref, fwd, bwd
+
+
 def attention_like(x, w, n_head):
     """The helpers as the reference GPT-2 uses them, with something differentiable in between."""
     q, k, v = split_qkv(x @ w, n_head)
@@ -262,10 +289,7 @@ def test_thunder_jit_replaces_split_and_merge(dtype):
     x = randn(B, T, C, dtype=dtype).requires_grad_(True)
     w = randn(C, 3 * C, dtype=dtype, scale=C ** -0.5).requires_grad_(True)
     dout = randn(B, T, C, dtype=dtype)
-    jfn = thunder.jit(attention_like, executors=[kforge.executor])
-    out = jfn(x, w, NH)
-    dx, dw = torch.autograd.grad(out, (x, w), dout)
-    fwd, bwd = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    out, (dx, dw), fwd, bwd = jit_grads(attention_like, x, w, NH, dout)
     for name in ("kforge_split_qkv_forward", "kforge_merge_heads_forward"):
         assert name in fwd, fwd
     for name in ("kforge_split_qkv_backward", "kforge_merge_heads_backward"):
@@ -318,10 +342,8 @@ def test_thunder_jit_sdpa_split_is_views_and_merge_of_token_major_output_is_a_vi
     x = randn(B, T, C, dtype=dtype).requires_grad_(True)
     w = randn(C, 3 * C, dtype=dtype, scale=C ** -0.5).requires_grad_(True)
     dout = randn(B, T, C, dtype=dtype)
-    jfn = thunder.jit(sdpa_like, executors=[kforge.executor, *thunder.get_default_executors()])
-    out = jfn(x, w, NH)
-    dx, dw = torch.autograd.grad(out, (x, w), dout)
-    fwd, bwd = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    out, (dx, dw), fwd, bwd = jit_grads(sdpa_like, x, w, NH, dout,
+                                        [kforge.executor, *thunder.get_default_executors()])
     assert "kforge_split_qkv_views" in fwd and "kforge_split_qkv_forward" not in fwd, fwd
     assert "kforge_merge_heads_forward" in fwd, fwd
     for name in ("kforge_split_qkv_backward", "kforge_merge_heads_backward"):
@@ -399,17 +421,9 @@ def test_checkers_accept_and_decline_with_reasons():
 
 def test_cpu_tensors_fall_back_to_torch():
     _thunder.reset_declines()
-    x = randn(2, 5, 12, device="cpu").requires_grad_(True)
-    w = randn(12, 36, device="cpu").requires_grad_(True)
-    dout = randn(2, 5, 12, device="cpu")
-    jfn = thunder.jit(attention_like, executors=[kforge.executor])
-    out = jfn(x, w, 3)
-    grads = torch.autograd.grad(out, (x, w), dout)
-    assert "kforge_" not in str(thunder.last_traces(jfn)[-1])
-    ref = attention_like(x, w, 3)
-    torch.testing.assert_close(out, ref)
-    for g, r in zip(grads, torch.autograd.grad(ref, (x, w), dout)):
-        torch.testing.assert_close(g, r)
+    x, w, dout = cpu_inputs(torch.float32)
+    ref, fwd, _ = jit_matches_eager(attention_like, x, w, dout)
+    assert "kforge_" not in fwd
     declines = _thunder.declines()
     for key in ("kforge_split_qkv", "kforge_merge_heads"):
         assert any(r.startswith("permute: ") and "not CUDA" in r for r in declines[key]), declines
@@ -431,21 +445,11 @@ def cpu_reference_launchers(monkeypatch):
 
 
 def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):
-    x = randn(2, 5, 12, device="cpu", dtype=torch.float64).requires_grad_(True)
-    w = randn(12, 36, device="cpu", dtype=torch.float64).requires_grad_(True)
-    dout = randn(2, 5, 12, device="cpu", dtype=torch.float64)
-    jfn = thunder.jit(attention_like, executors=[kforge.executor])
-    out = jfn(x, w, 3)
-    grads = torch.autograd.grad(out, (x, w), dout)
-    fwd, bwd = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    _, fwd, bwd = jit_matches_eager(attention_like, *cpu_inputs())
     for name in ("kforge_split_qkv_forward", "kforge_merge_heads_forward"):
         assert name in fwd, fwd
     for name in ("kforge_split_qkv_backward", "kforge_merge_heads_backward"):
         assert name in bwd, bwd
-    ref = attention_like(x, w, 3)
-    torch.testing.assert_close(out, ref)
-    for g, r in zip(grads, torch.autograd.grad(ref, (x, w), dout)):
-        torch.testing.assert_close(g, r)
 
 
 def views_like(x, w, n_head):
@@ -455,16 +459,6 @@ def views_like(x, w, n_head):
 
 def test_thunder_plumbing_split_views(cpu_reference_launchers):
     """copy=False: the views operator forward (plain torch, runs on CPU), the dqkv op backward."""
-    x = randn(2, 5, 12, device="cpu", dtype=torch.float64).requires_grad_(True)
-    w = randn(12, 36, device="cpu", dtype=torch.float64).requires_grad_(True)
-    dout = randn(2, 5, 12, device="cpu", dtype=torch.float64)
-    jfn = thunder.jit(views_like, executors=[kforge.executor])
-    out = jfn(x, w, 3)
-    grads = torch.autograd.grad(out, (x, w), dout)
-    fwd, bwd = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    _, fwd, bwd = jit_matches_eager(views_like, *cpu_inputs())
     assert "kforge_split_qkv_views" in fwd and "kforge_split_qkv_forward" not in fwd, fwd
     assert "kforge_split_qkv_backward" in bwd, bwd
-    ref = views_like(x, w, 3)
-    torch.testing.assert_close(out, ref)
-    for g, r in zip(grads, torch.autograd.grad(ref, (x, w), dout)):
-        torch.testing.assert_close(g, r)

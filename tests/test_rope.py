@@ -96,6 +96,22 @@ CASES = [
 ]
 
 
+def check_random(case, dtype, interleaved, variant, what, table_dtype=None):
+    """check() on random q (B, Hq, T, D) and k (B, Hkv, T, D) with tables(kind) of table_dtype (default:
+    dtype), for case = (B, Hq, Hkv, T, D, kind)."""
+    B, Hq, Hkv, T, D, kind = case
+    cos, sin, pos = tables(kind, B, T, D, interleaved, table_dtype or dtype)
+    q, k = randn(B, Hq, T, D, dtype=dtype), randn(B, Hkv, T, D, dtype=dtype)
+    check(q, k, cos, sin, interleaved, pos, what, variant)
+
+
+def each_dtype_layout_variant(test):
+    """Parametrizes a test over DTYPES x (rotate_half, interleaved) x VARIANTS."""
+    test = pytest.mark.parametrize("dtype", DTYPES, ids=str)(test)
+    test = pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])(test)
+    return pytest.mark.parametrize("variant", VARIANTS)(test)
+
+
 @gpu
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("table_dtype", ["same", "float32"])
@@ -103,43 +119,29 @@ CASES = [
 @pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_backward(dtype, interleaved, case, table_dtype, variant):
-    B, Hq, Hkv, T, D, kind = case
-    tdt = dtype if table_dtype == "same" else torch.float32
-    cos, sin, pos = tables(kind, B, T, D, interleaved, tdt)
-    q, k = randn(B, Hq, T, D, dtype=dtype), randn(B, Hkv, T, D, dtype=dtype)
-    check(q, k, cos, sin, interleaved, pos, str(case), variant)
+    check_random(case, dtype, interleaved, variant, str(case),
+                 table_dtype=dtype if table_dtype == "same" else torch.float32)
 
 
 @gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_dtype_layout_variant
 def test_llama_size(dtype, interleaved, variant):
     # The bench size: 4 x 2048 tokens, 32 q heads + 8 kv heads of dim 128, HF (1, T, D) tables. The
     # persistent variants (3, 4) walk several token tiles per block here.
-    B, T = 4, 2048
-    cos, sin, _ = tables("1t", B, T, 128, interleaved, dtype)
-    check(randn(B, 32, T, 128, dtype=dtype), randn(B, 8, T, 128, dtype=dtype), cos, sin, interleaved,
-          None, "4x2048 32+8 heads", variant)
+    check_random((4, 32, 8, 2048, 128, "1t"), dtype, interleaved, variant, "4x2048 32+8 heads")
 
 
 @gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_dtype_layout_variant
 def test_persistent_grid_over_many_tiles_with_position_ids(dtype, interleaved, variant):
-    # Many token tiles per block of the persistent grid, tiles crossing batch rows, position ids,
-    # a partial last group of q heads (10 = 8 + 2) and of k heads.
-    B, Hq, Hkv, T, D = 3, 10, 3, 1531, 128  # 4593 tokens: over 100 tiles of <= 32 tokens
-    cos, sin, pos = tables("pos", B, T, D, interleaved, dtype)
-    check(randn(B, Hq, T, D, dtype=dtype), randn(B, Hkv, T, D, dtype=dtype), cos, sin, interleaved,
-          pos, "many tiles", variant)
+    # Many token tiles per block of the persistent grid (3 x 1531 = 4593 tokens: over 100 tiles of
+    # <= 32 tokens), tiles crossing batch rows, position ids, a partial last group of q heads
+    # (10 = 8 + 2) and of k heads.
+    check_random((3, 10, 3, 1531, 128, "pos"), dtype, interleaved, variant, "many tiles")
 
 
 @gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_dtype_layout_variant
 def test_strided_and_misaligned_inputs(dtype, interleaved, variant):
     B, Hq, Hkv, T, D = 2, 4, 2, 6, 64
     cos, sin, pos = tables("pos", B, T, D, interleaved, dtype)
@@ -159,9 +161,7 @@ def test_strided_and_misaligned_inputs(dtype, interleaved, variant):
 
 
 @gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_dtype_layout_variant
 def test_invalid_positions_give_nan_rows(dtype, interleaved, variant):
     B, Hq, Hkv, T, D = 1, 2, 1, 4, 16
     cos, sin, _ = tables("t", 1, 8, D, interleaved, torch.float32)  # 8 positions

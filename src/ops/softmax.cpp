@@ -77,16 +77,18 @@ bool same_alignment(std::initializer_list<const at::Tensor*> ts) {
   return true;
 }
 
-void check_rows(const at::Tensor& x, int64_t C, const char* op) {
+// The length C of x's rows (its last dim) and their count, after checking that the kernels' int row
+// and column indices hold and, when causal, that x is (..., T, T) scores.
+std::pair<int64_t, int64_t> checked_rows(const at::Tensor& x, bool causal, const char* op) {
+  if (causal)
+    KF_CHECK(x.dim() >= 2 && x.size(-1) == x.size(-2), op,
+             "expected scores of shape (..., T, T), got ", x.sizes());
+  const int64_t C = x.dim() ? x.size(-1) : 1;
   KF_CHECK(x.dim() >= 1, op, "expected at least 1 dimension, got a 0-d tensor");
   KF_CHECK(C <= std::numeric_limits<int>::max(), op, "rows of ", C, " elements are too long (max 2^31-1)");
   if (C > 0)
     KF_CHECK(x.numel() / C < std::numeric_limits<int>::max(), op, "too many rows: ", x.numel() / C);
-}
-
-void check_causal(const at::Tensor& x, const char* op) {
-  KF_CHECK(x.dim() >= 2 && x.size(-1) == x.size(-2), op,
-           "expected scores of shape (..., T, T), got ", x.sizes());
+  return {C, C > 0 ? x.numel() / C : 0};
 }
 
 // Packs per lane (2 or 4) of the pair-of-rows and persistent-warps kernels for plain 16-bit rows
@@ -144,13 +146,10 @@ bool launch_rows16(const at::Tensor& x, at::Tensor& y, int64_t rows, int64_t C, 
 
 at::Tensor forward(const at::Tensor& x_, bool causal, double scale, const char* op, int64_t variant = 0) {
   const at::Tensor x = input(x_, op, "x");
-  if (causal) check_causal(x, op);
-  const int64_t C = x.dim() ? x.size(-1) : 1;
-  check_rows(x, C, op);
+  const auto [C, rows] = checked_rows(x, causal, op);
   LaunchOn on(x);
   at::Tensor y = new_output_like(x);
   if (x.numel() == 0) return y;
-  const int64_t rows = x.numel() / C;
   const DType dt = dtype_of(x, op);
   if (!causal && launch_rows16(x, y, rows, C, dt, on, variant)) return y;
   const bool vec = same_alignment({&x, &y});
@@ -171,13 +170,10 @@ at::Tensor backward(const at::Tensor& dy_, const at::Tensor& y_, bool causal, do
   const at::Tensor y = input(y_, op, "y");
   const at::Tensor dy = input_like(dy_, y, op, "dy");
   KF_CHECK(dy.sizes() == y.sizes(), op, "dy and y sizes differ: ", dy.sizes(), " vs ", y.sizes());
-  if (causal) check_causal(y, op);
-  const int64_t C = y.dim() ? y.size(-1) : 1;
-  check_rows(y, C, op);
+  const auto [C, rows] = checked_rows(y, causal, op);
   LaunchOn on(y);
   at::Tensor dx = new_output_like(y);
   if (y.numel() == 0) return dx;
-  const int64_t rows = y.numel() / C;
   const DType dt = dtype_of(y, op);
   const bool vec = same_alignment({&dy, &y, &dx});
   const Plan p = plan(rows, C, dt, y.element_size(), /*forward=*/false, vec);
