@@ -84,7 +84,9 @@ def check_random(shape, dtype, cast_before_weight, variant):
 # backward_geometry in src/ops/rmsnorm.cpp): forward one warp per row with K = 1, 2, 4, 8 chunks per
 # thread ((2, 256), (3, 512), (17, 768), (5, 2048)) and one block per row with K = 4 ((4, 2056),
 # bf16 (3, 5, 4100)) and K = 8 ((8, 4096)).
-# Backward, the ring kernel (variants 0 fused and 1 unfused): rows of <= 512 chunks on 4 chunks per
+# Backward, the ring kernel (variants 0, 3, 4 fused with a dynamic tail, 5 fused without, 1 unfused;
+# the tail only for groups of several warps and more row groups than blocks: test_ring_tail,
+# test_llama_size_many_rows, test_dweight_is_deterministic): rows of <= 512 chunks on 4 chunks per
 # thread, several row groups per block ((8, 4096) bf16 and (5, 2048) fp32: 512 chunks, three rows of
 # 128 threads; (17, 768) bf16: 96 chunks, twelve rows of 32), groups of less than a warp ((2, 256)
 # bf16: 32 chunks on 8 threads; (1000, 64) bf16: 8 chunks on 2; (5, 3) is element-wise), chunks
@@ -103,10 +105,12 @@ def check_random(shape, dtype, cast_before_weight, variant):
 SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056),
           (3, 512), (5, 2048), (3, 8192), (5, 6000)]
 # Backward kernels (the launcher's `variant`): 0 the ring reducing dweight itself (cooperative
-# launch; the default), 1 the ring then rmsnorm_dweight_kernel, 2 the kernels for what the ring
-# does not take.
-VARIANTS = [0, 1, 2]
-RING_VARIANTS = [0, 1]
+# launch; the default) with a dynamic tail (head 0.8, chunks of 4 row groups), 3 head 0.7 / chunks
+# of 2, 4 head 0.9 / chunks of 4, 5 no tail; 1 the ring then rmsnorm_dweight_kernel, 2 the kernels
+# for what the ring does not take.
+VARIANTS = [0, 1, 2, 3, 4, 5]
+RING_VARIANTS = [0, 1, 3, 4, 5]
+TAIL_VARIANTS = [0, 3, 4]
 variants = pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"v{v}")
 ring_variants = pytest.mark.parametrize("variant", RING_VARIANTS, ids=lambda v: f"v{v}")
 
@@ -174,6 +178,47 @@ def test_ring_rows(D, dtype, variant):
         if rows in (1, 3 * sms + 1):
             check(x, w, dy, False, what=f"{rows}x{D}", variant=variant)
             check(x, None, dy, True, what=f"{rows}x{D} no weight", variant=variant)
+
+
+def ring_groups(D, dtype):
+    """Rows per block at a time (row groups of the tensor) of the ring kernel, as ring_plan picks
+    them, and whether its groups are of several warps (where the fused kernel has a dynamic tail)."""
+    nchunk = D * torch.tensor([], dtype=dtype).element_size() // 16
+    K, NT = (2, 512) if nchunk > 512 else (4, 384)
+    tx = -(-nchunk // K)
+    tx = -(-tx // 32) * 32 if tx > 32 else 1 << (tx - 1).bit_length()
+    return NT // tx, tx > 32
+
+
+@gpu
+@pytest.mark.parametrize("variant", TAIL_VARIANTS, ids=lambda v: f"v{v}")
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 4096), (torch.float32, 4096),
+                                     (torch.bfloat16, 8192), (torch.float32, 1024),
+                                     (torch.float16, 2048), (torch.bfloat16, 3072)],
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_ring_tail(dtype, D, variant):
+    # The fused ring's dynamic tail: row groups of 3 (bf16 4096), 1 (fp32 4096, bf16 8192: no fold
+    # buffer), 6 (fp32 1024, fp16 2048), 4 (bf16 3072) rows. Row group counts just past the blocks
+    # (no head: every row group in the tail, the prologue claiming chunks), heads of 1, 2 (fewer than
+    # the 3 stages) and many row groups, a short last chunk, a partial last row group; at most one
+    # row group per block (no tail).
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    G, several_warps = ring_groups(D, dtype)
+    assert several_warps
+    for ngroups in (sms + 1, 2 * sms + 3, 3 * sms + 5, 7 * sms + 2, 20 * sms + 1, sms, sms - 1):
+        for rows in sorted({ngroups * G, ngroups * G - G + 1}):
+            if rows * D > 40_000_000:
+                continue
+            x, dy = randn(rows, D, dtype=dtype), randn(rows, D, dtype=dtype)
+            w = randn(D, dtype=dtype, scale=0.5) + 1
+            check(x, w, dy, True, what=f"{rows}x{D}", variant=variant)
+            # dx does not depend on which block computes a row: the same bits as without a tail.
+            _, rstd = kforge._C.rmsnorm_forward(x, w, EPS)
+            dx_tail, _ = kforge._C.rmsnorm_backward(dy, x, w, rstd, variant=variant)
+            dx_static, _ = kforge._C.rmsnorm_backward(dy, x, w, rstd, variant=5)
+            assert torch.equal(dx_tail, dx_static), f"{rows}x{D}"
+            if rows == ngroups * G and ngroups == 3 * sms + 5:
+                check(x, w, dy, False, what=f"{rows}x{D}", variant=variant)
 
 
 @gpu
@@ -272,11 +317,13 @@ def test_hf_rounding_matches_the_helper():
 
 @gpu
 @variants
-@pytest.mark.parametrize("shape", [(4096, 4096), (500, 768)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(4096, 4096), (500, 768), (6001, 1024)],
+                         ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dweight_is_deterministic(dtype, shape, variant):
-    # Three runs, the same bits (variant 0: the blocks finish in a different order every run; the
-    # fused reduction's order does not depend on it).
+    # Three runs, the same bits (variants 0, 3, 4: the tail's chunks go to different blocks every
+    # run, its partial rows are per chunk; the fused reduction's order does not depend on either).
+    # Tails with row groups of 3 (bf16 4096), 1 (fp32 4096) and 6 (fp32 1024) rows.
     x, dy = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
     w = randn(shape[-1], dtype=dtype)
     _, rstd = kforge._C.rmsnorm_forward(x, w, EPS)
@@ -453,8 +500,8 @@ def test_launcher_rejects_cpu_tensors():
 
 
 def test_launcher_rejects_unknown_variant():
-    for v in (-1, 3):
-        with pytest.raises(kforge.KforgeError, match=r"variant must be in \[0, 2\]"):
+    for v in (-1, 6):
+        with pytest.raises(kforge.KforgeError, match=r"variant must be in \[0, 5\]"):
             kforge._C.rmsnorm_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2),
                                        variant=v)
 

@@ -163,11 +163,30 @@ BwdGeometry backward_geometry(int nchunk, bool vec, bool cbw, DType dt) {
 
 // Backward kernel choices (the launcher's `variant`).
 enum BwdVariant : int64_t {
-  kFused = 0,     // the ring with the dweight reduction in the kernel, where it applies (default)
+  kFused = 0,     // the ring with the dweight reduction in the kernel and a dynamic tail (default)
   kUnfused = 1,   // the ring writing partial rows, then rmsnorm_dweight_kernel
   kFallback = 2,  // never the ring: the kernels that take the inputs the ring does not (tests)
-  kNumVariants = 3,
+  kTail7c2 = 3,   // as kFused, head fraction 0.7, chunks of 2 row groups
+  kTail9c4 = 4,   // as kFused, head fraction 0.9, chunks of 4 row groups
+  kNoTail = 5,    // as kFused, every row group static (no tail)
+  kNumVariants = 6,
 };
+
+// The fused ring's dynamic tail: a static head of floor(f * ngroups / grid) row groups per block,
+// the rest in chunks of c row groups claimed at run time (c a power of two >= 2: see the kernel;
+// c = 0: no tail).
+struct TailParams {
+  double f;
+  int c;
+};
+TailParams tail_params(int64_t variant) {
+  switch (variant) {
+    case kTail7c2: return {0.7, 2};
+    case kTail9c4: return {0.9, 4};
+    case kNoTail: return {1.0, 0};
+    default: return {0.8, 4};
+  }
+}
 
 // Pipelined backward: K = 1 (one warp per row, 16 rows per block) up to 32 chunks, else K = 2 (rows
 // of <= 512 threads). 16-bit types: P = 2 rows in flight (K = 1: 4) keeping g; fp32: P = 8 (K = 1) or
@@ -209,6 +228,8 @@ struct RingPlan {
   bool fused = false;        // kernel reduces dweight itself: launch it cooperatively
   unsigned tx = 0, groups = 0, grid = 0;
   size_t smem = 0;
+  int head = 0, chunk = 0;  // fused dynamic tail (chunk 0: none): the kernel's head and chunk
+  int64_t nparts = 0;       // partial dweight rows: grid + the tail's chunks
 };
 
 // Ring backward: a row group of `groups` rows of tx threads per block, tx = the thread count for K
@@ -216,10 +237,13 @@ struct RingPlan {
 // stages in dynamic shared memory (see the kernel); a persistent grid of one block per SM (at most
 // the row groups). Not applied (kernel nullptr) to element-wise access, rows longer than
 // kRingMaxChunks, shared memory beyond the device's limit, or a tensor too large for the kernel's
-// 32-bit row step. `fused` asks for the FUSED kernel: given only where the device launches
+// row group index (< 2^30). `fused` asks for the FUSED kernel: given only where the device launches
 // cooperatively and the whole grid fits on the GPU at once (occupancy query); else the unfused one.
-RingPlan ring_plan(int nchunk, bool vec, bool cbw, bool fused, DType dt, int64_t rows, int64_t D,
-                   int64_t elem, int device) {
+// The fused kernel's dynamic tail (tail.c > 0) applies to groups of several warps (the kernel's loop
+// has a __syncthreads per row) where some block has more than one row group, the tail is not empty
+// and, for several groups per block, the fold buffer (groups * D floats) fits in shared memory too.
+RingPlan ring_plan(int nchunk, bool vec, bool cbw, bool fused, TailParams tail, DType dt,
+                   int64_t rows, int64_t D, int device) {
   RingPlan p;
   if (!vec || nchunk > kRingMaxChunks) return p;
   const RingShape sh = nchunk > 512 ? kRingLong : kRingShort;
@@ -241,18 +265,35 @@ RingPlan ring_plan(int nchunk, bool vec, bool cbw, bool fused, DType dt, int64_t
   }
   const int groups = sh.NT / tx;  // tx <= NT: nchunk <= K * NT for every shape
   const int nseg = tx >= 32 ? tx * groups / 32 : groups;
-  const size_t smem = size_t(sh.S) * (size_t(2) * groups * tx * sh.K * 16 + size_t(nseg) * 4);
-  const size_t static_smem = size_t(2) * sh.NT;  // red[2][NT / 4] floats
+  size_t smem = size_t(sh.S) * (size_t(2) * groups * tx * sh.K * 16 + size_t(nseg) * 4);
+  const size_t static_smem = size_t(2) * sh.NT + 16;  // red[2][NT / 4] floats, claimed
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
   if (smem + static_smem > prop->sharedMemPerBlockOptin) return p;
   const int64_t ngroups = (rows + groups - 1) / groups;
+  if (ngroups >= (int64_t(1) << 30)) return p;
   const int64_t grid = std::min<int64_t>(ngroups, prop->multiProcessorCount);
-  if (grid * groups * D * elem >= (int64_t(1) << 32) ||
-      (ngroups + grid - 1) / grid > std::numeric_limits<int>::max() - 16)
-    return p;
-  if (fused)
-    fused = grid <= int64_t(blocks_per_sm(fk->kernel, dt, device, tx * groups, smem)) *
-                        prop->multiProcessorCount;
+  p.nparts = grid;
+  if (fused) {
+    auto fits = [&](size_t bytes) {
+      return grid <= int64_t(blocks_per_sm(fk->kernel, dt, device, tx * groups, bytes)) *
+                         prop->multiProcessorCount;
+    };
+    KF_CHECK(tail.c == 0 || (tail.c >= 2 && (tail.c & (tail.c - 1)) == 0), "rmsnorm_backward",
+             "tail chunks of ", tail.c, " row groups (0 or a power of two >= 2)");
+    const int64_t head = std::min<int64_t>(
+        static_cast<int64_t>(tail.f * double(ngroups) / double(grid)), ngroups / grid);
+    const size_t tail_smem =
+        (smem + 15) / 16 * 16 + (groups > 1 ? size_t(groups) * D * sizeof(float) : 0);
+    if (tail.c > 0 && tx > 32 && ngroups > grid && head * grid < ngroups &&
+        tail_smem + static_smem <= prop->sharedMemPerBlockOptin && fits(tail_smem)) {
+      p.head = static_cast<int>(head);
+      p.chunk = tail.c;
+      p.nparts = grid + (ngroups - head * grid + tail.c - 1) / tail.c;
+      smem = tail_smem;
+    } else {
+      fused = fits(smem);
+    }
+  }
   p.kernel = fused ? &fk->kernel : &rk->kernel;
   p.fused = fused;
   p.tx = static_cast<unsigned>(tx);
@@ -341,14 +382,13 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   const DType dt = dtype_of(x, op);
   const int zero = 0;  // see opaque() in the kernel
   const int sms = sm_count(on.device);
-  const int64_t elem = x.element_size();
   // The ring where it applies (fused: the dweight reduction in the kernel, where the device allows);
   // elsewhere the pipelined kernel (16-byte rows of <= 1024 chunks), else rmsnorm_backward_kernel.
   const RingPlan ring = variant == kFallback
                             ? RingPlan{}
                             : ring_plan(nchunk, vec, cast_before_weight,
-                                        variant == kFused && weight.has_value(), dt, rows, D, elem,
-                                        on.device);
+                                        variant != kUnfused && weight.has_value(),
+                                        tail_params(variant), dt, rows, D, on.device);
   PipeKernel* pk = ring.kernel ? nullptr : pipe_kernel(nchunk, vec, cast_before_weight, dt);
   unsigned grid = ring.grid, tx = ring.tx, groups = ring.groups;
   if (pk) {
@@ -369,20 +409,24 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
     const int64_t rows_per_step = int64_t(groups) * g.kernel->R;
     grid = static_cast<unsigned>(std::min<int64_t>((rows + rows_per_step - 1) / rows_per_step, sms));
   }
+  // Partial dweight rows (fused tail: one per block and one per tail chunk, then the chunk counter).
   std::optional<at::Tensor> partial;
-  if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
+  if (weight)
+    partial = ring.fused ? new_output({ring.nparts * D + 4}, x.options().dtype(at::kFloat))
+                         : new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
   const size_t fold_bytes = size_t(tx) * groups * V * sizeof(float);
   const float inv_d = 1.0f / static_cast<float>(D);
   if (ring.fused)
     kernel->launch_cooperative(dt, on.device, on.stream, grid, Dim3(tx, groups), ring.smem,
                                dy.data_ptr(), x.data_ptr(), ptr(weight), rstd.data_ptr(),
                                dx.data_ptr(), ptr(partial), ptr(dweight),
-                               static_cast<long long>(rows), static_cast<int>(D), inv_d, zero);
+                               static_cast<long long>(rows), static_cast<int>(D), inv_d, zero,
+                               ring.head, ring.chunk);
   else if (ring.kernel)
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), ring.smem, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
                    static_cast<void*>(nullptr), static_cast<long long>(rows), static_cast<int>(D),
-                   inv_d, zero);
+                   inv_d, zero, 0, 0);
   else if (pk)
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), fold_bytes, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
@@ -414,9 +458,13 @@ KFORGE_BIND_OP(rmsnorm) {
         "run). variant (for A/B timing): 0 (default) the shared-memory ring kernel (16-byte "
         "accesses, rows of <= 1024 16-byte chunks; persistent grid of one block per SM) reducing "
         "dweight itself after a grid-wide barrier (cooperative launch), where the device launches "
-        "cooperatively (KFORGE_COOPERATIVE_LAUNCH != 0) and the grid fits on it at once; else as "
-        "1: the ring kernel writing one partial dweight row per block, then a separate reduction "
-        "kernel; 2 (tests) never the ring: the kernels that take what the ring does not (a "
+        "cooperatively (KFORGE_COOPERATIVE_LAUNCH != 0) and the grid fits on it at once, with a "
+        "dynamic tail for rows of several warps (each block takes a static head of floor(0.8 * "
+        "row groups / blocks) row groups, the rest go in chunks of 4 row groups to whichever "
+        "block claims them first; dweight partial rows per fixed chunk, so still deterministic); "
+        "3, 4: the same with head 0.7, chunks of 2 / head 0.9, chunks of 4; 5: the same without "
+        "a tail; else as 1: the ring kernel writing one partial dweight row per block, then a "
+        "separate reduction kernel; 2 (tests) never the ring: the kernels that take what the ring does not (a "
         "register-pipelined kernel for 16-byte rows of <= 1024 chunks whose stages do not fit in "
         "shared memory, another kernel for odd sizes, misaligned pointers and longer rows; those "
         "inputs take them under every variant).",
