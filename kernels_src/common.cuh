@@ -42,32 +42,6 @@ KF_DEVICE void kf_allow_dependents() {
 #endif
 }
 
-// ---- grid-wide barrier (Kernel::launch_cooperative in the runtime) -------------------------------
-// Every thread of every block calls it; global writes before it are visible to all blocks after it.
-// Only in a cooperatively launched kernel: all blocks are resident, and the driver passes a workspace
-// (address in %envreg1:%envreg2) whose second word is the barrier counter. Thread 0 of each block
-// adds once: block 0 adds 2^31 - (blocks - 1), the others 1, so when all have arrived the top bit
-// has flipped and the low bits are back where they were: no reset, whatever the word held before.
-// Release on the add, acquire on the poll, and __syncthreads on both sides order the whole block.
-KF_DEVICE void kf_grid_sync() {
-  __syncthreads();
-  if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
-    u32 hi, lo;
-    asm volatile("mov.u32 %0, %%envreg1;" : "=r"(hi));
-    asm volatile("mov.u32 %0, %%envreg2;" : "=r"(lo));
-    u32* bar = reinterpret_cast<u32*>((static_cast<unsigned long long>(hi) << 32) | lo) + 1;
-    const u32 blocks = gridDim.x * gridDim.y * gridDim.z;
-    const bool first = (blockIdx.x | blockIdx.y | blockIdx.z) == 0;
-    const u32 add = first ? 0x80000000u - (blocks - 1u) : 1u;
-    u32 old, cur;
-    asm volatile("atom.add.release.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(bar), "r"(add) : "memory");
-    do {
-      asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(cur) : "l"(bar) : "memory");
-    } while (((old ^ cur) & 0x80000000u) == 0u);
-  }
-  __syncthreads();
-}
-
 // ---- conversions --------------------------------------------------------------------------------
 KF_DEVICE float to_float(float x) { return x; }
 KF_DEVICE float to_float(bf16 x) { return __uint_as_float(((u32)x.bits) << 16); }

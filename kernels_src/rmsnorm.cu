@@ -8,8 +8,7 @@
 // rstd; with g = dy * w: dx = rstd * (g - x_hat * mean(g * x_hat)), and dweight = sum over rows of
 // dy * x_hat (x_hat rounded to T first under cast_before_weight, as the forward used it).
 // dweight is deterministic: each backward block accumulates fp32 sums for its rows in registers and
-// writes one partial row; the partial rows are added in a fixed order, by the ring kernel itself
-// after a grid-wide barrier (FUSED, a cooperative launch) or by rmsnorm_dweight_kernel.
+// writes one partial row; rmsnorm_dweight_kernel adds the partial rows in a fixed order.
 //
 // Layout shared by both directions: a row is split into chunks of V = 16 / sizeof(T) elements;
 // blockDim.x threads own a row (one warp, or several warps), blockDim.y rows are handled side by
@@ -664,9 +663,7 @@ done:
 // ---- backward, shared-memory ring (the default for 16-byte rows of <= 1024 chunks) ---------------
 // Layout: persistent grid of one block per SM (at most the row groups); a block is blockDim.y
 // row groups of blockDim.x threads and takes blockDim.y rows at a time (a row group of the tensor):
-// row groups blockIdx.x, + gridDim.x, ... (FUSED with a dynamic tail: only the first `head` of
-// those, then chunks of consecutive row groups claimed at run time, so that blocks on SMs that
-// stream faster take more of the tail; see the kernel). Thread x owns chunks x, x + blockDim.x, ... (K of them) of
+// row groups blockIdx.x, + gridDim.x, ... Thread x owns chunks x, x + blockDim.x, ... (K of them) of
 // its group's row, in every row it visits: it keeps their weight (fp32) and dweight sums in registers.
 // blockDim.x is a multiple of 32 (<= 512) or a power of two below 32 (several rows per warp).
 // Rows are staged in shared memory by cp.async (16 bytes per chunk, .cg), in a ring of S stages per
@@ -687,14 +684,10 @@ done:
 // slots used by alternate rows); dx = r * (g + a * x), a = -r^2 * dot / D.
 // At the end the block writes its dweight sums as row blockIdx.x of dw_partial (fp32, D wide):
 // directly when blockDim.y == 1, else added over the groups in order of the group through the ring's
-// shared memory. With a dynamic tail, partial rows by fixed units of rows instead (the head: row
-// blockIdx.x; tail chunk j: row gridDim.x + j), written as each unit ends, through a fold buffer
-// after the ring. FUSED (cooperative launch, weight given): then a grid-wide barrier, and the blocks
-// add the partial rows into dweight (reduce_partials below); otherwise rmsnorm_dweight_kernel does.
+// shared memory.
 // Only 16-byte accesses (D % V == 0, pointers 16-byte aligned; the launcher checks). Dynamic shared
 // memory: S * (2 * blockDim.y * blockDim.x * K * 16 + nseg * 4) bytes, nseg = blockDim.y *
-// blockDim.x / 32 (blockDim.x >= 32) or blockDim.y (smaller groups); with a dynamic tail and
-// blockDim.y > 1, rounded up to 16 bytes, plus the fold buffer (blockDim.y * D floats).
+// blockDim.x / 32 (blockDim.x >= 32) or blockDim.y (smaller groups).
 KF_DEVICE u32 rn_smem(const void* p) {
   u32 s;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
@@ -731,60 +724,12 @@ KF_DEVICE void rn_sts_f32(u32 a, float f) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(a), "f"(f) : "memory");
 }
 
-// FUSED: dweight = the sum of the P partial rows, after a grid-wide barrier (the partial rows come
-// from other SMs: read through L2, __ldcg). Block b owns the float4 columns [b * W, (b + 1) * W),
-// W = ceil(D / 4 / gridDim.x). A column is added by a team of L lanes of one warp, L the smallest
-// power of two (<= 32) that leaves each lane at most kRedRows rows: lane l adds rows l, l + L, ... in
-// order of the row (kRedRows loads issued before the first add), then a shuffle tree over the team
-// (xor 1, 2, ..., L / 2). L depends on P only, so a column's order of addition is the same
-// whichever block and team add it, and the same in every run. Written as T, rounded once.
-constexpr int kRedRows = 8;
-template <typename T>
-KF_DEVICE void reduce_partials(const float* __restrict__ partial, T* __restrict__ dweight, int D,
-                               int tid, int nt, int P) {
-  kf_grid_sync();
-  const int D4 = D >> 2;  // D % 4 == 0 (16-byte rows)
-  int L = 1;
-  while (L < 32 && L * kRedRows < P) L <<= 1;
-  const int W = (D4 + gridDim.x - 1) / gridDim.x;
-  const int first = blockIdx.x * W, end = min(first + W, D4);
-  const int team = tid / L, l = tid & (L - 1), teams = nt / L;  // nt: a multiple of 32
-  const float4* p4 = reinterpret_cast<const float4*>(partial);
-  for (int base = first; base < end; base += teams) {  // the same trip count in the whole block
-    const int c = base + team;
-    const bool live = c < end;
-    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int g0 = l; g0 < P; g0 += L * kRedRows) {
-      float4 v[kRedRows];
-#pragma unroll
-      for (int u = 0; u < kRedRows; ++u) {
-        const int g = g0 + u * L;
-        v[u] = live && g < P ? __ldcg(p4 + (long long)g * D4 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-#pragma unroll
-      for (int u = 0; u < kRedRows; ++u) a.x += v[u].x, a.y += v[u].y, a.z += v[u].z, a.w += v[u].w;
-    }
-    for (int o = 1; o < L; o <<= 1) {
-      a.x += __shfl_xor_sync(0xffffffffu, a.x, o);
-      a.y += __shfl_xor_sync(0xffffffffu, a.y, o);
-      a.z += __shfl_xor_sync(0xffffffffu, a.z, o);
-      a.w += __shfl_xor_sync(0xffffffffu, a.w, o);
-    }
-    if (live && l == 0) {
-      T* d = dweight + 4 * c;
-      d[0] = from_float<T>(a.x), d[1] = from_float<T>(a.y);
-      d[2] = from_float<T>(a.z), d[3] = from_float<T>(a.w);
-    }
-  }
-}
-
-template <typename T, int K, int S, bool CBW, int NT, bool FUSED>
+template <typename T, int K, int S, bool CBW, int NT>
 __global__ void __launch_bounds__(NT, 1)
     rmsnorm_backward_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                  const T* __restrict__ weight, const float* __restrict__ rstd,
-                                 T* __restrict__ dx, float* __restrict__ dw_partial,
-                                 T* __restrict__ dweight, long long rows, int D, float inv_d,
-                                 int zero, int head, int chunk) {
+                                 T* __restrict__ dx, float* __restrict__ dw_partial, long long rows,
+                                 int D, float inv_d, int zero) {
   using E = Elems<T>;
   constexpr int V = E::V;
   static_assert(NT <= 512 && NT % 64 == 0, "groups of <= 16 warps");
@@ -829,48 +774,36 @@ __global__ void __launch_bounds__(NT, 1)
     red[1][threadIdx.y * 16 + threadIdx.x] = 0.0f;
   }
 
-  // The block's row groups, in the order it visits them. Static head: b, b + grid, ..., m of them
-  // (DYN, a dynamic tail: FUSED, groups of several warps and chunk > 0: m = head, m * grid <=
-  // ngroups; else every row group of the block, m = its count). DYN: then the tail, row groups
-  // [m * grid, ngroups) in chunks of `chunk` (a power of two >= 2) consecutive row groups, claimed
-  // one chunk ahead through a counter (the int after the partial rows, zeroed by block 0 before a
-  // grid-wide barrier that precedes every claim); see the cursor below.
-  // Partial dweight rows by fixed units of rows, whoever computes them: the head -> row b, tail chunk
-  // j -> row grid + j; written when the unit's last row group is computed (flush), acc then zeroed.
-  // Row group g: rows g * G + threadIdx.y (the last row group may be partial: zero-filled, not
-  // stored); addresses from g (the launcher checks that ngroups < 2^30).
-  const int grid = gridDim.x, b = blockIdx.x;
-  const int ngroups = (int)((rows + G - 1) / G);
-  const bool dyn = FUSED && tx > 32 && chunk > 0;
-  const int m = dyn ? head : (ngroups - 1 - b) / grid + 1;
-  const int tail0 = dyn ? m * grid : ngroups;  // the tail's first row group
-  const int nchunks = dyn ? (ngroups - tail0 + chunk - 1) / chunk : 0;
-  const int nparts = grid + nchunks;  // partial dweight rows
-  // (Pointers are recomputed from the kernel's arguments where they are used: fewer registers.)
-  auto counter = [&]() { return reinterpret_cast<int*>(dw_partial + (long long)nparts * D); };
-  __shared__ int claimed;  // DYN: the chunk thread 0 claimed last
-  auto live = [&](int g) { return (long long)g * G + threadIdx.y < rows; };  // this thread's row
-  const u32 gbytes = (u32)(G * D) * (u32)sizeof(T);  // bytes per row group
-  const u32 toff = (u32)(threadIdx.y * D + threadIdx.x * V) * (u32)sizeof(T);  // in a row group
-  auto at = [&](const void* base, int g) {  // this thread's first chunk of row group g
-    return reinterpret_cast<const char*>(base) + ((u64)(u32)g * gbytes + toff);
-  };
+  // Row groups of the block (n, the same for all its threads: the launcher's grid is <= the number
+  // of row groups) and the rows of this thread's group (nv <= n: the tensor's last row group may be
+  // partial). Addressing: byte pointers advanced by a 32-bit step per row group (the launcher checks
+  // that gridDim.x * G * D * sizeof(T) < 2^32).
+  const long long row0 = (long long)blockIdx.x * G + threadIdx.y;
+  const long long rstep = (long long)gridDim.x * G;
+  const long long ngroups = (rows + G - 1) / G;
+  const int n = (int)((ngroups - 1 - blockIdx.x) / gridDim.x) + 1;
+  const int nv = row0 < rows ? (int)((rows - 1 - row0) / rstep) + 1 : 0;
+  const u32 step = (u32)(rstep * D) * (u32)sizeof(T);
+  const u32 rbytes = (u32)rstep * 4u;
+  const long long off = row0 * D + threadIdx.x * V;
+  const char* lx = reinterpret_cast<const char*>(x + off);  // the row to request next
+  const char* lr = reinterpret_cast<const char*>(rstd + row0);
+  const u64 gdelta = reinterpret_cast<u64>(dy) - reinterpret_cast<u64>(x);
+  char* cdx = reinterpret_cast<char*>(dx + off);  // the row being computed
 
-  // Requests row group g into stage s (zeros past the end of the tensor). `dep`: 0, computed from what
+  // Requests row group t into stage s (zeros past the end of the tensor). `dep`: 0, computed from what
   // the thread last read of the stage, so the copies wait for those reads.
-  auto request = [&](int g, int s, u32 dep) {
+  auto request = [&](int t, int s, u32 dep) {
     const u32 sa = my + (u32)s * stage_bytes + dep;
     const u32 ra = rslot + (u32)s * rstage + dep;
-    if (live(g)) {
-      const char* lx = at(x, g);
-      const char* ly = at(dy, g);
+    if (t < nv) {
 #pragma unroll
       for (int k = 0; k < K; ++k)
         if (ok[k]) {
           rn_cp16(sa + (u32)k * kstep, lx + k * kstep);
-          rn_cp16(sa + dyoff + (u32)k * kstep, ly + k * kstep);
+          rn_cp16(sa + dyoff + (u32)k * kstep, plus(lx, gdelta + k * kstep));
         }
-      if (leader) rn_cp4(ra, rstd + ((long long)g * G + threadIdx.y));
+      if (leader) rn_cp4(ra, lr);
     } else {
 #pragma unroll
       for (int k = 0; k < K; ++k)
@@ -880,126 +813,21 @@ __global__ void __launch_bounds__(NT, 1)
         }
       if (leader) rn_sts_f32(ra, 0.0f);
     }
+    lx += step;
+    lr += rbytes;
   };
 
-  // The request cursor (the same in every thread): cur, the next row group of the unit being
-  // requested (the head: step grid, below tail0; a tail chunk: step 1, up to a multiple of chunk, a
-  // power of two, past tail0 or ngroups), -1 when the unit is done. The next chunk is `claimed`
-  // (>= nchunks: none), read when the requests enter it; then (unless it was the last chunk: `last`)
-  // thread 0 claims the one after: in the loop right after that row's __syncthreads (`pending`;
-  // its warp alone waits for the atomic, while the block's loads are in flight), so every thread has
-  // read `claimed` before it changes, and every thread sees the new value after the next row's
-  // __syncthreads, before the requests leave the chunk (>= 2 row groups but for the last chunk).
-  // In the prologue claims are synchronous (two __syncthreads each).
-  int cur = m > 0 ? b : -1;
-  bool last = false, pending = false;
-  auto claim_sync = [&]() {  // prologue: every thread has read `claimed` (or nobody has yet)
-    __syncthreads();
-    if (tid == 0) claimed = atomicAdd(counter(), 1);
-    __syncthreads();
-  };
-  // Whether row group g is the last of its unit (the head, a chunk).
-  auto unit_end = [&](int g) {
-    return g < tail0 ? g + grid >= tail0 : g + 1 == ngroups || ((g + 1 - tail0) & (chunk - 1)) == 0;
-  };
-  // The next row group to request, or -1.
-  auto next = [&](bool sync) -> int {
-    if (cur < 0) {  // the unit is requested: the next chunk
-      if (!dyn || last) return -1;
-      const int c = claimed;
-      if (c >= nchunks) return -1;
-      cur = tail0 + c * chunk;
-      if (c + 1 >= nchunks)
-        last = true;  // nothing left to claim
-      else if (sync)
-        claim_sync();
-      else
-        pending = true;
-    }
-    const int g = cur;
-    cur = unit_end(g) ? -1 : g < tail0 ? g + grid : g + 1;
-    return g;
-  };
-  // Writes the unit's dweight sums as partial row prow (the groups added in order of the group
-  // through `fold`), then zeroes them. Between two flushes the block passes a row's __syncthreads,
-  // so fold is read before it is written again.
-  auto flush = [&](int prow) {
-    float* part = dw_partial + (long long)prow * D;
-    // (prow & zero: 0, unknown to the compiler, so the addresses are not kept through the loop)
-    const int col = (int)threadIdx.x + (prow & zero);
-    if (G == 1) {
-#pragma unroll
-      for (int k = 0; k < K; ++k)
-        if (ok[k]) {
-          float* p = part + (col + k * tx) * V;
-#pragma unroll
-          for (int i = 0; i < V; i += 4)
-            *reinterpret_cast<float4*>(p + i) =
-                make_float4(acc[k][i], acc[k][i + 1], acc[k][i + 2], acc[k][i + 3]);
-        }
-    } else {
-      const int D4 = D >> 2;
-      float4* const fold = reinterpret_cast<float4*>(
-          reinterpret_cast<char*>(ring) + (((u32)S * (stage_bytes + rstage) + 15u) & ~15u));
-#pragma unroll
-      for (int k = 0; k < K; ++k)
-        if (ok[k]) {
-          float4* p = fold + threadIdx.y * D4 + (col + k * tx) * (V / 4);
-#pragma unroll
-          for (int i = 0; i < V; i += 4)
-            p[i / 4] = make_float4(acc[k][i], acc[k][i + 1], acc[k][i + 2], acc[k][i + 3]);
-        }
-      __syncthreads();
-      for (int e = tid; e < D4; e += tx * G) {
-        float4 sum = fold[e];
-        for (int gi = 1; gi < G; ++gi) {
-          const float4 v = fold[gi * D4 + e];
-          sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-        }
-        reinterpret_cast<float4*>(part)[e] = sum;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc[k][i] = 0.0f;
-  };
-
-  // Prologue: the first S row groups requested (one cp.async group each); DYN: the counter zeroed
-  // and the grid-wide barrier after the static head's requests, then the first claim.
-  if (dyn && b == 0 && tid == 0) *counter() = 0;
-  const int h = min(m, S);
-  int q[S];  // row groups in flight (-1: none): q[0] is computed next
 #pragma unroll
   for (int s = 0; s < S; ++s) {
-    q[s] = -1;
-    if (s < h) {
-      q[s] = next(true);
-      request(q[s], s, 0u);
-      rn_commit();
-    }
+    if (s < n) request(s, s, 0u);
+    rn_commit();  // always: wait_group counts groups
   }
-  if (dyn) {
-    kf_grid_sync();
-    claim_sync();
-    if (m == 0) flush(b);  // no head: its partial row is zeros
-  }
-#pragma unroll
-  for (int s = 0; s < S; ++s)
-    if (s >= h) {
-      q[s] = dyn ? next(true) : -1;
-      if (q[s] >= 0) request(q[s], s, 0u);
-      rn_commit();  // always: wait_group counts groups
-    }
 
-  int s = 0;  // the stage of row group q[0]
+  int s = 0;  // the stage of row group t
   u32 set = 0u;  // reduction slot set
 #pragma unroll 1
-  while (q[0] >= 0) {
-    const int g = q[0];
-#pragma unroll
-    for (int j = 0; j + 1 < S; ++j) q[j] = q[j + 1];
-    rn_wait<S - 1>();  // row group g has landed (this thread's part of it)
+  for (int t = 0; t < n; ++t) {
+    rn_wait<S - 1>();  // row group t has landed (this thread's part of it)
     const u32 sa = my + (u32)s * stage_bytes;
     Chunk xc[K], gc[K];
 #pragma unroll
@@ -1010,7 +838,7 @@ __global__ void __launch_bounds__(NT, 1)
     float r = leader ? rn_lds_f32(rslot + (u32)s * rstage) : 0.0f;
     r = __shfl_sync(0xffffffffu, r, src);
 
-    float gw[K][V], dot = 0.0f;
+    float g[K][V], dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k)
 #pragma unroll
@@ -1020,17 +848,16 @@ __global__ void __launch_bounds__(NT, 1)
         for (int j = 0; j < 2; ++j) {
           const float xv = E::get(xc[k], i + j);
           d[j] = E::get(gc[k], i + j);
-          gw[k][i + j] = d[j] * w[k][i + j];
-          dot = fmaf(gw[k][i + j], xv, dot);
+          g[k][i + j] = d[j] * w[k][i + j];
+          dot = fmaf(g[k][i + j], xv, dot);
           xr[j] = xv * r;
         }
         if (CBW) E::round(xr[0], xr[1]);  // x_hat as the forward used it for the weight
 #pragma unroll
         for (int j = 0; j < 2; ++j) acc[k][i + j] = fmaf(d[j], xr[j], acc[k][i + j]);
       }
-    // Stage s is read (dot depends on every word of it): request the next row group into it.
-    q[S - 1] = next(false);
-    if (q[S - 1] >= 0) request(q[S - 1], s, __float_as_uint(dot) & (u32)zero);
+    // Stage s is read (dot depends on every word of it): request row group t + S into it.
+    if (t + S < n) request(t + S, s, __float_as_uint(dot) & (u32)zero);
     rn_commit();
 
     if (tx <= 32) {  // one warp or less per row: shuffles within the group
@@ -1042,68 +869,59 @@ __global__ void __launch_bounds__(NT, 1)
       float* slots = &red[0][0] + set + threadIdx.y * 16;
       if (lane == 0) slots[threadIdx.x >> 5] = dot;
       __syncthreads();
-      if (pending) {  // DYN: the claim of the chunk after the one entered by this row's request
-        if (tid == 0) claimed = atomicAdd(counter(), 1);
-        pending = false;
-      }
       dot = slots[lane & 15];
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       set ^= NT / 4;
     }
     const float a = -(dot * inv_d) * r * r;
-    if (live(g)) {
-      char* cdx = const_cast<char*>(at(dx, g));
+    if (t < nv) {
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         float o[V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) o[i] = r * fmaf(a, E::get(xc[k], i), gw[k][i]);
+        for (int i = 0; i < V; ++i) o[i] = r * fmaf(a, E::get(xc[k], i), g[k][i]);
         if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cdx + k * kstep), 0, D, E::put(o));
       }
     }
-    if (dyn && unit_end(g)) flush(g < tail0 ? b : grid + ((g - tail0) >> (__ffs(chunk) - 1)));
+    cdx += step;
     s = s + 1 == S ? 0 : s + 1;
   }
 
-  if (dw_partial == nullptr) return;  // no weight (never FUSED): nothing to reduce
-  if (!dyn) {
-    float* part = dw_partial + (long long)blockIdx.x * D;
-    if (G == 1) {
+  if (dw_partial == nullptr) return;  // no weight: nothing to reduce (uniform over the block)
+  float* part = dw_partial + (long long)blockIdx.x * D;
+  if (G == 1) {
 #pragma unroll
-      for (int k = 0; k < K; ++k)
-        if (ok[k]) {
-          float* p = part + (threadIdx.x + k * tx) * V;
+    for (int k = 0; k < K; ++k)
+      if (ok[k]) {
+        float* p = part + (threadIdx.x + k * tx) * V;
 #pragma unroll
-          for (int i = 0; i < V; i += 4)
-            *reinterpret_cast<float4*>(p + i) =
-                make_float4(acc[k][i], acc[k][i + 1], acc[k][i + 2], acc[k][i + 3]);
-        }
-    } else {
-      // Several groups: add their sums column by column in order of the group, through the ring
-      // (every copy has landed: the groups left are empty).
-      rn_wait<0>();
-      __syncthreads();  // every thread is done reading the ring
-      float* rf = reinterpret_cast<float*>(ring);
-      const int span = rowpad * V;  // floats per group (>= D)
-#pragma unroll
-      for (int k = 0; k < K; ++k)
-#pragma unroll
-        for (int i = 0; i < V; ++i)
-          rf[threadIdx.y * span + (threadIdx.x + k * tx) * V + i] = acc[k][i];
-      __syncthreads();
-      for (int e = tid; e < D; e += tx * G) {
-        float sum = 0.0f;
-        for (int gi = 0; gi < G; ++gi) sum += rf[gi * span + e];
-        part[e] = sum;
+        for (int i = 0; i < V; i += 4)
+          *reinterpret_cast<float4*>(p + i) =
+              make_float4(acc[k][i], acc[k][i + 1], acc[k][i + 2], acc[k][i + 3]);
       }
+  } else {
+    // Several groups: add their sums column by column in order of the group, through the ring
+    // (every copy has landed: the groups left are empty).
+    rn_wait<0>();
+    __syncthreads();  // every thread is done reading the ring
+    float* fold = reinterpret_cast<float*>(ring);
+    const int span = rowpad * V;  // floats per group (>= D)
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        fold[threadIdx.y * span + (threadIdx.x + k * tx) * V + i] = acc[k][i];
+    __syncthreads();
+    for (int e = tid; e < D; e += tx * G) {
+      float sum = 0.0f;
+      for (int gi = 0; gi < G; ++gi) sum += fold[gi * span + e];
+      part[e] = sum;
     }
   }
-  if constexpr (FUSED) reduce_partials<T>(dw_partial, dweight, D, tid, tx * G, nparts);
 }
 
-// dweight[j] = sum over g of partial[g][j], in a fixed order (after every backward kernel but the
-// FUSED ring).
+// dweight[j] = sum over g of partial[g][j], in a fixed order.
 // Layout: blocks of (8, 32) threads; thread (x, y) owns columns 4 * (blockIdx.x * 8 + x) + 0..3 and
 // adds partial rows y, y + 32, y + 64, ... in order of the row, issuing the loads of up to 16 rows
 // (16 bytes each when VEC: D % 4 == 0) before the first add; then the 32 sums of a column are added in

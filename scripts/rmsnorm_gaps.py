@@ -1,7 +1,7 @@
 """Where an rmsnorm backward call's time goes: time per call with and without the weight (without
 it there is no dweight reduction), and the kernels' durations and the gaps between them over
-back-to-back calls (torch.profiler / CUPTI). GPU only: python scripts/rmsnorm_gaps.py 0 1 (variants:
-0 the ring reducing dweight itself, one kernel; 1 the ring, then the dweight kernel)."""
+back-to-back calls (torch.profiler / CUPTI). GPU only: python scripts/rmsnorm_gaps.py [variants]
+(default 0: the ring kernel, then the dweight kernel; 1 the kernels for what the ring does not take)."""
 import sys
 import torch
 from torch.profiler import profile, ProfilerActivity
@@ -16,7 +16,7 @@ dy = torch.randn(rows, D, device="cuda", dtype=dt)
 _, rstd = _C.rmsnorm_forward(x, w, 1e-6)
 l2 = torch.cuda.get_device_properties(0).L2_cache_size
 sets = [(torch.randn(rows, D, device="cuda", dtype=dt), torch.randn(rows, D, device="cuda", dtype=dt)) for _ in range(3)]
-for v in [int(a) for a in sys.argv[1:]]:
+for v in [int(a) for a in sys.argv[1:]] or [0]:
     for weight in (w, None):
         us = time_op(lambda a, b: _C.rmsnorm_backward(a, b, weight, rstd, variant=v), sets)
         print(f"v{v} weight={'yes' if weight is not None else 'None'}: {us:.1f} us/call (time_op)")

@@ -1,10 +1,7 @@
 // rmsnorm launchers: forward (y, rstd) and backward (dx, dweight); see kernels_src/rmsnorm.cu.
 #include <pybind11/stl.h>
 
-#include <map>
-#include <mutex>
 #include <optional>
-#include <tuple>
 
 #include "../runtime/torch_launch.h"
 
@@ -87,8 +84,7 @@ PipeKernel pipe_kernels[] = {
 // SM: K chunks per thread and row, S stages of shared memory, blocks of at most NT threads; rows of
 // <= 512 chunks 4 chunks per thread in blocks of 384 threads (at D = 4096 bf16: three rows at a
 // time), longer rows (bf16 / fp16 D <= 8192, fp32 D <= 4096) 2 chunks per thread, 512 threads; 3
-// stages. CBW; FUSED: the dweight reduction in the kernel (cooperative launch). Each compiles without
-// spills (ptxas for sm_80 and sm_90).
+// stages. CBW. Each compiles without spills (ptxas for sm_80 and sm_90).
 constexpr int kRingMaxChunks = 1024;
 struct RingShape {
   int K, S, NT;
@@ -96,22 +92,19 @@ struct RingShape {
 constexpr RingShape kRingShort{4, 3, 384}, kRingLong{2, 3, 512};
 struct RingKernel {
   RingShape shape;
-  bool cbw, fused;
+  bool cbw;
   Kernel kernel;
 };
-#define KF_RING(K, S, NT, CBW, FUSED, DTYPES)                                                      \
+#define KF_RING(K, S, NT, CBW, DTYPES)                                                             \
   {                                                                                                \
-    {K, S, NT}, CBW, FUSED, {                                                                      \
-      prog,                                                                                        \
-          "rmsnorm_backward_ring_kernel<{T}, " #K ", " #S ", " #CBW ", " #NT ", " #FUSED ">", DTYPES \
+    {K, S, NT}, CBW, {                                                                             \
+      prog, "rmsnorm_backward_ring_kernel<{T}, " #K ", " #S ", " #CBW ", " #NT ">", DTYPES         \
     }                                                                                              \
   }
-#define KF_RING6(K, S, NT)                                                                       \
-  KF_RING(K, S, NT, false, false, kF32), KF_RING(K, S, NT, false, false, k16),                    \
-      KF_RING(K, S, NT, true, false, k16), KF_RING(K, S, NT, false, true, kF32),                  \
-      KF_RING(K, S, NT, false, true, k16), KF_RING(K, S, NT, true, true, k16)
-RingKernel ring_kernels[] = {KF_RING6(4, 3, 384), KF_RING6(2, 3, 512)};
-#undef KF_RING6
+#define KF_RING3(K, S, NT) \
+  KF_RING(K, S, NT, false, kF32), KF_RING(K, S, NT, false, k16), KF_RING(K, S, NT, true, k16)
+RingKernel ring_kernels[] = {KF_RING3(4, 3, 384), KF_RING3(2, 3, 512)};
+#undef KF_RING3
 #undef KF_RING
 
 // dweight from the partial rows: 16-byte loads (D % 4 == 0) or element-wise.
@@ -163,30 +156,10 @@ BwdGeometry backward_geometry(int nchunk, bool vec, bool cbw, DType dt) {
 
 // Backward kernel choices (the launcher's `variant`).
 enum BwdVariant : int64_t {
-  kFused = 0,     // the ring with the dweight reduction in the kernel and a dynamic tail (default)
-  kUnfused = 1,   // the ring writing partial rows, then rmsnorm_dweight_kernel
-  kFallback = 2,  // never the ring: the kernels that take the inputs the ring does not (tests)
-  kTail7c2 = 3,   // as kFused, head fraction 0.7, chunks of 2 row groups
-  kTail9c4 = 4,   // as kFused, head fraction 0.9, chunks of 4 row groups
-  kNoTail = 5,    // as kFused, every row group static (no tail)
-  kNumVariants = 6,
+  kDefault = 0,   // the ring where it applies, else the fallbacks
+  kFallback = 1,  // never the ring: the kernels that take the inputs the ring does not (tests)
+  kNumVariants = 2,
 };
-
-// The fused ring's dynamic tail: a static head of floor(f * ngroups / grid) row groups per block,
-// the rest in chunks of c row groups claimed at run time (c a power of two >= 2: see the kernel;
-// c = 0: no tail).
-struct TailParams {
-  double f;
-  int c;
-};
-TailParams tail_params(int64_t variant) {
-  switch (variant) {
-    case kTail7c2: return {0.7, 2};
-    case kTail9c4: return {0.9, 4};
-    case kNoTail: return {1.0, 0};
-    default: return {0.8, 4};
-  }
-}
 
 // Pipelined backward: K = 1 (one warp per row, 16 rows per block) up to 32 chunks, else K = 2 (rows
 // of <= 512 threads). 16-bit types: P = 2 rows in flight (K = 1: 4) keeping g; fp32: P = 8 (K = 1) or
@@ -206,30 +179,10 @@ PipeKernel* pipe_kernel(int nchunk, bool vec, bool cbw, DType dt) {
   fail("rmsnorm_backward", "no pipelined kernel for ", nchunk, " chunks");
 }
 
-// Blocks of a kernel that fit on one SM at once (the driver's occupancy query, remembered per
-// kernel, dtype, device, block size and shared memory).
-int blocks_per_sm(Kernel& k, DType dt, int device, int threads, size_t smem) {
-  static std::mutex mu;
-  static std::map<std::tuple<const Kernel*, int, int, int, size_t>, int> known;
-  const auto key = std::make_tuple(&k, static_cast<int>(dt), device, threads, smem);
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    const auto it = known.find(key);
-    if (it != known.end()) return it->second;
-  }
-  const int n = k.max_active_blocks_per_sm(dt, device, threads, smem);
-  std::lock_guard<std::mutex> lock(mu);
-  known.emplace(key, n);
-  return n;
-}
-
 struct RingPlan {
   Kernel* kernel = nullptr;  // nullptr: the ring kernels do not apply
-  bool fused = false;        // kernel reduces dweight itself: launch it cooperatively
   unsigned tx = 0, groups = 0, grid = 0;
   size_t smem = 0;
-  int head = 0, chunk = 0;  // fused dynamic tail (chunk 0: none): the kernel's head and chunk
-  int64_t nparts = 0;       // partial dweight rows: grid + the tail's chunks
 };
 
 // Ring backward: a row group of `groups` rows of tx threads per block, tx = the thread count for K
@@ -237,24 +190,19 @@ struct RingPlan {
 // stages in dynamic shared memory (see the kernel); a persistent grid of one block per SM (at most
 // the row groups). Not applied (kernel nullptr) to element-wise access, rows longer than
 // kRingMaxChunks, shared memory beyond the device's limit, or a tensor too large for the kernel's
-// row group index (< 2^30). `fused` asks for the FUSED kernel: given only where the device launches
-// cooperatively and the whole grid fits on the GPU at once (occupancy query); else the unfused one.
-// The fused kernel's dynamic tail (tail.c > 0) applies to groups of several warps (the kernel's loop
-// has a __syncthreads per row) where some block has more than one row group, the tail is not empty
-// and, for several groups per block, the fold buffer (groups * D floats) fits in shared memory too.
-RingPlan ring_plan(int nchunk, bool vec, bool cbw, bool fused, TailParams tail, DType dt,
-                   int64_t rows, int64_t D, int device) {
+// 32-bit row step.
+RingPlan ring_plan(int nchunk, bool vec, bool cbw, DType dt, int64_t rows, int64_t D,
+                   int64_t elem, int device) {
   RingPlan p;
   if (!vec || nchunk > kRingMaxChunks) return p;
   const RingShape sh = nchunk > 512 ? kRingLong : kRingShort;
   cbw = cbw && dt != DType::f32;
-  fused = fused && cooperative_launch_ok(device);
-  RingKernel *rk = nullptr, *fk = nullptr;
+  RingKernel* rk = nullptr;
   for (RingKernel& k : ring_kernels)
     if (k.shape.K == sh.K && k.shape.S == sh.S && k.shape.NT == sh.NT && k.cbw == cbw &&
         k.kernel.supports(dt))
-      (k.fused ? fk : rk) = &k;
-  if (!rk || !fk) fail("rmsnorm_backward", "no ring kernel for ", nchunk, " chunks");
+      rk = &k;
+  if (!rk) fail("rmsnorm_backward", "no ring kernel for ", nchunk, " chunks");
   int tx = (nchunk + sh.K - 1) / sh.K;
   if (tx <= 32) {
     int t = 1;
@@ -265,37 +213,16 @@ RingPlan ring_plan(int nchunk, bool vec, bool cbw, bool fused, TailParams tail, 
   }
   const int groups = sh.NT / tx;  // tx <= NT: nchunk <= K * NT for every shape
   const int nseg = tx >= 32 ? tx * groups / 32 : groups;
-  size_t smem = size_t(sh.S) * (size_t(2) * groups * tx * sh.K * 16 + size_t(nseg) * 4);
-  const size_t static_smem = size_t(2) * sh.NT + 16;  // red[2][NT / 4] floats, claimed
+  const size_t smem = size_t(sh.S) * (size_t(2) * groups * tx * sh.K * 16 + size_t(nseg) * 4);
+  const size_t static_smem = size_t(2) * sh.NT;  // red[2][NT / 4] floats
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
   if (smem + static_smem > prop->sharedMemPerBlockOptin) return p;
   const int64_t ngroups = (rows + groups - 1) / groups;
-  if (ngroups >= (int64_t(1) << 30)) return p;
   const int64_t grid = std::min<int64_t>(ngroups, prop->multiProcessorCount);
-  p.nparts = grid;
-  if (fused) {
-    auto fits = [&](size_t bytes) {
-      return grid <= int64_t(blocks_per_sm(fk->kernel, dt, device, tx * groups, bytes)) *
-                         prop->multiProcessorCount;
-    };
-    KF_CHECK(tail.c == 0 || (tail.c >= 2 && (tail.c & (tail.c - 1)) == 0), "rmsnorm_backward",
-             "tail chunks of ", tail.c, " row groups (0 or a power of two >= 2)");
-    const int64_t head = std::min<int64_t>(
-        static_cast<int64_t>(tail.f * double(ngroups) / double(grid)), ngroups / grid);
-    const size_t tail_smem =
-        (smem + 15) / 16 * 16 + (groups > 1 ? size_t(groups) * D * sizeof(float) : 0);
-    if (tail.c > 0 && tx > 32 && ngroups > grid && head * grid < ngroups &&
-        tail_smem + static_smem <= prop->sharedMemPerBlockOptin && fits(tail_smem)) {
-      p.head = static_cast<int>(head);
-      p.chunk = tail.c;
-      p.nparts = grid + (ngroups - head * grid + tail.c - 1) / tail.c;
-      smem = tail_smem;
-    } else {
-      fused = fits(smem);
-    }
-  }
-  p.kernel = fused ? &fk->kernel : &rk->kernel;
-  p.fused = fused;
+  if (grid * groups * D * elem >= (int64_t(1) << 32) ||
+      (ngroups + grid - 1) / grid > std::numeric_limits<int>::max() - 16)
+    return p;
+  p.kernel = &rk->kernel;
   p.tx = static_cast<unsigned>(tx);
   p.groups = static_cast<unsigned>(groups);
   p.grid = static_cast<unsigned>(grid);
@@ -382,13 +309,12 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   const DType dt = dtype_of(x, op);
   const int zero = 0;  // see opaque() in the kernel
   const int sms = sm_count(on.device);
-  // The ring where it applies (fused: the dweight reduction in the kernel, where the device allows);
-  // elsewhere the pipelined kernel (16-byte rows of <= 1024 chunks), else rmsnorm_backward_kernel.
+  const int64_t elem = x.element_size();
+  // The ring where it applies; elsewhere the pipelined kernel (16-byte rows of <= 1024 chunks),
+  // else rmsnorm_backward_kernel.
   const RingPlan ring = variant == kFallback
                             ? RingPlan{}
-                            : ring_plan(nchunk, vec, cast_before_weight,
-                                        variant != kUnfused && weight.has_value(),
-                                        tail_params(variant), dt, rows, D, on.device);
+                            : ring_plan(nchunk, vec, cast_before_weight, dt, rows, D, elem, on.device);
   PipeKernel* pk = ring.kernel ? nullptr : pipe_kernel(nchunk, vec, cast_before_weight, dt);
   unsigned grid = ring.grid, tx = ring.tx, groups = ring.groups;
   if (pk) {
@@ -409,24 +335,14 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
     const int64_t rows_per_step = int64_t(groups) * g.kernel->R;
     grid = static_cast<unsigned>(std::min<int64_t>((rows + rows_per_step - 1) / rows_per_step, sms));
   }
-  // Partial dweight rows (fused tail: one per block and one per tail chunk, then the chunk counter).
   std::optional<at::Tensor> partial;
-  if (weight)
-    partial = ring.fused ? new_output({ring.nparts * D + 4}, x.options().dtype(at::kFloat))
-                         : new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
+  if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
   const size_t fold_bytes = size_t(tx) * groups * V * sizeof(float);
   const float inv_d = 1.0f / static_cast<float>(D);
-  if (ring.fused)
-    kernel->launch_cooperative(dt, on.device, on.stream, grid, Dim3(tx, groups), ring.smem,
-                               dy.data_ptr(), x.data_ptr(), ptr(weight), rstd.data_ptr(),
-                               dx.data_ptr(), ptr(partial), ptr(dweight),
-                               static_cast<long long>(rows), static_cast<int>(D), inv_d, zero,
-                               ring.head, ring.chunk);
-  else if (ring.kernel)
+  if (ring.kernel)
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), ring.smem, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
-                   static_cast<void*>(nullptr), static_cast<long long>(rows), static_cast<int>(D),
-                   inv_d, zero, 0, 0);
+                   static_cast<long long>(rows), static_cast<int>(D), inv_d, zero);
   else if (pk)
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), fold_bytes, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
@@ -436,7 +352,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), fold_bytes, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
                    static_cast<long long>(rows), static_cast<int>(D), inv_d, zero);
-  if (weight && !ring.fused)
+  if (weight)
     dweight_kernels[D % 4 == 0 ? 1 : 0].launch_dependent(
         dt, on.device, on.stream, ceil_div(D, 32), Dim3(8, 32), 0, partial->data_ptr(),
         dweight->data_ptr(), static_cast<int>(grid), static_cast<int>(D));
@@ -455,22 +371,15 @@ KFORGE_BIND_OP(rmsnorm) {
   m.def("rmsnorm_backward", &rmsnorm_backward,
         "Backward of rmsnorm_forward from the saved rstd: returns (dx, dweight), dweight None when "
         "weight is None; dweight is reduced in a fixed order (deterministic, the same bits every "
-        "run). variant (for A/B timing): 0 (default) the shared-memory ring kernel (16-byte "
-        "accesses, rows of <= 1024 16-byte chunks; persistent grid of one block per SM) reducing "
-        "dweight itself after a grid-wide barrier (cooperative launch), where the device launches "
-        "cooperatively (KFORGE_COOPERATIVE_LAUNCH != 0) and the grid fits on it at once, with a "
-        "dynamic tail for rows of several warps (each block takes a static head of floor(0.8 * "
-        "row groups / blocks) row groups, the rest go in chunks of 4 row groups to whichever "
-        "block claims them first; dweight partial rows per fixed chunk, so still deterministic); "
-        "3, 4: the same with head 0.7, chunks of 2 / head 0.9, chunks of 4; 5: the same without "
-        "a tail; else as 1: the ring kernel writing one partial dweight row per block, then a "
-        "separate reduction kernel; 2 (tests) never the ring: the kernels that take what the ring does not (a "
-        "register-pipelined kernel for 16-byte rows of <= 1024 chunks whose stages do not fit in "
+        "run). variant: 0 (default) the shared-memory ring kernel (16-byte accesses, rows of "
+        "<= 1024 16-byte chunks; persistent grid of one block per SM) writing one partial dweight "
+        "row per block, then a separate reduction kernel; 1 (tests) never the ring: the kernels "
+        "that take what the ring does not (a register-pipelined kernel for 16-byte rows of <= 1024 chunks whose stages do not fit in "
         "shared memory, another kernel for odd sizes, misaligned pointers and longer rows; those "
         "inputs take them under every variant).",
         pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"),
         pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true,
-        pybind11::arg("variant") = static_cast<int64_t>(kFused));
+        pybind11::arg("variant") = static_cast<int64_t>(kDefault));
 }
 
 }  // namespace kforge

@@ -54,8 +54,6 @@ const DriverApi& driver() {
       bind(lib, api.ModuleGetFunction, "cuModuleGetFunction", n);
       bind(lib, api.FuncSetAttribute, "cuFuncSetAttribute", n);
       bind(lib, api.LaunchKernel, "cuLaunchKernel", n);
-      bind(lib, api.OccupancyMaxActiveBlocksPerMultiprocessor,
-           "cuOccupancyMaxActiveBlocksPerMultiprocessor", n);
       api.LaunchKernelEx =
           reinterpret_cast<decltype(api.LaunchKernelEx)>(dlsym(lib, "cuLaunchKernelEx"));
     } catch (const Error& e) {

@@ -26,8 +26,7 @@ struct DriverApi {
   CUresult (*FuncSetAttribute)(CUfunction, CUfunction_attribute, int);
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                            unsigned, CUstream, void**, void**);
-  CUresult (*OccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
-  // Optional (null when the driver predates it): launches with attributes (dependent, cooperative).
+  // Optional (null when the driver predates it): launches with attributes, for dependent launches.
   CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
 };
 

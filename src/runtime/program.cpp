@@ -548,86 +548,39 @@ CUfunction Kernel::function(DType dtype, int device) {
 }
 
 namespace {
-// A per-device yes / no decided once by `decide(device)` (switches read from the environment and
-// device attributes: fixed for the process). Devices past the table's size get "no".
-template <typename F>
-bool per_device_once(std::array<std::atomic<int>, 64>& state, int device, F decide) {
+// Whether dependent launches are used on `device`: compute capability >= 9.0, cuLaunchKernelEx
+// present, and not switched off by KFORGE_DEPENDENT_LAUNCH=0 (for A/B timing). Cached per device.
+bool dependent_launch_ok(int device) {
+  static std::array<std::atomic<int>, 64> state{};  // 0 unknown, 1 yes, 2 no
   if (device < 0 || device >= 64) return false;
-  int s = state[device].load(std::memory_order_relaxed);  // 0 unknown, 1 yes, 2 no
+  int s = state[device].load(std::memory_order_relaxed);
   if (s == 0) {
-    s = decide(device) ? 1 : 2;
+    const char* env = std::getenv("KFORGE_DEPENDENT_LAUNCH");
+    const bool off = env && std::string(env) == "0";
+    s = (!off && driver().LaunchKernelEx && device_arch(device) >= 90) ? 1 : 2;
     state[device].store(s, std::memory_order_relaxed);
   }
   return s == 1;
 }
-
-bool env_is_zero(const char* name) {
-  const char* env = std::getenv(name);
-  return env && std::string(env) == "0";
-}
-
-// Whether dependent launches are used on `device`: compute capability >= 9.0, cuLaunchKernelEx
-// present, and not switched off by KFORGE_DEPENDENT_LAUNCH=0 (for A/B timing).
-bool dependent_launch_ok(int device) {
-  static std::array<std::atomic<int>, 64> state{};
-  return per_device_once(state, device, [](int d) {
-    return !env_is_zero("KFORGE_DEPENDENT_LAUNCH") && driver().LaunchKernelEx && device_arch(d) >= 90;
-  });
-}
 }  // namespace
 
-bool cooperative_launch_ok(int device) {
-  static std::array<std::atomic<int>, 64> state{};
-  return per_device_once(state, device, [](int d) {
-    const DriverApi& cu = driver();
-    if (env_is_zero("KFORGE_COOPERATIVE_LAUNCH") || !cu.LaunchKernelEx) return false;
-    CUdevice dev;
-    int coop = 0;
-    return cu.DeviceGet(&dev, d) == CUDA_SUCCESS &&
-           cu.DeviceGetAttribute(&coop, CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH, dev) == CUDA_SUCCESS &&
-           coop != 0;
-  });
-}
-
-void Kernel::allow_smem(CUfunction f, int t, int device, size_t smem) {
-  if (static_cast<int>(smem) <= smem_limit_[t][device].load(std::memory_order_relaxed)) return;
-  check_cu(driver().FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                     static_cast<int>(smem)),
-           "kforge: " + pattern_ + ": requesting " + std::to_string(smem) +
-               " bytes of dynamic shared memory");
-  smem_limit_[t][device].store(static_cast<int>(smem), std::memory_order_relaxed);
-}
-
-int Kernel::max_active_blocks_per_sm(DType dtype, int device, int threads, size_t smem) {
-  CUfunction f = function(dtype, device);
-  allow_smem(f, static_cast<int>(dtype), device, smem);  // else sizes over 48 KB count as unfit
-  int n = 0;
-  check_cu(driver().OccupancyMaxActiveBlocksPerMultiprocessor(&n, f, threads, smem),
-           "kforge: occupancy of " + pattern_);
-  return n;
-}
-
 void Kernel::launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block,
-                        size_t smem, void** params, Mode mode) {
+                        size_t smem, void** params, bool dependent) {
   CUfunction f = function(dtype, device);
   const DriverApi& cu = driver();
-  allow_smem(f, static_cast<int>(dtype), device, smem);
-  const bool dependent = mode == Mode::dependent && dependent_launch_ok(device);
-  const bool cooperative = mode == Mode::cooperative;
-  if (cooperative && !cooperative_launch_ok(device))
-    throw Error("kforge: " + pattern_ + ": cooperative launch requested on cuda:" +
-                std::to_string(device) + ", which does not support it (or KFORGE_COOPERATIVE_LAUNCH=0); "
-                "the launcher must check cooperative_launch_ok first");
+  const int t = static_cast<int>(dtype);
+  if (static_cast<int>(smem) > smem_limit_[t][device].load(std::memory_order_relaxed)) {
+    check_cu(cu.FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                 static_cast<int>(smem)),
+             "kforge: " + pattern_ + ": requesting " + std::to_string(smem) +
+                 " bytes of dynamic shared memory");
+    smem_limit_[t][device].store(static_cast<int>(smem), std::memory_order_relaxed);
+  }
   CUresult r;
-  if (dependent || cooperative) {
+  if (dependent && dependent_launch_ok(device)) {
     CUlaunchAttribute attr[1] = {};
-    if (dependent) {
-      attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-      attr[0].value.programmaticStreamSerializationAllowed = 1;
-    } else {
-      attr[0].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-      attr[0].value.cooperative = 1;
-    }
+    attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr[0].value.programmaticStreamSerializationAllowed = 1;
     CUlaunchConfig lc = {};
     lc.gridDimX = grid.x, lc.gridDimY = grid.y, lc.gridDimZ = grid.z;
     lc.blockDimX = block.x, lc.blockDimY = block.y, lc.blockDimZ = block.z;
@@ -645,8 +598,7 @@ void Kernel::launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim
                     std::to_string(device) + " (grid " + std::to_string(grid.x) + "x" +
                     std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", block " +
                     std::to_string(block.x) + "x" + std::to_string(block.y) + ", smem " +
-                    std::to_string(smem) + (dependent ? ", dependent launch" : "") +
-                    (cooperative ? ", cooperative launch" : "") + ")");
+                    std::to_string(smem) + (dependent ? ", dependent launch" : "") + ")");
 }
 
 }  // namespace kforge

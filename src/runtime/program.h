@@ -68,12 +68,6 @@ class Kernel {
 
   // Launch on `stream` (the caller passes PyTorch's current stream). Args are passed by value and
   // must match the kernel's parameter types exactly (pointers, int, long long, float).
-  // How launch_raw launches: a plain launch, a programmatic dependent (launch_dependent), or a
-  // cooperative launch (launch_cooperative).
-  enum class Mode { plain, dependent, cooperative };
-
-  // Launch on `stream` (the caller passes PyTorch's current stream). Args are passed by value and
-  // must match the kernel's parameter types exactly (pointers, int, long long, float).
   template <typename... Args>
   void launch(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block, size_t smem,
               Args... args) {
@@ -81,7 +75,7 @@ class Kernel {
     launch_raw(dtype, device, stream, grid, block, smem, params);
   }
   void launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block, size_t smem,
-                  void** params, Mode mode = Mode::plain);
+                  void** params, bool dependent = false);
 
   // Launch as a programmatic dependent of the kernel before it on `stream` (Hopper and later): its
   // blocks may be scheduled while that kernel's last blocks drain, hiding the launch gap between a
@@ -94,23 +88,8 @@ class Kernel {
   void launch_dependent(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block,
                         size_t smem, Args... args) {
     void* params[] = {static_cast<void*>(&args)..., nullptr};
-    launch_raw(dtype, device, stream, grid, block, smem, params, Mode::dependent);
+    launch_raw(dtype, device, stream, grid, block, smem, params, true);
   }
-
-  // Cooperative launch: every block of the grid is resident at once, so the kernel may use
-  // kf_grid_sync() (common.cuh), a grid-wide barrier. Only where cooperative_launch_ok(device), with
-  // a grid of at most max_active_blocks_per_sm(...) * SMs blocks; otherwise the driver refuses the
-  // launch and this throws. Capturable in CUDA graphs (a cooperative kernel node).
-  template <typename... Args>
-  void launch_cooperative(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block,
-                          size_t smem, Args... args) {
-    void* params[] = {static_cast<void*>(&args)..., nullptr};
-    launch_raw(dtype, device, stream, grid, block, smem, params, Mode::cooperative);
-  }
-
-  // Blocks of `threads` threads with `smem` bytes of dynamic shared memory that fit on one SM at
-  // once (the driver's occupancy calculator; compiles / loads the kernel on first use).
-  int max_active_blocks_per_sm(DType dtype, int device, int threads, size_t smem);
 
  private:
   friend class Program;
@@ -121,9 +100,6 @@ class Kernel {
   // Resolved handles; written once under the program's lock, then read without locking.
   std::array<std::array<std::atomic<CUfunction>, kMaxDevices>, kNumDTypes> fn_{};
   std::array<std::array<std::atomic<int>, kMaxDevices>, kNumDTypes> smem_limit_{};
-
-  // Raises the kernel's dynamic shared memory limit to `smem` where needed (once per size).
-  void allow_smem(CUfunction f, int t, int device, size_t smem);
 };
 
 // Summary of one compiled program, for kforge.cache_info().
@@ -198,9 +174,6 @@ void reset_cache_stats();   // zero the hit / miss / compile counters
 
 // Compute capability of `device` as major*10+minor (e.g. 90).
 int device_arch(int device);
-// Whether Kernel::launch_cooperative can be used on `device`: the device supports cooperative
-// launches, the driver has cuLaunchKernelEx, and KFORGE_COOPERATIVE_LAUNCH is not "0" (A/B timing).
-bool cooperative_launch_ok(int device);
 std::string nvrtc_version();
 std::string nvrtc_library_path();
 

@@ -11,13 +11,9 @@ Thunder symbols:
         the kernels (kforge._C.rmsnorm_forward / rmsnorm_backward); rstd is float32 of shape (rows,),
         weight may be None (then dweight is None). cast_before_weight=True: y = weight * T(x * rstd)
         (HF); False: y = T(x * rstd * weight) (torch F.rms_norm, thunder.torch.rms_norm).
-        kforge._C.rmsnorm_backward also takes variant= (0, the default: the shared-memory ring
-        kernel reducing dweight itself after a grid-wide barrier (cooperative launch), where the
-        device allows, with a dynamic tail (a static head of 0.8 of the row groups, the rest in
-        chunks of 4 row groups claimed at run time); 3 and 4 the same with head 0.7 / chunks of 2
-        and head 0.9 / chunks of 4; 5 without a tail; 1 the ring kernel, then a separate dweight
-        reduction kernel; 2, for tests, the kernels for inputs the ring does not take; see the
-        binding's docstring) for A/B timing (scripts/ab.py); the operators use the default.
+        kforge._C.rmsnorm_backward also takes variant= (0, the default; 1, for tests, never the
+        shared-memory ring kernel: the kernels for inputs the ring does not take); the operators
+        use the default.
 
 Claims: `kforge_rms_norm` (the helper) and `thunder.torch.rms_norm` (F.rms_norm), forward and
 backward. Saved for backward: x, weight, rstd.
