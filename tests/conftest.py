@@ -86,6 +86,16 @@ def _poison_outputs():
     kforge._C.set_poison_outputs(False)
 
 
+@pytest.fixture(autouse=True)
+def _release_cached_gpu_memory():
+    """Hands the test's cached GPU memory back to the driver afterwards: under pytest-xdist every
+    worker is a process with its own caching allocator, and one that kept the peak of a large test
+    reserved left the other workers out of memory."""
+    yield
+    if HAS_GPU and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 # ---- Thunder: checkers, and the claims' wiring without a GPU ------------------------------------------
 def proxy(*shape, dtype=torch.float32, device="cuda:0", requires_grad=False):
     """A Thunder TensorProxy for checker tests (no GPU needed, whatever the device).
