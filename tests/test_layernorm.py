@@ -46,9 +46,9 @@ def reference(x, w, b, dout):
     return out.detach(), mean, rstd, x64.grad, grad(w64), grad(b64)
 
 
-def check_against_reference(x, w, b, dout, dtype):
-    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
-    dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+def check_against_reference(x, w, b, dout, dtype, variant=0):
+    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS, variant=variant)
+    dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
     r_out, r_mean, r_rstd, r_dx, r_dw, r_db = reference(x, w, b, dout)
     n = x.numel() // x.shape[-1]
     assert out.dtype == dtype and mean.dtype == rstd.dtype == torch.float32
@@ -92,8 +92,6 @@ def check_against_reference(x, w, b, dout, dtype):
 # Groups / warps looping over more rows than they number (the last round partial): (8192, 768),
 # (20000, 768), (4096, 1024), (2000, 771), (3000, 256), (3000, 100).
 # Parameter-gradient reduce: 16-byte loads for even C, scalar for odd C (3, 771, 4099).
-# Not reached at test sizes: the WARP backward and the fp32 WARP forward (the fallbacks past GROUP's
-# 2^30 and RING's 2^31 rows).
 # N=1 and 3-D inputs too. AFFINE covers dweight and dbias together, alone, and neither (the
 # backward then keeps no column sums at all).
 SHAPES = [(8, 768), (1, 768), (2, 5, 768), (16, 1000), (1000, 771), (7, 3), (3, 4100), (300, 4100),
@@ -101,41 +99,65 @@ SHAPES = [(8, 768), (1, 768), (2, 5, 768), (16, 1000), (1000, 771), (7, 3), (3, 
           (20, 640), (4096, 1024), (5, 100), (24, 1536), (12, 2048), (10, 1600), (3000, 256),
           (3000, 100), (2000, 771), (20000, 768), (16, 4096), (300, 4096), (100, 1600), (50, 2050),
           (6, 5120)]
+# The launchers' `variant` 1 (never GROUP / RING): rows of <= 1024 columns take the WARP layout the
+# default uses only past 2^30 rows (one warp per row; rows a warp takes at once R, persistent warps
+# looping when the chunks outnumber them). Forward fp32 16-byte units per lane P: 2 at 100 / 128 /
+# 256, 3 at 300 / 384, 4 at 512, 6 at 640 / 768, 8 at 1000 / 1024; scalar P=32 at 3 / 771.
+# Backward: fp32 as the forward; bf16 16-byte P=2 at 128 / 256 / 384 / 512, 3 at 640 / 768, 4 at
+# 1000 / 1024; scalar at 3 / 100 / 300 / 771. Warps looping over more chunks than they number:
+# (8192, 768), (20000, 768), in the backward also (4096, 1024), (2000, 771); one row: (1, 768).
+# Longer rows take the same kernels under both variants, so they run under variant 0 only.
+WARP_SHAPES = [(1, 768), (16, 1000), (1000, 771), (7, 3), (8192, 768), (64, 128), (33, 256),
+               (40, 300), (33, 384), (48, 512), (20, 640), (4096, 1024), (5, 100), (2000, 771),
+               (20000, 768)]
+VARIANT_SHAPES = [(s, 0) for s in SHAPES] + [(s, 1) for s in WARP_SHAPES]
+
+
+def shape_variant_id(sv):
+    shape, variant = sv
+    return "x".join(map(str, shape)) + f"-v{variant}"
 
 
 @gpu
 @pytest.mark.parametrize("affine", AFFINE)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape_variant", VARIANT_SHAPES, ids=shape_variant_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_matches_float64_reference(dtype, shape, affine):
-    check_against_reference(*make_inputs(shape, dtype, affine), dtype)
+def test_matches_float64_reference(dtype, shape_variant, affine):
+    shape, variant = shape_variant
+    check_against_reference(*make_inputs(shape, dtype, affine), dtype, variant)
 
 
 # float16 has its own instantiations: one shape per layout and units per lane (WARP P=2, 3, 4, 6,
 # 8 and scalar; RING at NW 1, 2, 3, 4 and rows < grid; GROUP scalar; BLOCK FITS / re-read, 16-byte /
-# scalar).
-@gpu
-@pytest.mark.parametrize("shape", [(64, 768), (1, 768), (33, 771), (48, 512), (40, 256), (20, 640),
-                                   (300, 1024), (24, 1536), (12, 2048), (50, 2050), (16, 4096),
-                                   (3, 4100), (6, 5120)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_float16(shape):
-    check_against_reference(*make_inputs(shape, torch.float16), torch.float16)
+# scalar). Variant 1 on the rows of <= 1024 columns: the WARP backward at P=2 (256, 512), 3 (640,
+# 768), 4 (1024) and scalar (771).
+F16_SHAPES = [(64, 768), (1, 768), (33, 771), (48, 512), (40, 256), (20, 640), (300, 1024),
+              (24, 1536), (12, 2048), (50, 2050), (16, 4096), (3, 4100), (6, 5120)]
 
 
 @gpu
+@pytest.mark.parametrize("shape_variant", [(s, 0) for s in F16_SHAPES]
+                         + [(s, 1) for s in F16_SHAPES if s[-1] <= 1024], ids=shape_variant_id)
+def test_float16(shape_variant):
+    shape, variant = shape_variant
+    check_against_reference(*make_inputs(shape, torch.float16), torch.float16, variant)
+
+
+@gpu
+@pytest.mark.parametrize("variant", [0, 1], ids=lambda v: f"v{v}")
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
-def test_misaligned_and_strided_inputs(dtype):
-    """Views 2 / 4 bytes off a 16-byte boundary take the scalar path; strided views are copied."""
+def test_misaligned_and_strided_inputs(dtype, variant):
+    """Views 2 / 4 bytes off a 16-byte boundary take the scalar path (variant 1: the scalar WARP
+    kernels); strided views are copied."""
     n, c = 64, 768
     x, w, b, dout = make_inputs((n, c), dtype)
     x_off = torch.empty(n * c + 1, dtype=dtype, device="cuda")[1:].view(n, c).copy_(x)
     w_off = torch.empty(c + 1, dtype=dtype, device="cuda")[1:].copy_(w)
     assert x_off.data_ptr() % 16 != 0 and w_off.data_ptr() % 16 != 0
-    check_against_reference(x_off, w, b, dout, dtype)
-    check_against_reference(x, w_off, b, dout, dtype)
+    check_against_reference(x_off, w, b, dout, dtype, variant)
+    check_against_reference(x, w_off, b, dout, dtype, variant)
     x_t = x.t().contiguous().t()  # same values, column-major
-    check_against_reference(x_t, w, b, dout.t().contiguous().t(), dtype)
+    check_against_reference(x_t, w, b, dout.t().contiguous().t(), dtype, variant)
 
 
 @gpu
@@ -175,24 +197,25 @@ def test_max_warps_knob(dtype):
 
 
 @gpu
-@pytest.mark.parametrize("shape", [(512, 768), (512, 771), (64, 4096)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape_variant", [((512, 768), 0), ((512, 771), 0), ((64, 4096), 0),
+                                           ((512, 768), 1), ((512, 771), 1)], ids=shape_variant_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cuda_graph_capture_of_backward(dtype, shape):
+def test_cuda_graph_capture_of_backward(dtype, shape_variant):
     """The backward allocates its partial-sum scratch from PyTorch's allocator: capturable, warm-up
     on a side stream included (768: RING for bf16 / GROUP for fp32, and the dependent 16-byte
-    reduce; 771: GROUP scalar and the scalar reduce; 4096: BLOCK)."""
+    reduce; 771: GROUP scalar and the scalar reduce; 4096: BLOCK; variant 1: WARP at 768 / 771)."""
+    shape, variant = shape_variant
     x, w, b, dout = make_inputs(shape, dtype)
-    _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
-    expected = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+    _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS, variant=variant)
+    expected = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (compile, load) outside the capture
-        kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+        kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+        captured = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
     graph.replay()
     torch.cuda.synchronize()
     for a, r in zip(captured, expected):
@@ -211,6 +234,10 @@ def test_launcher_rejects_bad_arguments():
         kforge._C.layernorm_backward(dout, x, w, b, mean.double(), rstd)
     with pytest.raises(kforge.KforgeError, match="dout has shape"):
         kforge._C.layernorm_backward(dout[:2], x, w, b, mean, rstd)
+    with pytest.raises(kforge.KforgeError, match="variant must be in"):
+        kforge._C.layernorm_forward(x, w, b, EPS, variant=2)
+    with pytest.raises(kforge.KforgeError, match="variant must be in"):
+        kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=-1)
 
 
 @gpu

@@ -12,7 +12,8 @@
 // The dtype splits are the H200 timings at 8192 x 768 (scripts/ab.py, BENCHMARKS.md): forward fp32
 // GROUP 14.2 us against WARP's 14.8, bf16 WARP 9.1 against GROUP's 9.9; backward bf16 RING 16.1-16.9
 // against GROUP's 17.1-17.8, fp32 GROUP 22.8-23.7 against RING's 25.4-27.6.
-// Rows past a layout's int row index (GROUP: N > 2^30; RING: N >= 2^31) take WARP instead.
+// Rows past a layout's int row index (GROUP: N > 2^30; RING: N >= 2^31) take WARP instead; the
+// launchers' `variant` 1 (tests only) forces that fallback (never GROUP / RING) at any N.
 #include <algorithm>
 #include <optional>
 #include <tuple>
@@ -24,6 +25,14 @@ namespace {
 
 constexpr const char* kFwd = "layernorm_forward";
 constexpr const char* kBwd = "layernorm_backward";
+
+// The launchers' `variant`: 0 the layouts above; 1 (tests only) never GROUP / RING, the layouts the
+// default falls back to past their int row index (WARP where it fits, else BLOCK).
+constexpr int64_t kDefault = 0, kNoGroup = 1, kNumVariants = 2;
+void check_variant(int64_t variant, const char* op) {
+  KF_CHECK(variant >= 0 && variant < kNumVariants, op, "variant must be in [0, ", kNumVariants - 1,
+           "], got ", variant);
+}
 
 Program prog("layernorm");
 const std::vector<DType> kF32Only = {DType::f32};
@@ -194,13 +203,14 @@ bool aligned_or_absent(const at::Tensor& t) { return !t.defined() || aligned16(t
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
     const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
-    const std::optional<at::Tensor>& bias_, double eps, int64_t max_warps) {
+    const std::optional<at::Tensor>& bias_, double eps, int64_t max_warps, int64_t variant) {
   const at::Tensor x = input(x_, kFwd, "x");
   const auto [N, C] = rows_cols(x, kFwd);
   const at::Tensor w = param(weight_, x, C, kFwd, "weight");
   const at::Tensor b = param(bias_, x, C, kFwd, "bias");
   KF_CHECK(eps >= 0, kFwd, "eps must be >= 0, got ", eps);
   KF_CHECK(max_warps >= 0, kFwd, "max_warps must be >= 0, got ", max_warps);
+  check_variant(variant, kFwd);
   LaunchOn on(x);
   at::Tensor out = new_output_like(x);
   at::Tensor mean = new_output({N}, x.options().dtype(at::kFloat));
@@ -218,7 +228,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
   // GROUP (fp32): blocks of up to kGroupFwdWarps warps (G groups of tpr threads), kGroupFwdBlocks
   // resident per SM, as few groups per SM as keep the same number of rounds; groups loop beyond.
   const int64_t tpr = group_tpr(C, vec, es);
-  const bool group = es == 4 && wp.index >= 0 && N <= kMaxGroupRows && tpr <= 32 * kGroupFwdWarps;
+  const bool group = variant != kNoGroup && es == 4 && wp.index >= 0 && N <= kMaxGroupRows &&
+                     tpr <= 32 * kGroupFwdWarps;
   if (group) {
     Kernel& k = vec ? fwd_group_vec : fwd_group_scalar;
     const int64_t nw = tpr / 32;
@@ -285,7 +296,7 @@ void param_grad(const at::Tensor& partial, std::optional<at::Tensor>& dweight,
 std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> layernorm_backward(
     const at::Tensor& dout_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
     const std::optional<at::Tensor>& bias_, const at::Tensor& mean_, const at::Tensor& rstd_,
-    int64_t max_warps) {
+    int64_t max_warps, int64_t variant) {
   const at::Tensor x = input(x_, kBwd, "x");
   const at::Tensor dout = input_like(dout_, x, kBwd, "dout");
   KF_CHECK(dout.sizes() == x.sizes(), kBwd, "dout has shape ", dout.sizes(), ", x has ", x.sizes());
@@ -300,6 +311,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
              t->sizes());
   }
   KF_CHECK(max_warps >= 0, kBwd, "max_warps must be >= 0, got ", max_warps);
+  check_variant(variant, kBwd);
   const at::Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
   LaunchOn on(x);
   const DType dt = dtype_of(x, kBwd);
@@ -327,7 +339,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
   // most 16 KiB; the fold at the end reuses it) and the launch bound allows, as few as keep the
   // same number of rounds; the N rows split into contiguous ranges of q or q + 1 rows, one per
   // group.
-  if (es == 2 && vec && C <= kRingMaxC && N < (int64_t(1) << 31)) {
+  if (variant != kNoGroup && es == 2 && vec && C <= kRingMaxC && N < (int64_t(1) << 31)) {
     const int64_t units = C / 8;
     const int64_t rtpr = 32 * cdiv(units, 32);
     const int64_t ring_bytes = int64_t(kRingSlots) * 2 * units * 16;  // a group's slots
@@ -359,7 +371,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
   // shared memory per thread.
   const int gwarps = group_bwd_warps(vec);
   const int64_t tpr = group_tpr(C, vec, es);
-  if (wp.index >= 0 && N <= kMaxGroupRows && tpr <= 32 * gwarps) {
+  if (variant != kNoGroup && wp.index >= 0 && N <= kMaxGroupRows && tpr <= 32 * gwarps) {
     const int64_t nw = tpr / 32;
     int64_t most = 32 * gwarps / tpr;  // groups per SM
     if (nw > 1) most = std::min<int64_t>(most, kMaxNamedBarrierGroups);
@@ -432,16 +444,24 @@ KFORGE_BIND_OP(layernorm) {
         "LayerNorm over the last dim: returns (out, mean, rstd); mean / rstd are float32 (N,). "
         "max_warps (for A/B timing; 0: the kernel's own limit): fewer resident warps per SM on "
         "rows of up to 1024 columns (2048 for 16-byte-aligned bfloat16 / float16); none on longer "
-        "rows",
+        "rows. variant: 0 (default) float32 rows of <= 1024 columns over groups of 32-1024 threads "
+        "(GROUP); 1 (tests only) never GROUP: those rows take one warp per row (WARP, the layout "
+        "the default uses past 2^30 rows); other inputs take the same kernels under every variant",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("eps") = 1e-5, pybind11::arg("max_warps") = 0);
+        pybind11::arg("eps") = 1e-5, pybind11::arg("max_warps") = 0,
+        pybind11::arg("variant") = kDefault);
   m.def("layernorm_backward", &layernorm_backward,
         "LayerNorm backward: returns (dx, dweight or None, dbias or None); bias is only used to "
         "decide whether dbias is wanted. dweight / dbias are reduced in a fixed order (reproducible "
         "bits). max_warps (for A/B timing; 0: the kernel's own limit): fewer warps per SM on rows "
-        "of up to 1024 columns; none on longer rows",
+        "of up to 1024 columns; none on longer rows. variant: 0 (default) rows of <= 1024 columns "
+        "take the shared-memory ring (RING: bfloat16 / float16 with 16-byte units) or groups of "
+        "32-1024 threads (GROUP); 1 (tests only) never RING / GROUP: those rows take one warp per "
+        "row (WARP, the layout the default uses past 2^30 rows, 2^31 for RING); longer rows take "
+        "the same kernels under every variant",
         pybind11::arg("dout"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("max_warps") = 0);
+        pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("max_warps") = 0,
+        pybind11::arg("variant") = kDefault);
 }
 
 }  // namespace kforge
