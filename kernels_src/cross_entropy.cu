@@ -172,18 +172,13 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
 // Chunk 0 also does the row's scalar head and tail (< 2 packs' worth, one element per thread).
 // Math: dx = exp2(x * log2e - lse * log2e) * s, minus s at the target.
 //
-// Two layouts (the launcher's `variant` picks; both are exercised by the tests):
-// - grid (default): one block per work item, several waves of short-lived blocks, like a plain
-//   elementwise kernel. Each thread issues its U pack loads first, then the row's inputs (target,
-//   lse, dloss): none of them waits for another, so a block's life is one memory latency plus its
-//   arithmetic. Ignored rows read their logits too (rare; this keeps the loads independent of the
-//   target) and write exact zeros (selected, so a NaN logit there does not leak).
-// - persistent: a grid of a few blocks per SM looping over the items (blockIdx.x, += gridDim.x),
-//   the next item's row inputs prefetched during the current item; ignored rows skip their loads.
-//   The prefetched values are kept in per-thread registers (see ce_opaque_zero).
+// One block per work item, several waves of short-lived blocks, like a plain elementwise kernel.
+// Each thread issues its U pack loads first, then the row's inputs (target, lse, dloss): none of
+// them waits for another, so a block's life is one memory latency plus its arithmetic. Ignored rows
+// read their logits too (rare; this keeps the loads independent of the target) and write exact
+// zeros (selected, so a NaN logit there does not leak).
 #define CE_BWD_THREADS 256
-#define CE_BWD_UNROLL_GRID 4    // grid layout: 16-byte packs per thread (64 bytes in flight)
-#define CE_BWD_UNROLL_VEC 8     // persistent layout: 16-byte packs per thread per item
+#define CE_BWD_UNROLL_VEC 4    // 16-byte packs per thread (64 bytes in flight)
 #define CE_BWD_UNROLL_SCALAR 2  // element-wise "packs" (P loads each) per thread
 #define CE_LOG2E 1.4426950408889634f
 
@@ -235,8 +230,8 @@ KF_DEVICE Pack128<T> ce_pack(const float (&f)[Pack128<T>::size]) {
 }
 
 // This thread's packs p = u * CE_BWD_THREADS + tid < np of the chunk starting at xc. Vec: 16-byte
-// loads (streaming when Stream); else P elements one by one (no alignment needed).
-template <bool Vec, bool Stream, int U, typename T>
+// loads; else P elements one by one (no alignment needed).
+template <bool Vec, int U, typename T>
 KF_DEVICE void ce_load_chunk(const T* __restrict__ xc, int np, Pack128<T> (&a)[U]) {
   constexpr int P = Pack128<T>::size;
 #pragma unroll
@@ -244,7 +239,7 @@ KF_DEVICE void ce_load_chunk(const T* __restrict__ xc, int np, Pack128<T> (&a)[U
     const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
     if (p < np) {
       if constexpr (Vec) {
-        a[u] = Stream ? load128cs(xc + p * P) : load128(xc + p * P);
+        a[u] = load128(xc + p * P);
       } else {
 #pragma unroll
         for (int k = 0; k < P; ++k) a[u][k] = xc[p * P + k];
@@ -253,11 +248,10 @@ KF_DEVICE void ce_load_chunk(const T* __restrict__ xc, int np, Pack128<T> (&a)[U
   }
 }
 
-template <bool Vec, bool Stream, typename T>
+template <bool Vec, typename T>
 KF_DEVICE void ce_store_pack(T* __restrict__ d, const Pack128<T>& o) {
   if constexpr (Vec) {
-    if (Stream) store128cs(d, o);
-    else store128(d, o);
+    store128(d, o);
   } else {
 #pragma unroll
     for (int k = 0; k < Pack128<T>::size; ++k) d[k] = o[k];
@@ -266,7 +260,7 @@ KF_DEVICE void ce_store_pack(T* __restrict__ d, const Pack128<T>& o) {
 
 // The chunk's gradient from its packs a: (2^(x log2e - l2) - [element == tl]) * s, or exact zeros
 // for an ignored row. tl: the target's position counted from the chunk's first element, or -1.
-template <bool Vec, bool Stream, int U, typename T>
+template <bool Vec, int U, typename T>
 KF_DEVICE void ce_store_chunk(T* __restrict__ dc, int np, const Pack128<T> (&a)[U], int tl, float l2,
                               float s, bool zero) {
   constexpr int P = Pack128<T>::size;
@@ -277,7 +271,7 @@ KF_DEVICE void ce_store_chunk(T* __restrict__ dc, int np, const Pack128<T> (&a)[
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
-      if (p < np) ce_store_pack<Vec, Stream>(dc + p * P, z);
+      if (p < np) ce_store_pack<Vec>(dc + p * P, z);
     }
     return;
   }
@@ -295,7 +289,7 @@ KF_DEVICE void ce_store_chunk(T* __restrict__ dc, int np, const Pack128<T> (&a)[
         for (int k = 0; k < P; ++k)
           if (k == dk) e[k] -= s;
       }
-      ce_store_pack<Vec, Stream>(dc + p * P, ce_pack<T>(e));
+      ce_store_pack<Vec>(dc + p * P, ce_pack<T>(e));
     }
   }
 }
@@ -339,8 +333,7 @@ KF_DEVICE CeRowScale ce_row_scale(long long t, float L, float g, float nv, bool 
 // The raw inputs of a row. Their loads take row + ce_opaque_zero(): 0 in every thread, but not
 // known to the compiler to be the same in all of them, so the loaded values stay in per-thread
 // registers. As block-uniform values the compiler moved them into uniform registers right after
-// their loads, which waited for those loads before the pack loads were issued (in the persistent
-// layout that made the prefetch hide nothing).
+// their loads, which waited for those loads before the pack loads were issued.
 KF_DEVICE long long ce_opaque_zero() { return threadIdx.x >= blockDim.x; }
 struct CeRowIn {
   long long t;
@@ -352,18 +345,18 @@ KF_DEVICE CeRowIn ce_row_in(long long row, const T* __restrict__ grad, long long
   return {targets[row], lse[row], to_float(grad[row * grad_stride])};
 }
 
-// Grid layout: one block per work item w = blockIdx.x (gridDim.x = N * chunks_per_row < 2^31).
-// Vec: logits and dlogits share their address modulo 16 (16-byte packs between a scalar head and
-// tail per row); else every "pack" is P elements moved one by one. Stream: evict-first loads/stores.
-template <typename T, bool Vec, bool Stream>
+// One block per work item w = blockIdx.x (gridDim.x = N * chunks_per_row < 2^31). Vec: logits and
+// dlogits share their address modulo 16 (16-byte packs with default caching between a scalar head
+// and tail per row); else every "pack" is P elements moved one by one.
+template <typename T, bool Vec>
 __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
-    cross_entropy_backward_grid_kernel(const T* __restrict__ grad, long long grad_stride,
+    cross_entropy_backward_kernel(const T* __restrict__ grad, long long grad_stride,
                                        const float* __restrict__ n_valid, const T* __restrict__ logits,
                                        const i64* __restrict__ targets, const float* __restrict__ lse,
                                        T* __restrict__ dlogits, long long V, long long ignore_index,
                                        int chunks_per_row, int chunk_packs) {
   constexpr int P = Pack128<T>::size;
-  constexpr int U = Vec ? CE_BWD_UNROLL_GRID : CE_BWD_UNROLL_SCALAR;
+  constexpr int U = Vec ? CE_BWD_UNROLL_VEC : CE_BWD_UNROLL_SCALAR;
   const u32 row32 = blockIdx.x / (u32)chunks_per_row;  // the one division
   const long long chunk = (long long)(blockIdx.x - row32 * (u32)chunks_per_row);
   const long long row = row32;
@@ -374,7 +367,7 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
 
   // All loads first: the packs, the scalar head / tail element, then the row's inputs.
   Pack128<T> a[U];
-  ce_load_chunk<Vec, Stream>(xr + ck.first, ck.np, a);
+  ce_load_chunk<Vec>(xr + ck.first, ck.np, a);
   const CeScalar sc = ce_scalar(rs, V, chunk);
   const float xs = sc.on ? to_float(xr[sc.c]) : 0.0f;
   const CeRowIn in = ce_row_in(row + ce_opaque_zero(), grad, grad_stride, targets, lse);
@@ -384,59 +377,10 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
   const CeRowScale r = ce_row_scale(t, in.lse, in.g, nv, n_valid != nullptr, V, ignore_index);
   const long long dt = t - ck.first;  // the target's position in this chunk, if there
   const int tl = (dt >= 0 && dt < (long long)ck.np * P) ? (int)dt : -1;
-  ce_store_chunk<Vec, Stream>(dr + ck.first, ck.np, a, tl, r.l2, r.s, r.zero);
+  ce_store_chunk<Vec>(dr + ck.first, ck.np, a, tl, r.l2, r.s, r.zero);
   if (sc.on) {
     const float e = r.zero ? 0.0f : ce_ex2(fmaf(xs, CE_LOG2E, -r.l2)) * r.s;
     dr[sc.c] = from_float<T>(sc.c == t ? e - r.s : e);
-  }
-}
-
-// Persistent layout: a few blocks per SM loop over the work items. The raw per-row inputs of the
-// next item are loaded one item ahead.
-template <typename T, bool Vec>
-__global__ void __launch_bounds__(CE_BWD_THREADS, 4)
-    cross_entropy_backward_kernel(const T* __restrict__ grad, long long grad_stride,
-                                  const float* __restrict__ n_valid, const T* __restrict__ logits,
-                                  const i64* __restrict__ targets, const float* __restrict__ lse,
-                                  T* __restrict__ dlogits, long long V, long long ignore_index,
-                                  long long chunks_per_row, int chunk_packs, long long work) {
-  constexpr int P = Pack128<T>::size;
-  constexpr int U = Vec ? CE_BWD_UNROLL_VEC : CE_BWD_UNROLL_SCALAR;
-  long long w = blockIdx.x;
-  if (w >= work) return;
-  const long long zero = ce_opaque_zero();
-  long long row = w / chunks_per_row;
-  CeRowIn in = ce_row_in(row + zero, grad, grad_stride, targets, lse);
-  const float nv = n_valid ? *n_valid : 1.0f;  // mean: dloss = g / n_valid
-  for (; w < work; w += gridDim.x) {
-    const long long chunk = w - row * chunks_per_row;
-    const long long t = in.t;
-    const CeRowScale r = ce_row_scale(t, in.lse, in.g, nv, n_valid != nullptr, V, ignore_index);
-    const T* xr = logits + row * V;
-    T* dr = dlogits + row * V;
-
-    // Prefetch the next item's row inputs.
-    const long long wn = w + gridDim.x;
-    long long row_n = row;
-    if (wn < work) {
-      row_n = wn / chunks_per_row;
-      in = ce_row_in(row_n + zero, grad, grad_stride, targets, lse);
-    }
-
-    const RowSplit rs = Vec ? split_row(xr, V) : RowSplit{0, V / P, (V / P) * P};
-    const CeChunk ck = ce_chunk<T>(rs, chunk, chunk_packs);
-    const long long dt = t - ck.first;
-    const int tl = (dt >= 0 && dt < (long long)ck.np * P) ? (int)dt : -1;
-    const CeScalar sc = ce_scalar(rs, V, chunk);
-    const float xs = sc.on && !r.zero ? to_float(xr[sc.c]) : 0.0f;
-    Pack128<T> a[U];
-    if (!r.zero) ce_load_chunk<Vec, true>(xr + ck.first, ck.np, a);
-    ce_store_chunk<Vec, true>(dr + ck.first, ck.np, a, tl, r.l2, r.s, r.zero);
-    if (sc.on) {
-      const float e = r.zero ? 0.0f : ce_ex2(fmaf(xs, CE_LOG2E, -r.l2)) * r.s;
-      dr[sc.c] = from_float<T>(sc.c == t ? e - r.s : e);
-    }
-    row = row_n;
   }
 }
 

@@ -15,13 +15,13 @@
 // (an id outside [0, P) makes that token's outputs NaN: no host check on the launch path), else row
 // (b, t) of a (B, T, Dc) table or row t of a (1, T, Dc) / (T, Dc) one. Tables are T or fp32.
 //
-// Two kernels, fp32 math in both (the launcher's `variant` picks; see src/ops/rope.cpp):
-// - rope_tile_kernel (default; 16-byte aligned rows and table rows): a thread owns one 16-byte
-//   chunk column of one token for a group of U heads of q or of k, issues all of their loads before
+// Two kernels, fp32 math in both (the launcher picks; see src/ops/rope.cpp):
+// - rope_tile_kernel (16-byte aligned rows and table rows, rows of at most 256 16-byte chunks): a
+//   thread owns one 16-byte chunk column of one token for a group of U = 8 heads of q or of k, issues all of their loads before
 //   the token's table chunk (read once per U heads) and before any math; blocks cover tiles of
 //   consecutive tokens, grid.y the head groups. See the comment above rope_tile_body.
 // - rope_kernel (every other layout: misaligned rows or tables, D / 2 or D not a multiple of the
-//   16-byte pack): one block per token; threadIdx.x walks the row in chunks of W elements (16 bytes
+//   16-byte pack, longer rows, more than 65535 head groups): one block per token; threadIdx.x walks the row in chunks of W elements (16 bytes
 //   when `vec`, else 1 element or 1 pair), loading the chunk's table entries once, and threadIdx.y
 //   walks the Hq + Hkv heads of that token (q heads first, then k heads), kHeadsInFlight heads per
 //   thread at a time so that each thread has several 16-byte loads outstanding.
@@ -277,7 +277,7 @@ __global__ void rope_f32tab_kernel(const T* __restrict__ q, const T* __restrict_
                       kst, tab_batched, n_pos, pos_sb, interleaved, inverse, vec, tvec);
 }
 
-// ---- tiled kernel (the launcher's default for 16-byte aligned rows and tables) -------------------
+// ---- tiled kernel (16-byte aligned rows and tables) ---------------------------------------------
 // Element access on raw 16-byte packs (uint4): E = 4 / sizeof(T) elements per 32-bit word. bf16
 // unpacks with one shift or mask per element and packs two results with one cvt (sm_80+).
 KF_DEVICE u32 word_of(const uint4& v, int i) {
@@ -330,8 +330,7 @@ template <typename T> KF_DEVICE void st16(T* p, const uint4& v) { *reinterpret_c
 // both members of its rotated pairs; interleaved: elements [cV, cV + V), V / 2 pairs), threadIdx.y
 // over a tile of by consecutive tokens. blockIdx.y is a group of U consecutive heads of q (groups
 // 0 .. gq - 1) or of k (the rest), never both, so a group has one base pointer and one head stride;
-// blockIdx.x walks the token tiles with a grid stride (the launcher sizes the grid to what is
-// resident, or to one tile per block). Per (token, chunk) a thread issues the 16-byte loads of its U
+// blockIdx.x walks the token tiles with a grid stride (the launcher gives each block one tile). Per (token, chunk) a thread issues the 16-byte loads of its U
 // heads (2U for rotate_half) and of its token's table chunk (once for the U heads) back to back, and
 // only then converts and rotates, table element outer and head inner, results written over their
 // inputs (the table's address depends on no load unless position ids are given). Heads past a
@@ -462,14 +461,11 @@ KF_DEVICE void rope_tile_body(const T* __restrict__ q, const T* __restrict__ k, 
   }
 }
 
-// Resident blocks per SM the tiled kernels are compiled for (their register cap); the launcher's
-// kTileBlocksPerSm must match.
-#define ROPE_TILE_MIN_BLOCKS(U) ((U) >= 8 ? 2 : 3)
-
 // Tables stored as T; U heads per thread, IL: interleaved layout. Needs the launcher's `vec` and
-// `tvec` (16-byte aligned rows and table rows).
+// `tvec` (16-byte aligned rows and table rows). Compiled for 2 resident blocks per SM (the register
+// cap that U = 8 needs).
 template <typename T, int U, bool IL>
-__global__ void __launch_bounds__(256, ROPE_TILE_MIN_BLOCKS(U))
+__global__ void __launch_bounds__(256, 2)
     rope_tile_kernel(const T* __restrict__ q, const T* __restrict__ k, T* __restrict__ q_out,
                      T* __restrict__ k_out, const T* __restrict__ cos, const T* __restrict__ sin,
                      const long long* __restrict__ pos, int ntok, int Tn, int Hq, int Hkv, int D,
@@ -482,7 +478,7 @@ __global__ void __launch_bounds__(256, ROPE_TILE_MIN_BLOCKS(U))
 
 // Tables stored as fp32 (bf16 / fp16 q and k).
 template <typename T, int U, bool IL>
-__global__ void __launch_bounds__(256, ROPE_TILE_MIN_BLOCKS(U))
+__global__ void __launch_bounds__(256, 2)
     rope_tile_f32tab_kernel(const T* __restrict__ q, const T* __restrict__ k, T* __restrict__ q_out,
                             T* __restrict__ k_out, const float* __restrict__ cos,
                             const float* __restrict__ sin, const long long* __restrict__ pos,

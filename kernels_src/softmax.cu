@@ -9,12 +9,9 @@
 // Layouts, chosen by the launcher from the row length (capacities in 16-byte packs):
 // - softmax_{forward,backward}_kernel<T, P, true>:  one warp per row, P packs per lane in registers
 //   (rows up to 32 * P packs): each lane issues all its loads first, then shuffle-only reductions;
-// - softmax_forward_rows2_kernel<T, P>: plain 16-bit rows of 33..128 packs that all start 16-byte
-//   aligned: one warp per pair of rows, the second row staged through shared memory by cp.async
-//   while the first is in registers (twice the bytes in flight per warp at the same registers);
-// - softmax_forward_warps_kernel<T, P, S>: the same rows (the default for them): persistent warps
-//   on a grid sized to the GPU, each a balanced range of rows staged through S row slots of shared
-//   memory by cp.async, packed 16-bit max, ~8 instructions per element;
+// - softmax_forward_warps_kernel<T, P, S>: plain 16-bit rows of 33..128 packs that all start 16-byte
+//   aligned: persistent warps on a grid sized to the GPU, each a balanced range of rows staged
+//   through S row slots of shared memory by cp.async, packed 16-bit max, ~8 instructions per element;
 // - softmax_{forward,backward}_kernel<T, P, false>: one block per row, P packs per thread in
 //   registers (rows up to blockDim.x * P packs): per-warp reductions, then one __syncthreads to
 //   combine the warps' (max, sum) or <dy, y> partials;
@@ -298,105 +295,11 @@ __global__ void __launch_bounds__(WarpRow ? 128 : 512)
   if (lane < s.tail) yr[te] = from_float<T>(tv ? et * f : 0.0f);
 }
 
-// Plain rows (no causal mask) that all start on a 16-byte boundary (C a multiple of V, x and y
-// 16-byte aligned: no scalar head or tail): one warp per PAIR of rows, P packs per lane and row.
-// The second row goes to shared memory by cp.async (no registers held) while the first row is
-// loaded into registers, so both rows' loads are out before any arithmetic: twice the bytes in
-// flight per warp of the one-row kernel at the same registers (16-bit rows of 1024: 4 KB per
-// warp), and 8192 such rows fit in one wave (32 warps per SM). Then the first row is reduced and
-// written, the second read back from shared memory (each lane reads only the packs it copied
-// itself, so cp.async.wait_all alone orders it) and handled the same way. Four warps (8 rows)
-// per block. The max is taken over raw x and scaled once (scale2 = log2(e) > 0 here).
-KF_DEVICE void cp_async16(void* smem, const void* gmem) {
-  u32 s;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-KF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-KF_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
-template <typename T, int P>
-KF_DEVICE void warp_row_softmax(const Pack128<T> (&a)[P], T* __restrict__ yr, int npk, int lane,
-                                float scale2) {
-  constexpr int V = Pack128<T>::size;
-  float v[P][V];
-  float m = -KF_INF;
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
-    unpack(a[k], v[k]);  // packs past the row's end hold -inf: they add nothing below
-#pragma unroll
-    for (int i = 0; i < V; ++i) m = fmaxf(m, v[k][i]);
-  }
-  m = warp_max(m) * scale2;  // an all -inf row: -inf, and its outputs NaN as in PyTorch
-  float sum = 0.0f;
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      v[k][i] = sm_ex2(fmaf(v[k][i], scale2, -m));
-      sum += v[k][i];
-    }
-  }
-  const float f = 1.0f / warp_sum(sum);
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
-    const int pk = k * 32 + lane;
-    if (pk < npk) {
-      float o[V];
-#pragma unroll
-      for (int i = 0; i < V; ++i) o[i] = v[k][i] * f;
-      store128(yr + pk * V, pack<T>(o));
-    }
-  }
-}
-
-template <typename T, int P>
-__global__ void __launch_bounds__(128, 8)
-    softmax_forward_rows2_kernel(const T* __restrict__ x, T* __restrict__ y, int rows, int C,
-                                 float scale2) {
-  constexpr int V = Pack128<T>::size;
-  __shared__ Pack128<T> stage[4][P * 32];  // per warp: its second row
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long r0 = ((long long)blockIdx.x * 4 + warp) * 2;
-  if (r0 >= rows) return;  // the whole warp leaves
-  const bool two = r0 + 1 < rows;
-  const int npk = C / V;
-  const T* x0 = x + r0 * C;
-  if (two) {
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const int pk = k * 32 + lane;
-      if (pk < npk) cp_async16(&stage[warp][pk], x0 + C + pk * V);
-    }
-    cp_async_commit();
-  }
-  Pack128<T> ninf;  // -inf in every element: packs past the row's end add nothing
-#pragma unroll
-  for (int i = 0; i < V; ++i) ninf.set(i, -KF_INF);
-  Pack128<T> a[P];
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
-    const int pk = k * 32 + lane;
-    a[k] = pk < npk ? load128(x0 + pk * V) : ninf;
-  }
-  T* y0 = y + r0 * C;
-  warp_row_softmax<T, P>(a, y0, npk, lane, scale2);
-  if (two) {
-    cp_async_wait_all();
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const int pk = k * 32 + lane;
-      a[k] = pk < npk ? stage[warp][pk] : ninf;
-    }
-    warp_row_softmax<T, P>(a, y0 + C, npk, lane, scale2);
-  }
-}
-
-// Persistent warps for the same rows (plain 16-bit rows of 33..128 packs, all on 16-byte boundaries):
+// Persistent warps for plain 16-bit rows (no causal mask) of 33..128 packs, all on 16-byte boundaries:
 // the launcher sizes the grid to the GPU (blocks of 16 warps, a few per SM) and each warp takes a
 // contiguous range of rows (counts differ by at most one across warps, the longer ranges spread
-// over the blocks, so the SMs finish together). Rows are staged by cp.async through a ring of S row slots per warp in shared memory:
-// the first S rows are requested up front, and a slot is refilled with row i + S as soon as row i's
+// over the blocks, so the SMs finish together). Rows are staged by cp.async through a ring of S row
+// slots per warp in shared memory (S = 2: the launcher's kWarpSlots): the first S rows are requested up front, and a slot is refilled with row i + S as soon as row i's
 // packs are in registers (after its max), so up to S rows per warp are in flight behind the math.
 // Each lane reads back only the packs it copied itself: cp.async.wait_group alone orders it.
 // Few instructions per element: the max is taken on the packed 16-bit pairs (max.bf16x2 /
@@ -404,6 +307,7 @@ __global__ void __launch_bounds__(128, 8)
 // (one FFMA + one MUFU.EX2), the sum in P independent chains, one reciprocal per row, and the
 // outputs packed two per cvt. Slots 0..P/2-1 of a row are always full (npk > 16 P); the others are
 // checked per lane, their missing packs read as -inf (they add 0; an all -inf row gives NaN).
+KF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 KF_DEVICE void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");

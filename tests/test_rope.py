@@ -2,8 +2,8 @@
 
 GPU: forward and backward (dq, dk) against a float64 reference (complex multiplication for the
 interleaved layout), every table layout, position_ids, GQA head counts, odd / strided / misaligned
-inputs, invalid positions, each of the launcher's variants (tiled and per-token kernels), thunder.jit
-traces. CPU: checker declines, thunder.jit fallback, helper
+inputs, invalid positions, both kernels (tiled, and per-token for unaligned rows / tables and odd
+D / 2), thunder.jit traces. CPU: checker declines, thunder.jit fallback, helper
 semantics (HF and Meta references), launcher errors.
 """
 from __future__ import annotations
@@ -58,16 +58,10 @@ def tables(kind, B, T, D, interleaved, dtype, device="cuda"):
     return (amp * ang.cos()).to(device, dtype), (amp * ang.sin()).to(device, dtype), pos
 
 
-# The launcher's layouts (see rope_forward's docstring): 0 tiled, 4 heads per thread, persistent grid
-# (default); 1 per-token kernel; 2 tiled, 4 heads, one tile per block; 3 / 4 the same with 8 heads.
-# Tiled variants fall back to the per-token kernel for rows or tables not 16-byte aligned.
-VARIANTS = [0, 1, 2, 3, 4]
-
-
-def check(q, k, cos, sin, interleaved, pos, what="", variant=0):
+# The tiled kernel takes 16-byte aligned rows and table rows; the per-token kernel the rest.
+def check(q, k, cos, sin, interleaved, pos, what=""):
     dtype = q.dtype
-    what = f"{what} variant {variant}"
-    q_rot, k_rot = kforge._C.rope_forward(q, k, cos, sin, pos, interleaved, variant=variant)
+    q_rot, k_rot = kforge._C.rope_forward(q, k, cos, sin, pos, interleaved)
     q64 = q.detach().double().requires_grad_()
     k64 = k.detach().double().requires_grad_()
     rq, rk = reference(q64, cos, sin, interleaved, pos), reference(k64, cos, sin, interleaved, pos)
@@ -75,15 +69,15 @@ def check(q, k, cos, sin, interleaved, pos, what="", variant=0):
     assert_close(q_rot, rq, dtype, f"q_rot {what}")
     assert_close(k_rot, rk, dtype, f"k_rot {what}")
     gq, gk = randn(*q.shape, dtype=dtype), randn(*k.shape, dtype=dtype)
-    dq, dk = kforge._C.rope_backward(gq, gk, cos, sin, pos, interleaved, variant=variant)
+    dq, dk = kforge._C.rope_backward(gq, gk, cos, sin, pos, interleaved)
     torch.autograd.backward((rq, rk), (gq.double(), gk.double()))
     assert_close(dq, q64.grad, dtype, f"dq {what}")
     assert_close(dk, k64.grad, dtype, f"dk {what}")
 
 
-# (B, Hq, Hkv, T, D, table layout). Tiled variants: head groups of 4 / 8 with partial groups (Hq 6,
-# Hkv 1 or 2, 12 + 3), token tiles crossing a batch boundary (T 1000, 33), a tile larger than the
-# tokens (T 1), D 96 (12 / 6 chunks); the persistent grid's stride over tiles is test_llama_size's.
+# (B, Hq, Hkv, T, D, table layout). Tiled kernel: head groups of 8 with partial groups (Hq 6, Hkv 1
+# or 2, 12 + 3), token tiles crossing a batch boundary (T 1000, 33), a tile larger than the tokens
+# (T 1), D 96 (12 / 6 chunks); D / 2 odd (D 6, 10): the per-token kernel.
 CASES = [
     (2, 8, 2, 16, 128, "bt"),
     (1, 4, 4, 1, 64, "1t"),      # seq 1, MHA
@@ -96,80 +90,76 @@ CASES = [
 ]
 
 
-def check_random(case, dtype, interleaved, variant, what, table_dtype=None):
+def check_random(case, dtype, interleaved, what, table_dtype=None):
     """check() on random q (B, Hq, T, D) and k (B, Hkv, T, D) with tables(kind) of table_dtype (default:
     dtype), for case = (B, Hq, Hkv, T, D, kind)."""
     B, Hq, Hkv, T, D, kind = case
     cos, sin, pos = tables(kind, B, T, D, interleaved, table_dtype or dtype)
     q, k = randn(B, Hq, T, D, dtype=dtype), randn(B, Hkv, T, D, dtype=dtype)
-    check(q, k, cos, sin, interleaved, pos, what, variant)
+    check(q, k, cos, sin, interleaved, pos, what)
 
 
-def each_dtype_layout_variant(test):
-    """Parametrizes a test over DTYPES x (rotate_half, interleaved) x VARIANTS."""
+def each_dtype_layout(test):
+    """Parametrizes a test over DTYPES x (rotate_half, interleaved)."""
     test = pytest.mark.parametrize("dtype", DTYPES, ids=str)(test)
-    test = pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])(test)
-    return pytest.mark.parametrize("variant", VARIANTS)(test)
+    return pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])(test)
 
 
 @gpu
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("table_dtype", ["same", "float32"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_backward(dtype, interleaved, case, table_dtype, variant):
-    check_random(case, dtype, interleaved, variant, str(case),
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_forward_backward(dtype, interleaved, case, table_dtype):
+    check_random(case, dtype, interleaved, str(case),
                  table_dtype=dtype if table_dtype == "same" else torch.float32)
 
 
 @gpu
-@each_dtype_layout_variant
-def test_llama_size(dtype, interleaved, variant):
-    # The bench size: 4 x 2048 tokens, 32 q heads + 8 kv heads of dim 128, HF (1, T, D) tables. The
-    # persistent variants (3, 4) walk several token tiles per block here.
-    check_random((4, 32, 8, 2048, 128, "1t"), dtype, interleaved, variant, "4x2048 32+8 heads")
+@each_dtype_layout
+def test_llama_size(dtype, interleaved):
+    # The bench size: 4 x 2048 tokens, 32 q heads + 8 kv heads of dim 128, HF (1, T, D) tables.
+    check_random((4, 32, 8, 2048, 128, "1t"), dtype, interleaved, "4x2048 32+8 heads")
 
 
 @gpu
-@each_dtype_layout_variant
-def test_persistent_grid_over_many_tiles_with_position_ids(dtype, interleaved, variant):
-    # Many token tiles per block of the persistent grid (3 x 1531 = 4593 tokens: over 100 tiles of
-    # <= 32 tokens), tiles crossing batch rows, position ids, a partial last group of q heads
-    # (10 = 8 + 2) and of k heads.
-    check_random((3, 10, 3, 1531, 128, "pos"), dtype, interleaved, variant, "many tiles")
+@each_dtype_layout
+def test_many_token_tiles_with_position_ids(dtype, interleaved):
+    # Many token tiles (3 x 1531 = 4593 tokens: over 100 tiles of <= 32 tokens), tiles crossing
+    # batch rows, position ids, a partial last group of q heads (10 = 8 + 2) and of k heads.
+    check_random((3, 10, 3, 1531, 128, "pos"), dtype, interleaved, "many tiles")
 
 
 @gpu
-@each_dtype_layout_variant
-def test_strided_and_misaligned_inputs(dtype, interleaved, variant):
+@each_dtype_layout
+def test_strided_and_misaligned_inputs(dtype, interleaved):
     B, Hq, Hkv, T, D = 2, 4, 2, 6, 64
     cos, sin, pos = tables("pos", B, T, D, interleaved, dtype)
     # HF layout: (B, T, H, D) projections viewed as (B, H, T, D).
     q = randn(B, T, Hq, D, dtype=dtype).transpose(1, 2)
     k = randn(B, T, Hkv, D, dtype=dtype).transpose(1, 2)
-    check(q, k, cos, sin, interleaved, pos, "transposed", variant)
+    check(q, k, cos, sin, interleaved, pos, "transposed")
     # Rows starting off 16-byte boundaries: the element-wise path.
     qm = randn(B * Hq * T * D + 1, dtype=dtype)[1:].view(B, Hq, T, D)
-    check(qm, k, cos, sin, interleaved, pos, "misaligned q", variant)
+    check(qm, k, cos, sin, interleaved, pos, "misaligned q")
     # Non-dense last dim: copied by the launcher.
     qs = randn(B, Hq, T, 2 * D, dtype=dtype)[..., ::2]
-    check(qs, k, cos, sin, interleaved, pos, "strided last dim", variant)
-    # int32 position ids and misaligned tables (tiled variants: the per-token kernel).
+    check(qs, k, cos, sin, interleaved, pos, "strided last dim")
+    # int32 position ids and misaligned tables: the per-token kernel.
     cbuf = torch.cat((cos.new_zeros(1), cos.flatten()))[1:].view(cos.shape)
-    check(q, k, cbuf, sin, interleaved, pos.int(), "int32 ids, misaligned cos", variant)
+    check(q, k, cbuf, sin, interleaved, pos.int(), "int32 ids, misaligned cos")
 
 
 @gpu
-@each_dtype_layout_variant
-def test_invalid_positions_give_nan_rows(dtype, interleaved, variant):
+@each_dtype_layout
+def test_invalid_positions_give_nan_rows(dtype, interleaved):
     B, Hq, Hkv, T, D = 1, 2, 1, 4, 16
     cos, sin, _ = tables("t", 1, 8, D, interleaved, torch.float32)  # 8 positions
     pos = torch.tensor([[0, 8, -1, 7]], device="cuda")
     q, k = randn(B, Hq, T, D, dtype=dtype), randn(B, Hkv, T, D, dtype=dtype)
     bad = torch.tensor([False, True, True, False], device="cuda")
     for fn in (kforge._C.rope_forward, kforge._C.rope_backward):
-        for out in fn(q, k, cos, sin, pos, interleaved, variant=variant):
+        for out in fn(q, k, cos, sin, pos, interleaved):
             assert torch.isnan(out[:, :, bad]).all() and torch.isfinite(out[:, :, ~bad]).all()
 
 
@@ -320,13 +310,8 @@ def test_helper_interleaved_is_meta():
     torch.testing.assert_close(ok, meta(k))
 
 
-def test_launcher_rejects_cpu_tensors_and_unknown_variants():
+def test_launcher_rejects_cpu_tensors():
     q, k, c = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(4, 8)
-    for v in (-1, len(VARIANTS)):
-        with pytest.raises(kforge.KforgeError, match="variant must be 0 .. 4"):
-            kforge._C.rope_forward(q, k, c, c, variant=v)
-        with pytest.raises(kforge.KforgeError, match="variant must be 0 .. 4"):
-            kforge._C.rope_backward(q, k, c, c, None, False, v)
     with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
         kforge._C.rope_forward(q, k, c, c)
     with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):

@@ -64,26 +64,21 @@ def check_plain(x: torch.Tensor, dy: torch.Tensor, y_in: torch.Tensor, dtype) ->
 # block per row (<= 2048 packs), streamed rows beyond; odd lengths put every row start off a 16-byte
 # boundary (leading and trailing scalars). Tensors of different 16-byte phase stream at any length
 # (test_softmax_misaligned_and_strided_views). 16-bit forward rows of a multiple of 8 elements in
-# 264..1024 (392, 512, 1000, 1024) take the persistent-warps kernel (every forward variant:
-# test_softmax_pairs_of_rows and the tests after it).
+# 264..1024 (392, 512, 1000, 1024) take the persistent-warps kernel (also test_softmax_16bit_rows and
+# the tests after it).
 ROW_LENGTHS = [1, 3, 7, 33, 100, 200, 257, 392, 500, 512, 777, 1000, 1024, 1025, 2049, 8192, 8193, 16384,
                16385, 50257]
 
 
 @gpu
 @pytest.mark.parametrize("C", ROW_LENGTHS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
 def test_softmax_matches_float64_reference(dtype, C):
     rows = 37 if C <= 8193 else 5
     x = randn(rows, C, dtype=dtype, scale=3.0)
     check_plain(x, randn(rows, C, dtype=dtype), probs(rows, C, dtype=dtype), dtype)
 
 
-# softmax_forward's `variant` values (src/ops/softmax.cpp): they pick the kernel for 16-bit rows of a
-# multiple of 8 elements in 264..1024 on 16-byte boundaries (0 persistent warps, the default; 1 one
-# warp per row; 2 pair of rows; 3 persistent-warps kernel on a grid of <= 2 rows per warp; 4
-# persistent warps with 4 row slots, one block per SM); every other row takes one kernel in all.
-FWD_VARIANTS = [0, 1, 2, 3, 4]
 HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # relative, at worst
 SUBNORMAL = {torch.bfloat16: 2.0**-126, torch.float16: 2.0**-24}
 
@@ -97,68 +92,63 @@ def assert_rounded(y: torch.Tensor, ref: torch.Tensor, dtype, what: str) -> None
 
 
 @gpu
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
 @pytest.mark.parametrize("rows", [1, 2, 7, 37, 64])
 @pytest.mark.parametrize("C", [264, 392, 512, 520, 1000, 1024])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_softmax_pairs_of_rows(dtype, C, rows, variant):
-    """The 16-bit row kernels of every variant (C % 8 == 0, 33..128 packs: P = 2 for C <= 512, 4
-    above; full and partial slots (C = 520: one pack past 64); an odd row count leaves the last warp
-    of the pair kernel one row; few rows leave persistent warps idle) against float64; -inf entries
-    and an all -inf row in either row of a pair."""
+def test_softmax_16bit_rows(dtype, C, rows):
+    """The persistent-warps kernel for 16-bit rows (C % 8 == 0, 33..128 packs: P = 2 for C <= 512, 4
+    above; full and partial slots (C = 520: one pack past 64); few rows leave persistent warps idle)
+    against float64; -inf entries and all -inf rows."""
     x = randn(rows, C, dtype=dtype, scale=3.0)
     if rows >= 4:
         x[0, : C // 2] = float("-inf")
         x[1, ::3] = float("-inf")
-        x[3] = float("-inf")  # the second row of a pair: NaN
-    y = kforge._C.softmax_forward(x, variant)
+        x[3] = float("-inf")  # NaN
+    y = kforge._C.softmax_forward(x)
     ok = torch.ones(rows, dtype=torch.bool, device="cuda")
     if rows >= 4:
         ok[3] = False
         assert torch.isnan(y[3]).all()
         assert (y[0, : C // 2] == 0).all() and (y[1, ::3] == 0).all()
     ref = ref_forward(x[ok])
-    assert_close(y[ok], ref, dtype, f"y variant {variant} {tuple(x.shape)}")
-    assert_rounded(y[ok], ref, dtype, f"y variant {variant} {tuple(x.shape)}")
-    if rows >= 2:  # a misaligned first row start is not taken by the 16-bit row kernels
+    assert_close(y[ok], ref, dtype, f"y {tuple(x.shape)}")
+    assert_rounded(y[ok], ref, dtype, f"y {tuple(x.shape)}")
+    if rows >= 2:  # a misaligned first row start is not taken by the persistent-warps kernel
         xo = torch.empty(rows * C + 8, dtype=dtype, device="cuda")[8 - 1:-1].view(rows, C).copy_(x)
         assert xo.data_ptr() % 16 != 0
-        assert_close(kforge._C.softmax_forward(xo, variant)[ok], ref, dtype, "y misaligned")
+        assert_close(kforge._C.softmax_forward(xo)[ok], ref, dtype, "y misaligned")
 
 
 @gpu
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
 @pytest.mark.parametrize("C", [264, 520, 1024])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_softmax_16bit_many_rows_per_warp(dtype, C, variant):
+def test_softmax_16bit_many_rows_per_warp(dtype, C):
     """Enough rows that the persistent warps take several each and their ring of row slots wraps
-    (variant 0: 32 warps per SM, 2 slots, 5 rows per warp; variant 4: 16 warps per SM, 4 slots, 10
-    rows per warp), with a remainder spread unevenly; -inf entries and all -inf rows along the way."""
+    (32 warps per SM, 2 slots, 5 rows per warp), with a remainder spread unevenly; -inf entries and
+    all -inf rows along the way."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = 5 * 2 * 16 * sms + 37
     x = randn(rows, C, dtype=dtype, scale=3.0)
     x[5::89, ::3] = float("-inf")
     x[::97] = float("-inf")
-    y = kforge._C.softmax_forward(x, variant)
+    y = kforge._C.softmax_forward(x)
     ok = torch.ones(rows, dtype=torch.bool, device="cuda")
     ok[::97] = False
     assert torch.isnan(y[~ok]).all()
     ref = ref_forward(x[ok])
-    assert_close(y[ok], ref, dtype, f"y variant {variant} {tuple(x.shape)}")
-    assert_rounded(y[ok], ref, dtype, f"y variant {variant} {tuple(x.shape)}")
+    assert_close(y[ok], ref, dtype, f"y {tuple(x.shape)}")
+    assert_rounded(y[ok], ref, dtype, f"y {tuple(x.shape)}")
 
 
 @gpu
-@pytest.mark.parametrize("variant", [0, 3, 4])
-def test_softmax_16bit_very_many_rows(variant):
-    """140001 rows: variant 3's grid of 70016 warps (1 or 2 rows each); the persistent warps take ~33
-    (variant 0) and ~66 (variant 4) rows each, their row slots wrapping many times."""
+def test_softmax_16bit_very_many_rows():
+    """140001 rows: the persistent warps take ~33 rows each, their row slots wrapping many times."""
     rows, C, dtype = 140001, 264, torch.bfloat16
     x = randn(rows, C, dtype=dtype, scale=3.0)
-    y = kforge._C.softmax_forward(x, variant)
+    y = kforge._C.softmax_forward(x)
     ref = ref_forward(x)
-    assert_close(y, ref, dtype, f"y variant {variant}")
-    assert_rounded(y, ref, dtype, f"y variant {variant}")
+    assert_close(y, ref, dtype, "y")
+    assert_rounded(y, ref, dtype, "y")
 
 
 @gpu
@@ -227,10 +217,6 @@ def test_softmax_launcher_rejects_bad_arguments():
         kforge._C.softmax_forward(x.double())
     with pytest.raises(kforge.KforgeError, match="0-d"):
         kforge._C.softmax_forward(randn(1).view(()))
-    with pytest.raises(kforge.KforgeError, match=r"variant must be in 0\.\.4, got 5"):
-        kforge._C.softmax_forward(x, 5)
-    with pytest.raises(kforge.KforgeError, match="variant must be in"):
-        kforge._C.softmax_forward(x, -1)
     with pytest.raises(kforge.KforgeError, match=r"\(\.\.\., T, T\)"):
         kforge._C.causal_softmax_forward(randn(2, 4, 5), 1.0)
     with pytest.raises(kforge.KforgeError, match=r"\(\.\.\., T, T\)"):

@@ -10,39 +10,16 @@ namespace kforge {
 namespace {
 
 Program prog("rope");
-// The per-token kernel (variant 1, and every variant's fallback for rows or tables that are not
-// 16-byte aligned).
+// The tiled kernel (8 heads per thread, one token tile per block) for 16-byte aligned rows and table
+// rows, [rotate_half, interleaved], tables of q's dtype or fp32; the per-token kernel for the rest.
+constexpr int64_t kTileHeads = 8, kTileThreads = 256;  // U of rope_tile_kernel, its block size
+const std::vector<DType> k16 = {DType::bf16, DType::f16};
+Kernel tile_same[2] = {Kernel(prog, "rope_tile_kernel<{T}, 8, false>"),
+                       Kernel(prog, "rope_tile_kernel<{T}, 8, true>")};
+Kernel tile_f32[2] = {Kernel(prog, "rope_tile_f32tab_kernel<{T}, 8, false>", k16),
+                      Kernel(prog, "rope_tile_f32tab_kernel<{T}, 8, true>", k16)};
 Kernel same_dtype_tables(prog, "rope_kernel<{T}>");
 Kernel f32_tables(prog, "rope_f32tab_kernel<{T}>", {DType::bf16, DType::f16});
-// The tiled kernel: [U = 4, 8][rotate_half, interleaved], tables of q's dtype or fp32.
-Kernel tile_same[2][2] = {
-    {Kernel(prog, "rope_tile_kernel<{T}, 4, false>"), Kernel(prog, "rope_tile_kernel<{T}, 4, true>")},
-    {Kernel(prog, "rope_tile_kernel<{T}, 8, false>"), Kernel(prog, "rope_tile_kernel<{T}, 8, true>")}};
-const std::vector<DType> k16 = {DType::bf16, DType::f16};
-Kernel tile_f32[2][2] = {{Kernel(prog, "rope_tile_f32tab_kernel<{T}, 4, false>", k16),
-                          Kernel(prog, "rope_tile_f32tab_kernel<{T}, 4, true>", k16)},
-                         {Kernel(prog, "rope_tile_f32tab_kernel<{T}, 8, false>", k16),
-                          Kernel(prog, "rope_tile_f32tab_kernel<{T}, 8, true>", k16)}};
-// Resident blocks per SM of the tiled kernels, U = 4 and 8 (their __launch_bounds__ minimum,
-// ROPE_TILE_MIN_BLOCKS in kernels_src/rope.cu) and their block size.
-constexpr int64_t kTileBlocksPerSm[2] = {3, 2}, kTileThreads = 256;
-
-// Launch layouts (the `variant` argument): which kernel, heads per thread, grid.
-struct Variant {
-  bool tiled;      // false: the per-token kernel
-  int u_index;     // tiled: 0 for U = 4 heads per thread, 1 for U = 8
-  bool persistent; // tiled: grid sized to the resident blocks (grid-stride over token tiles)
-};
-constexpr Variant kVariants[] = {
-    // Measured on an H200 (scripts/ab.py, 4 x 2048 tokens, 32 + 8 heads of 128, bf16 forward /
-    // backward): 0: 46.9 / 47.0 us, 1: 48.1 / 48.3, 2: 47.9 / 48.0, 3: 47.6 / 47.7, 4: 48.4 / 48.5.
-    {true, 1, false},   // 0: tiled, 8 heads per thread, one token tile per block (default)
-    {false, 0, false},  // 1: per-token kernel (the previous default)
-    {true, 0, false},   // 2: tiled, 4 heads per thread, one token tile per block
-    {true, 1, true},    // 3: tiled, 8 heads per thread, persistent grid
-    {true, 0, true},    // 4: tiled, 4 heads per thread, persistent grid
-};
-constexpr int64_t kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 
 bool multiple(int64_t v, int64_t m) { return v % m == 0; }
 
@@ -65,10 +42,7 @@ at::Tensor head_rows(const at::Tensor& t, const at::Tensor* ref, const char* op,
 std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q_, const at::Tensor& k_,
                                         const at::Tensor& cos_, const at::Tensor& sin_,
                                         const std::optional<at::Tensor>& position_ids,
-                                        bool interleaved, bool inverse, int64_t variant,
-                                        const char* op) {
-  KF_CHECK(variant >= 0 && variant < kNumVariants, op, "variant must be 0 .. ", kNumVariants - 1,
-           ", got ", variant);
+                                        bool interleaved, bool inverse, const char* op) {
   const at::Tensor q = head_rows(q_, nullptr, op, "q");
   const at::Tensor k = head_rows(k_, &q, op, "k");
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
@@ -140,22 +114,17 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q_, const at::Tensor& 
 
   // Tiled kernel: 16-byte aligned rows and table rows, a row's chunks within one block (at most
   // 256 chunks of 16 bytes), head groups within grid.y.
-  const Variant& var = kVariants[variant];
-  const int64_t U = var.u_index ? 8 : 4;
+  const int64_t U = kTileHeads;
   const int64_t nchunk16 = (interleaved ? D : D / 2) / V;
   const int64_t gq = (Hq + U - 1) / U, groups = gq + (Hkv + U - 1) / U;
-  if (var.tiled && vec && tvec && nchunk16 <= kTileThreads && groups <= 65535) {
+  if (vec && tvec && nchunk16 <= kTileThreads && groups <= 65535) {
     // threadIdx.x over the row's 16-byte chunks, threadIdx.y over a tile of consecutive tokens.
     const int64_t ntok = B * T, bx = nchunk16;
     const int64_t by = std::min<int64_t>(kTileThreads / bx, ntok);
     const int64_t ntiles = (ntok + by - 1) / by;
-    int64_t gx = ntiles;
-    if (var.persistent)
-      gx = std::min<int64_t>(ntiles, std::max<int64_t>(1, sm_count(on.device) *
-                                                              kTileBlocksPerSm[var.u_index] / groups));
-    Kernel& kernel = (f32tab ? tile_f32 : tile_same)[var.u_index][interleaved ? 1 : 0];
+    Kernel& kernel = (f32tab ? tile_f32 : tile_same)[interleaved ? 1 : 0];
     kernel.launch(dt, on.device, on.stream,
-                  Dim3(static_cast<unsigned>(gx), static_cast<unsigned>(groups)),
+                  Dim3(static_cast<unsigned>(ntiles), static_cast<unsigned>(groups)),
                   Dim3(static_cast<unsigned>(bx), static_cast<unsigned>(by)), 0, q.data_ptr(),
                   k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                   pos_ptr, static_cast<int>(ntok), static_cast<int>(T), static_cast<int>(Hq),
@@ -193,17 +162,15 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q_, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> rope_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& cos, const at::Tensor& sin,
                                                 const std::optional<at::Tensor>& position_ids,
-                                                bool interleaved, int64_t variant) {
-  return rope(q, k, cos, sin, position_ids, interleaved, /*inverse=*/false, variant,
-              "rope_forward");
+                                                bool interleaved) {
+  return rope(q, k, cos, sin, position_ids, interleaved, /*inverse=*/false, "rope_forward");
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_backward(const at::Tensor& dq_out, const at::Tensor& dk_out,
                                                  const at::Tensor& cos, const at::Tensor& sin,
                                                  const std::optional<at::Tensor>& position_ids,
-                                                 bool interleaved, int64_t variant) {
-  return rope(dq_out, dk_out, cos, sin, position_ids, interleaved, /*inverse=*/true, variant,
-              "rope_backward");
+                                                 bool interleaved) {
+  return rope(dq_out, dk_out, cos, sin, position_ids, interleaved, /*inverse=*/true, "rope_backward");
 }
 
 }  // namespace
@@ -213,21 +180,13 @@ KFORGE_BIND_OP(rope) {
         "Rotary embedding of q (B, Hq, T, D) and k (B, Hkv, T, D) in one launch; returns "
         "contiguous (q_rot, k_rot). rotate_half (interleaved=False): cos / sin have D entries per "
         "row; interleaved pairs: D / 2. Rows: (B or 1, T, Dc) or (T, Dc) tables, or a (P, Dc) table "
-        "indexed by position_ids (T,) / (1, T) / (B, T). variant (for A/B timing; every value computes "
-        "the same): 0 tiled kernel, 8 heads per thread, one token tile per block (default); 1 "
-        "the per-token kernel (the previous default); 2 tiled, 4 heads per thread, one token tile "
-        "per block; 3 tiled, 8 heads per thread, persistent grid; 4 tiled, 4 heads per thread, "
-        "persistent grid. Tiled variants need 16-byte aligned rows and table rows and use the per-token "
-        "kernel otherwise.",
+        "indexed by position_ids (T,) / (1, T) / (B, T).",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"),
-        pybind11::arg("position_ids") = pybind11::none(), pybind11::arg("interleaved") = false,
-        pybind11::arg("variant") = 0);
+        pybind11::arg("position_ids") = pybind11::none(), pybind11::arg("interleaved") = false);
   m.def("rope_backward", &rope_backward,
-        "Gradients (dq, dk) of rope_forward from (dq_rot, dk_rot): the transposed rotation. "
-        "variant: as rope_forward's.",
+        "Gradients (dq, dk) of rope_forward from (dq_rot, dk_rot): the transposed rotation.",
         pybind11::arg("dq_rot"), pybind11::arg("dk_rot"), pybind11::arg("cos"), pybind11::arg("sin"),
-        pybind11::arg("position_ids") = pybind11::none(), pybind11::arg("interleaved") = false,
-        pybind11::arg("variant") = 0);
+        pybind11::arg("position_ids") = pybind11::none(), pybind11::arg("interleaved") = false);
 }
 
 }  // namespace kforge

@@ -23,25 +23,13 @@ WarpKernels warp_kernels[] = {
     {4, {prog, "softmax_forward_kernel<{T}, 4, true>"}, {prog, "softmax_backward_kernel<{T}, 4, true>"}},
     {8, {prog, "softmax_forward_kernel<{T}, 8, true>", kF32}, {prog, "softmax_backward_kernel<{T}, 8, true>", kF32}},
 };
-// Plain 16-bit rows on 16-byte boundaries of 33..128 packs (forward): by default the persistent-warps
-// kernel below; the pair-of-rows kernel (one warp per pair of rows, the second row staged through
-// shared memory, 4 warps per block: 8 rows) stays for A/B timing (variant 2). P = 2 or 4 packs per
-// lane and row.
+// Plain 16-bit rows on 16-byte boundaries of 33..128 packs (forward): persistent warps, blocks of 16
+// warps sized to the GPU (kWarpsPerSm blocks per SM), each warp a balanced range of rows staged
+// through a ring of kWarpSlots row slots in shared memory; P = 2 or 4 packs per lane and row.
 const std::vector<DType> k16 = {DType::bf16, DType::f16};
-Kernel fwd_rows2_p2(prog, "softmax_forward_rows2_kernel<{T}, 2>", k16);
-Kernel fwd_rows2_p4(prog, "softmax_forward_rows2_kernel<{T}, 4>", k16);
-// The same rows by persistent warps (the default): blocks of 16 warps sized to the GPU, each warp a
-// balanced range of rows staged through a ring of S row slots in shared memory (S = 2, or 4 for
-// variant 4); P = 2 or 4 packs per lane and row.
-constexpr int kWarpsBlock = 512, kWarpsPerSm = 2;
-struct WarpsKernels {
-  int S;
-  Kernel p2, p4;
-};
-WarpsKernels warps_s2{2, {prog, "softmax_forward_warps_kernel<{T}, 2, 2>", k16},
-                      {prog, "softmax_forward_warps_kernel<{T}, 4, 2>", k16}};
-WarpsKernels warps_s4{4, {prog, "softmax_forward_warps_kernel<{T}, 2, 4>", k16},
-                      {prog, "softmax_forward_warps_kernel<{T}, 4, 4>", k16}};
+constexpr int kWarpsBlock = 512, kWarpsPerSm = 2, kWarpSlots = 2;
+Kernel fwd_warps_p2(prog, "softmax_forward_warps_kernel<{T}, 2, 2>", k16);
+Kernel fwd_warps_p4(prog, "softmax_forward_warps_kernel<{T}, 4, 2>", k16);
 Kernel fwd_block(prog, "softmax_forward_kernel<{T}, 4, false>");
 Kernel fwd_stream(prog, "softmax_forward_stream_kernel<{T}>");
 Kernel bwd_block(prog, "softmax_backward_kernel<{T}, 4, false>");
@@ -91,8 +79,8 @@ std::pair<int64_t, int64_t> checked_rows(const at::Tensor& x, bool causal, const
   return {C, C > 0 ? x.numel() / C : 0};
 }
 
-// Packs per lane (2 or 4) of the pair-of-rows and persistent-warps kernels for plain 16-bit rows
-// of 33..128 packs that all start 16-byte aligned, or 0 when they do not apply.
+// Packs per lane (2 or 4) of the persistent-warps kernel for plain 16-bit rows of 33..128 packs that
+// all start 16-byte aligned, or 0 when it does not apply.
 int rows16_packs(const at::Tensor& x, const at::Tensor& y, int64_t C) {
   if (x.element_size() != 2 || C % 8 != 0) return 0;
   if ((reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) || (reinterpret_cast<uintptr_t>(y.data_ptr()) & 15))
@@ -103,55 +91,33 @@ int rows16_packs(const at::Tensor& x, const at::Tensor& y, int64_t C) {
   return 0;
 }
 
-// Forward variants (softmax_forward's `variant`, for A/B timing); where the 16-bit rows kernels do
-// not apply, every variant takes plan().
-enum Variant : int64_t {
-  kWarps = 0,       // persistent warps, S = 2, kWarpsPerSm blocks per SM (default)
-  kOneWarp = 1,     // never the 16-bit rows kernels: plan() (one warp per row for these rows)
-  kPairs = 2,       // pair-of-rows kernel (the previous default)
-  kWarpsPairs = 3,  // persistent-warps kernel, S = 2, a grid of <= 2 rows per warp (no balancing)
-  kWarpsS4 = 4,     // persistent warps, S = 4, one block per SM (~4 rows per warp at 8192 rows)
-  kNumVariants = 5,
-};
-
-// Launches the 16-bit rows kernel of `variant` and returns true, or returns false (plan() then).
+// Launches the persistent-warps kernel and returns true, or returns false (plan() then).
 bool launch_rows16(const at::Tensor& x, at::Tensor& y, int64_t rows, int64_t C, DType dt,
-                   const LaunchOn& on, int64_t variant) {
-  const int P = variant == kOneWarp ? 0 : rows16_packs(x, y, C);
+                   const LaunchOn& on) {
+  const int P = rows16_packs(x, y, C);
   if (P == 0) return false;
   const float scale2 = static_cast<float>(1.4426950408889634);
-  if (variant == kPairs) {
-    Kernel& k = P == 2 ? fwd_rows2_p2 : fwd_rows2_p4;
-    k.launch(dt, on.device, on.stream, Dim3(ceil_div(rows, 8)), Dim3(kWarpBlock), 0, x.data_ptr(),
-             y.data_ptr(), static_cast<int>(rows), static_cast<int>(C), scale2);
-    return true;
-  }
-  WarpsKernels& w = variant == kWarpsS4 ? warps_s4 : warps_s2;
   constexpr int warps = kWarpsBlock / 32;
   const int64_t need = ceil_div(rows, warps);  // blocks for one row per warp
-  int64_t grid;
-  if (variant == kWarpsPairs)
-    grid = ceil_div(rows, 2 * warps);
-  else
-    grid = std::min<int64_t>(need, int64_t(sm_count(on.device)) * (variant == kWarpsS4 ? 1 : kWarpsPerSm));
-  grid = std::max<int64_t>(grid, 1);
+  const int64_t grid =
+      std::max<int64_t>(std::min<int64_t>(need, int64_t(sm_count(on.device)) * kWarpsPerSm), 1);
   const int64_t tw = grid * warps;  // rows = q * tw + rem: q or q + 1 rows per warp
-  const size_t smem = size_t(warps) * w.S * P * 32 * 16;
-  (P == 2 ? w.p2 : w.p4)
+  const size_t smem = size_t(warps) * kWarpSlots * P * 32 * 16;
+  (P == 2 ? fwd_warps_p2 : fwd_warps_p4)
       .launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)), Dim3(kWarpsBlock), smem,
               x.data_ptr(), y.data_ptr(), static_cast<int>(rows / tw), static_cast<int>(rows % tw),
               static_cast<int>(C), scale2);
   return true;
 }
 
-at::Tensor forward(const at::Tensor& x_, bool causal, double scale, const char* op, int64_t variant = 0) {
+at::Tensor forward(const at::Tensor& x_, bool causal, double scale, const char* op) {
   const at::Tensor x = input(x_, op, "x");
   const auto [C, rows] = checked_rows(x, causal, op);
   LaunchOn on(x);
   at::Tensor y = new_output_like(x);
   if (x.numel() == 0) return y;
   const DType dt = dtype_of(x, op);
-  if (!causal && launch_rows16(x, y, rows, C, dt, on, variant)) return y;
+  if (!causal && launch_rows16(x, y, rows, C, dt, on)) return y;
   const bool vec = same_alignment({&x, &y});
   const Plan p = plan(rows, C, dt, x.element_size(), /*forward=*/true, vec);
   if (p.stream)
@@ -188,10 +154,8 @@ at::Tensor backward(const at::Tensor& dy_, const at::Tensor& y_, bool causal, do
   return dx;
 }
 
-at::Tensor softmax_forward(const at::Tensor& x, int64_t variant) {
-  KF_CHECK(variant >= 0 && variant < kNumVariants, "softmax_forward", "variant must be in 0..",
-           int64_t(kNumVariants) - 1, ", got ", variant);
-  return forward(x, false, 1.0, "softmax_forward", variant);
+at::Tensor softmax_forward(const at::Tensor& x) {
+  return forward(x, false, 1.0, "softmax_forward");
 }
 at::Tensor softmax_backward(const at::Tensor& dy, const at::Tensor& y) {
   return backward(dy, y, false, 1.0, "softmax_backward");
@@ -207,13 +171,7 @@ at::Tensor causal_softmax_backward(const at::Tensor& datt, const at::Tensor& att
 
 KFORGE_BIND_OP(softmax) {
   m.def("softmax_forward", &softmax_forward,
-        "y = softmax(x) over the last dim. variant (for A/B timing) picks the kernel for 16-bit rows of "
-        "264..1024 elements (a multiple of 8, 16-byte aligned); other rows take the same kernel in every "
-        "variant. 0 (default): persistent warps, grid sized to the GPU (2 blocks of 16 warps per SM), a "
-        "balanced range of rows per warp, 2 row slots per warp in shared memory; 1: one warp per row; "
-        "2: pair-of-rows kernel (one warp per 2 rows, the previous default); 3: the persistent-warps "
-        "kernel on a grid of <= 2 rows per warp; 4: persistent warps with 4 row slots, 1 block per SM",
-        pybind11::arg("x"), pybind11::arg("variant") = 0);
+        "y = softmax(x) over the last dim", pybind11::arg("x"));
   m.def("softmax_backward", &softmax_backward, "dx = y * (dy - sum(dy * y, -1)) over the last dim",
         pybind11::arg("dy"), pybind11::arg("y"));
   m.def("causal_softmax_forward", &causal_softmax_forward,
