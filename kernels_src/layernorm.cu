@@ -329,6 +329,85 @@ __global__ void __launch_bounds__(32 * kFwdWarps, LnWarpCfg<T, VEC, P>::fwd_bloc
   }
 }
 
+// STREAM forward (16-bit rows in 16-byte units): persistent warps (W per block, about one block per
+// SM), warp g of G taking rows g, g + G, ...; D rows' loads in flight a warp (a ring of D row
+// buffers in registers, refilled as soon as a row is written), so an SM's reads and writes overlap
+// instead of one burst of reads then one of writes; weight / bias stay in registers for every row.
+template <typename T, int P, int D, int W>
+__global__ void __launch_bounds__(32 * W, 1)
+    layernorm_forward_stream_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+                                    const T* __restrict__ bias, T* __restrict__ out,
+                                    float* __restrict__ mean, float* __restrict__ rstd, long long N,
+                                    int C, float eps, int zero) {
+  using U = Vec16<T>;
+  constexpr int V = U::size;
+  const int lane = threadIdx.x, units = C / V;
+  const i64 G = (i64)gridDim.x * W, g = (i64)blockIdx.x * W + threadIdx.y;
+  const T* xl = x + lane * V;
+  U xs[D][P];
+#pragma unroll
+  for (int s = 0; s < D; ++s)
+    if (g + s * G < N) load_row_last<P>(xs[s], xl + (g + s * G) * C, lane, units);
+  U w[P], b[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    w[k] = U::fill(1.0f), b[k] = U::fill(0.0f);
+    if (lane + 32 * k < units) {
+      if (weight) load_unit(w[k], (weight + lane * V) + 32 * k * V);
+      if (bias) load_unit(b[k], (bias + lane * V) + 32 * k * V);
+    }
+  }
+  for (i64 r0 = g; r0 < N; r0 += D * G) {
+#pragma unroll
+    for (int s = 0; s < D; ++s) {
+      const i64 row = r0 + s * G;
+      if (row < N) {
+        float mu[1] = {0.0f};
+#pragma unroll
+        for (int k = 0; k < P; ++k)
+          if (lane + 32 * k < units) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) mu[0] += xs[s][k].f(i);
+          }
+        warp_sum_n(mu);
+        const float m = mu[0] / (float)C;
+        opaque_row<P>(xs[s], lane, units, after(mu[0], zero));
+        float rs[1] = {0.0f};
+#pragma unroll
+        for (int k = 0; k < P; ++k)
+          if (lane + 32 * k < units) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+              const float d = xs[s][k].f(i) - m;
+              rs[0] += d * d;
+            }
+          }
+        warp_sum_n(rs);
+        const float r = rsqrtf(rs[0] / (float)C + eps);
+        const u32 z2 = after(rs[0], zero);
+        opaque_row<P>(xs[s], lane, units, z2);
+        // weight / bias stay packed (converted per row, not hoisted as fp32 registers).
+        opaque_row<P>(w, lane, units, z2);
+        opaque_row<P>(b, lane, units, z2);
+        T* o = out + row * C + lane * V;
+#pragma unroll
+        for (int k = 0; k < P; ++k)
+          if (lane + 32 * k < units) {
+            float y[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i) y[i] = fmaf((xs[s][k].f(i) - m) * r, w[k].f(i), b[k].f(i));
+            store_unit(o + 32 * k * V, U::from(y));
+          }
+        if (lane == 0) {
+          mean[row] = m;
+          rstd[row] = r;
+        }
+        if (row + D * G < N) load_row_last<P>(xs[s], xl + (row + D * G) * C, lane, units);
+      }
+    }
+  }
+}
+
 // Where the backward keeps a lane's column sums: per warp two arrays (dweight, then dbias) of
 // 32 P V floats; this lane's element i of unit k at float4 (k V/4 + i/4) * 32 + lane (16-byte
 // units: consecutive lanes hit consecutive float4s, no bank conflicts) or float k * 32 + lane.
