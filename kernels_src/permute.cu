@@ -162,30 +162,17 @@ constexpr int permute_lanes_min_blocks(int K) { return K <= 2 ? 8 : 6; }
 // (sbB, shB, stB, 1 element). TO_HEADS: tok -> heads, else heads -> tok (the source is only read).
 // m_* / s_*: permute_div magic numbers of cols, hsw (= HS / W) and NH; m_seq, s_seq (= s - 1):
 // permute_div_hot magic of seq.
-// A/B (temporary) HC: qlog >= 0 maps a warp onto 2^qlog consecutive tokens of whole head rows
-// (hsw * 2^qlog = 32 threads), so the head side of a warp is contiguous; m_cols / s_cols are then
-// the magic numbers of parts * NH. qlog < 0: the layout above.
 template <typename T, bool VEC, bool TO_HEADS, int K>
 __global__ void __launch_bounds__(256, permute_lanes_min_blocks(K))
     permute_lanes_kernel(T* __restrict__ tok, T* __restrict__ h0, T* __restrict__ h1,
                          T* __restrict__ h2, int ntok, int lanes, int cols, int hsw, int NH,
                          int seq, int m_cols, int s_cols, int m_hsw, int s_hsw, int m_nh, int s_nh,
-                         int m_seq, int s_seq, long long shB, int sbB_, int stB_, int rowB_, int qlog) {
+                         int m_seq, int s_seq, long long shB, int sbB_, int stB_, int rowB_) {
   constexpr int W = VEC ? Pack128<T>::size : 1;
   const u32 g = blockIdx.x * 256u + threadIdx.x;
-  u32 lane, col;
-  if (qlog >= 0) {
-    const u32 r = permute_div(g, (u32)m_hsw, (u32)s_hsw);
-    const u32 c0 = g - r * (u32)hsw, r2 = r >> qlog;
-    const u32 lq = permute_div(r2, (u32)m_cols, (u32)s_cols);
-    const u32 nhp = (u32)cols / (u32)hsw;
-    lane = (lq << qlog) + (r & ((1u << qlog) - 1u));
-    col = (r2 - lq * nhp) * (u32)hsw + c0;
-  } else {
-    lane = permute_div(g, (u32)m_cols, (u32)s_cols);
-    col = g - lane * (u32)cols;
-  }
+  const u32 lane = permute_div(g, (u32)m_cols, (u32)s_cols);
   if (lane >= (u32)lanes) return;  // no block-wide synchronisation below
+  const u32 col = g - lane * (u32)cols;
   const u32 ph = permute_div(col, (u32)m_hsw, (u32)s_hsw), c = col - ph * (u32)hsw;
   const u32 p = permute_div(ph, (u32)m_nh, (u32)s_nh), h = ph - p * (u32)NH;
   // 64-bit byte addresses as integers: per token, base + u32 * u32 products (IMAD.WIDE.U32).

@@ -4,7 +4,6 @@
 // byte strides do not fit (a head part or token row past 4 GiB).
 #include "../runtime/torch_launch.h"
 
-#include <cstdlib>
 #include <optional>
 
 namespace kforge {
@@ -57,7 +56,7 @@ bool launch_lanes(bool split, bool vec, const at::Tensor& tokens,
                   const char* op) {
   const int64_t es = tokens.element_size(), W = vec ? 16 / es : 1;
   const int64_t parts = static_cast<int64_t>(heads.size());
-  const int64_t cols = parts * NH * HS / W, ntok = B * T;
+  const int64_t cols = parts * NH * HS / W, hsw = HS / W, ntok = B * T;
   int64_t seq = T;
   if (seq == 1) {  // (b, 0) -> (0, t = b): the token division only ever divides by seq >= 2
     seq = B;
@@ -75,25 +74,12 @@ bool launch_lanes(bool split, bool vec, const at::Tensor& tokens,
   int K = 1;
   while (K < 4 && ntok > K * lanes_max(K)) K *= 2;
   const int64_t rounds = (ntok + K * lanes_max(K) - 1) / (K * lanes_max(K));
-  int64_t lanes = (ntok + K * rounds - 1) / (K * rounds);  // <= lanes_max(K)
-  // A/B (temporary): KFORGE_PERMUTE_HC=1 maps warps onto whole head rows of 32 / hsw tokens.
-  static const bool hc_env = [] {
-    const char* e = std::getenv("KFORGE_PERMUTE_HC");
-    return e && e[0] == '1';
-  }();
-  const int64_t hsw = HS / W;
-  int qlog = -1;
-  if (hc_env && hsw <= 32 && 32 % hsw == 0) {
-    qlog = 0;
-    while ((int64_t(1) << qlog) * hsw < 32) ++qlog;
-    const int64_t q = int64_t(1) << qlog;
-    lanes = (lanes + q - 1) / q * q;
-  }
+  const int64_t lanes = (ntok + K * rounds - 1) / (K * rounds);  // <= lanes_max(K)
   const int64_t threads = lanes * cols;
   // 32-bit thread index (< 2^31, permute_div) and token counter (tf0 + K * lanes < 2^32).
   if (threads + kLanesBlock > std::numeric_limits<int>::max() || ntok + K * lanes > u32max)
     return false;
-  const Magic mc = magic(qlog >= 0 ? parts * NH : cols), mh = magic(hsw), mn = magic(NH);
+  const Magic mc = magic(cols), mh = magic(hsw), mn = magic(NH);
   // permute_div_hot of seq: shift s - 1 (seq >= 2); seq = 1 only with one token (tf = 0).
   const Magic ms = seq >= 2 ? magic(seq) : Magic{0, 1};
   void* h[3];
@@ -105,7 +91,7 @@ bool launch_lanes(bool split, bool vec, const at::Tensor& tokens,
       .launch(dtype_of(tokens, op), on.device, on.stream, grid, block, 0, tokens.data_ptr(), h[0],
               h[1], h[2], i32(ntok), i32(lanes), i32(cols), i32(hsw), i32(NH), i32(seq),
               i32(mc.m), i32(mc.s), i32(mh.m), i32(mh.s), i32(mn.m), i32(mn.s), i32(ms.m),
-              i32(ms.s - 1), static_cast<long long>(sh * es), i32(sbB), i32(stB), i32(rowB), qlog);
+              i32(ms.s - 1), static_cast<long long>(sh * es), i32(sbB), i32(stB), i32(rowB));
   return true;
 }
 

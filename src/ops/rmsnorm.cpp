@@ -103,10 +103,7 @@ struct RingKernel {
   }
 #define KF_RING3(K, S, NT) \
   KF_RING(K, S, NT, false, kF32), KF_RING(K, S, NT, false, k16), KF_RING(K, S, NT, true, k16)
-RingKernel ring_kernels[] = {KF_RING3(4, 3, 384), KF_RING3(2, 3, 512),
-                             // A/B (temporary): variants 2-5 at rows of <= 512 chunks.
-                             KF_RING3(4, 4, 384), KF_RING3(4, 2, 384), KF_RING3(2, 4, 512)};
-constexpr RingShape kRingAB[] = {{4, 4, 384}, {4, 2, 384}, {2, 4, 512}, {2, 3, 512}};
+RingKernel ring_kernels[] = {KF_RING3(4, 3, 384), KF_RING3(2, 3, 512)};
 #undef KF_RING3
 #undef KF_RING
 
@@ -161,7 +158,7 @@ BwdGeometry backward_geometry(int nchunk, bool vec, bool cbw, DType dt) {
 enum BwdVariant : int64_t {
   kDefault = 0,   // the ring where it applies, else the fallbacks
   kFallback = 1,  // never the ring: the kernels that take the inputs the ring does not (tests)
-  kNumVariants = 6,  // 2-5: A/B ring shapes (temporary)
+  kNumVariants = 2,
 };
 
 // Pipelined backward: K = 1 (one warp per row, 16 rows per block) up to 32 chunks, else K = 2 (rows
@@ -195,10 +192,10 @@ struct RingPlan {
 // kRingMaxChunks, shared memory beyond the device's limit, or a tensor too large for the kernel's
 // 32-bit row step.
 RingPlan ring_plan(int nchunk, bool vec, bool cbw, DType dt, int64_t rows, int64_t D,
-                   int64_t elem, int device, int64_t variant) {
+                   int64_t elem, int device) {
   RingPlan p;
   if (!vec || nchunk > kRingMaxChunks) return p;
-  const RingShape sh = nchunk > 512 ? kRingLong : variant >= 2 ? kRingAB[variant - 2] : kRingShort;
+  const RingShape sh = nchunk > 512 ? kRingLong : kRingShort;
   cbw = cbw && dt != DType::f32;
   RingKernel* rk = nullptr;
   for (RingKernel& k : ring_kernels)
@@ -317,7 +314,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   // else rmsnorm_backward_kernel.
   const RingPlan ring = variant == kFallback
                             ? RingPlan{}
-                            : ring_plan(nchunk, vec, cast_before_weight, dt, rows, D, elem, on.device, variant);
+                            : ring_plan(nchunk, vec, cast_before_weight, dt, rows, D, elem, on.device);
   PipeKernel* pk = ring.kernel ? nullptr : pipe_kernel(nchunk, vec, cast_before_weight, dt);
   unsigned grid = ring.grid, tx = ring.tx, groups = ring.groups;
   if (pk) {
