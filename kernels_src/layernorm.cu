@@ -329,6 +329,85 @@ __global__ void __launch_bounds__(32 * kFwdWarps, LnWarpCfg<T, VEC, P>::fwd_bloc
   }
 }
 
+// STREAM forward (16-bit rows in 16-byte units): persistent warps (W per block, about one block per
+// SM), warp g of G taking rows g, g + G, ...; D rows' loads in flight a warp (a ring of D row
+// buffers in registers, refilled as soon as a row is written), so an SM's reads and writes overlap
+// instead of one burst of reads then one of writes; weight / bias stay in registers for every row.
+template <typename T, int P, int D, int W>
+__global__ void __launch_bounds__(32 * W, 1)
+    layernorm_forward_stream_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+                                    const T* __restrict__ bias, T* __restrict__ out,
+                                    float* __restrict__ mean, float* __restrict__ rstd, long long N,
+                                    int C, float eps, int zero) {
+  using U = Vec16<T>;
+  constexpr int V = U::size;
+  const int lane = threadIdx.x, units = C / V;
+  const i64 G = (i64)gridDim.x * W, g = (i64)blockIdx.x * W + threadIdx.y;
+  const T* xl = x + lane * V;
+  U xs[D][P];
+#pragma unroll
+  for (int s = 0; s < D; ++s)
+    if (g + s * G < N) load_row_last<P>(xs[s], xl + (g + s * G) * C, lane, units);
+  U w[P], b[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    w[k] = U::fill(1.0f), b[k] = U::fill(0.0f);
+    if (lane + 32 * k < units) {
+      if (weight) load_unit(w[k], (weight + lane * V) + 32 * k * V);
+      if (bias) load_unit(b[k], (bias + lane * V) + 32 * k * V);
+    }
+  }
+  for (i64 r0 = g; r0 < N; r0 += D * G) {
+#pragma unroll
+    for (int s = 0; s < D; ++s) {
+      const i64 row = r0 + s * G;
+      if (row < N) {
+        float mu[1] = {0.0f};
+#pragma unroll
+        for (int k = 0; k < P; ++k)
+          if (lane + 32 * k < units) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) mu[0] += xs[s][k].f(i);
+          }
+        warp_sum_n(mu);
+        const float m = mu[0] / (float)C;
+        opaque_row<P>(xs[s], lane, units, after(mu[0], zero));
+        float rs[1] = {0.0f};
+#pragma unroll
+        for (int k = 0; k < P; ++k)
+          if (lane + 32 * k < units) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+              const float d = xs[s][k].f(i) - m;
+              rs[0] += d * d;
+            }
+          }
+        warp_sum_n(rs);
+        const float r = rsqrtf(rs[0] / (float)C + eps);
+        const u32 z2 = after(rs[0], zero);
+        opaque_row<P>(xs[s], lane, units, z2);
+        // weight / bias stay packed (converted per row, not hoisted as fp32 registers).
+        opaque_row<P>(w, lane, units, z2);
+        opaque_row<P>(b, lane, units, z2);
+        T* o = out + row * C + lane * V;
+#pragma unroll
+        for (int k = 0; k < P; ++k)
+          if (lane + 32 * k < units) {
+            float y[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i) y[i] = fmaf((xs[s][k].f(i) - m) * r, w[k].f(i), b[k].f(i));
+            store_unit(o + 32 * k * V, U::from(y));
+          }
+        if (lane == 0) {
+          mean[row] = m;
+          rstd[row] = r;
+        }
+        if (row + D * G < N) load_row_last<P>(xs[s], xl + (row + D * G) * C, lane, units);
+      }
+    }
+  }
+}
+
 // Where the backward keeps a lane's column sums: per warp two arrays (dweight, then dbias) of
 // 32 P V floats; this lane's element i of unit k at float4 (k V/4 + i/4) * 32 + lane (16-byte
 // units: consecutive lanes hit consecutive float4s, no bank conflicts) or float k * 32 + lane.
@@ -1105,102 +1184,6 @@ template <int n> KF_DEVICE void ln_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory");
 }
 KF_DEVICE void ln_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// A/B (temporary): the WARP forward (16-byte units) with FR rows a warp and MINB blocks a SM as
-// template parameters, weight / bias fetched by cp.async into the warp's own shared-memory slots at
-// the start (so their L2 latency is hidden behind the x loads instead of following the reductions).
-template <typename T, int P, int FR, int MINB>
-__global__ void __launch_bounds__(32 * kFwdWarps, MINB)
-    layernorm_forward_warp2_kernel(const T* __restrict__ x, const T* __restrict__ weight,
-                                   const T* __restrict__ bias, T* __restrict__ out,
-                                   float* __restrict__ mean, float* __restrict__ rstd, long long N,
-                                   int C, float eps, int zero) {
-  using U = Vec16<T>;
-  constexpr int V = U::size;
-  __shared__ int4 swb[kFwdWarps][2][P][32];
-  const int lane = threadIdx.x, units = C / V;
-#pragma unroll
-  for (int k = 0; k < P; ++k)
-    if (lane + 32 * k < units) {
-      if (weight) ln_cp_async16(ln_smem_u32(&swb[threadIdx.y][0][k][lane]), weight + (lane + 32 * k) * V, 0.0f);
-      if (bias) ln_cp_async16(ln_smem_u32(&swb[threadIdx.y][1][k][lane]), bias + (lane + 32 * k) * V, 0.0f);
-    }
-  ln_cp_async_commit();
-  const i64 chunks = (N + FR - 1) / FR;
-  for (i64 q = (i64)blockIdx.x * blockDim.y + threadIdx.y; q < chunks;
-       q += (i64)gridDim.x * blockDim.y) {
-    const i64 row0 = q * FR;
-    U xs[FR][P];
-#pragma unroll
-    for (int j = 0; j < FR; ++j) {
-      const i64 row = row0 + j < N ? row0 + j : N - 1;
-      load_row_last<P>(xs[j], x + row * C + lane * V, lane, units);
-    }
-    float mu[FR];
-#pragma unroll
-    for (int j = 0; j < FR; ++j) {
-      mu[j] = 0.0f;
-#pragma unroll
-      for (int k = 0; k < P; ++k)
-        if (lane + 32 * k < units) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) mu[j] += xs[j][k].f(i);
-        }
-    }
-    warp_sum_n(mu);
-    const u32 z1 = after(mu[FR - 1], zero);
-#pragma unroll
-    for (int j = 0; j < FR; ++j) {
-      mu[j] = mu[j] / (float)C;
-      opaque_row<P>(xs[j], lane, units, z1);
-    }
-    float rs[FR];
-#pragma unroll
-    for (int j = 0; j < FR; ++j) {
-      rs[j] = 0.0f;
-#pragma unroll
-      for (int k = 0; k < P; ++k)
-        if (lane + 32 * k < units) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) {
-            const float d = xs[j][k].f(i) - mu[j];
-            rs[j] += d * d;
-          }
-        }
-    }
-    warp_sum_n(rs);
-    const u32 z2 = after(rs[FR - 1], zero);
-#pragma unroll
-    for (int j = 0; j < FR; ++j) {
-      rs[j] = rsqrtf(rs[j] / (float)C + eps);
-      opaque_row<P>(xs[j], lane, units, z2);
-    }
-    ln_cp_async_wait_all();
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      if (lane + 32 * k < units) {
-        U w = U::fill(1.0f), b = U::fill(0.0f);
-        if (weight) set_words(w, swb[threadIdx.y][0][k][lane]);
-        if (bias) set_words(b, swb[threadIdx.y][1][k][lane]);
-#pragma unroll
-        for (int j = 0; j < FR; ++j) {
-          if (row0 + j < N) {
-            float y[V];
-#pragma unroll
-            for (int i = 0; i < V; ++i) y[i] = fmaf((xs[j][k].f(i) - mu[j]) * rs[j], w.f(i), b.f(i));
-            store_unit((out + (row0 + j) * C + lane * V) + 32 * k * V, U::from(y));
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < FR; ++j)
-      if (lane == j && row0 + j < N) {
-        mean[row0 + j] = mu[j];
-        rstd[row0 + j] = rs[j];
-      }
-  }
-}
 
 // src/ops/layernorm.cpp mirrors these: row slots a group (S), the launch bound (768 threads: 80
 // registers) and the row-sum scratch (>= max(NW, 4) G for every block the launcher makes with

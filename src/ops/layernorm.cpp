@@ -29,13 +29,13 @@ constexpr const char* kBwd = "layernorm_backward";
 // The launchers' `variant`: 0 the layouts above; 1 (tests only) never GROUP / RING, the layouts the
 // default falls back to past their int row index (WARP where it fits, else BLOCK).
 constexpr int64_t kDefault = 0, kNoGroup = 1, kNumVariants = 8;
-// A/B (temporary): forward variants 2.. run layernorm_forward_warp2_kernel (bf16 / half, 16-byte
-// units, P = 3) with (rows a warp, blocks a SM) = kWarp2Cfg[variant - 2].
-struct Warp2Cfg {
-  int FR, MINB;
+// A/B (temporary): forward variants 2.. run the STREAM kernel (bf16 / half, 16-byte units, P = 3)
+// with (warps a block, rows in flight a warp) = kStreamCfg[variant - 2].
+struct StreamCfg {
+  int W, D;
 };
-constexpr Warp2Cfg kWarp2Cfg[] = {{2, 8}, {2, 7}, {1, 16}, {1, 12}, {3, 6}, {4, 4}};
-#define KF_LN_WARP2(FR, MB) Kernel(prog, "layernorm_forward_warp2_kernel<{T}, 3, " #FR ", " #MB ">", k16Bit)
+constexpr StreamCfg kStreamCfg[] = {{16, 2}, {16, 3}, {8, 4}, {24, 2}, {32, 1}, {12, 3}};
+#define KF_LN_STREAM(W, D) Kernel(prog, "layernorm_forward_stream_kernel<{T}, 3, " #D ", " #W ">", k16Bit)
 void check_variant(int64_t variant, const char* op) {
   KF_CHECK(variant >= 0 && variant < kNumVariants, op, "variant must be in [0, ", kNumVariants - 1,
            "], got ", variant);
@@ -80,8 +80,8 @@ Kernel bwd_warp_vec[kNumVecP] = {
 Kernel bwd_warp_scalar[kNumScalarP] = {
     Kernel(prog, "layernorm_backward_warp_kernel<{T}, false, 32>")};
 
-Kernel fwd_warp2[] = {KF_LN_WARP2(2, 8), KF_LN_WARP2(2, 7), KF_LN_WARP2(1, 16),
-                      KF_LN_WARP2(1, 12), KF_LN_WARP2(3, 6), KF_LN_WARP2(4, 4)};
+Kernel fwd_stream[] = {KF_LN_STREAM(16, 2), KF_LN_STREAM(16, 3), KF_LN_STREAM(8, 4),
+                       KF_LN_STREAM(24, 2), KF_LN_STREAM(32, 1), KF_LN_STREAM(12, 3)};
 
 // GROUP layout <T, VEC>: the forward for fp32 only, the backward's 16-byte units for fp32 only
 // (bf16 / half take WARP / RING there).
@@ -258,15 +258,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
   }
 
   if (variant >= 2 && vec && es == 2 && wp.P == 3) {
-    const Warp2Cfg c2 = kWarp2Cfg[variant - 2];
-    const int64_t chunks = cdiv(N, c2.FR);
-    const int64_t per_sm = balanced_warps_per_sm(chunks, sms, int64_t(c2.MINB) * kFwdWarps);
-    const int64_t grid = std::min(cdiv(chunks, kFwdWarps), sms * cdiv(per_sm, kFwdWarps));
-    fwd_warp2[variant - 2].launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)),
-                                  Dim3(32, kFwdWarps), 0, x.data_ptr(), ptr_or_null(w),
-                                  ptr_or_null(b), out.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
-                                  static_cast<long long>(N), static_cast<int>(C),
-                                  static_cast<float>(eps), 0);
+    const StreamCfg sc = kStreamCfg[variant - 2];
+    const int64_t grid = std::min(sms, cdiv(N, sc.W));
+    fwd_stream[variant - 2].launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)),
+                                   Dim3(32, sc.W), 0, x.data_ptr(), ptr_or_null(w), ptr_or_null(b),
+                                   out.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+                                   static_cast<long long>(N), static_cast<int>(C),
+                                   static_cast<float>(eps), 0);
     return {out, mean, rstd};
   }
   if (wp.index >= 0) {
