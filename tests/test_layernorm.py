@@ -385,14 +385,3 @@ def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers, affi
     torch.testing.assert_close(out, ref)
     for g, r in zip(grads, torch.autograd.grad(ref, params, dout)):
         torch.testing.assert_close(g, r)
-
-
-# A/B candidates (temporary): forward variants 2-7, the STREAM kernel at 768 columns (P = 3).
-@gpu
-@pytest.mark.parametrize("affine", ["weight+bias", "none"])
-@pytest.mark.parametrize("variant", [2, 3, 4, 5, 6, 7], ids=lambda v: f"v{v}")
-@pytest.mark.parametrize("shape", [(1, 768), (33, 768), (8192, 768), (20011, 768), (2, 3, 640)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_stream_forward_candidates(dtype, shape, variant, affine):
-    check_against_reference(*make_inputs(shape, dtype, affine), dtype, variant)

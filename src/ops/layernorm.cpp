@@ -28,14 +28,7 @@ constexpr const char* kBwd = "layernorm_backward";
 
 // The launchers' `variant`: 0 the layouts above; 1 (tests only) never GROUP / RING, the layouts the
 // default falls back to past their int row index (WARP where it fits, else BLOCK).
-constexpr int64_t kDefault = 0, kNoGroup = 1, kNumVariants = 8;
-// A/B (temporary): forward variants 2.. run the STREAM kernel (bf16 / half, 16-byte units, P = 3)
-// with (warps a block, rows in flight a warp) = kStreamCfg[variant - 2].
-struct StreamCfg {
-  int W, D;
-};
-constexpr StreamCfg kStreamCfg[] = {{16, 2}, {16, 3}, {8, 4}, {24, 2}, {32, 1}, {12, 3}};
-#define KF_LN_STREAM(W, D) Kernel(prog, "layernorm_forward_stream_kernel<{T}, 3, " #D ", " #W ">", k16Bit)
+constexpr int64_t kDefault = 0, kNoGroup = 1, kNumVariants = 2;
 void check_variant(int64_t variant, const char* op) {
   KF_CHECK(variant >= 0 && variant < kNumVariants, op, "variant must be in [0, ", kNumVariants - 1,
            "], got ", variant);
@@ -79,9 +72,6 @@ Kernel bwd_warp_vec[kNumVecP] = {
     Kernel(prog, "layernorm_backward_warp_kernel<{T}, true, 8>", kF32Only)};
 Kernel bwd_warp_scalar[kNumScalarP] = {
     Kernel(prog, "layernorm_backward_warp_kernel<{T}, false, 32>")};
-
-Kernel fwd_stream[] = {KF_LN_STREAM(16, 2), KF_LN_STREAM(16, 3), KF_LN_STREAM(8, 4),
-                       KF_LN_STREAM(24, 2), KF_LN_STREAM(32, 1), KF_LN_STREAM(12, 3)};
 
 // GROUP layout <T, VEC>: the forward for fp32 only, the backward's 16-byte units for fp32 only
 // (bf16 / half take WARP / RING there).
@@ -257,16 +247,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
     return {out, mean, rstd};
   }
 
-  if (variant >= 2 && vec && es == 2 && wp.P == 3) {
-    const StreamCfg sc = kStreamCfg[variant - 2];
-    const int64_t grid = std::min(sms, cdiv(N, sc.W));
-    fwd_stream[variant - 2].launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)),
-                                   Dim3(32, sc.W), 0, x.data_ptr(), ptr_or_null(w), ptr_or_null(b),
-                                   out.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
-                                   static_cast<long long>(N), static_cast<int>(C),
-                                   static_cast<float>(eps), 0);
-    return {out, mean, rstd};
-  }
   if (wp.index >= 0) {
     // WARP: warps of fwd_rows rows each, kFwdWarps per block; no more blocks than stay resident (the
     // kernel's launch bound), as few per SM as keep the same number of rounds.
