@@ -473,6 +473,33 @@ KF_DEVICE float reget(const Chunk& c, int i, u32 lo_mul, u32 hi_mask) {
   }
 }
 
+// One row's per-element backward terms, shared by the pipelined and ring kernels: g = dy * w,
+// dot += g * x, dweight sums acc += dy * x_hat with x_hat = x * r (CBW: rounded to T first, as the
+// forward used it for the weight); a pair of elements at a time (CBW rounds pairs).
+template <typename T, int K, bool CBW>
+KF_DEVICE void rn_row_terms(const Chunk (&xc)[K], const Chunk (&gc)[K],
+                            const float (&w)[K][Elems<T>::V], float r, float (&g)[K][Elems<T>::V],
+                            float& dot, float (&acc)[K][Elems<T>::V]) {
+  using E = Elems<T>;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < E::V; i += 2) {
+      float d[2], xr[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float xv = E::get(xc[k], i + j);
+        d[j] = E::get(gc[k], i + j);
+        g[k][i + j] = d[j] * w[k][i + j];
+        dot = fmaf(g[k][i + j], xv, dot);
+        xr[j] = xv * r;
+      }
+      if (CBW) E::round(xr[0], xr[1]);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) acc[k][i + j] = fmaf(d[j], xr[j], acc[k][i + j]);
+    }
+}
+
 template <typename T, int K, int P, bool KEEP_G, bool CBW, int MAXT>
 __global__ void __launch_bounds__(MAXT, 1)
     rmsnorm_backward_pipelined_kernel(const T* __restrict__ dy, const T* __restrict__ x,
@@ -560,23 +587,7 @@ __global__ void __launch_bounds__(MAXT, 1)
         const float r = br[p];
         const u32 inc = t + P < n ? step : 0u;  // to row t + P, or stay on the group's last row
         float g[K][V], dot = 0.0f;
-#pragma unroll
-        for (int k = 0; k < K; ++k)
-#pragma unroll
-          for (int i = 0; i < V; i += 2) {  // a pair of elements at a time (CBW rounds pairs)
-            float d[2], xr[2];
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const float xv = E::get(bx[p][k], i + j);
-              d[j] = E::get(bg[p][k], i + j);
-              g[k][i + j] = d[j] * w[k][i + j];
-              dot = fmaf(g[k][i + j], xv, dot);
-              xr[j] = xv * r;
-            }
-            if (CBW) E::round(xr[0], xr[1]);  // x_hat as the forward used it for the weight
-#pragma unroll
-            for (int j = 0; j < 2; ++j) acc[k][i + j] = fmaf(d[j], xr[j], acc[k][i + j]);
-          }
+        rn_row_terms<T, K, CBW>(bx[p], bg[p], w, r, g, dot, acc);
         if (KEEP_G) {  // dy's buffer is free: refill it with row t + P
           // + 0 that depends on dot: see "Where the loads go" above.
           ng += inc + (__float_as_uint(dot) & (u32)zero);
@@ -839,23 +850,7 @@ __global__ void __launch_bounds__(NT, 1)
     r = __shfl_sync(0xffffffffu, r, src);
 
     float g[K][V], dot = 0.0f;
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-#pragma unroll
-      for (int i = 0; i < V; i += 2) {  // a pair of elements at a time (CBW rounds pairs)
-        float d[2], xr[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float xv = E::get(xc[k], i + j);
-          d[j] = E::get(gc[k], i + j);
-          g[k][i + j] = d[j] * w[k][i + j];
-          dot = fmaf(g[k][i + j], xv, dot);
-          xr[j] = xv * r;
-        }
-        if (CBW) E::round(xr[0], xr[1]);  // x_hat as the forward used it for the weight
-#pragma unroll
-        for (int j = 0; j < 2; ++j) acc[k][i + j] = fmaf(d[j], xr[j], acc[k][i + j]);
-      }
+    rn_row_terms<T, K, CBW>(xc, gc, w, r, g, dot, acc);
     // Stage s is read (dot depends on every word of it): request row group t + S into it.
     if (t + S < n) request(t + S, s, __float_as_uint(dot) & (u32)zero);
     rn_commit();
