@@ -1,0 +1,163 @@
+"""linear: `F.linear` for 16-bit weights whose out_features is not a multiple of 8 (GPT-2's lm_head:
+768 -> 50257), computed at a padded width.
+
+cuBLAS picks its fast Hopper kernels only when every matrix dimension it is given keeps 16-byte
+alignment; an odd output count drops it to a generic kernel. Measured on an H200 (bf16, x 8192 x
+768, weight 50257 x 768; `scripts/lm_head_probe.py`, BENCHMARKS.md): forward 6.69 ms, the
+backward's two GEMMs 4.57 + 4.30 ms; at 50304 outputs 0.89, 0.81 and 0.80 ms. That one layer was
+half of a GPT-2 124M training step under eager PyTorch and Thunder.
+
+So kforge pads the weight (and bias) with zero rows to a multiple of `PAD` outputs, runs the GEMM at
+the padded width and returns the first out_features columns as a view (row stride = the padded
+width): the output is not copied. kforge's cross-entropy reads such logits in place. Backward: the
+gradient is padded to the same width (a copy, unless it already lies in a buffer of that width
+whose padding kforge's cross-entropy backward zeroed), then dx = g_pad @ w_pad and dw = (g_pad^T @
+x)[:out_features], both aligned GEMMs. The padded weight is rebuilt in the backward (0.05 ms)
+rather than saved (77 MB at GPT-2's size). No kernels of kforge's own: cuBLAS through torch.
+
+Claims `thunder.torch.linear` only where it pays: bf16 / fp16 CUDA tensors of one dtype,
+out_features >= 1024 and not a multiple of 8, in_features a multiple of 8 (else padding the output
+alone does not give aligned GEMMs). fp32 is declined: its cuBLAS kernels do not depend on alignment
+(same 12.5 ms at 50257 and 50304).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import thunder.torch as ltorch
+from thunder.core import dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grad
+
+from .._thunder import Claim, OpSpec, operator, same_dtype_device, tensor_problem
+
+PAD = 64           # outputs are padded to a multiple of this (GPT-2: 50257 -> 50304, as llm.c does)
+MIN_OUT = 1024     # below this the GEMMs are too small for the padding to matter
+_ALIGN = 8         # 16 bytes of a 16-bit type
+
+
+def padded(n: int) -> int:
+    """out_features rounded up to a multiple of PAD."""
+    return -(-n // PAD) * PAD
+
+
+# Buffers whose padding columns kforge's cross-entropy backward zeroed, by data pointer, each with a
+# weak reference to the buffer (a live buffer's address cannot be reused, so a live entry is exact).
+_zero_padded: dict[int, weakref.ref] = {}
+
+
+def mark_zero_padded(grad: torch.Tensor) -> None:
+    """Records that `grad` (a column slice of a dense buffer) has zeros in the buffer's other columns,
+    so `linear_backward` may use the buffer as the padded gradient without a copy."""
+    base = grad._base
+    if base is None:
+        return
+    for k in [k for k, r in _zero_padded.items() if r() is None]:
+        del _zero_padded[k]
+    _zero_padded[base.data_ptr()] = weakref.ref(base)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t with zero rows (dim 0) appended up to `rows`."""
+    pad = [0, 0] * (t.dim() - 1) + [0, rows - t.shape[0]]
+    return F.pad(t, pad)
+
+
+def linear_forward_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed at the padded width; a view of the padded output."""
+    n = weight.shape[0]
+    wp = _pad_rows(weight, padded(n))
+    bp = None if bias is None else _pad_rows(bias, padded(n))
+    return F.linear(x, wp, bp)[..., :n]
+
+
+def _padded_grad(g: torch.Tensor, n: int) -> torch.Tensor:
+    """g (M, n) as an (M, padded(n)) matrix with zeros (or kforge-zeroed values) past column n."""
+    npad = padded(n)
+    m = g.shape[0]
+    base = g._base
+    if (base is not None and g.stride() == (npad, 1) and base.is_contiguous() and base.dim() >= 1
+            and base.numel() == m * npad and g.data_ptr() == base.data_ptr()):
+        ref = _zero_padded.get(base.data_ptr())
+        if ref is not None and ref() is base:
+            return base.view(m, npad)
+    return F.pad(g, (0, npad - n))
+
+
+def linear_backward_impl(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dx, dweight, dbias | None) of F.linear at the padded width."""
+    n, k = weight.shape
+    g2 = g.reshape(-1, n)
+    gp = _padded_grad(g2, n)
+    wp = _pad_rows(weight, padded(n))
+    dx = (gp @ wp).reshape(x.shape)
+    dw = (gp.t() @ x.reshape(-1, k))[:n]
+    db = g2.sum(0) if has_bias else None
+    return dx, dw, db
+
+
+def _forward_meta(x: TensorProxy, weight: TensorProxy, bias: TensorProxy | None) -> TensorProxy:
+    return TensorProxy(like=x, shape=(*x.shape[:-1], weight.shape[0]))
+
+
+def _backward_meta(g: TensorProxy, x: TensorProxy, weight: TensorProxy, has_bias: bool):
+    return (TensorProxy(like=x), TensorProxy(like=weight),
+            TensorProxy(like=weight, shape=(weight.shape[0],)) if has_bias else None)
+
+
+# (x, weight, bias | None) -> out (a view of the padded-width output)
+linear_forward = operator("linear_forward", meta=_forward_meta, fn=linear_forward_impl)
+# (dout, x, weight, has_bias) -> (dx, dweight, dbias | None)
+linear_backward = operator("linear_backward", meta=_backward_meta, fn=linear_backward_impl)
+
+
+def _checker(a: Any, w: Any, bias: Any = None) -> str | None:
+    """None when kforge takes `ltorch.linear(a, w, bias)`, else why not."""
+    for t, name in ((a, "input"), (w, "weight")):
+        if problem := tensor_problem(t, name):
+            return problem
+    if dtypes.to_torch_dtype(a.dtype) not in (torch.bfloat16, torch.float16):
+        return "float32: cuBLAS is as fast at any width, nothing to pad"
+    if problem := same_dtype_device(a, w, "weight"):
+        return problem
+    if w.ndim != 2 or a.ndim < 1 or a.shape[-1] != w.shape[1]:
+        return f"shapes {tuple(a.shape)} x {tuple(w.shape)} are not a linear layer's"
+    n, k = w.shape
+    if n < MIN_OUT:
+        return f"out_features {n} < {MIN_OUT}: too small for padding to pay"
+    if k % _ALIGN:
+        return f"in_features {k} is not a multiple of {_ALIGN}"
+    if bias is not None:
+        if not isinstance(bias, TensorProxy) or bias.ndim != 1 or bias.shape[0] != n:
+            return f"bias is not a ({n},) tensor"
+        if problem := same_dtype_device(a, bias, "bias"):
+            return problem
+    return None
+
+
+def _applies(a: Any, w: Any, bias: Any = None) -> bool:
+    """Only layers with a misaligned output count are this op's kind (the rest stay with torch,
+    without a decline logged for each)."""
+    return isinstance(w, TensorProxy) and w.ndim == 2 and w.shape[0] % _ALIGN != 0
+
+
+def _execution(a: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> TensorProxy:
+    return linear_forward(a, w, bias)
+
+
+def _grad(a: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> TensorProxy:
+    # Saved for backward: x and the weight (the padded weight is rebuilt there).
+    out = linear_forward(a, w, bias)
+    dx, dw, db = linear_backward(get_grad(out), a, w, bias is not None)
+    put_grad(a, dx)
+    put_grad(w, dw)
+    if bias is not None:
+        put_grad(bias, db)
+    return out
+
+
+SPEC = OpSpec("linear", (Claim(ltorch.linear, _checker, _execution, _grad, applies=_applies),))
