@@ -12,6 +12,11 @@
 // neither ignore_index nor in [0, V) is never used as an index: its row loss is NaN (so mean/sum are
 // NaN) and its gradient row is NaN.
 //
+// Rows may be strided: row i of the logits and of dx starts at element i * ld (ld >= V; ld = V when
+// contiguous, more for the padded lm_head's logits[:, :V] view of an (N, ld) buffer). dx's padding
+// columns [V, ld) are written as exact zeros: that linear's backward multiplies the whole padded
+// gradient by a weight whose padding rows are zero, and finite zeros there keep that GEMM exact.
+//
 // Liger / llm.c fuse the gradient into the forward pass (`Fused` below: a second, L2-hot read of the
 // row writes dx). That only pays when dloss is known before the forward runs; under Thunder's grad
 // transform it is not, and scaling a saved unit-gradient later costs the same read+write pass as the
@@ -129,19 +134,20 @@ KF_DEVICE float row_dloss(const T* __restrict__ grad, long long grad_stride,
   return n_valid ? g / *n_valid : g;
 }
 
-// Forward, one block per row. Writes lse[row] and the row loss: fp32 into row_loss (reduced later)
-// or T into loss_none. Fused: also writes the gradient row for dloss (grad, grad_stride, n_valid),
-// re-reading the row while it is still in L2 (first pass without the evict-first hint).
+// Forward, one block per row (rows ld elements apart). Writes lse[row] and the row loss: fp32 into
+// row_loss (reduced later) or T into loss_none. Fused: also writes the gradient row for dloss (grad,
+// grad_stride, n_valid), re-reading the row while it is still in L2 (first pass without the
+// evict-first hint), and zeros into its padding [V, ld).
 template <typename T, bool Fused>
 __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const i64* __restrict__ targets,
                                              float* __restrict__ lse_out, float* __restrict__ row_loss,
                                              T* __restrict__ loss_none, T* __restrict__ dlogits,
                                              const T* __restrict__ grad, long long grad_stride,
-                                             const float* __restrict__ n_valid, long long V,
+                                             const float* __restrict__ n_valid, long long V, long long ld,
                                              long long ignore_index, int vec) {
   __shared__ float scratch[32];
   const long long row = blockIdx.x;
-  const T* x = logits + row * V;
+  const T* x = logits + row * ld;
 
   float m = -KF_INF, s = 0.0f;
   thread_max_sumexp<!Fused>(x, V, m, s);
@@ -161,7 +167,10 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
   }
   if constexpr (Fused) {
     const float scale = ignored ? 0.0f : row_dloss(grad, grad_stride, n_valid, row);
-    write_row_grad<true>(x, dlogits + row * V, V, t, bad ? CE_NAN : lse, scale, ignored, vec);
+    T* dx = dlogits + row * ld;
+    write_row_grad<true>(x, dx, V, t, bad ? CE_NAN : lse, scale, ignored, vec);
+#pragma unroll 1
+    for (long long j = V + threadIdx.x; j < ld; j += blockDim.x) dx[j] = from_float<T>(0.0f);
   }
 }
 
@@ -345,23 +354,24 @@ KF_DEVICE CeRowIn ce_row_in(long long row, const T* __restrict__ grad, long long
   return {targets[row], lse[row], to_float(grad[row * grad_stride])};
 }
 
-// One block per work item w = blockIdx.x (gridDim.x = N * chunks_per_row < 2^31). Vec: logits and
-// dlogits share their address modulo 16 (16-byte packs with default caching between a scalar head
-// and tail per row); else every "pack" is P elements moved one by one.
+// One block per work item w = blockIdx.x (gridDim.x = N * chunks_per_row < 2^31); rows ld elements
+// apart, the row's last chunk also zeroes its padding [V, ld). Vec: logits and dlogits share their
+// address modulo 16 (16-byte packs with default caching between a scalar head and tail per row);
+// else every "pack" is P elements moved one by one.
 template <typename T, bool Vec>
 __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
     cross_entropy_backward_kernel(const T* __restrict__ grad, long long grad_stride,
                                        const float* __restrict__ n_valid, const T* __restrict__ logits,
                                        const i64* __restrict__ targets, const float* __restrict__ lse,
-                                       T* __restrict__ dlogits, long long V, long long ignore_index,
-                                       int chunks_per_row, int chunk_packs) {
+                                       T* __restrict__ dlogits, long long V, long long ld,
+                                       long long ignore_index, int chunks_per_row, int chunk_packs) {
   constexpr int P = Pack128<T>::size;
   constexpr int U = Vec ? CE_BWD_UNROLL_VEC : CE_BWD_UNROLL_SCALAR;
   const u32 row32 = blockIdx.x / (u32)chunks_per_row;  // the one division
   const long long chunk = (long long)(blockIdx.x - row32 * (u32)chunks_per_row);
   const long long row = row32;
-  const T* xr = logits + row * V;
-  T* dr = dlogits + row * V;
+  const T* xr = logits + row * ld;
+  T* dr = dlogits + row * ld;
   const RowSplit rs = Vec ? split_row(xr, V) : RowSplit{0, V / P, (V / P) * P};
   const CeChunk ck = ce_chunk<T>(rs, chunk, chunk_packs);
 
@@ -382,6 +392,9 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
     const float e = r.zero ? 0.0f : ce_ex2(fmaf(xs, CE_LOG2E, -r.l2)) * r.s;
     dr[sc.c] = from_float<T>(sc.c == t ? e - r.s : e);
   }
+  if (chunk == chunks_per_row - 1)
+#pragma unroll 1
+    for (long long j = V + threadIdx.x; j < ld; j += CE_BWD_THREADS) dr[j] = from_float<T>(0.0f);
 }
 
 KF_DEVICE long long block_sum_ll(long long x, long long* scratch) {

@@ -126,6 +126,122 @@ def test_misaligned_and_strided_logits(dtype, offset):
     assert_close(dx, ref_dx, dtype, "strided dlogits")
 
 
+# ---- row-strided logits (the padded lm_head's logits[:, :V] view of an (N, ld) buffer) -----------------
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@pytest.fixture
+def poisoned():
+    """Launcher outputs start as NaN (conftest turns this on for the session; these tests rely on it
+    to see unwritten padding, so they say so)."""
+    _C.set_poison_outputs(True)
+    yield
+
+
+def padded_ld(v: int, pad: str) -> int:
+    """Row stride for V: V itself, V + 47 rounded up to a multiple of 64 (50257 -> 50304, the
+    padded lm_head), or V + 3 (rows at every phase of 16 bytes)."""
+    return {"none": v, "to64": (v + 47 + 63) // 64 * 64, "plus3": v + 3}[pad]
+
+
+def check_dlogits_layout(dx: torch.Tensor, n: int, v: int, ld: int, dtype: torch.dtype, what: str) -> None:
+    """dx is the (n, v) view of an (n, ld) buffer whose padding columns hold +0 exactly."""
+    assert dx.shape == (n, v) and dx.stride() == (ld, 1), (what, dx.shape, dx.stride())
+    pad = dx.as_strided((n, ld), (ld, 1))[:, v:]
+    assert (pad.view(INT_VIEW[dtype]) == 0).all(), f"{what}: padding columns are not +0"
+
+
+@gpu
+@pytest.mark.parametrize("n", [64, 1, 513])
+@pytest.mark.parametrize("pad", ["none", "to64", "plus3"])
+@pytest.mark.parametrize("v", [50257, 1000, 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_strided_logits_read_in_place(poisoned, dtype, v, pad, n):
+    """logits = buf[:, :V] of a random (N, ld) buffer: loss, lse and dlogits (separate and fused)
+    match float64; dlogits has row stride ld (a single row: V) with exactly-zero padding columns;
+    the buffer (padding included) is left alone."""
+    ld = padded_ld(v, pad)
+    seed = 3 * n + v + ld
+    buf = randn(n, ld, dtype=dtype, scale=2.0, seed=seed)
+    buf_before = buf.clone()
+    x = buf[:, :v]
+    t = make_targets(n, v, -100, seed)
+    if n > 2:
+        t[1], t[2] = 0, -100  # a target in the row's first element; an ignored row
+    ld_out = v if n == 1 else ld
+    for reduction in REDUCTIONS:
+        g = make_grad(reduction, n, dtype, seed)
+        ref_loss, ref_lse, ref_dx = reference(x, t, g, -100, reduction)
+        loss, lse, n_valid, dx = run_separate(x, t, g, -100, reduction)
+        assert_close(loss, ref_loss, dtype, f"loss {reduction}")
+        assert_close(lse, ref_lse, torch.float32, f"lse {reduction}")
+        assert n_valid.item() == (t != -100).sum().item()
+        fused_loss, fused_dx = _C.cross_entropy_forward_backward(x, t, g, -100, reduction)
+        assert_close(fused_loss, ref_loss, dtype, f"fused loss {reduction}")
+        for what, d in ((f"dlogits {reduction}", dx), (f"fused dlogits {reduction}", fused_dx)):
+            check_dlogits_layout(d, n, v, ld_out, dtype, what)
+            assert_close(d, ref_dx, dtype, what)
+            assert (d[t == -100] == 0).all(), what
+    assert torch.equal(buf, buf_before)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["transposed", "every_other_column", "expanded_rows", "overlapping_rows",
+                                    "one_row_odd_stride"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logits_without_unit_column_stride_or_separate_rows(poisoned, dtype, layout):
+    """Layouts that are not rows of unit column stride ld >= V apart are made contiguous first
+    (dlogits contiguous too); a single row is read in place whatever its stride(0)."""
+    n, v = 37, 1001
+    seed = 41
+    if layout == "transposed":
+        x = randn(v, n, dtype=dtype, scale=2.0, seed=seed).t()  # stride (1, n)
+    elif layout == "every_other_column":
+        x = randn(n, 2 * v, dtype=dtype, scale=2.0, seed=seed)[:, ::2]  # stride (2v, 2)
+    elif layout == "expanded_rows":
+        x = randn(1, v, dtype=dtype, scale=2.0, seed=seed).expand(n, v)  # stride (0, 1)
+    elif layout == "overlapping_rows":
+        x = randn(n * v, dtype=dtype, scale=2.0, seed=seed).as_strided((n, v), (v // 3, 1))  # ld < V
+    else:
+        n = 1
+        x = randn(3 * v, dtype=dtype, scale=2.0, seed=seed).as_strided((1, v), (5, 1), 7)
+    t = make_targets(n, v, -100, seed)
+    for reduction in REDUCTIONS:
+        g = make_grad(reduction, n, dtype, seed)
+        ref_loss, _, ref_dx = reference(x, t, g, -100, reduction)
+        loss, _, _, dx = run_separate(x, t, g, -100, reduction)
+        fused_loss, fused_dx = _C.cross_entropy_forward_backward(x, t, g, -100, reduction)
+        for what, l, d in (("", loss, dx), ("fused ", fused_loss, fused_dx)):
+            assert_close(l, ref_loss, dtype, f"{what}loss {reduction}")
+            assert_close(d, ref_dx, dtype, f"{what}dlogits {reduction}")
+            assert d.stride() == (v, 1), (what, d.stride())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_strided_logits_are_not_copied(dtype):
+    """Peak memory of each launcher on logits[:, :50257] of an (N, 50304) buffer: the forward
+    allocates nothing of the logits' size, backward and fused only the (N, 50304) dlogits."""
+    n, v, ld = 1024, 50257, 50304
+    x = randn(n, ld, dtype=dtype, scale=2.0, seed=2)[:, :v]
+    t = make_targets(n, v, -100, 2)
+    g = torch.ones((), device="cuda", dtype=dtype)
+    _, lse, n_valid = _C.cross_entropy_forward(x, t, -100, "mean")
+    dx_bytes = n * ld * x.element_size()
+    for what, fn, allowed in (
+            ("forward", lambda: _C.cross_entropy_forward(x, t, -100, "mean"), 0),
+            ("backward", lambda: _C.cross_entropy_backward(g, x, t, lse, n_valid, -100, "mean"), dx_bytes),
+            ("fused", lambda: _C.cross_entropy_forward_backward(x, t, g, -100, "mean"), dx_bytes)):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        assert extra <= allowed + (1 << 20), (what, extra, allowed)
+        del out
+
+
 @gpu
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("misaligned", [False, True], ids=["packs", "elementwise"])
@@ -280,15 +396,17 @@ def test_side_stream_and_cuda_graph_capture():
 
 @gpu
 @pytest.mark.bigmem
-def test_more_than_2pow31_elements():
-    """Row offsets past 2^31 elements: the rows on both sides of the boundary match float64, and the
-    mean over all rows matches a chunked float64 reference."""
+@pytest.mark.parametrize("ld", [50257, 50304], ids=["contiguous", "row_strided"])
+def test_more_than_2pow31_elements(ld):
+    """Row offsets past 2^31 elements (rows ld apart: contiguous, or the padded lm_head's [:, :V]
+    view): the rows on both sides of the boundary match float64, and the mean over all rows
+    matches a chunked float64 reference."""
     v = 50257
     n = 2**31 // v + 2  # the last row starts past element 2^31
     if torch.cuda.get_device_properties(0).total_memory < (24 << 30):
         pytest.skip("needs ~20 GB of GPU memory")
     gen = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(n, ld, device="cuda", dtype=torch.bfloat16)[:, :v]  # padding never written
     for r in range(0, n, 4096):  # fp32 randn in chunks: no 8 GB temporary
         x[r:r + 4096] = 2 * torch.randn(x[r:r + 4096].shape, device="cuda", generator=gen)
     t = torch.randint(0, v, (n,), device="cuda", generator=gen)
@@ -303,6 +421,8 @@ def test_more_than_2pow31_elements():
     assert_close(lse[rows], ref_lse, torch.float32, "lse")
     assert_close(dx[rows], ref_dx, torch.bfloat16, "dlogits")
     assert (dx[n - 3] == 0).all()
+    assert dx.stride() == (ld, 1)
+    assert (dx.as_strided((n, ld), (ld, 1))[rows, v:] == 0).all()
     del dx
 
     loss_m, _, n_valid = _C.cross_entropy_forward(x, t, -100, "mean")

@@ -1,5 +1,7 @@
 // cross_entropy launchers (see kernels_src/cross_entropy.cu): forward -> (loss, lse, n_valid),
 // backward -> dlogits, and the fused forward + gradient for callers that know dloss up front.
+// Logits whose rows are ld >= V elements apart (unit column stride) are read in place, and dlogits
+// gets the same row stride; other layouts are made contiguous (ld = V).
 #include <algorithm>
 #include <limits>
 #include <tuple>
@@ -36,15 +38,27 @@ struct Problem {
   at::Tensor logits, targets;
   DType dt;
   long long N, V;
+  long long ld;  // elements between the starts of consecutive logits (and dlogits) rows, >= V
 };
 
 Problem check_problem(const at::Tensor& logits_, const at::Tensor& targets_, const char* op) {
   Problem p;
-  p.logits = input(logits_, op, "logits");
-  p.dt = dtype_of(p.logits, op);
-  KF_CHECK(p.logits.dim() == 2, op, "logits must be 2-D (N, V), got shape ", p.logits.sizes());
-  p.N = p.logits.size(0);
-  p.V = p.logits.size(1);
+  check_input(logits_, op, "logits");
+  p.dt = dtype_of(logits_, op);
+  KF_CHECK(logits_.dim() == 2, op, "logits must be 2-D (N, V), got shape ", logits_.sizes());
+  p.N = logits_.size(0);
+  p.V = logits_.size(1);
+  // Rows of unit column stride that do not overlap are read where they are: the padded lm_head's
+  // logits[:, :V] view of an (N, ld) buffer costs no copy. A single row may have any stride(0) (it
+  // is never used) and is taken as contiguous, ld = V.
+  const bool unit_cols = p.V == 1 || logits_.stride(1) == 1;
+  if (unit_cols && (p.N == 1 || logits_.stride(0) >= p.V)) {
+    p.logits = logits_;
+    p.ld = p.N == 1 ? p.V : logits_.stride(0);
+  } else {
+    p.logits = logits_.contiguous();
+    p.ld = p.V;
+  }
   KF_CHECK(p.N > 0 && p.V > 0, op, "logits must be non-empty, got shape ", p.logits.sizes());
   KF_CHECK(p.N <= std::numeric_limits<int>::max(), op, "at most 2^31 - 1 rows (one block each), got ", p.N);
   // Rows are split at 16-byte boundaries counted in whole elements.
@@ -77,6 +91,14 @@ at::Tensor check_f32(const at::Tensor& t, const Problem& p, int64_t numel, const
   KF_CHECK(t.scalar_type() == at::kFloat && t.numel() == numel, op, name, " must be float32 with ", numel,
            " elements, got ", t.scalar_type(), " ", t.sizes());
   return t.contiguous();
+}
+
+// dlogits with the logits' row stride: the (N, V) view of an (N, ld) buffer whose padding columns
+// [V, ld) the kernels set to 0. The padded lm_head's backward multiplies the whole (N, ld) gradient
+// by its weight, whose padding rows are zero: finite zeros there keep that GEMM exact (poison or
+// stale memory could hold NaN / inf, and 0 * NaN = NaN).
+at::Tensor new_dlogits(const Problem& p) {
+  return new_output({p.N, p.ld}, p.logits.options()).narrow(1, 0, p.V);
 }
 
 // One block per row: one 16-byte pack per thread for short rows, 512 threads for long ones.
@@ -114,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(const at::T
   void* const null = nullptr;
   fwd.launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.N)), Dim3(row_block(p)), 0,
              ptr(p.logits), ptr(p.targets), ptr(lse), ptr(row_loss),
-             red == Reduction::none ? ptr(loss) : null, null, null, 0LL, null, p.V, ii, 0);
+             red == Reduction::none ? ptr(loss) : null, null, null, 0LL, null, p.V, p.ld, ii, 0);
   launch_reduce(p, on, row_loss, red == Reduction::none ? at::Tensor() : loss, n_valid, ii, red);
   return {loss, lse, n_valid};
 }
@@ -129,8 +151,9 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& logi
   const at::Tensor lse = check_f32(lse_, p, p.N, op, "lse");
   const at::Tensor n_valid = check_f32(n_valid_, p, 1, op, "n_valid");
   LaunchOn on(p.logits);
-  at::Tensor dlogits = new_output_like(p.logits);
-  // 16-byte packs need logits and dlogits rows to sit at the same offset from a 16-byte boundary.
+  at::Tensor dlogits = new_dlogits(p);
+  // 16-byte packs need logits and dlogits rows to sit at the same offset from a 16-byte boundary
+  // (same base phase; both have row stride ld).
   const bool vec = (reinterpret_cast<uintptr_t>(ptr(p.logits)) & 15) == (reinterpret_cast<uintptr_t>(ptr(dlogits)) & 15);
   const long long pack = 16 / p.logits.element_size();
   const long long max_packs = std::max<long long>(1, (p.V + pack - 1) / pack);  // >= packs of any row split
@@ -147,7 +170,7 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& logi
   const long long ii = ignore_index;
   (vec ? bwd_vec : bwd_scalar)
       .launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.N * chunks)), Dim3(kBwdThreads), 0,
-              ptr(g), grad_stride, nv, ptr(p.logits), ptr(p.targets), ptr(lse), ptr(dlogits), p.V, ii,
+              ptr(g), grad_stride, nv, ptr(p.logits), ptr(p.targets), ptr(lse), ptr(dlogits), p.V, p.ld, ii,
               static_cast<int>(chunks), static_cast<int>(chunk_packs));
   return dlogits;
 }
@@ -163,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_backward(const at::Tens
   LaunchOn on(p.logits);
   const auto f32 = p.logits.options().dtype(at::kFloat);
   at::Tensor loss = new_output(loss_shape(p, red), p.logits.options());
-  at::Tensor dlogits = new_output_like(p.logits);
+  at::Tensor dlogits = new_dlogits(p);
   at::Tensor lse = new_output({p.N}, f32);  // written by the kernel, not returned
   at::Tensor n_valid = new_output({}, f32);
   at::Tensor row_loss = red == Reduction::none ? at::Tensor() : new_output({p.N}, f32);
@@ -175,7 +198,8 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_backward(const at::Tens
   fused.launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.N)), Dim3(row_block(p)), 0,
                ptr(p.logits), ptr(p.targets), ptr(lse), ptr(row_loss),
                red == Reduction::none ? ptr(loss) : null, ptr(dlogits), ptr(g),
-               red == Reduction::none ? 1LL : 0LL, red == Reduction::mean ? ptr(n_valid) : null, p.V, ii, vec);
+               red == Reduction::none ? 1LL : 0LL, red == Reduction::mean ? ptr(n_valid) : null, p.V, p.ld, ii,
+               vec);
   if (red != Reduction::none) launch_reduce(p, on, row_loss, loss, n_valid, ii, red);
   return {loss, dlogits};
 }
@@ -187,16 +211,20 @@ KFORGE_BIND_OP(cross_entropy) {
   m.def("cross_entropy_forward", &cross_entropy_forward,
         "Cross entropy of logits (N, V) and int64 targets (N,). Returns (loss, lse, n_valid): loss in the "
         "logits dtype, shape () for mean/sum or (N,) for none; lse = per-row logsumexp (N,) float32; "
-        "n_valid = count of targets != ignore_index, () float32. Out-of-range targets give NaN losses.",
+        "n_valid = count of targets != ignore_index, () float32. Out-of-range targets give NaN losses. "
+        "Logits with unit column stride and row stride >= V are read in place (no copy).",
         py::arg("logits"), py::arg("targets"), py::arg("ignore_index") = -100, py::arg("reduction") = "mean");
   m.def("cross_entropy_backward", &cross_entropy_backward,
         "dlogits = (softmax(logits) - onehot(targets)) * dloss from the forward's lse and n_valid; grad is "
-        "the loss gradient ((N,) for none, one element otherwise). Ignored rows get 0, out-of-range rows NaN.",
+        "the loss gradient ((N,) for none, one element otherwise). Ignored rows get 0, out-of-range rows NaN. "
+        "dlogits has the logits' row stride ld (read-in-place logits) and is the [:, :V] view of an (N, ld) "
+        "buffer whose padding columns are 0.",
         py::arg("grad"), py::arg("logits"), py::arg("targets"), py::arg("lse"), py::arg("n_valid"),
         py::arg("ignore_index") = -100, py::arg("reduction") = "mean");
   m.def("cross_entropy_forward_backward", &cross_entropy_forward_backward,
         "Fused forward + backward for a loss gradient known up front: returns (loss, dlogits), reading the "
-        "logits once from DRAM (its second read of each row is meant to hit L2).",
+        "logits once from DRAM (its second read of each row is meant to hit L2). dlogits is laid out as in "
+        "cross_entropy_backward.",
         py::arg("logits"), py::arg("targets"), py::arg("grad"), py::arg("ignore_index") = -100,
         py::arg("reduction") = "mean");
 }

@@ -6,6 +6,9 @@ logsumexp (fp32) and the device-side count of non-ignored targets; backward
 logits and one write of the gradient. See kernels_src/cross_entropy.cu for the kernels and for why
 the gradient is not computed during the forward pass (Liger / llm.c style) here.
 
+Row-strided logits (a column slice of a wider buffer, as kforge's padded linear returns) are read in
+place, and their gradient comes back with the same row stride and zeros in the padding.
+
 Claims `thunder.torch.cross_entropy` for 2-D logits (GPT-2's `F.cross_entropy(logits.view(-1, V),
 targets.view(-1), ignore_index=-1)` reaches Thunder as (N, V) with (N,)), weight=None,
 label_smoothing=0, reduction mean / sum / none, any ignore_index. Targets outside [0, V) that are not
@@ -24,6 +27,7 @@ from thunder.core.transforms import get_grad, put_grad
 
 from .. import _C
 from .._thunder import Claim, OpSpec, operator, tensor_problem
+from .linear import mark_zero_padded
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -43,8 +47,19 @@ def _backward_meta(grad: TensorProxy, logits: TensorProxy, targets: TensorProxy,
 
 # (logits, targets, ignore_index, reduction) -> (loss, lse (N,) f32, n_valid () f32)
 cross_entropy_forward = operator("cross_entropy_forward", meta=_forward_meta, fn=_C.cross_entropy_forward)
+def _backward(grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+              n_valid: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """The launcher; a gradient in a padded layout (row-strided logits, e.g. from kforge's padded
+    linear: dlogits has their row stride, padding zeroed) is marked so the linear's backward takes
+    the buffer as its padded gradient without a copy."""
+    dlogits = _C.cross_entropy_backward(grad, logits, targets, lse, n_valid, ignore_index, reduction)
+    if dlogits.dim() == 2 and dlogits.stride(0) > dlogits.shape[1]:
+        mark_zero_padded(dlogits)
+    return dlogits
+
+
 # (grad, logits, targets, lse, n_valid, ignore_index, reduction) -> dlogits
-cross_entropy_backward = operator("cross_entropy_backward", meta=_backward_meta, fn=_C.cross_entropy_backward)
+cross_entropy_backward = operator("cross_entropy_backward", meta=_backward_meta, fn=_backward)
 
 
 def _checker(a: Any, target: Any, weight: Any = None, size_average: Any = None, ignore_index: Any = -100,
