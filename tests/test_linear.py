@@ -130,7 +130,8 @@ def test_checker_and_filter():
         assert claim.checker(proxy(8192, 768, dtype=torch.float16), proxy(50257, 768, dtype=torch.float16)) is None
         # Aligned widths are not this op's kind at all: no decline is logged for them.
         assert not claim.applies(x, proxy(2304, 768))
-        assert "float32" in claim.checker(proxy(8, 768, dtype=torch.float32), proxy(50257, 768, dtype=torch.float32))
+        assert not claim.applies(proxy(8, 768, dtype=torch.float32), proxy(50257, 768, dtype=torch.float32))
+        assert "16-bit" in claim.checker(proxy(8, 768, dtype=torch.float32), proxy(50257, 768))
         assert "too small" in claim.checker(proxy(8, 768), proxy(101, 768))
         assert "in_features" in claim.checker(proxy(8, 770), proxy(50257, 770))
         assert "not CUDA" in claim.checker(proxy(8, 768, device="cpu"), proxy(50257, 768, device="cpu"))

@@ -121,7 +121,7 @@ def _checker(a: Any, w: Any, bias: Any = None) -> str | None:
         if problem := tensor_problem(t, name):
             return problem
     if dtypes.to_torch_dtype(a.dtype) not in (torch.bfloat16, torch.float16):
-        return "float32: cuBLAS is as fast at any width, nothing to pad"
+        return f"{dtypes.to_torch_dtype(a.dtype)}: only 16-bit layers gain from padding"
     if problem := same_dtype_device(a, w, "weight"):
         return problem
     if w.ndim != 2 or a.ndim < 1 or a.shape[-1] != w.shape[1]:
@@ -140,9 +140,11 @@ def _checker(a: Any, w: Any, bias: Any = None) -> str | None:
 
 
 def _applies(a: Any, w: Any, bias: Any = None) -> bool:
-    """Only layers with a misaligned output count are this op's kind (the rest stay with torch,
-    without a decline logged for each)."""
-    return isinstance(w, TensorProxy) and w.ndim == 2 and w.shape[0] % _ALIGN != 0
+    """Only 16-bit layers with a misaligned output count are this op's kind: the rest (every
+    aligned layer, and fp32 ones, whose cuBLAS kernels do not depend on alignment) stay with torch
+    without a decline logged for each."""
+    return (isinstance(w, TensorProxy) and w.ndim == 2 and w.shape[0] % _ALIGN != 0
+            and dtypes.to_torch_dtype(w.dtype) in (torch.bfloat16, torch.float16))
 
 
 def _execution(a: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> TensorProxy:
