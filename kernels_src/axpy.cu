@@ -7,6 +7,7 @@
 template <typename T>
 __global__ void axpy_kernel(const T* __restrict__ x, const T* __restrict__ y, T* __restrict__ out,
                             float alpha, long long n, int vec) {
+  kf_wait_prior_grids();
   constexpr int V = Pack128<T>::size;
   const long long packs = vec ? n / V : 0;
   const long long stride = (long long)gridDim.x * blockDim.x;

@@ -14,6 +14,7 @@ template <typename T, bool VEC>
 __global__ void __launch_bounds__(32 * kColsumRows)
     colsum_partial_kernel(const T* __restrict__ x, float* __restrict__ partial, long long N, int C,
                           long long rows_per_chunk) {
+  kf_wait_prior_grids();
   constexpr int U = VEC ? Pack128<T>::size : 1;  // columns per unit
   __shared__ float red[kColsumRows][32 * U];
   const int unit = blockIdx.x * 32 + threadIdx.x;
@@ -72,13 +73,12 @@ __global__ void __launch_bounds__(32 * kColsumRows)
 
 // out[c] = sum of the G partial rows' column c, in a fixed order. blockDim (32, kColsumRows): lane x
 // owns column blockIdx.x * 32 + x, row slot y adds chunks y, y + 8, ... (eight loads in flight), and
-// the slots are added in slot order: a fixed order for every launch. Launched as a dependent of the
-// partial kernel (Kernel::launch_dependent): nothing global is touched before kf_wait_prior_grids().
+// the slots are added in slot order: a fixed order for every launch.
 template <typename T>
 __global__ void __launch_bounds__(32 * kColsumRows)
     colsum_final_kernel(const float* __restrict__ partial, T* __restrict__ out, int G, int C) {
-  __shared__ float red[kColsumRows][32];
   kf_wait_prior_grids();
+  __shared__ float red[kColsumRows][32];
   const int c = blockIdx.x * 32 + threadIdx.x;
   float s = 0.0f;
   if (c < C) {

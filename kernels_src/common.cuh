@@ -25,10 +25,11 @@ typedef long long i64;
 struct __align__(2) bf16 { u16 bits; };
 struct __align__(2) half { u16 bits; };
 
-// ---- dependent launches (Kernel::launch_dependent in the runtime) --------------------------------
-// A kernel launched as a programmatic dependent may start while the kernel before it on the stream
-// is still draining; it calls kf_wait_prior_grids() before touching global memory, which returns
-// once that kernel has finished and its writes are visible. A no-op before sm_90 (plain launches).
+// ---- dependent launches (Kernel::launch in the runtime) ------------------------------------------
+// On sm_90+ every kernel is launched as a programmatic dependent of the kernel before it on the
+// stream, so it may start while that kernel is still draining. Every kernel therefore begins with
+// kf_wait_prior_grids(), which returns once that kernel has finished and its writes are visible
+// (tests/test_kernel_sources.py checks it is each kernel's first statement). A no-op before sm_90.
 KF_DEVICE void kf_wait_prior_grids() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -145,6 +145,7 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
                                              const T* __restrict__ grad, long long grad_stride,
                                              const float* __restrict__ n_valid, long long V, long long ld,
                                              long long ignore_index, int vec) {
+  kf_wait_prior_grids();
   __shared__ float scratch[32];
   const long long row = blockIdx.x;
   const T* x = logits + row * ld;
@@ -365,6 +366,7 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
                                        const i64* __restrict__ targets, const float* __restrict__ lse,
                                        T* __restrict__ dlogits, long long V, long long ld,
                                        long long ignore_index, int chunks_per_row, int chunk_packs) {
+  kf_wait_prior_grids();
   constexpr int P = Pack128<T>::size;
   constexpr int U = Vec ? CE_BWD_UNROLL_VEC : CE_BWD_UNROLL_SCALAR;
   const u32 row32 = blockIdx.x / (u32)chunks_per_row;  // the one division
@@ -412,14 +414,13 @@ KF_DEVICE long long block_sum_ll(long long x, long long* scratch) {
 // One block: n_valid = #(targets != ignore_index) and, when row_loss is given, loss = sum of the row
 // losses (divided by n_valid for mean: 0 / 0 = NaN when every target is ignored, as in PyTorch).
 // Each thread sums a fixed strided subset, then a fixed tree: the same bits on every run.
-// A dependent launch (Kernel::launch_dependent): it waits for the forward kernel before reading.
 template <typename T>
 __global__ void cross_entropy_reduce_kernel(const float* __restrict__ row_loss, const i64* __restrict__ targets,
                                             T* __restrict__ loss, float* __restrict__ n_valid, long long N,
                                             long long ignore_index, int mean) {
+  kf_wait_prior_grids();
   __shared__ float scratch[32];
   __shared__ long long count_scratch[32];
-  kf_wait_prior_grids();
   float acc = 0.0f;
   long long count = 0;
   for (long long i = threadIdx.x; i < N; i += blockDim.x) {

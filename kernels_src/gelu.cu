@@ -34,6 +34,7 @@ KF_DEVICE float gelu_grad(float x) {
 // Misaligned pointers: grid-stride loop, one element per thread per step, 64-bit indices.
 template <typename T>
 __global__ void gelu_forward_scalar_kernel(const T* __restrict__ x, T* __restrict__ out, long long n) {
+  kf_wait_prior_grids();
   const long long stride = (long long)gridDim.x * blockDim.x;
   for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride)
     out[t] = from_float<T>(gelu_value(to_float(x[t])));
@@ -42,6 +43,7 @@ __global__ void gelu_forward_scalar_kernel(const T* __restrict__ x, T* __restric
 template <typename T>
 __global__ void gelu_backward_scalar_kernel(const T* __restrict__ dout, const T* __restrict__ x,
                                             T* __restrict__ dx, long long n) {
+  kf_wait_prior_grids();
   const long long stride = (long long)gridDim.x * blockDim.x;
   for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride)
     dx[t] = from_float<T>(to_float(dout[t]) * gelu_grad(to_float(x[t])));
@@ -190,6 +192,7 @@ constexpr int kGeluMinBlocks = 8;
 template <typename T>
 __global__ void __launch_bounds__(kGeluB, kGeluMinBlocks)
     gelu_forward_kernel(const T* __restrict__ x, T* __restrict__ out, long long n) {
+  kf_wait_prior_grids();
   constexpr int V = Pack128<T>::size, P = kGeluP, B = kGeluB;
   const long long packs = n / V;
   const long long first = (long long)blockIdx.x * (P * B) + threadIdx.x;  // this thread's first pack
@@ -221,6 +224,7 @@ template <typename T>
 __global__ void __launch_bounds__(kGeluB, kGeluMinBlocks)
     gelu_backward_kernel(const T* __restrict__ dout, const T* __restrict__ x, T* __restrict__ dx,
                          long long n) {
+  kf_wait_prior_grids();
   constexpr int V = Pack128<T>::size, P = kGeluP, B = kGeluB;
   const long long packs = n / V;
   const long long first = (long long)blockIdx.x * (P * B) + threadIdx.x;

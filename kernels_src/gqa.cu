@@ -80,6 +80,7 @@ template <typename T>
 __global__ void gqa_forward_kernel(const T* __restrict__ x, T* __restrict__ out, int Hkv, int n_rep,
                                    int reps, int Tn, int D, long long sb, long long sh, long long st,
                                    int tiles, long long units, int vec) {
+  kf_wait_prior_grids();
   if (vec)
     gqa_forward_units<T, Pack128<T>::size>(x, out, Hkv, n_rep, reps, Tn, D, sb, sh, st, tiles, units);
   else
@@ -121,6 +122,7 @@ KF_DEVICE void gqa_backward_slabs(const T* __restrict__ dout, T* __restrict__ dx
 template <typename T>
 __global__ void gqa_backward_kernel(const T* __restrict__ dout, T* __restrict__ dx, int n_rep,
                                     long long slab_elems, long long slabs, int vec) {
+  kf_wait_prior_grids();
   if (vec)
     gqa_backward_slabs<T, Pack128<T>::size>(dout, dx, n_rep, slab_elems, slabs);
   else

@@ -243,6 +243,7 @@ __global__ void __launch_bounds__(32 * kFwdWarps, LnWarpCfg<T, VEC, P>::fwd_bloc
                                   const T* __restrict__ bias, T* __restrict__ out,
                                   float* __restrict__ mean, float* __restrict__ rstd, long long N,
                                   int C, float eps, int zero) {
+  kf_wait_prior_grids();
   using U = Unit<T, VEC>;
   constexpr int V = U::size, FR = LnWarpCfg<T, VEC, P>::FR;
   const int lane = threadIdx.x, units = C / V;
@@ -374,6 +375,7 @@ __global__ void __launch_bounds__(32 * LnWarpCfg<T, VEC, P>::bwd_warps, 1)
                                    const float* __restrict__ rstd, T* __restrict__ dx,
                                    float* __restrict__ partial, long long N, int C,
                                    int need_dweight, int need_dbias, int zero) {
+  kf_wait_prior_grids();
   using U = Unit<T, VEC>;
   constexpr int V = U::size, BR = LnWarpCfg<T, VEC, P>::BR;
   constexpr int SPAN = 32 * P * V;  // floats of one warp's dweight (or dbias) sums
@@ -589,6 +591,7 @@ __global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
                                    const T* __restrict__ bias, T* __restrict__ out,
                                    float* __restrict__ mean, float* __restrict__ rstd, long long N,
                                    int C, float eps) {
+  kf_wait_prior_grids();
   using U = Unit<T, VEC>;
   constexpr int V = U::size, P = kGroupCols / V;
   static_assert(kGroupCols % V == 0, "whole units per thread");
@@ -695,6 +698,7 @@ __global__ void __launch_bounds__(32 * ln_group_bwd_warps(VEC), 1)
                                     const float* __restrict__ rstd, T* __restrict__ dx,
                                     float* __restrict__ partial, long long N, int C,
                                     int need_dweight, int need_dbias) {
+  kf_wait_prior_grids();
   using U = Unit<T, VEC>;
   constexpr int V = U::size, P = kGroupCols / V;
   static_assert(kGroupCols == 8 && kGroupCols % V == 0, "whole units, two float4 per thread");
@@ -824,6 +828,7 @@ __global__ void KF_LN_BOUNDS layernorm_forward_kernel(const T* __restrict__ x, c
                                          const T* __restrict__ bias, T* __restrict__ out,
                                          float* __restrict__ mean, float* __restrict__ rstd,
                                          long long N, int C, float eps) {
+  kf_wait_prior_grids();
   using U = Unit<T, VEC>;
   constexpr int V = U::size, KR = block_reg_units<V, FITS>();
   __shared__ float red[2][kMaxRowsPerBlock][32];
@@ -911,6 +916,7 @@ __global__ void KF_LN_BOUNDS layernorm_backward_kernel(const T* __restrict__ dou
                                           const float* __restrict__ rstd, T* __restrict__ dx,
                                           float* __restrict__ partial, long long N, int C,
                                           int need_dweight, int need_dbias) {
+  kf_wait_prior_grids();
   using U = Unit<T, VEC>;
   constexpr int V = U::size, KR = block_reg_units<V, FITS>();
   __shared__ float red[2][kMaxRowsPerBlock][32];
@@ -1040,6 +1046,7 @@ template <typename T>
 __global__ void __launch_bounds__(1024)
     layernorm_param_grad_kernel(const float* __restrict__ partial, T* __restrict__ dweight,
                                 T* __restrict__ dbias, int G, int C) {
+  kf_wait_prior_grids();
   constexpr int kLoads = 8;
   __shared__ float red[32][33];
   const int tx = threadIdx.x, ty = threadIdx.y;
@@ -1120,6 +1127,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
                                    const float* __restrict__ rstd, T* __restrict__ dx,
                                    float* __restrict__ partial, int q, int rem, int C,
                                    int need_dweight, int need_dbias) {
+  kf_wait_prior_grids();
   using U = Vec16<T>;
   constexpr int V = U::size, S = kRingSlots;
   static_assert(V == 8, "bf16 / half: 8 columns a thread, two float4 of each column sum");
@@ -1296,18 +1304,16 @@ __global__ void __launch_bounds__(kRingThreads, 1)
 // in a fixed order. blockDim (kPgX, kPgY): threadIdx.x a float4 column of the block's 4 kPgX-float
 // tile of [dweight | dbias], threadIdx.y the partial rows y, y + kPgY, ... (kPgLoads 16-byte loads
 // issued before they are added; a warp reads 8 rows of 64 contiguous bytes); then the kPgY
-// per-thread sums of each column in order, four at a time, and those in order. Launched as a
-// dependent of the kernel writing the partials (Kernel::launch_dependent): nothing global is touched
-// before kf_wait_prior_grids().
+// per-thread sums of each column in order, four at a time, and those in order.
 constexpr int kPgX = 4, kPgY = 64, kPgLoads = 4;
 template <typename T>
 __global__ void __launch_bounds__(kPgX * kPgY)
     layernorm_param_grad_vec_kernel(const float* __restrict__ partial, T* __restrict__ dweight,
                                     T* __restrict__ dbias, int G, int C) {
+  kf_wait_prior_grids();
   constexpr int W = 4 * kPgX, Q = kPgY / 4;  // tile columns; partial sums of 4 rows per column
   static_assert(W * Q == kPgX * kPgY, "one stage-2 thread per (column, quarter)");
   __shared__ float red[kPgY][W + 1];
-  kf_wait_prior_grids();
   const int tx = threadIdx.x, ty = threadIdx.y, n4 = C / 2;  // float4s per partial row
   const int j4 = blockIdx.x * kPgX + tx;
   float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);

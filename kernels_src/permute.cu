@@ -85,6 +85,7 @@ __global__ void permute_tokens_to_heads_kernel(const T* __restrict__ src, T* __r
                                                int NH, int HS, int cols, long long tiles_per_seq,
                                                long long units, long long sb, long long sh,
                                                long long st) {
+  kf_wait_prior_grids();
   permute_tiles<T, VEC ? Pack128<T>::size : 1, true>(const_cast<T*>(src), h0, h1, h2, seq, NH, HS,
                                                       cols, tiles_per_seq, units, sb, sh, st);
 }
@@ -96,6 +97,7 @@ __global__ void permute_heads_to_tokens_kernel(const T* __restrict__ h0, const T
                                                int NH, int HS, int cols, long long tiles_per_seq,
                                                long long units, long long sb, long long sh,
                                                long long st) {
+  kf_wait_prior_grids();
   permute_tiles<T, VEC ? Pack128<T>::size : 1, false>(dst, const_cast<T*>(h0), const_cast<T*>(h1),
                                                        const_cast<T*>(h2), seq, NH, HS, cols,
                                                        tiles_per_seq, units, sb, sh, st);
@@ -168,6 +170,7 @@ __global__ void __launch_bounds__(256, permute_lanes_min_blocks(K))
                          T* __restrict__ h2, int ntok, int lanes, int cols, int hsw, int NH,
                          int seq, int m_cols, int s_cols, int m_hsw, int s_hsw, int m_nh, int s_nh,
                          int m_seq, int s_seq, long long shB, int sbB_, int stB_, int rowB_) {
+  kf_wait_prior_grids();
   constexpr int W = VEC ? Pack128<T>::size : 1;
   const u32 g = blockIdx.x * 256u + threadIdx.x;
   const u32 lane = permute_div(g, (u32)m_cols, (u32)s_cols);

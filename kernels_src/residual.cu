@@ -12,6 +12,7 @@
 template <typename T>
 __global__ void residual_forward_kernel(const T* __restrict__ a, const T* __restrict__ b,
                                         T* __restrict__ out, long long n, long long nb, int vec) {
+  kf_wait_prior_grids();
   constexpr int V = Pack128<T>::size;
   constexpr int U = 2;  // packs per thread per step
   const long long packs = vec ? n / V : 0;

@@ -205,6 +205,7 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC))
     rmsnorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ y,
                            float* __restrict__ rstd, long long rows, int D, float inv_d, float eps,
                            int zero, int cast_before_weight) {
+  kf_wait_prior_grids();
   using E = Elems<T>;
   constexpr int V = E::V;
   __shared__ float scratch[16];  // one per warp of the block (<= 256 threads), 8 spare
@@ -324,6 +325,7 @@ __global__ void __launch_bounds__(MAXT, 1)
                             const T* __restrict__ weight, const float* __restrict__ rstd,
                             T* __restrict__ dx, float* __restrict__ dw_partial, long long rows, int D,
                             float inv_d, int zero) {
+  kf_wait_prior_grids();
   using E = Elems<T>;
   constexpr int V = E::V;
   __shared__ float scratch[2][MAXT / 64 * 32 * R];  // [buffer][group][value][warp]
@@ -507,6 +509,7 @@ __global__ void __launch_bounds__(MAXT, 1)
                                       T* __restrict__ dx, float* __restrict__ dw_partial,
                                       long long rows, int D, float inv_d, u32 lo_mul, u32 hi_mask,
                                       int zero) {
+  kf_wait_prior_grids();
   using E = Elems<T>;
   constexpr int V = E::V;
   constexpr bool kHalf = sizeof(T) == 2 && E::kOne != Elems<bf16>::kOne;
@@ -741,6 +744,7 @@ __global__ void __launch_bounds__(NT, 1)
                                  const T* __restrict__ weight, const float* __restrict__ rstd,
                                  T* __restrict__ dx, float* __restrict__ dw_partial, long long rows,
                                  int D, float inv_d, int zero) {
+  kf_wait_prior_grids();
   using E = Elems<T>;
   constexpr int V = E::V;
   static_assert(NT <= 512 && NT % 64 == 0, "groups of <= 16 warps");
@@ -925,8 +929,8 @@ constexpr int kDwQuads = 8, kDwSlices = 32, kDwBatch = 16;
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kDwQuads * kDwSlices)
     rmsnorm_dweight_kernel(const float* __restrict__ partial, T* __restrict__ dweight, int G, int D) {
+  kf_wait_prior_grids();
   __shared__ float4 s[kDwQuads * kDwSlices / 32][kDwQuads];
-  kf_wait_prior_grids();  // a dependent launch: the partial rows are written by the kernel before
   const int j = (blockIdx.x * kDwQuads + threadIdx.x) * 4;
   float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   if (j < D) {

@@ -259,6 +259,7 @@ __global__ void rope_kernel(const T* __restrict__ q, const T* __restrict__ k, T*
                             long long ksb, long long ksh, long long kst, int tab_batched,
                             long long n_pos, long long pos_sb, int interleaved, int inverse, int vec,
                             int tvec) {
+  kf_wait_prior_grids();
   rope_body<T, T>(q, k, q_out, k_out, cos, sin, pos, Tn, Hq, Hkv, D, qsb, qsh, qst, ksb, ksh, kst,
                   tab_batched, n_pos, pos_sb, interleaved, inverse, vec, tvec);
 }
@@ -273,6 +274,7 @@ __global__ void rope_f32tab_kernel(const T* __restrict__ q, const T* __restrict_
                                    long long ksh, long long kst, int tab_batched, long long n_pos,
                                    long long pos_sb, int interleaved, int inverse, int vec,
                                    int tvec) {
+  kf_wait_prior_grids();
   rope_body<T, float>(q, k, q_out, k_out, cos, sin, pos, Tn, Hq, Hkv, D, qsb, qsh, qst, ksb, ksh,
                       kst, tab_batched, n_pos, pos_sb, interleaved, inverse, vec, tvec);
 }
@@ -472,6 +474,7 @@ __global__ void __launch_bounds__(256, 2)
                      long long qsb, long long qsh, long long qst, long long ksb, long long ksh,
                      long long kst, int tab_batched, long long n_pos, long long pos_sb, int inverse,
                      int ntiles, int gq) {
+  kf_wait_prior_grids();
   rope_tile_body<T, T, U, IL>(q, k, q_out, k_out, cos, sin, pos, ntok, Tn, Hq, Hkv, D, qsb, qsh, qst,
                               ksb, ksh, kst, tab_batched, n_pos, pos_sb, inverse, ntiles, gq);
 }
@@ -486,6 +489,7 @@ __global__ void __launch_bounds__(256, 2)
                             long long qst, long long ksb, long long ksh, long long kst,
                             int tab_batched, long long n_pos, long long pos_sb, int inverse,
                             int ntiles, int gq) {
+  kf_wait_prior_grids();
   rope_tile_body<T, float, U, IL>(q, k, q_out, k_out, cos, sin, pos, ntok, Tn, Hq, Hkv, D, qsb, qsh,
                                   qst, ksb, ksh, kst, tab_batched, n_pos, pos_sb, inverse, ntiles,
                                   gq);

@@ -184,6 +184,7 @@ template <typename T, int P, bool WarpRow>
 __global__ void __launch_bounds__(WarpRow ? 128 : 512)
     softmax_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int rows, int C, int causal,
                            float scale2) {
+  kf_wait_prior_grids();
   constexpr int V = Pack128<T>::size;
   __shared__ float scratch[2][32];
   const int W = WarpRow ? 32 : blockDim.x;
@@ -369,6 +370,7 @@ template <typename T, int P, int S>
 __global__ void __launch_bounds__(512, 2)
     softmax_forward_warps_kernel(const T* __restrict__ x, T* __restrict__ y, int q, int rem, int C,
                                  float scale2) {
+  kf_wait_prior_grids();
   constexpr int V = 8;  // 16-bit elements per pack
   extern __shared__ uint4 ring[];  // per warp: S slots of P * 32 packs, pack k of lane at k * 32 + lane
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -468,6 +470,7 @@ template <typename T>
 __global__ void __launch_bounds__(512, 2)
     softmax_forward_stream_kernel(const T* __restrict__ x, T* __restrict__ y, long long rows, int C,
                                   int causal, float scale, int vec) {
+  kf_wait_prior_grids();
   constexpr int V = Pack128<T>::size, U = 4;
   __shared__ float scratch[32];
   const int W = blockDim.x, lane = threadIdx.x;
@@ -541,6 +544,7 @@ template <typename T, int P, bool WarpRow>
 __global__ void __launch_bounds__(WarpRow ? 128 : 512)
     softmax_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
                             int rows, int C, int causal, float scale) {
+  kf_wait_prior_grids();
   constexpr int V = Pack128<T>::size;
   __shared__ float scratch[32];
   const int W = WarpRow ? 32 : blockDim.x;
@@ -621,6 +625,7 @@ __global__ void __launch_bounds__(512, 2)
     softmax_backward_stream_kernel(const T* __restrict__ dy, const T* __restrict__ y,
                                    T* __restrict__ dx, long long rows, int C, int causal,
                                    float scale, int vec) {
+  kf_wait_prior_grids();
   // U packs of y and of dy in flight per thread per step; 16-bit types hold them as 2x more
   // fp32 values, so fewer packs keep two 512-thread blocks per SM without spills.
   constexpr int V = Pack128<T>::size, U = sizeof(T) == 4 ? 4 : 2;

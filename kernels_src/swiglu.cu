@@ -10,6 +10,7 @@ KF_DEVICE float sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
 template <typename T>
 __global__ void swiglu_forward_kernel(const T* __restrict__ gate, const T* __restrict__ up,
                                       T* __restrict__ out, long long n, int vec) {
+  kf_wait_prior_grids();
   constexpr int V = Pack128<T>::size;
   const long long packs = vec ? n / V : 0;
   const long long stride = (long long)gridDim.x * blockDim.x;
@@ -37,6 +38,7 @@ template <typename T>
 __global__ void swiglu_backward_kernel(const T* __restrict__ dout, const T* __restrict__ gate,
                                        const T* __restrict__ up, T* __restrict__ dgate,
                                        T* __restrict__ dup, long long n, int vec) {
+  kf_wait_prior_grids();
   constexpr int V = Pack128<T>::size;
   const long long packs = vec ? n / V : 0;
   const long long stride = (long long)gridDim.x * blockDim.x;

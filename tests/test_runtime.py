@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,6 +62,46 @@ def test_kernel_compiles(name, arch, fresh_cache):
     entry = [e for e in kforge.cache_info()["entries"] if e["name"] == name]
     assert entry and entry[0]["arch"] == f"sm_{arch}" and entry[0]["cubin_bytes"] > 0
     assert entry[0]["source"] == "nvrtc" and entry[0]["compile_ms"] > 0
+
+
+# ---- the dependent-launch contract ----------------------------------------------------------------
+def kernel_bodies(src: str) -> list[tuple[str, str]]:
+    """(name, body text after the opening brace) of each `__global__` kernel in a .cu source."""
+    out = []
+    for m in re.finditer(r"__global__", src):
+        i, depth = m.end(), 0
+        while src[i] != "{" or depth:  # the body's brace: the first one outside parentheses
+            depth += {"(": 1, ")": -1}.get(src[i], 0)
+            if src[i] == ";" and not depth:  # a declaration, not a definition
+                break
+            i += 1
+        else:
+            out.append((re.findall(r"(\w+)\s*\(", src[m.end():i])[-1], src[i + 1:]))
+    return out
+
+
+def first_statement(body: str) -> str:
+    body = re.sub(r"//[^\n]*|/\*.*?\*/", "", body, flags=re.S)
+    return body.lstrip().split(";", 1)[0].strip() + ";"
+
+
+@pytest.mark.parametrize("name", KERNEL_FILES)
+def test_every_kernel_waits_for_the_prior_grid_first(name):
+    """Every launch is a programmatic dependent on Hopper (Kernel::launch), so a kernel may start while
+    the one before it on the stream still runs: its first statement must be kf_wait_prior_grids(),
+    before it reads that kernel's output or writes memory that kernel still reads."""
+    kernels = kernel_bodies((ROOT / "kernels_src" / f"{name}.cu").read_text())
+    assert kernels, f"{name}.cu: no __global__ kernel found (parser out of date?)"
+    late = [k for k, body in kernels if first_statement(body) != "kf_wait_prior_grids();"]
+    assert not late, f"{name}.cu: kernels not starting with kf_wait_prior_grids(): {late}"
+
+
+def test_wait_check_rejects_a_late_wait():
+    src = ("template <typename T>\n__global__ void __launch_bounds__(f(2), 1)\n  k(const T* x, T* y) {\n"
+           "  // comment\n  y[0] = x[0];\n  kf_wait_prior_grids();\n}\n"
+           "__global__ void g(int n);\n__global__ void h(int n) { kf_wait_prior_grids(); }\n")
+    got = [(k, first_statement(b)) for k, b in kernel_bodies(src)]
+    assert got == [("k", "y[0] = x[0];"), ("h", "kf_wait_prior_grids();")]
 
 
 # ---- memory and disk cache ----------------------------------------------------------------------------

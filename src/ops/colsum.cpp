@@ -44,7 +44,7 @@ at::Tensor colsum_forward(const at::Tensor& x_) {
                               Dim3(32, kColsumRows), 0, x.data_ptr(), partial.data_ptr(),
                               static_cast<long long>(N), static_cast<int>(C),
                               static_cast<long long>(rows_per_chunk));
-  final_kernel.launch_dependent(dt, on.device, on.stream, Dim3(static_cast<unsigned>(cdiv(C, 32))), Dim3(32, kColsumRows), 0,
+  final_kernel.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(cdiv(C, 32))), Dim3(32, kColsumRows), 0,
                       static_cast<const void*>(partial.data_ptr()), out.data_ptr(), static_cast<int>(G),
                       static_cast<int>(C));
   return out;

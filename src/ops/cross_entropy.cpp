@@ -111,8 +111,8 @@ unsigned row_block(const Problem& p) {
 // when both are given.
 void launch_reduce(const Problem& p, const LaunchOn& on, const at::Tensor& row_loss, const at::Tensor& loss,
                    const at::Tensor& n_valid, long long ignore_index, Reduction red) {
-  reduce.launch_dependent(p.dt, on.device, on.stream, Dim3(1), Dim3(1024), 0, ptr(row_loss), ptr(p.targets),
-                          ptr(loss), ptr(n_valid), p.N, ignore_index, static_cast<int>(red == Reduction::mean));
+  reduce.launch(p.dt, on.device, on.stream, Dim3(1), Dim3(1024), 0, ptr(row_loss), ptr(p.targets),
+                ptr(loss), ptr(n_valid), p.N, ignore_index, static_cast<int>(red == Reduction::mean));
 }
 
 std::vector<int64_t> loss_shape(const Problem& p, Reduction red) {

@@ -8,7 +8,7 @@
 //   backward: bf16 / half rows of up to 1024 columns with 16-byte units: RING (persistent groups
 //             streaming their rows through kRingSlots shared-memory slots); other rows of up to
 //             1024 columns: GROUP; longer rows: BLOCK. Then the parameter-gradient reduce: 16-byte
-//             loads, launched as a dependent (even C), or scalar loads (odd C).
+//             loads (even C) or scalar loads (odd C).
 // The dtype splits are the H200 timings at 8192 x 768 (scripts/ab.py, BENCHMARKS.md): forward fp32
 // GROUP 14.2 us against WARP's 14.8, bf16 WARP 9.1 against GROUP's 9.9; backward bf16 RING 16.1-16.9
 // against GROUP's 17.1-17.8, fp32 GROUP 22.8-23.7 against RING's 25.4-27.6.
@@ -83,7 +83,7 @@ Kernel bwd_group_scalar(prog, "layernorm_backward_group_kernel<{T}, false>");
 // RING layout (bf16 / half backward, 16-byte units).
 Kernel bwd_ring(prog, "layernorm_backward_ring_kernel<{T}>", k16Bit);
 
-// Parameter-gradient reduce: 16-byte loads (even C) launched as a dependent, or scalar (odd C).
+// Parameter-gradient reduce: 16-byte loads (even C) or scalar (odd C).
 Kernel param_grad_vec_kernel(prog, "layernorm_param_grad_vec_kernel<{T}>");
 Kernel param_grad_kernel(prog, "layernorm_param_grad_kernel<{T}>");
 
@@ -276,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
 }
 
 // dweight / dbias from the G partial rows (2C floats each): 16-byte loads where 2C % 4 == 0,
-// launched as a dependent of the kernel writing them; scalar loads for odd C.
+// scalar loads for odd C.
 void param_grad(const at::Tensor& partial, std::optional<at::Tensor>& dweight,
                 std::optional<at::Tensor>& dbias, int64_t G, int64_t C, DType dt,
                 const LaunchOn& on) {
@@ -284,9 +284,9 @@ void param_grad(const at::Tensor& partial, std::optional<at::Tensor>& dweight,
   void* dw = dweight ? dweight->data_ptr() : nullptr;
   void* db = dbias ? dbias->data_ptr() : nullptr;
   if (C % 2 == 0) {
-    param_grad_vec_kernel.launch_dependent(dt, on.device, on.stream, Dim3(ceil_div(2 * C, 4 * kPgX)),
-                                           Dim3(kPgX, kPgY), 0, p, dw, db, static_cast<int>(G),
-                                           static_cast<int>(C));
+    param_grad_vec_kernel.launch(dt, on.device, on.stream, Dim3(ceil_div(2 * C, 4 * kPgX)),
+                                 Dim3(kPgX, kPgY), 0, p, dw, db, static_cast<int>(G),
+                                 static_cast<int>(C));
     return;
   }
   param_grad_kernel.launch(dt, on.device, on.stream, Dim3(ceil_div(2 * C, 32)), Dim3(32, 32), 0, p,

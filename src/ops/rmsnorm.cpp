@@ -353,7 +353,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
                    static_cast<long long>(rows), static_cast<int>(D), inv_d, zero);
   if (weight)
-    dweight_kernels[D % 4 == 0 ? 1 : 0].launch_dependent(
+    dweight_kernels[D % 4 == 0 ? 1 : 0].launch(
         dt, on.device, on.stream, ceil_div(D, 32), Dim3(8, 32), 0, partial->data_ptr(),
         dweight->data_ptr(), static_cast<int>(grid), static_cast<int>(D));
   return {dx, dweight};

@@ -565,7 +565,7 @@ bool dependent_launch_ok(int device) {
 }  // namespace
 
 void Kernel::launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block,
-                        size_t smem, void** params, bool dependent) {
+                        size_t smem, void** params) {
   CUfunction f = function(dtype, device);
   const DriverApi& cu = driver();
   const int t = static_cast<int>(dtype);
@@ -577,7 +577,8 @@ void Kernel::launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim
     smem_limit_[t][device].store(static_cast<int>(smem), std::memory_order_relaxed);
   }
   CUresult r;
-  if (dependent && dependent_launch_ok(device)) {
+  const bool dependent = dependent_launch_ok(device);
+  if (dependent) {
     CUlaunchAttribute attr[1] = {};
     attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr[0].value.programmaticStreamSerializationAllowed = 1;

@@ -68,6 +68,15 @@ class Kernel {
 
   // Launch on `stream` (the caller passes PyTorch's current stream). Args are passed by value and
   // must match the kernel's parameter types exactly (pointers, int, long long, float).
+  //
+  // On Hopper and later every launch is a programmatic dependent of the kernel before it on the
+  // stream: its blocks are scheduled as that kernel's blocks retire rather than after the grid has
+  // completed and flushed, which hides about 1 us of launch gap a call (H200, BENCHMARKS.md). So
+  // every kernel of kernels_src/ MUST begin with kf_wait_prior_grids() (common.cuh), which returns
+  // once the previous kernel has finished and its writes are visible: the results are those of a
+  // plain launch (tests/test_kernel_sources.py checks the call is each kernel's first statement).
+  // Plain launches where unsupported (compute capability < 9.0, a driver without cuLaunchKernelEx)
+  // or when the environment variable KFORGE_DEPENDENT_LAUNCH=0 (A/B timing).
   template <typename... Args>
   void launch(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block, size_t smem,
               Args... args) {
@@ -75,21 +84,7 @@ class Kernel {
     launch_raw(dtype, device, stream, grid, block, smem, params);
   }
   void launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block, size_t smem,
-                  void** params, bool dependent = false);
-
-  // Launch as a programmatic dependent of the kernel before it on `stream` (Hopper and later): its
-  // blocks may be scheduled while that kernel's last blocks drain, hiding the launch gap between a
-  // kernel and the small reduction that follows it. The kernel MUST call kf_wait_prior_grids()
-  // (common.cuh) before its first global memory access; that waits for the previous kernel to
-  // finish and its writes to be visible, so the result is the same as a plain launch. Plain launch
-  // where unsupported (compute capability < 9.0, a driver without cuLaunchKernelEx) or when the
-  // environment variable KFORGE_DEPENDENT_LAUNCH=0.
-  template <typename... Args>
-  void launch_dependent(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block,
-                        size_t smem, Args... args) {
-    void* params[] = {static_cast<void*>(&args)..., nullptr};
-    launch_raw(dtype, device, stream, grid, block, smem, params, true);
-  }
+                  void** params);
 
  private:
   friend class Program;
