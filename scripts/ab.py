@@ -4,7 +4,8 @@
 
 Each spec is op:dir:binding:variants. The case's own kforge call is run with `variant=v` passed to
 `kforge._C.<binding>` (the op module's `_C` is swapped for a proxy that adds the keyword), and timed
-like the ops benchmark (back-to-back calls, CUDA events, inputs rotated through more than L2).
+like the ops benchmark (back-to-back calls, CUDA events, inputs rotated through more than L2). A
+variant written name=value passes that keyword instead, e.g. layernorm:fwd:layernorm_forward:0,max_warps=16.
 A spec op:dir (no binding) times the case's kforge call as it is: for A/B of a process-wide switch,
 e.g. `KFORGE_DEPENDENT_LAUNCH=0 python scripts/ab.py colsum:fwd` against the same without it.
 """
@@ -18,12 +19,13 @@ from kforge.bench.harness import copy_bandwidth_gbs, input_sets_for, op_modules,
 
 
 class _WithVariant:
-    def __init__(self, binding: str, variant: int):
-        self.binding, self.variant = binding, variant
+    def __init__(self, binding: str, variant: str):
+        key, _, value = variant.rpartition("=")
+        self.binding, self.kwargs = binding, {key or "variant": int(value)}
 
     def __getattr__(self, name):
         fn = getattr(_C, name)
-        return functools.partial(fn, variant=self.variant) if name == self.binding else fn
+        return functools.partial(fn, **self.kwargs) if name == self.binding else fn
 
 
 def main(specs: list[str]) -> None:
@@ -41,7 +43,7 @@ def main(specs: list[str]) -> None:
                 same = same_size_copy_us(case.bytes, l2)
                 cells = []
                 for v in variants.split(",") if binding else ["-"]:
-                    mod._C = _WithVariant(binding, int(v)) if binding else _C
+                    mod._C = _WithVariant(binding, v) if binding else _C
                     try:
                         # Cases made again under the proxy: some pass `_C.<binding>` itself, not a lambda.
                         us = time_op(mod.bench_cases(dtype, True)[idx].kforge, sets)
