@@ -134,6 +134,13 @@ KF_DEVICE float row_dloss(const T* __restrict__ grad, long long grad_stride,
   return n_valid ? g / *n_valid : g;
 }
 
+// Exact zeros into a dx row's padding columns [V, ld), over `threads` threads of the block.
+template <typename T>
+KF_DEVICE void zero_row_padding(T* __restrict__ dx, long long V, long long ld, int threads) {
+#pragma unroll 1
+  for (long long j = V + threadIdx.x; j < ld; j += threads) dx[j] = from_float<T>(0.0f);
+}
+
 // Forward, one block per row (rows ld elements apart). Writes lse[row] and the row loss: fp32 into
 // row_loss (reduced later) or T into loss_none. Fused: also writes the gradient row for dloss (grad,
 // grad_stride, n_valid), re-reading the row while it is still in L2 (first pass without the
@@ -170,8 +177,7 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
     const float scale = ignored ? 0.0f : row_dloss(grad, grad_stride, n_valid, row);
     T* dx = dlogits + row * ld;
     write_row_grad<true>(x, dx, V, t, bad ? CE_NAN : lse, scale, ignored, vec);
-#pragma unroll 1
-    for (long long j = V + threadIdx.x; j < ld; j += blockDim.x) dx[j] = from_float<T>(0.0f);
+    zero_row_padding(dx, V, ld, blockDim.x);
   }
 }
 
@@ -394,9 +400,7 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
     const float e = r.zero ? 0.0f : ce_ex2(fmaf(xs, CE_LOG2E, -r.l2)) * r.s;
     dr[sc.c] = from_float<T>(sc.c == t ? e - r.s : e);
   }
-  if (chunk == chunks_per_row - 1)
-#pragma unroll 1
-    for (long long j = V + threadIdx.x; j < ld; j += CE_BWD_THREADS) dr[j] = from_float<T>(0.0f);
+  if (chunk == chunks_per_row - 1) zero_row_padding(dr, V, ld, CE_BWD_THREADS);
 }
 
 KF_DEVICE long long block_sum_ll(long long x, long long* scratch) {

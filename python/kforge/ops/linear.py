@@ -79,7 +79,7 @@ def _padded_grad(g: torch.Tensor, n: int) -> torch.Tensor:
     npad = padded(n)
     m = g.shape[0]
     base = g._base
-    if (base is not None and g.stride() == (npad, 1) and base.is_contiguous() and base.dim() >= 1
+    if (base is not None and g.stride() == (npad, 1) and base.is_contiguous()
             and base.numel() == m * npad and g.data_ptr() == base.data_ptr()):
         ref = _zero_padded.get(base.data_ptr())
         if ref is not None and ref() is base:
