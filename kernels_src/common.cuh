@@ -29,7 +29,7 @@ struct __align__(2) half { u16 bits; };
 // On sm_90+ every kernel is launched as a programmatic dependent of the kernel before it on the
 // stream, so it may start while that kernel is still draining. Every kernel therefore begins with
 // kf_wait_prior_grids(), which returns once that kernel has finished and its writes are visible
-// (tests/test_kernel_sources.py checks it is each kernel's first statement). A no-op before sm_90.
+// (tests/test_runtime.py checks it is each kernel's first statement). A no-op before sm_90.
 KF_DEVICE void kf_wait_prior_grids() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -74,7 +74,7 @@ class Kernel {
   // completed and flushed, which hides about 1 us of launch gap a call (H200, BENCHMARKS.md). So
   // every kernel of kernels_src/ MUST begin with kf_wait_prior_grids() (common.cuh), which returns
   // once the previous kernel has finished and its writes are visible: the results are those of a
-  // plain launch (tests/test_kernel_sources.py checks the call is each kernel's first statement).
+  // plain launch (tests/test_runtime.py checks the call is each kernel's first statement).
   // Plain launches where unsupported (compute capability < 9.0, a driver without cuLaunchKernelEx)
   // or when the environment variable KFORGE_DEPENDENT_LAUNCH=0 (A/B timing).
   template <typename... Args>
