@@ -13,7 +13,7 @@ import thunder
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
-from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers
+from conftest import DTYPES, REL_TOL, assert_close, gpu, proxy, randn, swap_launchers
 from kforge import _thunder
 from kforge.ops import layernorm as ln
 
@@ -141,6 +141,34 @@ F16_SHAPES = [(64, 768), (1, 768), (33, 771), (48, 512), (40, 256), (20, 640), (
 def test_float16(shape_variant):
     shape, variant = shape_variant
     check_against_reference(*make_inputs(shape, torch.float16), torch.float16, variant)
+
+
+@gpu
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("c", [512, 768, 771, 1024, 2048])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_rows_with_a_large_mean(dtype, c, aligned):
+    """|mean| = 600 std: the statistics are taken around the mean, not as E[x^2] - mean^2 (whose
+    fp32 cancellation would cost rstd errors of the order of a percent here). Covers the forward's
+    one-butterfly merge (every lane of the warp holding as many elements: 512 / 768 / 1024 / 2048
+    in 16-bit, 1024 unaligned in the scalar kernels) and its two-pass path (771, 768 unaligned)."""
+    n = 257
+    x = (randn(n, c, device="cuda") * 0.5 + 300.0).to(dtype)
+    if not aligned:
+        x = torch.empty(n * c + 1, dtype=dtype, device="cuda")[1:].view(n, c).copy_(x)
+        assert x.data_ptr() % 16 != 0
+    w = (1 + 0.5 * randn(c, device="cuda")).to(dtype)
+    b = (0.5 * randn(c, device="cuda")).to(dtype)
+    x64 = x.double()
+    r_out = F.layer_norm(x64, (c,), w.double(), b.double(), EPS)
+    r_rstd = (x64.var(-1, unbiased=False) + EPS).rsqrt()
+    for variant in (0, 1):
+        out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS, variant=variant)
+        assert ((rstd.double() - r_rstd).abs() / r_rstd).max().item() < 2e-5, variant
+        assert ((mean.double() - x64.mean(-1)).abs().max() / 300.0).item() < 1e-6, variant
+        # x - mean in fp32 is good to about ulp(300) / std = 6e-5 of the normalised value: that,
+        # rather than the dtype's usual tolerance, bounds fp32 outputs here (torch's too).
+        assert_close(out, r_out, dtype, "out", tol=max(REL_TOL[dtype], 2e-4))
 
 
 @gpu
