@@ -125,3 +125,145 @@ KF_DEVICE float block_reduce(float x, float* scratch) {
 KF_DEVICE float block_sum(float x, float* scratch) { return block_reduce<false>(x, scratch); }
 KF_DEVICE float block_max(float x, float* scratch) { return block_reduce<true>(x, scratch); }
 
+
+// ---- column sums of per-block partial rows, inside the kernel that writes them -------------------
+// A persistent kernel whose blocks each leave one row of `ncol` fp32 partial sums (row blockIdx.x of
+// `partial`) can add them up itself instead of in a second kernel: the blocks that finish first take
+// a column slice each and add the rows of the slice as they land, so when the last block writes its
+// row only that row's chunk and the final sums are left. The bits do not depend on timing: a slice's
+// column is summed in chunks of kColChunk rows (rows in order), then the chunk sums in order.
+// No block ever waits for one that may not have started: a block takes a slice only if every block
+// of the grid has started (those never wait: they finish on their own), and the last block to finish
+// takes whatever slices are left. So nothing depends on the grid being co-resident.
+// `sync`: kColSyncInts + gridDim.x ints, zero between launches (the last block to leave zeroes
+// them), owned by one launch at a time (the runtime hands each stream its own; see
+// src/runtime/torch_launch.h). [0] blocks started, [1] slices taken, [2] blocks done, [3] blocks
+// left, [kColSyncInts + b] block b's row is written.
+// Needs gridDim.x <= 32 * kColChunk (one 32-bit mask of chunks) and `csum` (shared memory) of
+// ceil(gridDim.x / kColChunk) * slice_cols floats, slice_cols = ceil(ncol / nslice); the launcher
+// checks both.
+constexpr int kColSyncInts = 4;
+constexpr int kColChunk = 8;
+
+KF_DEVICE int kf_ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+KF_DEVICE void kf_st_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Every block calls this once, right after kf_wait_prior_grids() (the previous launch on the stream
+// has zeroed `sync` by then).
+KF_DEVICE void kf_colsum_started(int* sync) {
+  if (sync && threadIdx.x == 0 && threadIdx.y == 0) atomicAdd(sync, 1);
+}
+
+// Called by every thread of every block once the block's partial row is written (plain stores).
+// out(col, sum) stores a column's total.
+template <typename Out>
+KF_DEVICE void kf_colsum_finish(const float* __restrict__ partial, int ncol, int nslice, int* sync,
+                                float* csum, Out out) {
+  __shared__ int claim[3];  // the slice taken on finishing, the leftover slices [claim[1], claim[2])
+  __shared__ unsigned ready_mask;
+  __shared__ int last_out;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthr = blockDim.x * blockDim.y;
+  const int G = gridDim.x, nch = (G + kColChunk - 1) / kColChunk;
+  int* const flags = sync + kColSyncInts;
+  __threadfence();  // this thread's partial stores, before the flag (every thread, then thread 0)
+  __syncthreads();
+  if (tid == 0) {
+    kf_st_release(flags + blockIdx.x, 1);
+    int mine = nslice, lo = nslice;
+    if (kf_ld_acquire(sync) == G) mine = atomicAdd(sync + 1, 1);  // all started: waiting is safe
+    __threadfence();  // the claim before the count of finished blocks (the last one reads both)
+    if (atomicAdd(sync + 2, 1) == G - 1) lo = atomicAdd(sync + 1, nslice);  // last: the rest
+    claim[0] = mine < nslice ? mine : nslice;
+    claim[1] = lo < nslice ? lo : nslice;
+    claim[2] = nslice;
+  }
+  __syncthreads();
+  const int w = (ncol + nslice - 1) / nslice;
+  const unsigned all = nch == 32 ? ~0u : (1u << nch) - 1u;
+  for (int pass = 0; pass < 2; ++pass) {
+    const int first = pass == 0 ? claim[0] : claim[1];
+    const int last = pass == 0 ? min(claim[0] + 1, nslice) : claim[2];
+    for (int s = first; s < last; ++s) {
+      const int c0 = s * w, wn = min(w, ncol - c0);
+      unsigned done = 0u;  // chunks added (the same in every thread)
+      while (done != all) {
+        if (tid == 0) ready_mask = 0u;
+        __syncthreads();
+        // Chunk readiness: thread t looks at row t (rows past G count as written); chunk k's bit
+        // is set when its kColChunk rows are.
+        if (tid < 32 * ((G + 31) / 32)) {
+          const bool r = tid >= G || kf_ld_acquire(flags + tid) != 0;
+          const unsigned b = __ballot_sync(0xffffffffu, r);
+          if ((tid & 31) == 0) {
+            unsigned bits = 0u;
+#pragma unroll
+            for (int q = 0; q < 32 / kColChunk; ++q)
+              if (((b >> (kColChunk * q)) & ((1u << kColChunk) - 1u)) == (1u << kColChunk) - 1u)
+                bits |= 1u << q;
+            atomicOr(&ready_mask, bits << ((32 / kColChunk) * (tid >> 5)));
+          }
+        }
+        __syncthreads();
+        const unsigned fresh = ready_mask & all & ~done;
+        if (fresh == 0u) {
+          __nanosleep(200);
+        } else {
+          __threadfence();  // the rows behind the flags seen above
+          // Items (j-th fresh chunk, column); two in flight per thread.
+          const int items = __popc(fresh) * wn;
+          for (int i = tid; i < items; i += 2 * nthr) {
+            float v[2][kColChunk];
+            int at[2];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              const int it = i + u * nthr;
+              at[u] = -1;
+              if (it < items) {
+                const int j = it / wn, col = it - j * wn;
+                unsigned m = fresh;
+                for (int q = 0; q < j; ++q) m &= m - 1u;
+                const int k = __ffs(m) - 1;  // the j-th fresh chunk
+                at[u] = k * w + col;
+#pragma unroll
+                for (int r = 0; r < kColChunk; ++r) {
+                  const int row = k * kColChunk + r;
+                  v[u][r] = row < G ? __ldcg(partial + (long long)row * ncol + c0 + col) : 0.0f;
+                }
+              }
+            }
+#pragma unroll
+            for (int u = 0; u < 2; ++u)
+              if (at[u] >= 0) {
+                float t = v[u][0];
+#pragma unroll
+                for (int r = 1; r < kColChunk; ++r) t += v[u][r];
+                csum[at[u]] = t;
+              }
+          }
+          done |= fresh;
+        }
+        __syncthreads();  // ready_mask read by every thread; csum written
+      }
+      for (int col = tid; col < wn; col += nthr) {
+        float t = csum[col];
+        for (int k = 1; k < nch; ++k) t += csum[k * w + col];
+        out(c0 + col, t);
+      }
+      __syncthreads();  // csum read before the next slice reuses it
+    }
+  }
+  // Leaving: the last block out zeroes `sync` for the next launch (every block is done with it).
+  if (tid == 0) {
+    __threadfence();
+    last_out = atomicAdd(sync + 3, 1) == G - 1;
+  }
+  __syncthreads();
+  if (last_out)
+    for (int i = tid; i < kColSyncInts + G; i += nthr) sync[i] = 0;
+}
