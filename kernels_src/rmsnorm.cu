@@ -8,8 +8,7 @@
 // rstd; with g = dy * w: dx = rstd * (g - x_hat * mean(g * x_hat)), and dweight = sum over rows of
 // dy * x_hat (x_hat rounded to T first under cast_before_weight, as the forward used it).
 // dweight is deterministic: each backward block accumulates fp32 sums for its rows in registers and
-// writes one partial row; the partial rows are added in a fixed order, by rmsnorm_dweight_kernel or
-// (the ring kernel) by the ring's own blocks as they finish.
+// writes one partial row; rmsnorm_dweight_kernel adds the partial rows in a fixed order.
 //
 // Layout shared by both directions: a row is split into chunks of V = 16 / sizeof(T) elements;
 // blockDim.x threads own a row (one warp, or several warps), blockDim.y rows are handled side by
@@ -699,8 +698,7 @@ done:
 // slots used by alternate rows); dx = r * (g + a * x), a = -r^2 * dot / D.
 // At the end the block writes its dweight sums as row blockIdx.x of dw_partial (fp32, D wide):
 // directly when blockDim.y == 1, else added over the groups in order of the group through the ring's
-// shared memory. With `sync` (see kf_colsum_finish in common.cuh) the blocks then add those rows into
-// dweight themselves; without it (sync, dweight null) rmsnorm_dweight_kernel does, as a second launch.
+// shared memory.
 // Only 16-byte accesses (D % V == 0, pointers 16-byte aligned; the launcher checks). Dynamic shared
 // memory: S * (2 * blockDim.y * blockDim.x * K * 16 + nseg * 4) bytes, nseg = blockDim.y *
 // blockDim.x / 32 (blockDim.x >= 32) or blockDim.y (smaller groups).
@@ -744,11 +742,9 @@ template <typename T, int K, int S, bool CBW, int NT>
 __global__ void __launch_bounds__(NT, 1)
     rmsnorm_backward_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                  const T* __restrict__ weight, const float* __restrict__ rstd,
-                                 T* __restrict__ dx, float* __restrict__ dw_partial,
-                                 T* __restrict__ dweight, int* __restrict__ sync, int nslice,
-                                 long long rows, int D, float inv_d, int zero) {
+                                 T* __restrict__ dx, float* __restrict__ dw_partial, long long rows,
+                                 int D, float inv_d, int zero) {
   kf_wait_prior_grids();
-  kf_colsum_started(sync);
   using E = Elems<T>;
   constexpr int V = E::V;
   static_assert(NT <= 512 && NT % 64 == 0, "groups of <= 16 warps");
@@ -922,9 +918,6 @@ __global__ void __launch_bounds__(NT, 1)
       part[e] = sum;
     }
   }
-  if (sync)  // dweight here (else rmsnorm_dweight_kernel): the ring is free for the chunk sums
-    kf_colsum_finish(dw_partial, D, nslice, sync, reinterpret_cast<float*>(ring),
-                     [&](int c, float v) { dweight[c] = from_float<T>(v); });
 }
 
 // dweight[j] = sum over g of partial[g][j], in a fixed order.

@@ -156,12 +156,10 @@ BwdGeometry backward_geometry(int nchunk, bool vec, bool cbw, DType dt) {
 
 // Backward kernel choices (the launcher's `variant`).
 enum BwdVariant : int64_t {
-  kDefault = 0,   // the ring where it applies (adding dweight itself), else the fallbacks
+  kDefault = 0,   // the ring where it applies, else the fallbacks
   kFallback = 1,  // never the ring: the kernels that take the inputs the ring does not (tests)
-  kRingTwoLaunches = 2,  // the ring, then rmsnorm_dweight_kernel (tests, A/B)
-  kNumVariants = 3,
+  kNumVariants = 2,
 };
-
 
 // Pipelined backward: K = 1 (one warp per row, 16 rows per block) up to 32 chunks, else K = 2 (rows
 // of <= 512 threads). 16-bit types: P = 2 rows in flight (K = 1: 4) keeping g; fp32: P = 8 (K = 1) or
@@ -230,21 +228,6 @@ RingPlan ring_plan(int nchunk, bool vec, bool cbw, DType dt, int64_t rows, int64
   p.grid = static_cast<unsigned>(grid);
   p.smem = smem;
   return p;
-}
-
-// Column slices of dweight for the ring's own reduction (kf_colsum_finish): about 128 columns each,
-// taken by the first blocks to finish, at most a quarter of the grid so that the slices are taken
-// while most blocks still run. 0 where it does not apply (more blocks than one 32-bit mask of row
-// chunks, fewer threads than rows to poll, chunk sums beyond the ring's shared memory): the second
-// kernel adds dweight.
-int ring_slices(const RingPlan& ring, int64_t D) {
-  const int64_t grid = ring.grid, threads = int64_t(ring.tx) * ring.groups;
-  const int64_t nch = (grid + kColChunkRows - 1) / kColChunkRows;
-  if (nch > 32 || threads < 32 * ((grid + 31) / 32)) return 0;
-  const int64_t nslice = std::clamp<int64_t>((D + 127) / 128, 1, std::max<int64_t>(1, grid / 4));
-  const int64_t w = (D + nslice - 1) / nslice;
-  if (nch * w * int64_t(sizeof(float)) > int64_t(ring.smem)) return 0;
-  return static_cast<int>(nslice);
 }
 
 // Elements per row: the product of the last `normalized_ndim` sizes of x.
@@ -354,15 +337,11 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   }
   std::optional<at::Tensor> partial;
   if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
-  const int nslice = ring.kernel && weight && variant != kRingTwoLaunches ? ring_slices(ring, D) : 0;
-  SyncScratch sync{};
-  if (nslice) sync = sync_scratch(on, kColSyncHeader + grid);
   const size_t fold_bytes = size_t(tx) * groups * V * sizeof(float);
   const float inv_d = 1.0f / static_cast<float>(D);
   if (ring.kernel)
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), ring.smem, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
-                   nslice ? dweight->data_ptr() : nullptr, sync.ptr, nslice,
                    static_cast<long long>(rows), static_cast<int>(D), inv_d, zero);
   else if (pk)
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), fold_bytes, dy.data_ptr(),
@@ -373,7 +352,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
     kernel->launch(dt, on.device, on.stream, grid, Dim3(tx, groups), fold_bytes, dy.data_ptr(),
                    x.data_ptr(), ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
                    static_cast<long long>(rows), static_cast<int>(D), inv_d, zero);
-  if (weight && !nslice)
+  if (weight)
     dweight_kernels[D % 4 == 0 ? 1 : 0].launch(
         dt, on.device, on.stream, ceil_div(D, 32), Dim3(8, 32), 0, partial->data_ptr(),
         dweight->data_ptr(), static_cast<int>(grid), static_cast<int>(D));
@@ -394,8 +373,7 @@ KFORGE_BIND_OP(rmsnorm) {
         "weight is None; dweight is reduced in a fixed order (deterministic, the same bits every "
         "run). variant: 0 (default) the shared-memory ring kernel (16-byte accesses, rows of "
         "<= 1024 16-byte chunks; persistent grid of one block per SM) writing one partial dweight "
-        "row per block, which its first blocks to finish add up as the rows land (one launch); 2 "
-        "(tests, A/B) the ring, then a separate reduction kernel; 1 (tests) never the ring: the kernels "
+        "row per block, then a separate reduction kernel; 1 (tests) never the ring: the kernels "
         "that take what the ring does not (a register-pipelined kernel for 16-byte rows of <= 1024 chunks whose stages do not fit in "
         "shared memory, another kernel for odd sizes, misaligned pointers and longer rows; those "
         "inputs take them under every variant).",

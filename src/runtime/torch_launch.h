@@ -6,15 +6,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
 
 #include <cstdio>
 #include <limits>
-#include <map>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -133,35 +130,6 @@ struct LaunchOn {
         device(t.get_device()),
         stream(reinterpret_cast<CUstream>(c10::cuda::getCurrentCUDAStream(t.get_device()).stream())) {}
 };
-
-// Zeroed int32 scratch for a kernel that counts its own blocks (kf_colsum_finish in
-// kernels_src/common.cuh), which leaves it zeroed again when it exits. One buffer per (device,
-// stream), kept for the life of the process: launches on one stream run one after another (a
-// dependent launch waits for the previous kernel before touching it), and a buffer is never shared
-// across streams, whose launches may overlap. Under CUDA graph capture every call gets its own
-// buffer, zeroed by a memset node that runs before the kernel on each replay (a graph may be
-// replayed while the capturing stream runs other launches); the caller keeps `keep` alive until the
-// launch is enqueued. The first use on a stream (or a larger size) allocates through PyTorch's
-// allocator and zeroes the buffer on that stream, ahead of the kernel.
-constexpr int kColSyncHeader = 4;  // kColSyncInts in kernels_src/common.cuh
-constexpr int kColChunkRows = 8;   // kColChunk there
-struct SyncScratch {
-  at::Tensor keep;
-  int* ptr;
-};
-inline SyncScratch sync_scratch(const LaunchOn& on, int64_t ints) {
-  const auto opts = at::TensorOptions().dtype(at::kInt).device(at::kCUDA, on.device);
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
-    at::Tensor t = at::zeros({ints}, opts);
-    return {t, t.data_ptr<int>()};
-  }
-  static std::mutex mu;
-  static auto* buffers = new std::map<std::pair<int, CUstream>, at::Tensor>();  // never freed
-  std::lock_guard<std::mutex> lock(mu);
-  at::Tensor& t = (*buffers)[{on.device, on.stream}];
-  if (!t.defined() || t.numel() < ints) t = at::zeros({std::max<int64_t>(ints, 1024)}, opts);
-  return {t, t.data_ptr<int>()};
-}
 
 inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
