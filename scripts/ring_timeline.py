@@ -1,0 +1,81 @@
+"""When each block of the RMSNorm ring backward finishes its rows and its dweight epilogue.
+
+A copy of kernels_src is patched so that the ring kernel (bf16, 8192 x 4096, the Llama bench case)
+reads %globaltimer at its start, after its row loop, after the fold of its row groups' dweight sums
+through shared memory, and after its partial row is written; thread 0 of block b stores the four
+stamps as raw bits over dx's first bytes (dx is garbage there, nothing else changes). The patched
+copy is used through KFORGE_KERNEL_DIR (the kernel cache is keyed by the source), so no rebuild.
+Prints, per call: the spread of the blocks' loop ends, the epilogues of the last blocks to finish, and
+a histogram of the loop ends. GPU only: python scripts/ring_timeline.py
+"""
+import os
+import pathlib
+import shutil
+import tempfile
+
+SRC = pathlib.Path(__file__).resolve().parent.parent / "kernels_src"
+PATCHES = [  # (anchor in rmsnorm_backward_ring_kernel, replacement)
+    ("  kf_wait_prior_grids();\n  using E = Elems<T>;",
+     "  kf_wait_prior_grids();\n  unsigned long long ts0, ts1, ts2 = 0, ts3;\n"
+     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts0));\n  using E = Elems<T>;"),
+    ("  if (dw_partial == nullptr) return;",
+     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts1));\n"
+     "  if (dw_partial == nullptr) return;"),
+    ("      part[e] = sum;\n    }\n  }\n}",
+     "      part[e] = sum;\n    }\n  }\n  __syncthreads();\n"
+     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts3));\n"
+     "  if (threadIdx.x == 0 && threadIdx.y == 0) {\n"
+     "    unsigned long long* o = reinterpret_cast<unsigned long long*>(dx) + blockIdx.x * 4;\n"
+     "    o[0] = ts0, o[1] = ts1, o[2] = ts2, o[3] = ts3;\n  }\n}"),
+    ("    __syncthreads();\n    for (int e = tid; e < D; e += tx * G) {",
+     "    __syncthreads();\n    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts2));\n"
+     "    for (int e = tid; e < D; e += tx * G) {"),
+]
+
+
+def patched_kernel_dir() -> str:
+    out = pathlib.Path(tempfile.mkdtemp(prefix="kforge-timeline-"))
+    shutil.copytree(SRC, out, dirs_exist_ok=True)
+    path = out / "rmsnorm.cu"
+    text = path.read_text()
+    start = text.index("rmsnorm_backward_ring_kernel(")
+    for anchor, new in PATCHES:
+        at = text.find(anchor, start)
+        if at < 0:
+            raise SystemExit(f"ring_timeline: the ring kernel changed, anchor not found:\n{anchor}")
+        text = text[:at] + new + text[at + len(anchor):]
+    path.write_text(text)
+    return str(out)
+
+
+def main() -> None:
+    os.environ["KFORGE_KERNEL_DIR"] = patched_kernel_dir()
+    import torch
+    from kforge import _C
+
+    dt, rows, D = torch.bfloat16, 8192, 4096
+    w = torch.randn(D, device="cuda", dtype=dt)
+    _, rstd = _C.rmsnorm_forward(torch.randn(rows, D, device="cuda", dtype=dt), w, 1e-6)
+    sets = [(torch.randn(rows, D, device="cuda", dtype=dt), torch.randn(rows, D, device="cuda", dtype=dt))
+            for _ in range(3)]
+    grid = min(torch.cuda.get_device_properties(0).multi_processor_count, rows // 3)
+    for _ in range(3):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)  # the calls below then run back to back
+        outs = [_C.rmsnorm_backward(*sets[i % 3], w, rstd) for i in range(9)]
+        torch.cuda.synchronize()
+        for dx, _ in outs[-2:]:
+            t = dx.view(-1)[: grid * 16].view(torch.int64).view(grid, 4).cpu().double()
+            r = (t - t[:, 0].min()) / 1000.0  # microseconds from the first block's start
+            order = torch.argsort(r[:, 1])
+            epi = r[:, 3] - r[:, 1]
+            last = "; ".join(f"{r[i, 1]:.2f}->{r[i, 2]:.2f}->{r[i, 3]:.2f}" for i in order[-3:].tolist())
+            print(f"start spread {r[:, 0].max():.2f} us | loop end: first {r[order[0], 1]:.2f} median "
+                  f"{r[:, 1].median():.2f} last {r[order[-1], 1]:.2f} | the last 3 blocks' loop end -> fold "
+                  f"-> partial row written: {last} | epilogue median {epi.median():.2f} max {epi.max():.2f}")
+            hist = torch.histc(r[:, 1], bins=10, min=float(r[:, 1].min()), max=float(r[:, 1].max()))
+            print("   loop ends, 10 bins from the first to the last:", hist.int().tolist())
+
+
+if __name__ == "__main__":
+    main()
