@@ -8,6 +8,7 @@ copy is used through KFORGE_KERNEL_DIR (the kernel cache is keyed by the source)
 Prints, per call: the spread of the blocks' loop ends, the epilogues of the last blocks to finish, and
 a histogram of the loop ends. GPU only: python scripts/ring_timeline.py
 """
+import atexit
 import os
 import pathlib
 import shutil
@@ -49,7 +50,9 @@ def patched_kernel_dir() -> str:
 
 
 def main() -> None:
-    os.environ["KFORGE_KERNEL_DIR"] = patched_kernel_dir()
+    patched = patched_kernel_dir()
+    atexit.register(shutil.rmtree, patched, True)
+    os.environ["KFORGE_KERNEL_DIR"] = patched
     import torch
     from kforge import _C
 

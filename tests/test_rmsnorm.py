@@ -432,7 +432,6 @@ def test_launcher_rejects_unknown_variant():
                                        variant=v)
 
 
-
 def test_ring_timeline_probe_still_patches_and_compiles(tmp_path):
     # scripts/ring_timeline.py finds its places in the ring kernel by anchor text: they still match,
     # and the patched kernel compiles (NVRTC, sm_90), so the probe does not rot when the kernel changes.
