@@ -3,10 +3,12 @@
 A copy of kernels_src is patched so that the ring kernel (bf16, 8192 x 4096, the Llama bench case)
 reads %globaltimer at its start, after its row loop, after the fold of its row groups' dweight sums
 through shared memory, and after its partial row is written; thread 0 of block b stores the four
-stamps as raw bits over dx's first bytes (dx is garbage there, nothing else changes). The patched
+stamps and its SM's id as raw bits over dx's first bytes (dx is garbage there, nothing else changes). The patched
 copy is used through KFORGE_KERNEL_DIR (the kernel cache is keyed by the source), so no rebuild.
 Prints, per call: the spread of the blocks' loop ends, the epilogues of the last blocks to finish, and
-a histogram of the loop ends. GPU only: python scripts/ring_timeline.py
+a histogram of the loop ends; at the end, whether the same SMs are slow in every call (the correlation
+over SMs of the loop ends of different calls: near 1 if an SM's pace is a property of the SM, near 0
+if it changes from call to call). GPU only: python scripts/ring_timeline.py
 """
 import atexit
 import os
@@ -26,8 +28,9 @@ PATCHES = [  # (anchor in rmsnorm_backward_ring_kernel, replacement)
      "      part[e] = sum;\n    }\n  }\n  __syncthreads();\n"
      "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts3));\n"
      "  if (threadIdx.x == 0 && threadIdx.y == 0) {\n"
-     "    unsigned long long* o = reinterpret_cast<unsigned long long*>(dx) + blockIdx.x * 4;\n"
-     "    o[0] = ts0, o[1] = ts1, o[2] = ts2, o[3] = ts3;\n  }\n}"),
+     "    unsigned sm;\n    asm(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
+     "    unsigned long long* o = reinterpret_cast<unsigned long long*>(dx) + blockIdx.x * 5;\n"
+     "    o[0] = ts0, o[1] = ts1, o[2] = ts2, o[3] = ts3, o[4] = sm;\n  }\n}"),
     ("    __syncthreads();\n    for (int e = tid; e < D; e += tx * G) {",
      "    __syncthreads();\n    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts2));\n"
      "    for (int e = tid; e < D; e += tx * G) {"),
@@ -62,14 +65,21 @@ def main() -> None:
     sets = [(torch.randn(rows, D, device="cuda", dtype=dt), torch.randn(rows, D, device="cuda", dtype=dt))
             for _ in range(3)]
     grid = min(torch.cuda.get_device_properties(0).multi_processor_count, rows // 3)
+    per_sm = []  # per call: loop end (us from the call's first start) indexed by SM id
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
     for _ in range(3):
         torch.cuda.synchronize()
         torch.cuda._sleep(20_000_000)  # the calls below then run back to back
         outs = [_C.rmsnorm_backward(*sets[i % 3], w, rstd) for i in range(9)]
         torch.cuda.synchronize()
-        for dx, _ in outs[-2:]:
-            t = dx.view(-1)[: grid * 16].view(torch.int64).view(grid, 4).cpu().double()
-            r = (t - t[:, 0].min()) / 1000.0  # microseconds from the first block's start
+        for n, (dx, _) in enumerate(outs[1:]):
+            t = dx.view(-1)[: grid * 20].view(torch.int64).view(grid, 5).cpu()
+            r = (t[:, :4] - t[:, 0].min()).double() / 1000.0  # microseconds from the first block's start
+            loop_end = torch.full((nsm,), float("nan"), dtype=torch.float64)
+            loop_end[t[:, 4]] = r[:, 1]
+            per_sm.append(loop_end)
+            if n < len(outs) - 3:
+                continue
             order = torch.argsort(r[:, 1])
             epi = r[:, 3] - r[:, 1]
             last = "; ".join(f"{r[i, 1]:.2f}->{r[i, 2]:.2f}->{r[i, 3]:.2f}" for i in order[-3:].tolist())
@@ -78,6 +88,20 @@ def main() -> None:
                   f"-> partial row written: {last} | epilogue median {epi.median():.2f} max {epi.max():.2f}")
             hist = torch.histc(r[:, 1], bins=10, min=float(r[:, 1].min()), max=float(r[:, 1].max()))
             print("   loop ends, 10 bins from the first to the last:", hist.int().tolist())
+    # Same SMs slow in every call? Correlation over SMs between calls (SMs that ran a block in both).
+    m = torch.stack(per_sm)
+    seen = ~m.isnan().any(0)
+    z = m[:, seen]
+    z = (z - z.mean(1, keepdim=True)) / z.std(1, keepdim=True)
+    c = (z @ z.T) / (z.shape[1] - 1)
+    off = c[~torch.eye(len(per_sm), dtype=torch.bool)]
+    print(f"{len(per_sm)} calls, {int(seen.sum())} SMs: correlation of the SMs' loop ends between calls: "
+          f"median {off.median():.2f}, min {off.min():.2f}, max {off.max():.2f}")
+    mean = m[:, seen].mean(0)
+    ids = seen.nonzero().flatten()
+    slow = ids[torch.argsort(mean)].tolist()
+    print("SMs from the fastest to the slowest (mean loop end over the calls):", slow)
+    print("   their mean loop ends (us):", [round(v, 1) for v in mean[torch.argsort(mean)].tolist()])
 
 
 if __name__ == "__main__":
