@@ -1342,16 +1342,20 @@ __global__ void __launch_bounds__(kRingThreads, 1)
     fold[(2 + f) * tpr] = make_float4(accb[4 * f], accb[4 * f + 1], accb[4 * f + 2], accb[4 * f + 3]);
   }
   __syncthreads();
-  const float* const all = reinterpret_cast<const float*>(ring16);
-  float* const prow = partial + (i64)blockIdx.x * 2 * C;
-  const int nthreads = tpr * blockDim.y, gstride = 16 * tpr;
-  for (int t = ty * tpr + tx; t < 2 * C; t += nthreads) {
-    const int which = t >= C, c = t - which * C;
+  // Four columns (one float4 of the fold) at a time: the last block's epilogue is on the call's
+  // critical path.
+  float4* const prow = reinterpret_cast<float4*>(partial + (i64)blockIdx.x * 2 * C);
+  const int nthreads = tpr * blockDim.y, gstride = 4 * tpr;
+  for (int t = ty * tpr + tx; t < C / 2; t += nthreads) {
+    const int which = 4 * t >= C, c = 4 * t - which * C;
     if (which ? !need_dbias : !need_dweight) continue;
-    const int u = c / V, e = c - u * V;  // unit u = the owner thread, its column e
-    const int idx = ((2 * which + (e >> 2)) * tpr + u) * 4 + (e & 3);
-    float sum = all[idx];
-    for (int g = 1; g < (int)blockDim.y; ++g) sum += all[g * gstride + idx];
+    const int idx = (2 * which + ((c >> 2) & 1)) * tpr + c / V;  // the owner thread's float4
+    float4 sum = ring16[idx];
+#pragma unroll 4
+    for (int g = 1; g < (int)blockDim.y; ++g) {
+      const float4 b = ring16[g * gstride + idx];
+      sum.x += b.x, sum.y += b.y, sum.z += b.z, sum.w += b.w;
+    }
     prow[t] = sum;
   }
 }

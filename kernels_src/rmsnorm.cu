@@ -904,18 +904,26 @@ __global__ void __launch_bounds__(NT, 1)
     // (every copy has landed: the groups left are empty).
     rn_wait<0>();
     __syncthreads();  // every thread is done reading the ring
-    float* fold = reinterpret_cast<float*>(ring);
-    const int span = rowpad * V;  // floats per group (>= D)
+    // 16 bytes at a time both ways (D % 4 == 0): the last block's epilogue is on the call's critical
+    // path.
+    float4* fold = reinterpret_cast<float4*>(ring);
+    const int span4 = rowpad * V / 4;  // float4s per group (>= D / 4)
 #pragma unroll
     for (int k = 0; k < K; ++k)
 #pragma unroll
-      for (int i = 0; i < V; ++i)
-        fold[threadIdx.y * span + (threadIdx.x + k * tx) * V + i] = acc[k][i];
+      for (int i = 0; i < V; i += 4)
+        fold[threadIdx.y * span4 + ((threadIdx.x + k * tx) * V + i) / 4] =
+            make_float4(acc[k][i], acc[k][i + 1], acc[k][i + 2], acc[k][i + 3]);
     __syncthreads();
-    for (int e = tid; e < D; e += tx * G) {
-      float sum = 0.0f;
-      for (int gi = 0; gi < G; ++gi) sum += fold[gi * span + e];
-      part[e] = sum;
+    float4* part4 = reinterpret_cast<float4*>(part);
+    for (int q = tid; q < D / 4; q += tx * G) {
+      float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+      for (int gi = 0; gi < G; ++gi) {
+        const float4 b = fold[gi * span4 + q];
+        sum.x += b.x, sum.y += b.y, sum.z += b.z, sum.w += b.w;
+      }
+      part4[q] = sum;
     }
   }
 }

@@ -24,16 +24,16 @@ PATCHES = [  # (anchor in rmsnorm_backward_ring_kernel, replacement)
     ("  if (dw_partial == nullptr) return;",
      "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts1));\n"
      "  if (dw_partial == nullptr) return;"),
-    ("      part[e] = sum;\n    }\n  }\n}",
-     "      part[e] = sum;\n    }\n  }\n  __syncthreads();\n"
+    ("      part4[q] = sum;\n    }\n  }\n}",
+     "      part4[q] = sum;\n    }\n  }\n  __syncthreads();\n"
      "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts3));\n"
      "  if (threadIdx.x == 0 && threadIdx.y == 0) {\n"
      "    unsigned sm;\n    asm(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
      "    unsigned long long* o = reinterpret_cast<unsigned long long*>(dx) + blockIdx.x * 5;\n"
      "    o[0] = ts0, o[1] = ts1, o[2] = ts2, o[3] = ts3, o[4] = sm;\n  }\n}"),
-    ("    __syncthreads();\n    for (int e = tid; e < D; e += tx * G) {",
+    ("    __syncthreads();\n    float4* part4",
      "    __syncthreads();\n    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts2));\n"
-     "    for (int e = tid; e < D; e += tx * G) {"),
+     "    float4* part4"),
 ]
 
 
