@@ -8,12 +8,13 @@ copy is used through KFORGE_KERNEL_DIR (the kernel cache is keyed by the source)
 Prints, per call: the spread of the blocks' loop ends, the epilogues of the last blocks to finish, and
 a histogram of the loop ends; at the end, whether the same SMs are slow in every call (the correlation
 over SMs of the loop ends of different calls: near 1 if an SM's pace is a property of the SM, near 0
-if it changes from call to call). GPU only: python scripts/ring_timeline.py
+if it changes from call to call). GPU only: python scripts/ring_timeline.py [kernel source dir to patch, default kernels_src]
 """
 import atexit
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "kernels_src"
@@ -37,9 +38,9 @@ PATCHES = [  # (anchor in rmsnorm_backward_ring_kernel, replacement)
 ]
 
 
-def patched_kernel_dir() -> str:
+def patched_kernel_dir(src: pathlib.Path = SRC) -> str:
     out = pathlib.Path(tempfile.mkdtemp(prefix="kforge-timeline-"))
-    shutil.copytree(SRC, out, dirs_exist_ok=True)
+    shutil.copytree(src, out, dirs_exist_ok=True)
     path = out / "rmsnorm.cu"
     text = path.read_text()
     start = text.index("rmsnorm_backward_ring_kernel(")
@@ -53,7 +54,7 @@ def patched_kernel_dir() -> str:
 
 
 def main() -> None:
-    patched = patched_kernel_dir()
+    patched = patched_kernel_dir(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else SRC)
     atexit.register(shutil.rmtree, patched, True)
     os.environ["KFORGE_KERNEL_DIR"] = patched
     import torch
