@@ -450,3 +450,23 @@ def test_ring_timeline_probe_still_patches_and_compiles(tmp_path):
     finally:
         kforge._C.set_cache(kforge.cache_dir(), kforge._runtime.disk_cache_enabled())
         shutil.rmtree(patched)
+
+
+def test_ring_dynamic_probe_still_patches_and_compiles(tmp_path):
+    # scripts/ring_dynamic_probe.py (BENCHMARKS.md, tenth session) replaces the ring kernel's row loop
+    # by anchor text: the anchors still match and both patched kernels compile (NVRTC, sm_90).
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "ring_dynamic_probe.py"
+    spec = importlib.util.spec_from_file_location("ring_dynamic_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    dynamic, static = probe.write(tmp_path / "probe")
+    assert "atomicAdd(&kf_dyn_next" in (dynamic / "rmsnorm.cu").read_text()
+    assert "atomicAdd(&kf_dyn_next" not in (static / "rmsnorm.cu").read_text()
+    kforge._C.set_cache(str(tmp_path / "cache"), False)
+    try:
+        for d in (dynamic, static):
+            names = kforge._C.compile_source("rmsnorm", str(d),
+                                             ["rmsnorm_backward_ring_kernel<bf16, 4, 3, true, 384>"], 90)
+            assert len(names) == 1
+    finally:
+        kforge._C.set_cache(kforge.cache_dir(), kforge._runtime.disk_cache_enabled())
