@@ -7,6 +7,8 @@ the Thunder plumbing (metas, grad transform) with the launchers swapped for a to
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,12 +21,33 @@ from kforge import _thunder
 from kforge.ops import gelu as ge
 
 
+def gelu_tanh64(x64: torch.Tensor) -> torch.Tensor:
+    """gelu (tanh approximation) in float64 as x * sigmoid(2u), the same function as
+    0.5 x (1 + tanh(u)). torch's float64 gelu evaluates 1 + tanh(u), which cancels in the negative
+    tail: 1.4 % off at x = -6.9, and 0 instead of -4e-18 at x = -7.5, so a lone tail element (shape
+    (1,), inputs of scale 3) failed the kernel against a wrong reference."""
+    u = math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64**3)
+    return x64 * torch.sigmoid(2.0 * u)
+
+
 def reference(x, dout):
     """float64 gelu(x) and dout * gelu'(x) from the same (rounded) inputs."""
     x64 = x.detach().double().requires_grad_(True)
-    out = F.gelu(x64, approximate="tanh")
+    out = gelu_tanh64(x64)
     out.backward(dout.double())
     return out.detach(), x64.grad
+
+
+def test_reference_is_accurate_in_the_tails():
+    # Against 50-digit values (mpmath) of 0.5 x (1 + tanh(u)); torch's float64 gelu misses the first
+    # two by 1.4 % and 100 %.
+    x = torch.tensor([-6.90625, -7.5, -5.0, -3.0, 2.0], dtype=torch.float64)
+    exact = torch.tensor([-7.000405609655221e-15, -4.01626821751414e-18, -2.291796196629506e-07,
+                          -0.003637392081773019, 1.954597694087775], dtype=torch.float64)
+    torch.testing.assert_close(gelu_tanh64(x), exact, rtol=1e-13, atol=0)
+    # Elsewhere it is torch's function.
+    y = torch.linspace(-4, 6, 1001, dtype=torch.float64)
+    torch.testing.assert_close(gelu_tanh64(y), F.gelu(y, approximate="tanh"), rtol=1e-12, atol=1e-15)
 
 
 def check_against_reference(x, dout, dtype):
@@ -56,6 +79,17 @@ SHAPES = [(1,), (7,), (1000,), (4096,), (8192 + 9,), (8, 3072), (3, 5, 771), ((1
 def test_matches_float64_reference(dtype, shape):
     x = randn(*shape, dtype=dtype, scale=3.0)
     dout = randn(*shape, dtype=dtype)
+    check_against_reference(x, dout, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("v", [-6.90625, -7.5, -8.5, -9.0, -4.0, 5.0])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_single_elements_in_the_tails(dtype, v):
+    # One element alone, so the relative error is that element's: the negative tail (values down to
+    # 1e-29) is where a reference through 1 + tanh(u) was wrong and where cancellation would show.
+    x = torch.tensor([v], device="cuda").to(dtype)
+    dout = torch.tensor([-1.375], device="cuda").to(dtype)
     check_against_reference(x, dout, dtype)
 
 
