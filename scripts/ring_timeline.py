@@ -3,12 +3,14 @@
 A copy of kernels_src is patched so that the ring kernel (bf16, 8192 x 4096, the Llama bench case)
 reads %globaltimer at its start, after its row loop, after the fold of its row groups' dweight sums
 through shared memory, and after its partial row is written; thread 0 of block b stores the four
-stamps and its SM's id as raw bits over dx's first bytes (dx is garbage there, nothing else changes). The patched
-copy is used through KFORGE_KERNEL_DIR (the kernel cache is keyed by the source), so no rebuild.
+stamps and its SM's id as raw bits over dx's first bytes (dx is garbage there, nothing else
+changes). The patched copy is used through KFORGE_KERNEL_DIR (the kernel cache is keyed by the
+source), so no rebuild.
 Prints, per call: the spread of the blocks' loop ends, the epilogues of the last blocks to finish, and
 a histogram of the loop ends; at the end, whether the same SMs are slow in every call (the correlation
 over SMs of the loop ends of different calls: near 1 if an SM's pace is a property of the SM, near 0
-if it changes from call to call). GPU only: python scripts/ring_timeline.py [kernel source dir to patch, default kernels_src]
+if it changes from call to call).
+GPU only: python scripts/ring_timeline.py [kernel source dir to patch, default kernels_src]
 """
 import atexit
 import os
@@ -65,9 +67,9 @@ def main() -> None:
     _, rstd = _C.rmsnorm_forward(torch.randn(rows, D, device="cuda", dtype=dt), w, 1e-6)
     sets = [(torch.randn(rows, D, device="cuda", dtype=dt), torch.randn(rows, D, device="cuda", dtype=dt))
             for _ in range(3)]
-    grid = min(torch.cuda.get_device_properties(0).multi_processor_count, rows // 3)
-    per_sm = []  # per call: loop end (us from the call's first start) indexed by SM id
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = min(nsm, rows // 3)
+    per_sm = []  # per call: loop end (us from the call's first start) indexed by SM id
     for _ in range(3):
         torch.cuda.synchronize()
         torch.cuda._sleep(20_000_000)  # the calls below then run back to back
