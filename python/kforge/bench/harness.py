@@ -6,17 +6,22 @@ import gc
 import importlib
 import pkgutil
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
 import torch
-from tabulate import tabulate
 from tqdm import tqdm
 
 from .cases import BenchCase
 
 DTYPES = {"fp32": [torch.float32], "bf16": [torch.bfloat16], "both": [torch.float32, torch.bfloat16]}
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def progress_enabled() -> bool:
+    """Progress bars only on a terminal: in a log, tqdm's carriage-return frames are noise."""
+    return sys.stderr.isatty()
 
 
 # ---- timing --------------------------------------------------------------------------------------
@@ -122,7 +127,7 @@ def bench_ops(args) -> dict:
     rows = []
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     same_copy: dict[int, float] = {}
-    for dt, c in tqdm(cases, desc="ops", unit="case", leave=False):
+    for dt, c in tqdm(cases, desc="ops", unit="case", leave=False, disable=not progress_enabled()):
         sets = input_sets_for(c, l2)
         row = dict(op=c.op, dir=c.direction, shape=c.shape, dtype=SHORT[dt], bytes=c.bytes)
         impls: dict[str, Callable] = {"kforge": c.kforge, "eager": c.eager}
@@ -251,7 +256,7 @@ def bench_model(which: str, args) -> dict:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     rows = []
     for attn in attns:
-        for backend in tqdm(backends, desc=f"{which}/{attn}", leave=False):
+        for backend in tqdm(backends, desc=f"{which}/{attn}", leave=False, disable=not progress_enabled()):
             torch.manual_seed(0)
             model, cfg, random_batch = _build_model(which, attn, args.small)
             model = model.to(device="cuda", dtype=dtype)
@@ -296,42 +301,9 @@ def bench_launch(args) -> dict:
 
 
 # ---- output --------------------------------------------------------------------------------------
-def _fmt(v, nd=1):
-    return "—" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else v)
+def markdown(run: dict) -> str:
+    """The Markdown block of one run (command, GPU / versions / commit / date line, table), as
+    BENCHMARKS.md shows it; `run` is a record object (`kforge.bench.records`)."""
+    from .report import run_markdown
 
-
-def markdown(header: dict, result: dict) -> str:
-    lines = [f"### `{header['command']}`", "",
-             f"{header['device']} · torch {header['torch']} · Python {header['python']} · {header['date']}"
-             + (f" · kforge {header['commit']}" if header.get("commit") else ""), ""]
-    kind = result["kind"]
-    if kind == "ops":
-        bw = result["copy_gbs"]
-        lines.append(f"Measured device-to-device copy bandwidth: **{bw:.0f} GB/s** (read + write). "
-                     "`% copy`: kforge GB/s against it; `% same-size copy`: the time torch's `copy_` "
-                     "takes to move the same bytes, over kforge's time (launch ramp and tail included "
-                     "for both; over 100 % means faster than torch's copy).")
-        lines.append("")
-        table = [[r["op"], r["dir"], r["shape"], r["dtype"], _fmt(r.get("kforge_us")), _fmt(r.get("kforge_gbs"), 0),
-                  _fmt(r.get("kforge_pct_copy"), 0), _fmt(r.get("copy_same_us")),
-                  _fmt(r.get("kforge_pct_same"), 0), _fmt(r.get("eager_us")), _fmt(r.get("eager_gbs"), 0),
-                  _fmt(r.get("compile_us")), _fmt(r.get("compile_gbs"), 0)] for r in result["rows"]]
-        lines.append(tabulate(table, headers=["op", "dir", "shape", "dtype", "kforge µs", "kforge GB/s",
-                                              "% copy", "same-size copy µs", "% same-size copy",
-                                              "eager µs", "eager GB/s", "compile µs", "compile GB/s"],
-                              tablefmt="github"))
-        errs = [f"- {r['op']} {r['dir']} {r['shape']}: {k[:-6]}: {v}" for r in result["rows"]
-                for k, v in r.items() if k.endswith("_error")]
-        if errs:
-            lines += ["", "Errors:", *errs]
-    elif kind == "model":
-        table = [[r["model"], r["attention"], r["backend"], f"{r['batch']}x{r['seq']}", r["dtype"],
-                  _fmt(r.get("ms"), 2), _fmt(r.get("peak_gib"), 2), _fmt(r.get("warmup_s"), 0),
-                  _fmt(r.get("final_loss"), 3), r.get("error", "")] for r in result["rows"]]
-        lines.append(tabulate(table, headers=["model", "attention", "backend", "B x T", "dtype",
-                                              "ms/step", "peak GiB", "warm-up s", "loss", "error"],
-                              tablefmt="github"))
-    else:
-        table = [[r["launcher"], _fmt(r["host_us_per_launch"], 2)] for r in result["rows"]]
-        lines.append(tabulate(table, headers=["launcher", "host µs / launch"], tablefmt="github"))
-    return "\n".join(lines)
+    return run_markdown(run)

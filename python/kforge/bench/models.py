@@ -1,0 +1,507 @@
+"""`python -m kforge bench models`: training steps of models written the way people write them.
+
+The zoo's models (kforge.zoo: nanoGPT's GPT-2, a plain Llama, Hugging Face's LlamaForCausalLM) and
+anyone's `--model package.module:factory`, each in one or more set-ups (bf16 weights; fp32 weights
+under `torch.autocast(bfloat16)`; fp32), on each backend:
+
+  eager          the model as written
+  torch.compile  `torch.compile(model)` (`mode="reduce-overhead"` with --cudagraphs)
+  thunder        `thunder.jit(model)` with Thunder's defaults; `thunder.dynamo.thunderfx(model)` for
+                 models on the Dynamo path (factory option mode="dynamo", e.g. hf-llama)
+  kforge         `kforge.jit(model)`; `kforge.compile(model)` on the Dynamo path (with --cudagraphs:
+                 `transforms=[thunder.transforms.cudagraph.CUDAGraphTransform()]`, also for thunder)
+
+Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW), peak memory over
+the timed steps, the first step's wall time (trace + compile + one step; by default every row starts
+from empty kforge / Inductor / Triton disk caches), the final loss, and the error text of a backend
+that fails (the run goes on). --second-process times the first step of kforge and torch.compile again
+in a fresh process that finds the row's disk caches warm.
+
+The factory contract is `python -m kforge tieout --model`'s: a callable taking whichever of size,
+batch, seq, device, dtype, autocast and seed its signature names, returning (model, inputs) or
+(model, inputs, options); options may hold "loss_fn" (output -> scalar loss), "autocast" (the dtype
+to run the step under torch.autocast, or None) and "mode" ("jit" or "dynamo").
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import inspect as pyinspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+BACKENDS = ("eager", "torch.compile", "thunder", "kforge")
+SETUPS = ("bf16", "autocast", "fp32")
+# Default --size per zoo model: the sizes of issue 18's table.
+DEFAULT_SIZE = {"nanogpt": "124M", "plain-llama": "bench", "hf-llama": "bench"}
+# --dry builds every model at this size on the CPU.
+DRY_SIZE = "micro"
+OPTION_KEYS = {"loss_fn", "autocast", "mode"}
+# The llm.c notebook's small case (--preset small).
+PRESETS: dict[str, dict[str, Any]] = {
+    "small": dict(models=["nanogpt"], size="124M", batch=4, seq=64, setup="fp32", cudagraphs=True),
+}
+
+
+class FactoryError(ValueError):
+    """A --model factory that breaks the contract (bad spec, wrong return value, unknown option)."""
+
+
+@dataclass
+class ModelCase:
+    """One model to benchmark: a zoo name or a factory spec, and the size preset to ask it for."""
+
+    label: str
+    spec: str
+    size: str | None = None
+
+
+@dataclass
+class Built:
+    """A freshly built model with the inputs of one step and how to run it."""
+
+    model: Any
+    inputs: Any  # tuple of positional arguments or dict of keyword arguments
+    loss_fn: Callable[[Any], Any]
+    autocast: Any = None  # torch dtype of the autocast region, or None
+    mode: str = "jit"
+    extra: dict = field(default_factory=dict)
+
+    def call(self, fn: Callable) -> Any:
+        return fn(**self.inputs) if isinstance(self.inputs, dict) else fn(*self.inputs)
+
+
+# ---- factories -----------------------------------------------------------------------------------
+def load_factory(spec: str) -> Callable:
+    """`package.module:attr[.attr]` -> the callable it names; FactoryError says what is wrong."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise FactoryError(f"--model must look like package.module:factory, got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise FactoryError(f"--model {spec}: cannot import {mod_name!r}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise FactoryError(f"--model {spec}: {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise FactoryError(f"--model {spec}: {attr!r} is not callable")
+    return obj
+
+
+def zoo_case(name: str, size: str | None = None) -> ModelCase:
+    from ..zoo import MODELS
+
+    if name not in MODELS:
+        raise FactoryError(f"unknown zoo model {name!r}; choose from {', '.join(MODELS)}")
+    return ModelCase(name, MODELS[name], size or DEFAULT_SIZE.get(name))
+
+
+def _to_device(x: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_device(v, device) for v in x)
+    return x
+
+
+def default_loss(out: Any) -> Any:
+    """The scalar to backpropagate when a factory names no loss_fn: a `loss` attribute or key, the
+    output itself when it is a scalar, else the first scalar tensor of a tuple / list output."""
+    import torch
+
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, torch.Tensor) and out.numel() == 1:
+        loss = out
+    if loss is None and isinstance(out, (tuple, list)):
+        loss = next((o for o in out if isinstance(o, torch.Tensor) and o.numel() == 1), None)
+    if loss is None:
+        raise FactoryError("cannot find a scalar loss in the model's output; return options "
+                           "{'loss_fn': output -> loss} from the factory")
+    return loss.reshape(())
+
+
+def build(case: ModelCase, setup: str, *, batch: int, seq: int, device: Any, seed: int = 0) -> Built:
+    """Call the case's factory for `setup` (bf16 weights; fp32 weights + bf16 autocast; fp32) and
+    check what it returns. Factories that take no device / dtype get their model moved / cast here."""
+    import torch
+
+    if setup not in SETUPS:
+        raise FactoryError(f"unknown set-up {setup!r}; choose from {', '.join(SETUPS)}")
+    factory = load_factory(case.spec)
+    device = torch.device(device)
+    weights = torch.bfloat16 if setup == "bf16" else torch.float32
+    amp = torch.bfloat16 if setup == "autocast" else None
+    params = pyinspect.signature(factory).parameters
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    takes_autocast = takes_all or "autocast" in params
+    offered: dict[str, Any] = dict(batch=batch, seq=seq, device=device, seed=seed)
+    # A factory that knows about autocast gets the compute dtype and autocast=True, as the zoo's do;
+    # one that does not gets the weights' dtype and the bench opens the autocast region itself.
+    if takes_autocast:
+        offered.update(dtype=amp or weights, autocast=amp is not None)
+    else:
+        offered["dtype"] = weights
+    if case.size is not None:
+        offered["size"] = case.size
+    kw = {k: v for k, v in offered.items() if takes_all or k in params}
+    out = factory(**kw)
+    if not (isinstance(out, tuple) and len(out) in (2, 3)):
+        raise FactoryError(f"--model {case.spec}: the factory must return (model, inputs) or "
+                           f"(model, inputs, options), got {type(out).__name__}")
+    model, inputs, options = out[0], out[1], (out[2] if len(out) == 3 else {})
+    if not isinstance(model, torch.nn.Module):
+        raise FactoryError(f"--model {case.spec}: the factory returned {type(model).__name__}, not an nn.Module")
+    if not isinstance(options, dict) or set(options) - OPTION_KEYS:
+        raise FactoryError(f"--model {case.spec}: options must be a dict with keys among "
+                           f"{', '.join(sorted(OPTION_KEYS))}, got {options!r}")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if isinstance(inputs, list):
+        inputs = tuple(inputs)
+    if not isinstance(inputs, (tuple, dict)):
+        raise FactoryError(f"--model {case.spec}: inputs must be a tensor, a tuple or a dict, "
+                           f"got {type(inputs).__name__}")
+    if "device" not in kw:
+        model, inputs = model.to(device), _to_device(inputs, device)
+    if "dtype" not in kw:
+        model = model.to(dtype=weights)
+    mode = options.get("mode", "jit")
+    if mode not in ("jit", "dynamo"):
+        raise FactoryError(f"--model {case.spec}: mode must be 'jit' or 'dynamo', got {mode!r}")
+    autocast = options["autocast"] if "autocast" in options else amp
+    return Built(model, inputs, options.get("loss_fn") or default_loss, autocast, mode)
+
+
+# ---- backends ------------------------------------------------------------------------------------
+def cudagraph_transform() -> Any:
+    """Thunder 0.2.6's CUDA-graph transform (thunder/transforms/cudagraph.py)."""
+    from thunder.transforms.cudagraph import CUDAGraphTransform
+
+    return CUDAGraphTransform()
+
+
+def wrap(backend: str, model: Any, mode: str = "jit", *, cudagraphs: bool = False) -> Any:
+    """The callable that runs `model` on `backend` (see the module docstring)."""
+    import torch
+
+    if backend == "eager":
+        return model
+    if backend == "torch.compile":
+        return torch.compile(model, mode="reduce-overhead") if cudagraphs else torch.compile(model)
+    extra = {"transforms": [cudagraph_transform()]} if cudagraphs else {}
+    if backend == "thunder":
+        if mode == "dynamo":
+            from thunder.dynamo import thunderfx
+
+            return thunderfx(model, **extra)
+        import thunder
+
+        return thunder.jit(model, **extra)
+    if backend == "kforge":
+        import kforge
+
+        return kforge.compile(model, **extra) if mode == "dynamo" else kforge.jit(model, **extra)
+    raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+def path_of(backend: str, mode: str) -> str | None:
+    """How Thunder reached the model: "jit" (thunder.jit) or "dynamo" (Thunder's Dynamo path);
+    None for eager and torch.compile."""
+    if backend in ("eager", "torch.compile"):
+        return None
+    return "dynamo" if mode == "dynamo" else "jit"
+
+
+# ---- caches --------------------------------------------------------------------------------------
+def cold_caches(root: str, key: str) -> dict[str, str]:
+    """Point kforge's, Inductor's and Triton's disk caches at fresh directories under root/key and
+    drop the in-memory compile caches, so the next first step compiles from nothing. Returns the
+    environment that gives a second process the same (then warm) directories."""
+    import torch
+
+    base = os.path.join(root, key)
+    env = {"KFORGE_CACHE_DIR": os.path.join(base, "kforge"),
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(base, "inductor"),
+           "TRITON_CACHE_DIR": os.path.join(base, "triton")}
+    for d in env.values():
+        os.makedirs(d, exist_ok=True)
+    os.environ.update(env)  # Inductor and Triton read these at each compile
+    torch._dynamo.reset()
+    with contextlib.suppress(Exception):
+        from torch._inductor.utils import clear_caches
+
+        clear_caches()
+    import kforge
+
+    kforge._C.clear_memory_cache()
+    kforge._C.set_cache(env["KFORGE_CACHE_DIR"], True)
+    return env
+
+
+def _nvrtc_compiles() -> int | None:
+    try:
+        import kforge
+
+        return int(kforge.cache_info()["nvrtc_compiles"])
+    except Exception:  # no extension: nothing to count
+        return None
+
+
+# ---- one row -------------------------------------------------------------------------------------
+def _sync(device: Any) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_row(built: Built, backend: str, *, steps: int, warmup: int, cudagraphs: bool = False,
+              timed: bool = True, first_only: bool = False) -> dict[str, Any]:
+    """Wrap `built.model` for `backend` and train it: the first step (wrap + trace + compile + one
+    step, wall time), `warmup - 1` more untimed steps, then `steps` steps timed each with CUDA events
+    (median ms/step; peak memory over them). `timed=False` (the CPU dry run) stops after two steps,
+    `first_only` after the first."""
+    import torch
+
+    params = [p for p in built.model.parameters() if p.requires_grad]
+    device = params[0].device if params else torch.device("cpu")
+    on_cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=on_cuda)
+    autocast = (torch.autocast(device.type, dtype=built.autocast) if built.autocast is not None
+                else contextlib.nullcontext())
+    mark_step = cudagraphs and backend == "torch.compile"
+    row: dict[str, Any] = {}
+    compiles0 = _nvrtc_compiles()
+
+    _sync(device)
+    t0 = time.perf_counter()
+    fn = wrap(backend, built.model, built.mode, cudagraphs=cudagraphs)
+
+    def step() -> float:
+        if mark_step:  # a new iteration for CUDA-graph trees: earlier outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        with autocast:
+            loss = built.loss_fn(built.call(fn))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach().float().item()
+
+    loss = step()
+    _sync(device)
+    row["first_s"] = time.perf_counter() - t0
+    compiles1 = _nvrtc_compiles()
+    if backend == "kforge" and compiles0 is not None and compiles1 is not None:
+        row["nvrtc_compiles"] = compiles1 - compiles0
+    row["first_loss"] = loss
+    if first_only:
+        return row
+    if not timed:
+        row["final_loss"] = step()
+        return row
+    for _ in range(max(warmup - 1, 0)):
+        step()
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        losses.append(step())  # .item() synchronises after the step, outside the events
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    row.update(ms=statistics.median(times), ms_min=min(times),
+               peak_gib=torch.cuda.max_memory_allocated() / 2**30, final_loss=losses[-1])
+    return row
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".strip()[:400]
+
+
+def second_process(case: ModelCase, setup: str, backend: str, *, batch: int, seq: int, device: str,
+                   cudagraphs: bool, env: dict[str, str], timeout: float = 1800) -> dict[str, Any]:
+    """The first step of `backend` again, in a fresh Python process with the row's cache directories
+    (`env`): what a second training run pays when the disk caches are warm."""
+    spec = dict(label=case.label, spec=case.spec, size=case.size, setup=setup, backend=backend, batch=batch,
+                seq=seq, device=device, cudagraphs=cudagraphs)
+    child_env = dict(os.environ, **env)
+    # The child imports the factory as this process did: same sys.path.
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        r = subprocess.run([sys.executable, "-m", "kforge.bench.models", "--child", json.dumps(spec)],
+                           capture_output=True, text=True, env=child_env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error_2nd": f"second process: timed out after {timeout:.0f} s"}
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{"):
+            out = json.loads(line)
+            res = {"first_s_2nd": out.get("first_s"), "nvrtc_compiles_2nd": out.get("nvrtc_compiles")}
+            if out.get("error"):
+                res["error_2nd"] = out["error"]
+            return {k: v for k, v in res.items() if v is not None}
+    return {"error_2nd": f"second process: exit status {r.returncode}: {(r.stderr or r.stdout)[-300:]}"}
+
+
+def _child(spec_json: str) -> int:
+    """Entry point of the second process: build, first step, print one JSON line."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="transformer_engine module not found")
+    spec = json.loads(spec_json)
+    case = ModelCase(spec["label"], spec["spec"], spec["size"])
+    res: dict[str, Any] = {}
+    try:
+        built = build(case, spec["setup"], batch=spec["batch"], seq=spec["seq"], device=spec["device"])
+        row = train_row(built, spec["backend"], steps=0, warmup=1, cudagraphs=spec["cudagraphs"],
+                        first_only=True)
+        res = {"first_s": row["first_s"], "nvrtc_compiles": row.get("nvrtc_compiles")}
+    except Exception as e:  # reported by the parent in the row
+        res = {"error": _error(e)}
+    print(json.dumps(res))
+    return 0
+
+
+# ---- the run -------------------------------------------------------------------------------------
+@dataclass
+class ModelsConfig:
+    """Everything `bench models` was asked to do, after the preset and defaults are applied."""
+
+    cases: list[ModelCase]
+    setups: list[str]
+    backends: list[str]
+    batch: int = 8
+    seq: int = 1024
+    steps: int = 10
+    warmup: int = 3
+    cudagraphs: bool = False
+    second_process: bool = False
+    dry: bool = False
+    cold: bool = True
+    preset: str | None = None
+
+
+def resolve(args: Any) -> ModelsConfig:
+    """Combine the command line with --preset: options given explicitly win over the preset, the
+    preset over the defaults. --dry builds every zoo model at its micro size on the CPU."""
+    preset = PRESETS[args.preset] if getattr(args, "preset", None) else {}
+
+    def pick(name: str, default: Any) -> Any:
+        v = getattr(args, name, None)
+        return v if v is not None else preset.get(name, default)
+
+    names = list(args.names or []) or ([] if args.model_specs else preset.get("models", ["nanogpt", "plain-llama", "hf-llama"]))
+    size = pick("size", None)
+    cases = [zoo_case(n, DRY_SIZE if args.dry and size is None else size) for n in names]
+    for spec in args.model_specs or []:
+        load_factory(spec)  # fail on a bad spec before anything runs
+        cases.append(ModelCase(spec, spec, size))
+    setup = pick("setup", "both")
+    setups = {"both": ["bf16", "autocast"], "all": list(SETUPS)}.get(setup, [setup])
+    backends = [b.strip() for b in (args.backends or ",".join(BACKENDS)).split(",") if b.strip()]
+    for b in backends:
+        if b not in BACKENDS:
+            raise FactoryError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+    dry = bool(args.dry)
+    return ModelsConfig(
+        cases=cases, setups=setups, backends=backends,
+        batch=pick("batch", 2 if dry else 8), seq=pick("seq", 16 if dry else 1024),
+        steps=pick("steps", 10), warmup=pick("warmup", 3),
+        cudagraphs=bool(args.cudagraphs or preset.get("cudagraphs", False)),
+        second_process=bool(args.second_process), dry=dry, cold=not args.warm_caches,
+        preset=getattr(args, "preset", None))
+
+
+def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[str], None] | None = None) -> dict:
+    """Run every (model, set-up, backend) of `cfg`; returns the run's rows ("kind": "models").
+    Each row builds the model afresh from its factory; a backend that fails leaves its error in its
+    row and the run continues."""
+    import torch
+    from tqdm import tqdm
+
+    device = "cpu" if cfg.dry else "cuda"
+    if not cfg.dry and not torch.cuda.is_available():
+        raise RuntimeError("bench models needs a CUDA GPU (--dry builds and steps every model on the CPU)")
+    jobs = [(c, s, b) for c in cfg.cases for s in cfg.setups for b in cfg.backends]
+    cache_root = tempfile.mkdtemp(prefix="kforge-bench-") if cfg.cold and not cfg.dry else None
+    rows = []
+    for case, setup, backend in tqdm(jobs, desc="models", unit="row", disable=not progress, leave=False):
+        row: dict[str, Any] = dict(model=case.label, size=case.size, setup=setup, backend=backend,
+                                   cudagraphs=cfg.cudagraphs and backend != "eager", batch=cfg.batch,
+                                   seq=cfg.seq)
+        env: dict[str, str] = {}
+        try:
+            if cache_root:
+                env = cold_caches(cache_root, f"{len(rows):03d}")
+            torch.manual_seed(0)
+            built = build(case, setup, batch=cfg.batch, seq=cfg.seq, device=device)
+            if path_of(backend, built.mode):
+                row["path"] = path_of(backend, built.mode)
+            if isinstance(built.inputs, dict):
+                shapes = [tuple(v.shape) for v in built.inputs.values() if isinstance(v, torch.Tensor)]
+            else:
+                shapes = [tuple(v.shape) for v in built.inputs if isinstance(v, torch.Tensor)]
+            if shapes and len(shapes[0]) == 2:  # (B, T) token ids: the sequence the factory clipped to
+                row["batch"], row["seq"] = shapes[0]
+            row.update(train_row(built, backend, steps=cfg.steps, warmup=cfg.warmup,
+                                 cudagraphs=row["cudagraphs"], timed=not cfg.dry))
+        except Exception as e:  # one failing backend must not stop the run
+            row["error"] = _error(e)
+        finally:
+            built = None  # noqa: F841 - drop the model before the next row allocates
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if cfg.second_process and backend in ("kforge", "torch.compile") and "error" not in row and not cfg.dry:
+            row.update(second_process(case, setup, backend, batch=cfg.batch, seq=cfg.seq, device=device,
+                                      cudagraphs=row["cudagraphs"], env=env))
+        if log:
+            log(_row_line(row))
+        rows.append(row)
+    return {"kind": "models", "dry": cfg.dry, "rows": rows,
+            "config": dict(setups=cfg.setups, backends=cfg.backends, batch=cfg.batch, seq=cfg.seq,
+                           steps=cfg.steps, warmup=cfg.warmup, cudagraphs=cfg.cudagraphs,
+                           second_process=cfg.second_process, cold_caches=cfg.cold, preset=cfg.preset)}
+
+
+def _row_line(r: dict[str, Any]) -> str:
+    what = f"{r['model']} {r['setup']} {backend_label(r)}"
+    if r.get("error"):
+        return f"{what}: {r['error'][:160]}"
+    ms = f"{r['ms']:.2f} ms/step, " if r.get("ms") is not None else ""
+    return f"{what}: {ms}first step {r.get('first_s', 0):.1f} s, loss {r.get('final_loss', float('nan')):.4f}"
+
+
+def backend_label(row: dict[str, Any]) -> str:
+    """The backend as the tables name it: with --cudagraphs, torch.compile (reduce-overhead) and
+    thunder / kforge + CUDAGraphTransform."""
+    b = row["backend"]
+    if not row.get("cudagraphs"):
+        return b
+    return "torch.compile (reduce-overhead)" if b == "torch.compile" else f"{b} + CUDAGraphTransform"
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kforge.bench.models",
+                                description="internal: the second process of `bench models --second-process`")
+    p.add_argument("--child", required=True, metavar="JSON", help="the row to time: model, set-up, backend, sizes")
+    sys.exit(_child(p.parse_args().child))
