@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "runtime/cuda_api.h"
+#include "runtime/generated.h"
 #include "runtime/torch_launch.h"
 
 namespace py = pybind11;
@@ -127,5 +128,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("fast_math") = false,
       "Compile <kernel_dir>/<name>.cu for sm_<arch> (tests and experiments); returns lowered names.");
 
+  bind_generated(m);
   for (const auto& [name, bind] : op_bindings()) bind(m);
 }

@@ -23,6 +23,10 @@ __all__ = [
     "compile_all",
     "kernel_names",
     "executor",
+    "fusion_executor",
+    "executors",
+    "jit",
+    "compile",
     "thunderfx",
     "kernel_dir",
     "cache_dir",
@@ -62,6 +66,14 @@ def __getattr__(name: str):
         from ._thunder import get_executor
 
         return get_executor()
+    if name == "fusion_executor":
+        from .fusion import get_fusion_executor
+
+        return get_fusion_executor()
+    if name in ("executors", "jit", "compile"):
+        from . import frontend
+
+        return getattr(frontend, name)
     if name == "thunderfx":  # Thunder's Dynamo path with kforge first and the Llama trace patterns on
         from .transforms import thunderfx
 

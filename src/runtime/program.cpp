@@ -312,6 +312,14 @@ Program::Program(std::string name, ProgramOptions options, bool register_globall
   if (register_globally) all_programs().push_back(this);
 }
 
+std::unique_ptr<Program> Program::from_source(std::string name, std::string source,
+                                              ProgramOptions options) {
+  auto p = std::make_unique<Program>(std::move(name), std::move(options), false);
+  p->source_ = std::move(source);
+  p->has_source_ = true;
+  return p;
+}
+
 int Program::add_expression(const std::string& expr) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!by_arch_.empty())
@@ -345,7 +353,9 @@ std::shared_ptr<Compiled> Program::compiled(int arch) {
   const std::string dir = kernel_dir_.empty() ? config().kernel_dir : kernel_dir_;
   const std::string file = name_ + ".cu";
   std::string source;
-  if (!read_file(dir + "/" + file, source))
+  if (has_source_)
+    source = source_;
+  else if (!read_file(dir + "/" + file, source))
     throw Error("kforge: unknown kernel \"" + name_ + "\": " + dir + "/" + file + " not found");
   std::vector<std::pair<std::string, std::string>> headers;
   std::set<std::string> seen;

@@ -112,6 +112,10 @@ class Program {
   // overrides config().kernel_dir (tests compile sources from temporary directories).
   explicit Program(std::string name, ProgramOptions options = {}, bool register_globally = true,
                    std::string kernel_dir = "");
+  // A program whose source text is given rather than read from <kernel_dir>/<name>.cu (generated
+  // kernels); its quoted includes still resolve against the kernel directory. Never registered.
+  static std::unique_ptr<Program> from_source(std::string name, std::string source,
+                                              ProgramOptions options = {});
   Program(const Program&) = delete;
   Program& operator=(const Program&) = delete;
 
@@ -135,6 +139,8 @@ class Program {
   std::string name_;
   ProgramOptions options_;
   std::string kernel_dir_;
+  std::string source_;        // the source text when given (from_source), else read from the file
+  bool has_source_ = false;
   std::vector<std::string> exprs_;
   std::mutex mu_;
   std::map<int, std::shared_ptr<detail::Compiled>> by_arch_;

@@ -1,0 +1,60 @@
+"""The one-call entry points: `kforge.jit`, `kforge.compile` and `kforge.executors`.
+
+    import kforge
+    jmodel = kforge.jit(model)          # thunder.jit with kforge's executors and pattern transforms
+    cmodel = kforge.compile(model)      # the same through torch.compile (Thunder's Dynamo path)
+    thunder.jit(model, executors=kforge.executors())   # for those who pass the list themselves
+
+The executor order matters twice in Thunder: it decides which executor claims a symbol, and which
+executor's gradient rule is used. kforge's operators come first (they claim the named steps whole,
+forward and backward); then Thunder's attention executors (a fusion executor placed before them
+would take SDPA apart into matmul + softmax); then kforge's fusion executor, which generates kernels
+for every elementwise / view / reduction chain left over; then Thunder's remaining defaults.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["executors", "jit", "compile"]
+
+# Thunder executors that implement attention itself; they go before the fusion executor.
+_ATTENTION_EXECUTORS = ("cudnn", "sdpa", "fa3")
+
+
+def executors(*, fusion: bool | None = None) -> list:
+    """kforge's operator executor, Thunder's attention executors, kforge's fusion executor (unless
+    `fusion=False` or the environment sets KFORGE_FUSION=0), then Thunder's other default executors."""
+    import thunder
+
+    from . import _thunder
+    from .fusion import fusion_enabled, get_fusion_executor
+
+    defaults = list(thunder.get_default_executors())
+    attention = [e for e in defaults if e.name in _ATTENTION_EXECUTORS]
+    rest = [e for e in defaults if e not in attention]
+    out = [_thunder.get_executor(), *attention]
+    if fusion_enabled() if fusion is None else fusion:
+        out.append(get_fusion_executor())
+    return out + rest
+
+
+def jit(fn: Callable, /, *, fusion: bool | None = None, transforms: Sequence[Any] = (), **kwargs: Any):
+    """`thunder.jit(fn)` with `kforge.executors()` and kforge's pattern transforms, which find the
+    mission's steps (RMSNorm, RoPE, GQA, SwiGLU, ...) as users write them in plain torch ops and hand
+    them to kforge's operators. Other keyword arguments go to `thunder.jit` (`executors=` overrides
+    the list). `fn.llama_patterns` is the pattern transform (its `rewrites` say what was replaced)."""
+    from .transforms import jit as _jit
+
+    kwargs.setdefault("executors", executors(fusion=fusion))
+    return _jit(fn, transforms=transforms, **kwargs)
+
+
+def compile(model: Callable, /, *, fusion: bool | None = None, transforms: Sequence[Any] = (), **kwargs: Any):
+    """`torch.compile(model)` with Thunder as its backend (Thunder's Dynamo path), `kforge.executors()`
+    and the pattern transforms: for models `thunder.jit` cannot trace, such as Hugging Face's
+    LlamaForCausalLM. Other keyword arguments go to Thunder / torch.compile."""
+    from .transforms import thunderfx
+
+    kwargs.setdefault("executors", executors(fusion=fusion))
+    return thunderfx(model, transforms=transforms, **kwargs)

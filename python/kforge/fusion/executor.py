@@ -1,0 +1,323 @@
+"""kforge's fusion executor: a Thunder FusionExecutor whose regions run as generated CUDA kernels.
+
+Placed after kforge's operator executor and Thunder's attention executors (`kforge.executors()`), it
+claims every elementwise, view, cat / pad and reduction prim they leave; its fusion pass
+(`partition.py`) groups them into regions, and each region becomes one `kforge._C.GeneratedKernel`
+(`codegen.py` writes its source per input layout; the runtime compiles it with NVRTC, caches it in
+memory and on disk, and launches it on PyTorch's current stream).
+
+Regions with the same structure (ops, shapes, dtypes) share one GeneratedKernel, so the twelve
+layers of a model compile each kernel once. The all-contiguous variant of every region is compiled
+on a thread pool as soon as the fusion pass ends; a second process loads the CUBINs from disk.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from thunder.core.proxies import TensorProxy, unvariableify
+from thunder.core.symbol import BoundSymbol, BoundSymbolTag, Symbol
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
+from thunder.core.transform_common import dce
+from thunder.extend import FusionExecutor
+
+from .. import __version__
+from . import codegen, ir as fir
+from .partition import Group, partition
+
+__all__ = ["KforgeFusionExecutor", "FusedRegion", "FusionInfo", "regions"]
+
+_TORCH_DTYPE_NAME = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "bool": "bool", "i32": "int32",
+                     "i64": "int64"}
+
+
+@dataclass
+class FusedRegion:
+    """One region structure and its kernel. `kernel` is called like the region: tensors and numbers
+    in, a tuple of tensors out."""
+
+    ir: fir.RegionIR
+    key: str
+    kernel: Any = None
+    sources: dict = field(default_factory=dict)    # layout key -> KernelSource
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+
+@dataclass
+class FusionInfo:
+    """What one fusion symbol of a trace holds (for kforge.inspect)."""
+
+    name: str
+    ops: list[str]
+    kernel: str | None
+    schedule: str
+    reason: str | None = None   # why it runs on torch instead of a generated kernel
+
+
+_lock = threading.Lock()
+_regions: dict[str, FusedRegion] = {}
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pending: dict[str, concurrent.futures.Future] = {}
+
+
+def regions() -> list[FusedRegion]:
+    """Every region structure built in this process."""
+    with _lock:
+        return list(_regions.values())
+
+
+def _sm_count(device: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _get_region(ir: fir.RegionIR, device: int) -> FusedRegion:
+    from .. import _C
+
+    key = structural_key(ir)
+    with _lock:
+        hit = _regions.get(key)
+        if hit is not None:
+            return hit
+        fr = FusedRegion(ir, key)
+
+        def generate(layout: str, dev: int) -> dict:
+            ks = codegen.generate(fr.ir, layout, sm_count=_sm_count(dev))
+            fr.sources[layout] = ks
+            fut = _pending.get(ks.program)
+            if fut is not None:
+                fut.result()  # the same source is compiling on the pool: wait, then hit the cache
+            return ks.to_spec()
+
+        args = [(_TORCH_DTYPE_NAME[a.dtype], list(a.shape)) if a.op == "input" else None for a in ir.args]
+        outs = [(_TORCH_DTYPE_NAME[o.dtype], list(o.shape)) for o in ir.outputs]
+        digest = key.__hash__() & 0xFFFFFFFF
+        fr.kernel = _C.GeneratedKernel(f"fusion_{len(_regions)}_{digest:08x}", args, outs, generate, device)
+        _regions[key] = fr
+        return fr
+
+
+def structural_key(ir: fir.RegionIR) -> str:
+    """The region's structure without proxy names: equal keys compute the same function."""
+    lines = []
+    outs = {v.id: i for i, v in enumerate(ir.outputs)}
+    for v in ir.values:
+        args = ",".join(f"%{a.id}" if isinstance(a, fir.Value) else repr(a) for a in v.args)
+        lines.append(f"{v.id}:{v.op}:{v.dtype}:{v.shape}:{args}:{sorted(v.attrs.items())}:{outs.get(v.id, '')}")
+    return "\n".join(lines)
+
+
+def _precompile(frs: Sequence[FusedRegion], device: int) -> None:
+    """Compile each region's all-contiguous variant on a thread pool (NVRTC releases the GIL)."""
+    global _pool
+    import torch
+
+    from .. import _C
+
+    if not torch.cuda.is_available():
+        return
+    arch = _C.device_arch(device)
+    sm = _sm_count(device)
+    with _lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1)),
+                                                          thread_name_prefix="kforge-nvrtc")
+        for fr in frs:
+            try:
+                ks = codegen.generate(fr.ir, codegen.default_key(fr.ir), sm_count=sm)
+            except fir.Unsupported:
+                continue
+            if ks.program in _pending or not ks.launches:
+                continue
+            _pending[ks.program] = _pool.submit(_C.compile_generated, ks.program, ks.source,
+                                                [k for k, *_ in ks.launches], arch)
+
+
+def _torch_callable(bsyms: Sequence[BoundSymbol], inputs: Sequence[Any], outputs: Sequence[Any]):
+    """The region run by Thunder's torch executor (for a region no kernel can express)."""
+    from thunder.core import prims
+    from thunder.core.codeutils import SigInfo
+    from thunder.core.trace import tracectx
+    from thunder.executors.passes import transform_for_execution
+    from thunder.executors.torchex import ex as torch_ex
+
+    trace = TraceCtx(None)
+    trace.args = list(inputs)
+    trace.kwargs = {}
+    trace.names = {a.name for a in inputs}
+    with tracectx(trace):
+        for a in inputs:
+            prims.unpack_trivial(a, name=a.name)
+    trace.bound_symbols += list(bsyms)
+    trace.bound_symbols.append(prims.python_return.bind(list(outputs), output=None))
+    for b in trace.bound_symbols:
+        for o in b.flat_outs:
+            if o is not None and hasattr(o, "name"):
+                trace.add_name(o.name)
+    trace._siginfo = SigInfo("kforge_fusion_fallback")
+    trace._siginfo.args = [(a.name, None) for a in inputs]
+    extrace = transform_for_execution(trace, executors_list=(torch_ex,))
+    fn = extrace.python_callable(include_decorators=False)
+
+    def run(*args: Any) -> tuple:
+        out = fn(*args)
+        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+    return run
+
+
+class KforgeFusionExecutor(FusionExecutor):
+    """Generates one CUDA kernel per region of elementwise / view / reduction prims."""
+
+    def __init__(self) -> None:
+        super().__init__("kforge_fusion", version=__version__)
+        for pid in fir.supported_prim_ids():
+            self.register_supported(pid, _checker)
+        self.infos: dict[str, FusionInfo] = {}
+        self.left_out: dict[str, dict[str, int]] = {}  # prim name -> reason -> count (last passes)
+        self._legal_cache: dict[tuple, str | None] = {}
+
+    def get_fuel(self, amount: int = 1, /) -> bool:
+        return True
+
+    def set_fuel(self, value: Any) -> None:
+        pass
+
+    # -- the pass ------------------------------------------------------------------------------------
+    def _fusible(self, bsym: BoundSymbol) -> bool:
+        if bsym.sym.is_fusion or not self.can_fuse(bsym):
+            return False
+        return any(isinstance(p, TensorProxy) and p.device.type == "cuda"
+                   for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs))
+
+    def _legal(self, bsyms: list, inputs: list, outputs: list) -> str | None:
+        key = (tuple(id(b) for b in bsyms), tuple(p.name for p in inputs), tuple(p.name for p in outputs))
+        if key in self._legal_cache:
+            return self._legal_cache[key]
+        try:
+            region_ir = fir.lower(bsyms, inputs, outputs)
+            codegen.generate(region_ir, codegen.default_key(region_ir))
+            why = None
+        except fir.Unsupported as e:
+            why = str(e)
+        self._legal_cache[key] = why
+        return why
+
+    def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
+        t0 = time.perf_counter()
+        self._legal_cache = {}
+        bsyms = list(trace.bound_symbols)
+        order, groups, reasons = partition(bsyms, self._fusible, self._legal)
+        for i, why in reasons.items():
+            name = bsyms[i].sym.name
+            self.left_out.setdefault(name, {}).setdefault(why, 0)
+            self.left_out[name][why] += 1
+        new_bsyms: list[BoundSymbol] = []
+        counter = 0
+        for item in order:
+            if isinstance(item, Group):
+                new_bsyms.append(self._fuse(item.bsyms, item.inputs, item.outputs, counter))
+                counter += 1
+            else:
+                new_bsyms.append(item)
+        fused = from_trace(trace)
+        fused.bound_symbols = new_bsyms
+        fused = dce(fused)
+        self._legal_cache = {}
+        ms = (time.perf_counter() - t0) * 1e3
+        fused.set_provenance(TraceProvenance(f"kforge fusion: {counter} regions (took {ms:.0f} milliseconds)"))
+        self._precompile_trace(fused)
+        return fused
+
+    def _precompile_trace(self, trace: TraceCtx) -> None:
+        frs, device = [], None
+        for b in trace.bound_symbols:
+            fr = getattr(b, "_kforge_region", None)
+            if fr is not None:
+                frs.append(fr)
+                device = device if device is not None else _device_of(b)
+        if frs and device is not None:
+            try:
+                _precompile(frs, device)
+            except Exception:  # compiling ahead is an optimisation: the first call compiles instead
+                pass
+
+    def fuse(self, region: Any, fusion_counter: int) -> BoundSymbol:
+        """Thunder's entry (rematerialisation / update_fusion_call_ctx call it again per fusion)."""
+        inputs = [unvariableify(x) for x in region.inputs]
+        outputs = [unvariableify(x) for x in region.outputs]
+        return self._fuse(list(region.bound_symbols), inputs, outputs, fusion_counter)
+
+    def _fuse(self, bsyms: list, inputs: list, outputs: list, counter: int) -> BoundSymbol:
+        name = f"kforgeFusion{counter}"
+        reason = None
+        fr = None
+        try:
+            region_ir = fir.lower(bsyms, inputs, outputs)
+            sched = codegen.schedule(region_ir)
+            fr = _get_region(region_ir, _device_index(inputs, outputs))
+            fn = fr.kernel
+            kind = sched.kind
+        except fir.Unsupported as e:
+            reason = str(e)
+            fn = _torch_callable(bsyms, inputs, outputs)
+            kind = "torch"
+        sym = Symbol(name=name, meta=None, is_fusion=True, executor=self)
+        bsym = BoundSymbol(sym, tuple(inputs), {}, list(outputs), tuple(bsyms), _call_ctx={name: fn})
+        if any(BoundSymbolTag.BACKWARD in b.tags for b in bsyms):
+            bsym.tags.add(BoundSymbolTag.BACKWARD)
+        bsym._kforge_region = fr  # type: ignore[attr-defined]
+        ops = [v.op for v in fr.ir.values if v.op not in ("input", "scalar", "const")] if fr else \
+            [b.sym.name for b in bsyms]
+        self.infos[name] = FusionInfo(name, ops, fr.name if fr else None, kind, reason)
+        return bsym
+
+
+def _device_of(bsym: BoundSymbol) -> int | None:
+    for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs):
+        if isinstance(p, TensorProxy) and p.device.type == "cuda":
+            return p.device.index or 0
+    return None
+
+
+def _device_index(inputs: Sequence[Any], outputs: Sequence[Any]) -> int:
+    for p in (*inputs, *outputs):
+        if isinstance(p, TensorProxy) and p.device.type == "cuda":
+            return p.device.index or 0
+    return 0
+
+
+def _checker(*args: Any, **kwargs: Any) -> bool:
+    """Tensors on CUDA of a dtype the kernels handle; creation prims on a CUDA device."""
+    from thunder.core.pytree import tree_flatten
+
+    flat, _ = tree_flatten((args, kwargs))
+    for x in flat:
+        if isinstance(x, TensorProxy):
+            if x.device.type != "cuda":
+                return False
+            try:
+                fir.ir_dtype(x.dtype)
+            except fir.Unsupported:
+                return False
+    dev = kwargs.get("device")
+    if dev is not None and getattr(dev, "type", None) != "cuda" and getattr(dev, "devicetype", None) is not None:
+        import thunder.core.devices as devices
+
+        if dev.devicetype != devices.DeviceType.CUDA:
+            return False
+    dtype = kwargs.get("dtype")
+    if dtype is not None:
+        try:
+            fir.ir_dtype(dtype)
+        except (fir.Unsupported, Exception):
+            return False
+    return True

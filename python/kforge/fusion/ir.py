@@ -1,0 +1,512 @@
+"""The fusion IR: a region of a Thunder trace as a list of ops over named values.
+
+A region's bound symbols (Thunder prims, or composites whose sub-symbols are prims) are lowered to
+`Value`s in topological order. Every value has a static shape and a dtype ("f32", "bf16", "f16",
+"bool", "i32", "i64"); its op is one of:
+
+- input / scalar          a tensor argument of the region / a number that changes between calls
+- const                   a number fixed at trace time (held in attrs["value"])
+- elementwise ops         unary / binary / ternary, named as Thunder's prims ("add", "exp", "where")
+- convert                 convert_element_type (attrs["dtype"])
+- views                   broadcast_in_dim, reshape, transpose, squeeze, slice, flip
+- cat, pad                index maps with a selection (a copy in torch, free inside a kernel)
+- full, iota              generated values
+- reduce                  attrs["kind"] in sum / amax / amin / var / mean over attrs["dims"]
+
+Number semantics follow Thunder's torch executor: a 16-bit float op computes in fp32 and rounds its
+result to its own dtype, so every convert in a chain is honoured, and a chain of ops costs one pass.
+
+`lower(bsyms, inputs, outputs)` builds a `RegionIR`; it raises `Unsupported` with a reason for
+anything it cannot express. `format_ir(ir)` prints it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from numbers import Number
+from typing import Any, Iterable, Sequence
+
+__all__ = ["Unsupported", "Value", "RegionIR", "lower", "format_ir", "DTYPE_BYTES", "torch_dtype", "ir_dtype",
+           "UNARY", "BINARY", "TERNARY", "VIEW_OPS", "REDUCE_KINDS", "numel"]
+
+
+class Unsupported(Exception):
+    """A region (or bound symbol) the fusion cannot compile; the message says why."""
+
+
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "bool": 1, "i32": 4, "i64": 8}
+FLOATS = ("f32", "bf16", "f16")
+
+# Elementwise prims by arity. The value names the result dtype rule: "same" (the operands' dtype),
+# "bool" (comparisons and predicates), "float" (defined on floats only).
+UNARY = {
+    "abs": "same", "neg": "same", "exp": "float", "exp2": "float", "expm1": "float", "log": "float",
+    "log1p": "float", "log2": "float", "log10": "float", "sqrt": "float", "rsqrt": "float",
+    "reciprocal": "float", "sin": "float", "cos": "float", "tan": "float", "tanh": "float",
+    "sinh": "float", "cosh": "float", "asin": "float", "acos": "float", "atan": "float",
+    "asinh": "float", "acosh": "float", "atanh": "float", "erf": "float", "erfc": "float",
+    "erfinv": "float", "lgamma": "float", "floor": "same", "ceil": "same", "round": "same",
+    "trunc": "same", "sign": "same", "signbit": "bool", "isfinite": "bool", "bitwise_not": "same",
+}
+BINARY = {
+    "add": "same", "sub": "same", "mul": "same", "div": "float", "pow": "float", "maximum": "same",
+    "minimum": "same", "atan2": "float", "fmod": "float", "remainder": "float", "eq": "bool", "ne": "bool",
+    "lt": "bool", "le": "bool", "gt": "bool", "ge": "bool", "bitwise_and": "same", "bitwise_or": "same",
+    "bitwise_xor": "same",
+}
+TERNARY = {"where": "same", "lerp": "float"}
+VIEW_OPS = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "slice", "flip", "copy")
+REDUCE_KINDS = ("sum", "amax", "amin", "var", "mean")
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def ir_dtype(thunder_dtype: Any) -> str:
+    """Our dtype name for a Thunder dtype; Unsupported for the rest (fp64, fp8, complex, ...)."""
+    from thunder.core import dtypes
+
+    import torch
+
+    t = dtypes.to_torch_dtype(thunder_dtype)
+    m = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.bool: "bool",
+         torch.int32: "i32", torch.int64: "i64"}
+    if t not in m:
+        raise Unsupported(f"dtype {t} is not supported (float32, bfloat16, float16, bool, int32, int64)")
+    return m[t]
+
+
+def torch_dtype(d: str):
+    import torch
+
+    return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "bool": torch.bool,
+            "i32": torch.int32, "i64": torch.int64}[d]
+
+
+@dataclass(eq=False)
+class Value:
+    """One SSA value of a region. `args` holds Values and Python numbers."""
+
+    id: int
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    args: tuple = ()
+    attrs: dict = field(default_factory=dict)
+    name: str = ""
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)
+
+    def __repr__(self) -> str:
+        return f"%{self.id}"
+
+
+@dataclass
+class RegionIR:
+    """A region: its arguments (tensor `input`s and runtime `scalar`s, in call order), every value in
+    topological order, and the values it returns."""
+
+    args: list[Value]
+    values: list[Value]
+    outputs: list[Value]
+
+    def consumers(self) -> dict[int, list[Value]]:
+        out: dict[int, list[Value]] = {v.id: [] for v in self.values}
+        for v in self.values:
+            for a in v.args:
+                if isinstance(a, Value):
+                    out[a.id].append(v)
+        return out
+
+    @property
+    def reductions(self) -> list[Value]:
+        return [v for v in self.values if v.op == "reduce"]
+
+
+def _fmt_arg(a: Any) -> str:
+    if isinstance(a, Value):
+        return repr(a)
+    return repr(a)
+
+
+def format_ir(ir: RegionIR) -> str:
+    """The region as text, one value per line (what `kforge.inspect` and tests print)."""
+    lines = []
+    outs = {v.id: i for i, v in enumerate(ir.outputs)}
+    for v in ir.values:
+        attrs = ", ".join(f"{k}={val}" for k, val in v.attrs.items())
+        args = ", ".join(_fmt_arg(a) for a in v.args)
+        body = f"{v.op}({args}{', ' if args and attrs else ''}{attrs})"
+        tail = f"  -> out{outs[v.id]}" if v.id in outs else ""
+        name = f"  # {v.name}" if v.name else ""
+        lines.append(f"%{v.id}: {v.dtype}{list(v.shape)} = {body}{tail}{name}")
+    return "\n".join(lines)
+
+
+# ---- lowering -------------------------------------------------------------------------------------
+class _Builder:
+    def __init__(self) -> None:
+        self.values: list[Value] = []
+        self.env: dict[str, Value] = {}
+
+    def add(self, op: str, shape: Sequence[int], dtype: str, args: tuple = (), attrs: dict | None = None,
+            name: str = "") -> Value:
+        v = Value(len(self.values), op, tuple(int(s) for s in shape), dtype, tuple(args), dict(attrs or {}), name)
+        self.values.append(v)
+        return v
+
+    def const(self, x: Number, dtype: str) -> Value:
+        return self.add("const", (), dtype, attrs={"value": x})
+
+
+def _shape(p: Any) -> tuple[int, ...]:
+    shape = tuple(p.shape)
+    if not all(isinstance(s, int) for s in shape):
+        raise Unsupported(f"{p.name} has a symbolic shape {shape}")
+    return shape
+
+
+def _number_dtype(x: Number) -> str:
+    if isinstance(x, bool):
+        return "bool"
+    if isinstance(x, int):
+        return "i64"
+    if isinstance(x, float):
+        return "f32"
+    raise Unsupported(f"number {x!r} of type {type(x).__name__} is not supported")
+
+
+class _Lowerer:
+    def __init__(self, inputs: Sequence[Any]):
+        from thunder.core.proxies import NumberProxy, TensorProxy
+
+        self.b = _Builder()
+        self.args: list[Value] = []
+        for p in inputs:
+            if isinstance(p, TensorProxy):
+                v = self.b.add("input", _shape(p), ir_dtype(p.dtype), attrs={"index": len(self.args)}, name=p.name)
+            elif isinstance(p, NumberProxy):
+                pt = p.python_type
+                if pt not in (int, float, bool):
+                    raise Unsupported(f"scalar argument {p.name} of type {pt}")
+                v = self.b.add("scalar", (), {int: "i64", float: "f32", bool: "bool"}[pt],
+                               attrs={"index": len(self.args)}, name=p.name)
+            else:
+                raise Unsupported(f"region argument {p!r} is neither a tensor nor a number")
+            self.args.append(v)
+            self.b.env[p.name] = v
+
+    # -- argument access ----------------------------------------------------------------------------
+    def val(self, a: Any, like: Value | None = None) -> Value | Number:
+        """A Value for proxy `a`, or the Python number itself."""
+        from thunder.core.proxies import NumberProxy, Proxy
+
+        if isinstance(a, NumberProxy):
+            if a.name in self.b.env:
+                return self.b.env[a.name]
+            value = getattr(a, "value", None)
+            if isinstance(value, Number):
+                return value
+            raise Unsupported(f"number {a.name} is not a region argument")
+        if isinstance(a, Proxy):
+            if a.name not in self.b.env:
+                raise Unsupported(f"{a.name} is used before it is defined in the region")
+            return self.b.env[a.name]
+        if isinstance(a, Number):
+            return a
+        raise Unsupported(f"argument {a!r} of type {type(a).__name__}")
+
+    def tensor(self, a: Any) -> Value:
+        v = self.val(a)
+        if not isinstance(v, Value) or v.op == "scalar":
+            raise Unsupported(f"expected a tensor, got {a!r}")
+        return v
+
+    # -- bound symbols --------------------------------------------------------------------------------
+    def bsym(self, bsym: Any) -> None:
+        from thunder.core.prims import PrimIDs
+
+        sid = bsym.sym.id
+        handler = _HANDLERS.get(sid) if isinstance(sid, PrimIDs) else None
+        if handler is None:
+            if bsym.subsymbols:
+                for s in bsym.subsymbols:
+                    self.bsym(s)
+                return
+            raise Unsupported(f"{bsym.sym.name} has no fusion lowering")
+        outs = handler(self, bsym)
+        flat = [o for o in bsym.flat_outs]
+        if not isinstance(outs, tuple):
+            outs = (outs,)
+        if len(outs) != len(flat):
+            raise Unsupported(f"{bsym.sym.name}: {len(flat)} outputs, lowered {len(outs)}")
+        from thunder.core.proxies import TensorProxy
+
+        for p, v in zip(flat, outs):
+            if p is None:
+                continue
+            if isinstance(p, TensorProxy):
+                shape, dtype = _shape(p), ir_dtype(p.dtype)
+                if isinstance(v, Value) and (v.shape != shape or v.dtype != dtype):
+                    raise Unsupported(f"{bsym.sym.name}: lowered {v.dtype}{list(v.shape)} for {p.name} "
+                                      f"{dtype}{list(shape)}")
+                if not isinstance(v, Value):
+                    v = self.b.add("full", shape, dtype, attrs={"value": v})
+                if not v.name:
+                    v.name = p.name
+            self.b.env[p.name] = v
+
+
+# ---- per-prim lowering ------------------------------------------------------------------------------
+def _out(bsym: Any) -> Any:
+    return bsym.flat_outs[0]
+
+
+def _elementwise(arity: int, rule: str):
+    def lower(L: _Lowerer, bsym: Any) -> Value | Number:
+        op = bsym.sym.name
+        args = [L.val(a) for a in bsym.args[:arity]]
+        out = _out(bsym)
+        from thunder.core.proxies import TensorProxy
+
+        if not isinstance(out, TensorProxy):
+            raise Unsupported(f"{op} on numbers only")
+        shape, dtype = _shape(out), ir_dtype(out.dtype)
+        for a in args:
+            if isinstance(a, Value) and a.op != "scalar" and a.shape != shape:
+                raise Unsupported(f"{op}: operand {a.dtype}{list(a.shape)} for result {list(shape)}")
+        tensor_dtypes = {a.dtype for a in args if isinstance(a, Value) and a.op != "scalar"}
+        if op == "where":
+            tensor_dtypes = {a.dtype for a in args[1:] if isinstance(a, Value) and a.op != "scalar"}
+        if rule == "float" and (dtype not in FLOATS or tensor_dtypes - set(FLOATS)):
+            raise Unsupported(f"{op} on {sorted(tensor_dtypes | {dtype})}: only on floating dtypes")
+        if dtype in ("i32", "i64") and op in ("div", "pow", "fmod", "remainder"):
+            raise Unsupported(f"integer {op}")
+        vals = tuple(a if isinstance(a, Value) else _check_number(a) for a in args)
+        return L.b.add(op, shape, dtype, vals)
+
+    return lower
+
+
+def _check_number(x: Number) -> Number:
+    _number_dtype(x)
+    return x
+
+
+def _convert(L: _Lowerer, bsym: Any) -> Value | Number:
+    a = L.val(bsym.args[0])
+    out = _out(bsym)
+    from thunder.core.proxies import TensorProxy
+
+    if not isinstance(out, TensorProxy) or not isinstance(a, Value):
+        raise Unsupported("convert_element_type of a number")
+    dtype = ir_dtype(out.dtype)
+    if a.dtype == dtype:
+        return a
+    return L.b.add("convert", a.shape, dtype, (a,), {"dtype": dtype})
+
+
+def _broadcast_in_dim(L: _Lowerer, bsym: Any) -> Value:
+    a = L.tensor(bsym.args[0])
+    shape, bdims = tuple(bsym.args[1]), tuple(bsym.args[2])
+    if len(bdims) != a.ndim:
+        raise Unsupported("broadcast_in_dim: broadcast_dimensions do not match the operand")
+    return L.b.add("broadcast_in_dim", shape, a.dtype, (a,), {"bdims": bdims})
+
+
+def _reshape(L: _Lowerer, bsym: Any) -> Value:
+    a = L.tensor(bsym.args[0])
+    shape = _shape(_out(bsym))
+    if numel(shape) != a.numel:
+        raise Unsupported("reshape changes the number of elements")
+    if shape == a.shape:
+        return a
+    return L.b.add("reshape", shape, a.dtype, (a,))
+
+
+def _transpose(L: _Lowerer, bsym: Any) -> Value:
+    a = L.tensor(bsym.args[0])
+    perm = tuple(int(p) for p in bsym.args[1])
+    if perm == tuple(range(a.ndim)):
+        return a
+    return L.b.add("transpose", tuple(a.shape[p] for p in perm), a.dtype, (a,), {"perm": perm})
+
+
+def _squeeze(L: _Lowerer, bsym: Any) -> Value:
+    a = L.tensor(bsym.args[0])
+    dims = tuple(sorted(int(d) % max(a.ndim, 1) for d in bsym.args[1]))
+    if not dims:
+        return a
+    return L.b.add("squeeze", _shape(_out(bsym)), a.dtype, (a,), {"dims": dims})
+
+
+def _slice(L: _Lowerer, bsym: Any) -> Value:
+    a = L.tensor(bsym.args[0])
+    start, end = tuple(bsym.args[1]), tuple(bsym.args[2])
+    steps = tuple(bsym.args[3]) if len(bsym.args) > 3 and bsym.args[3] is not None else (1,) * a.ndim
+    shape = _shape(_out(bsym))
+    if shape == a.shape and all(s == 0 for s in start):
+        return a
+    return L.b.add("slice", shape, a.dtype, (a,), {"start": tuple(map(int, start)), "step": tuple(map(int, steps))})
+
+
+def _flip(L: _Lowerer, bsym: Any) -> Value:
+    a = L.tensor(bsym.args[0])
+    dims = tuple(sorted(int(d) % a.ndim for d in bsym.args[1]))
+    return L.b.add("flip", a.shape, a.dtype, (a,), {"dims": dims})
+
+
+def _copy(L: _Lowerer, bsym: Any) -> Value:
+    return L.tensor(bsym.args[0])
+
+
+def _cat(L: _Lowerer, bsym: Any) -> Value:
+    parts = [L.tensor(t) for t in bsym.args[0]]
+    out = _out(bsym)
+    shape, dtype = _shape(out), ir_dtype(out.dtype)
+    dim = int(bsym.args[1]) % len(shape)
+    if any(p.dtype != dtype for p in parts):
+        raise Unsupported("cat of mixed dtypes")
+    parts = [p for p in parts if p.shape[dim] > 0]
+    if len(parts) == 1:
+        return parts[0]
+    return L.b.add("cat", shape, dtype, tuple(parts), {"dim": dim})
+
+
+def _pad(L: _Lowerer, bsym: Any) -> Value:
+    a = L.tensor(bsym.args[0])
+    value = L.val(bsym.args[1])
+    if isinstance(value, Value):
+        raise Unsupported("pad with a run-time padding value")
+    config = tuple((int(lo), int(hi), int(d)) for lo, hi, d in bsym.args[2])
+    if any(d < 0 for _, _, d in config):
+        raise Unsupported("pad with negative interior padding")
+    return L.b.add("pad", _shape(_out(bsym)), a.dtype, (a,), {"value": value, "config": config})
+
+
+def _full(L: _Lowerer, bsym: Any) -> Value:
+    out = _out(bsym)
+    value = L.val(bsym.args[1])
+    if isinstance(value, Value):
+        if value.op != "scalar":
+            raise Unsupported("full with a tensor value")
+        return L.b.add("full", _shape(out), ir_dtype(out.dtype), (value,))
+    return L.b.add("full", _shape(out), ir_dtype(out.dtype), attrs={"value": value})
+
+
+def _iota(L: _Lowerer, bsym: Any) -> Value:
+    out = _out(bsym)
+    start, step = bsym.kwargs.get("start"), bsym.kwargs.get("step")
+    if not all(isinstance(x, Number) for x in (start, step)):
+        raise Unsupported("iota with run-time start or step")
+    return L.b.add("iota", _shape(out), ir_dtype(out.dtype), attrs={"start": start, "step": step})
+
+
+def _reduction(kind: str):
+    def lower(L: _Lowerer, bsym: Any) -> Value | tuple:
+        a = L.tensor(bsym.args[0])
+        dims = tuple(sorted({int(d) % a.ndim for d in bsym.args[1]})) if a.ndim else ()
+        if a.dtype not in FLOATS:
+            raise Unsupported(f"{kind} of {a.dtype}: only floating dtypes are reduced")
+        if not dims:
+            raise Unsupported(f"{kind} over no dims")
+        kept = tuple(s for i, s in enumerate(a.shape) if i not in dims)
+        if kind in ("sum", "amax", "amin") and all(a.shape[d] == 1 for d in dims):
+            # over size-1 dims only: the values themselves (the backward of an unsqueeze + expand)
+            return L.b.add("reshape", kept, a.dtype, (a,)) if kept != a.shape else a
+        if kind in ("var", "var_mean"):
+            corr = bsym.kwargs.get("correction", 1)
+            if not isinstance(corr, Number):
+                raise Unsupported("var with a run-time correction")
+            var = L.b.add("reduce", kept, a.dtype, (a,), {"kind": "var", "dims": dims, "correction": corr})
+            if kind == "var":
+                return var
+            mean = L.b.add("reduce", kept, a.dtype, (a,), {"kind": "mean", "dims": dims})
+            return var, mean
+        return L.b.add("reduce", kept, a.dtype, (a,), {"kind": kind, "dims": dims})
+
+    return lower
+
+
+def _build_handlers() -> dict:
+    from thunder.core.prims import PrimIDs
+
+    h: dict = {}
+    for name, rule in UNARY.items():
+        h[getattr(PrimIDs, name.upper())] = _elementwise(1, rule)
+    for name, rule in BINARY.items():
+        h[getattr(PrimIDs, name.upper())] = _elementwise(2, rule)
+    for name, rule in TERNARY.items():
+        h[getattr(PrimIDs, name.upper())] = _elementwise(3, rule)
+    h.update({
+        PrimIDs.CONVERT_ELEMENT_TYPE: _convert,
+        PrimIDs.BROADCAST_IN_DIM: _broadcast_in_dim,
+        PrimIDs.RESHAPE: _reshape,
+        PrimIDs.VIEW: _reshape,
+        PrimIDs.TRANSPOSE: _transpose,
+        PrimIDs.SQUEEZE: _squeeze,
+        PrimIDs.SLICE: _slice,
+        PrimIDs.FLIP: _flip,
+        PrimIDs.CLONE: _copy,
+        PrimIDs.SHALLOW_COPY: _copy,
+        PrimIDs.CAT: _cat,
+        PrimIDs.PAD: _pad,
+        PrimIDs.FULL: _full,
+        PrimIDs.IOTA: _iota,
+        PrimIDs.SUM: _reduction("sum"),
+        PrimIDs.AMAX: _reduction("amax"),
+        PrimIDs.AMIN: _reduction("amin"),
+        PrimIDs.VAR: _reduction("var"),
+        PrimIDs.VAR_MEAN: _reduction("var_mean"),
+    })
+    return h
+
+
+_HANDLERS: dict = {}
+
+
+def supported_prim_ids() -> set:
+    """PrimIDs the fusion can lower."""
+    if not _HANDLERS:
+        _HANDLERS.update(_build_handlers())
+    return set(_HANDLERS)
+
+
+def lower(bsyms: Iterable[Any], inputs: Sequence[Any], outputs: Sequence[Any]) -> RegionIR:
+    """Lower a region: `bsyms` in topological order, `inputs` the proxies it reads (tensors and number
+    proxies, in call order), `outputs` the proxies it returns."""
+    if not _HANDLERS:
+        _HANDLERS.update(_build_handlers())
+    L = _Lowerer(inputs)
+    for b in bsyms:
+        L.bsym(b)
+    outs = []
+    for p in outputs:
+        v = L.b.env.get(p.name)
+        if v is None:
+            raise Unsupported(f"output {p.name} is not computed by the region")
+        if v.op == "scalar":
+            raise Unsupported(f"output {p.name} is a number")
+        outs.append(v)
+    return prune(RegionIR(L.args, L.b.values, outs))
+
+
+def prune(ir: RegionIR) -> RegionIR:
+    """Drop values no output depends on (arguments stay: they are the call signature)."""
+    live: set[int] = set()
+    stack = list(ir.outputs)
+    while stack:
+        v = stack.pop()
+        if v.id in live:
+            continue
+        live.add(v.id)
+        stack.extend(a for a in v.args if isinstance(a, Value))
+    keep = [v for v in ir.values if v.id in live or v.op in ("input", "scalar")]
+    return RegionIR(ir.args, keep, ir.outputs)

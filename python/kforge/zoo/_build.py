@@ -1,0 +1,26 @@
+"""Construct a model directly on its device and in its dtype (no CPU copy, no conversion pass)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    if dtype is None:
+        yield
+        return
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def build(cls, *args, device: str | torch.device, dtype: torch.dtype | None):
+    """`cls(*args)` with parameters created on `device` in `dtype` (None: fp32). Buffers computed in
+    fp32 explicitly stay fp32."""
+    with torch.device(device), _default_dtype(dtype):
+        return cls(*args)

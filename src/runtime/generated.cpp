@@ -1,0 +1,229 @@
+// generated.cpp: the one launcher of generated kernels (kforge.fusion).
+//
+// A GeneratedKernel stands for one fused region of a Thunder trace. Its shapes and dtypes are fixed
+// when the region is built; what varies between calls is the layout of the input tensors, so the
+// kernel is specialised per layout key: for each tensor input whether it is contiguous ('c') or
+// strided ('s': its strides become kernel arguments) and whether its data is 16-byte aligned ('a' /
+// 'u'), plus 'L' when a strided input needs 64-bit offsets. On the first call with a new key the
+// Python code generator is asked for the variant's source and launch geometry; the source is
+// compiled through the same Program path as kernels_src/ (memory + disk cache keyed by its text).
+// Every later call stays in C++: check inputs, look the variant up, allocate outputs through
+// PyTorch's caching allocator, launch on the current stream. No host synchronisation.
+#include "generated.h"
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <climits>
+#include <mutex>
+
+namespace kforge {
+
+namespace py = pybind11;
+
+namespace {
+
+// Dtype names as Python's str(torch.<dtype>) spells them without the "torch." prefix.
+at::ScalarType dtype_from_name(const std::string& n) {
+  if (n == "float32") return at::kFloat;
+  if (n == "bfloat16") return at::kBFloat16;
+  if (n == "float16") return at::kHalf;
+  if (n == "bool") return at::kBool;
+  if (n == "int64") return at::kLong;
+  if (n == "int32") return at::kInt;
+  if (n == "float64") return at::kDouble;
+  throw Error("kforge.fusion: unsupported dtype " + n);
+}
+
+Dim3 to_dim3(const py::handle& h) {
+  auto v = h.cast<std::vector<int64_t>>();
+  Dim3 d;
+  if (v.size() > 0) d.x = static_cast<unsigned>(v[0]);
+  if (v.size() > 1) d.y = static_cast<unsigned>(v[1]);
+  if (v.size() > 2) d.z = static_cast<unsigned>(v[2]);
+  return d;
+}
+
+}  // namespace
+
+GeneratedKernel::GeneratedKernel(std::string name, std::vector<ArgSpec> args, std::vector<OutSpec> outs,
+                                 py::function generator)
+    : name_(std::move(name)), args_(std::move(args)), outs_(std::move(outs)), generator_(std::move(generator)) {
+  for (const auto& a : args_) n_tensors_ += a.is_tensor;
+}
+
+std::string GeneratedKernel::layout_key(const std::vector<at::Tensor>& tensors, int device) const {
+  std::string key = "d" + std::to_string(device) + ":";
+  bool wide = false;
+  for (const auto& t : tensors) {
+    const bool contig = t.is_contiguous();
+    key += contig ? 'c' : 's';
+    key += (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0 ? 'a' : 'u';
+    if (!contig) {
+      int64_t reach = 0;
+      for (int64_t d = 0; d < t.dim(); ++d) reach += (t.size(d) - 1) * std::abs(t.stride(d));
+      wide |= reach > INT_MAX;
+    }
+  }
+  if (wide) key += 'L';
+  return key;
+}
+
+std::shared_ptr<GeneratedVariant> GeneratedKernel::variant(const std::string& key, int device) {
+  auto it = variants_.find(key);
+  if (it != variants_.end()) return it->second;
+  // The generator returns {"source", "program", "launches": [(kernel, grid, block, smem)], "workspace"}.
+  py::dict spec = generator_(key.substr(key.find(':') + 1), device);
+  auto v = std::make_shared<GeneratedVariant>();
+  v->program = Program::from_source(spec["program"].cast<std::string>(), spec["source"].cast<std::string>());
+  for (const auto& l : spec["launches"]) {
+    auto launch = l.cast<py::tuple>();
+    v->kernels.push_back(std::make_unique<Kernel>(*v->program, launch[0].cast<std::string>(),
+                                                  std::vector<DType>{DType::f32}));
+    v->launches.push_back({v->kernels.back().get(), to_dim3(launch[1]), to_dim3(launch[2]),
+                           launch[3].cast<size_t>()});
+  }
+  v->workspace_bytes = spec["workspace"].cast<int64_t>();
+  for (size_t i = 0, t = 0; i < args_.size(); ++i)
+    if (args_[i].is_tensor) v->strided.push_back(key[key.find(':') + 1 + 2 * t++] == 's');
+  {
+    // Compile and load now, with the GIL released: other threads may compile meanwhile.
+    py::gil_scoped_release release;
+    for (auto& k : v->kernels) k->function(DType::f32, device);
+  }
+  variants_.emplace(key, v);
+  return v;
+}
+
+py::tuple GeneratedKernel::call(const py::args& args) {
+  const char* op = "fusion";
+  KF_CHECK(args.size() == args_.size(), op, name_, " takes ", args_.size(), " arguments, got ", args.size());
+  std::vector<at::Tensor> tensors;
+  tensors.reserve(n_tensors_);
+  std::vector<double> scalars;
+  int device = -1;
+  for (size_t i = 0; i < args_.size(); ++i) {
+    const ArgSpec& spec = args_[i];
+    if (!spec.is_tensor) {
+      scalars.push_back(args[i].cast<double>());
+      continue;
+    }
+    at::Tensor t = args[i].cast<at::Tensor>();
+    KF_CHECK(t.is_cuda(), op, name_, ": input ", i, " must be a CUDA tensor, got ", t.device());
+    KF_CHECK(t.scalar_type() == spec.dtype, op, name_, ": input ", i, " has dtype ", t.scalar_type(),
+             ", the fusion was built for ", spec.dtype);
+    KF_CHECK(t.sizes() == c10::IntArrayRef(spec.sizes), op, name_, ": input ", i, " has shape ", t.sizes(),
+             ", the fusion was built for ", c10::IntArrayRef(spec.sizes));
+    if (device < 0) device = t.get_device();
+    KF_CHECK(t.get_device() == device, op, name_, ": inputs are on cuda:", device, " and ", t.device());
+    tensors.push_back(std::move(t));
+  }
+  if (device < 0) device = default_device_ >= 0 ? default_device_ : static_cast<int>(c10::cuda::current_device());
+
+  c10::cuda::CUDAGuard guard(device);
+  auto v = variant(layout_key(tensors, device), device);
+
+  py::tuple result(outs_.size());
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(outs_.size());
+  for (const auto& o : outs_)
+    outputs.push_back(new_output(o.sizes, at::TensorOptions().dtype(o.dtype).device(at::kCUDA, device)));
+  if (!v->launches.empty()) {
+    at::Tensor workspace;
+    if (v->workspace_bytes > 0)
+      workspace = at::empty({v->workspace_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+    // Kernel parameters, in the generator's order: per tensor input its pointer (and its strides when
+    // strided), every output pointer, every scalar as double, then the workspace pointer.
+    std::vector<void*> ptrs;
+    std::vector<int64_t> strides;
+    ptrs.reserve(tensors.size() + outputs.size() + 1);
+    size_t n_strides = 0;
+    for (size_t i = 0; i < tensors.size(); ++i)
+      if (v->strided[i]) n_strides += tensors[i].dim();
+    strides.reserve(n_strides);
+    std::vector<void*> params;
+    params.reserve(tensors.size() + n_strides + outputs.size() + scalars.size() + 2);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      ptrs.push_back(tensors[i].data_ptr());
+      params.push_back(&ptrs.back());
+      if (v->strided[i])
+        for (int64_t d = 0; d < tensors[i].dim(); ++d) {
+          strides.push_back(tensors[i].stride(d));
+          params.push_back(&strides.back());
+        }
+    }
+    for (auto& o : outputs) {
+      ptrs.push_back(o.data_ptr());
+      params.push_back(&ptrs.back());
+    }
+    for (auto& s : scalars) params.push_back(&s);
+    void* ws = workspace.defined() ? workspace.data_ptr() : nullptr;
+    params.push_back(&ws);
+    params.push_back(nullptr);
+    CUstream stream = reinterpret_cast<CUstream>(c10::cuda::getCurrentCUDAStream(device).stream());
+    for (const auto& l : v->launches)
+      l.kernel->launch_raw(DType::f32, device, stream, l.grid, l.block, l.smem, params.data());
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) result[i] = py::cast(outputs[i]);
+  return result;
+}
+
+std::vector<std::string> GeneratedKernel::keys() const {
+  std::vector<std::string> out;
+  for (const auto& kv : variants_) out.push_back(kv.first);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void bind_generated(py::module_& m) {
+  m.def(
+      "compile_generated",
+      [](const std::string& name, const std::string& source, const std::vector<std::string>& kernels, int arch) {
+        // Kept alive: a later launch of the same source finds it in the memory cache.
+        static std::vector<std::unique_ptr<Program>> keep;
+        static std::mutex keep_mu;
+        auto p = Program::from_source(name, source);
+        for (const auto& k : kernels) p->add_expression(k);
+        std::vector<std::string> lowered;
+        {
+          py::gil_scoped_release release;
+          lowered = p->compile_for_arch(arch);
+        }
+        std::lock_guard<std::mutex> lock(keep_mu);
+        keep.push_back(std::move(p));
+        return lowered;
+      },
+      py::arg("name"), py::arg("source"), py::arg("kernels"), py::arg("arch"),
+      "Compile a generated source for sm_<arch> (no GPU needed; memory and disk cache); returns lowered names.");
+  py::class_<GeneratedKernel, std::shared_ptr<GeneratedKernel>>(m, "GeneratedKernel",
+      "A fused region's kernel: specialised per input layout, compiled on first use, launched from C++.")
+      .def(py::init([](std::string name, py::list args, py::list outs, py::function generator, int device) {
+             std::vector<GeneratedKernel::ArgSpec> a;
+             for (const auto& x : args) {
+               GeneratedKernel::ArgSpec s;
+               if (x.is_none()) {
+                 s.is_tensor = false;
+               } else {
+                 auto t = x.cast<py::tuple>();  // (dtype, sizes)
+                 s.dtype = dtype_from_name(t[0].cast<std::string>());
+                 s.sizes = t[1].cast<std::vector<int64_t>>();
+               }
+               a.push_back(std::move(s));
+             }
+             std::vector<GeneratedKernel::OutSpec> o;
+             for (const auto& x : outs) {
+               auto t = x.cast<py::tuple>();
+               o.push_back({t[1].cast<std::vector<int64_t>>(), dtype_from_name(t[0].cast<std::string>())});
+             }
+             auto k = std::make_shared<GeneratedKernel>(std::move(name), std::move(a), std::move(o), std::move(generator));
+             k->set_default_device(device);
+             return k;
+           }),
+           py::arg("name"), py::arg("args"), py::arg("outputs"), py::arg("generator"), py::arg("device") = -1,
+           "args: per argument (dtype name, sizes) for a tensor or None for a scalar; outputs: (dtype name, sizes).")
+      .def("__call__", &GeneratedKernel::call)
+      .def_property_readonly("name", &GeneratedKernel::name)
+      .def("keys", &GeneratedKernel::keys, "Layout keys compiled so far (device:per-input flags).");
+}
+
+}  // namespace kforge

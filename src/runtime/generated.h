@@ -1,0 +1,66 @@
+// generated.h: GeneratedKernel, the launcher of kernels generated at run time (kforge.fusion).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "torch_launch.h"
+
+namespace kforge {
+
+struct GeneratedLaunch {
+  Kernel* kernel;
+  Dim3 grid, block;
+  size_t smem;
+};
+
+// One layout specialisation: its program, kernels and launches (in order), workspace bytes, and
+// which tensor inputs take their strides as arguments.
+struct GeneratedVariant {
+  std::unique_ptr<Program> program;
+  std::vector<std::unique_ptr<Kernel>> kernels;
+  std::vector<GeneratedLaunch> launches;
+  int64_t workspace_bytes = 0;
+  std::vector<bool> strided;
+};
+
+class GeneratedKernel {
+ public:
+  struct ArgSpec {
+    bool is_tensor = true;
+    at::ScalarType dtype = at::kFloat;
+    std::vector<int64_t> sizes;
+  };
+  struct OutSpec {
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype;
+  };
+
+  GeneratedKernel(std::string name, std::vector<ArgSpec> args, std::vector<OutSpec> outs,
+                  pybind11::function generator);
+  // Runs the region on its inputs (tensors and numbers, in the region's order); returns its outputs.
+  pybind11::tuple call(const pybind11::args& args);
+  const std::string& name() const { return name_; }
+  std::vector<std::string> keys() const;
+  void set_default_device(int d) { default_device_ = d; }
+
+ private:
+  std::string layout_key(const std::vector<at::Tensor>& tensors, int device) const;
+  std::shared_ptr<GeneratedVariant> variant(const std::string& key, int device);
+
+  std::string name_;
+  std::vector<ArgSpec> args_;
+  std::vector<OutSpec> outs_;
+  pybind11::function generator_;
+  size_t n_tensors_ = 0;
+  int default_device_ = -1;
+  std::unordered_map<std::string, std::shared_ptr<GeneratedVariant>> variants_;
+};
+
+void bind_generated(pybind11::module_& m);
+
+}  // namespace kforge
