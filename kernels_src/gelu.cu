@@ -1,6 +1,11 @@
-// gelu, tanh approximation: out = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), evaluated
-// as x * sigmoid(2u) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)), one exp and one divide.
-// Nothing is saved: backward recomputes from x, dx = dout * gelu'(x).
+// gelu, two modes selected by the template flag Erf (one source, fp32 math, nothing saved: backward
+// recomputes from x, dx = dout * gelu'(x)):
+// - tanh approximation (Erf = false, GPT-2's `approximate="tanh"`): out = 0.5 x (1 + tanh(u)),
+//   u = sqrt(2/pi) (x + 0.044715 x^3), evaluated as x * sigmoid(2u) (the same function:
+//   0.5 (1 + tanh(u)) = sigmoid(2u)), one exp and one divide.
+// - exact (Erf = true, `nn.GELU()`'s default, nanoGPT's): out = x Phi(x), Phi(x) = erfc(-x / sqrt 2) / 2,
+//   gelu'(x) = Phi(x) + x exp(-x^2 / 2) / sqrt(2 pi). erfc, not 1 + erf: in the negative tail 1 + erf
+//   cancels (20 % off at x = -5 in fp32) where erfc keeps full relative precision.
 // Compiled with fast math: ex2.approx and the approximate reciprocal stay far inside the fp32
 // tolerance.
 //
@@ -31,22 +36,57 @@ KF_DEVICE float gelu_grad(float x) {
   return s + 2.0f * x * s * (1.0f - s) * du;
 }
 
+constexpr float kInvSqrt2 = 0.7071067811865476f;    // 1 / sqrt(2)
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;  // 1 / sqrt(2 pi)
+
+// Phi(x) = erfc(-x / sqrt 2) / 2 through erfc(a) = t exp(-a^2 + P(t)), a = |x| / sqrt 2 >= 0,
+// t = 1 / (1 + a / 2) (Numerical Recipes' erfcc: relative error below 1.2e-7 for every a >= 0); the
+// tail itself for x <= 0, 1 - tail for x > 0. One rcp, ten FMAs and one exp, no branch; -a^2 = -x^2 / 2
+// is formed inside the exponent's FMA, so neither a nor x^2 is rounded there (fp32: 4e-6 relative
+// at x = -12). The CUDA library's erfcf took more than 32 registers and spilled in the bf16 pack
+// kernel (ptxas -v, sm_80 / sm_90).
+KF_DEVICE float gelu_cdf(float x) {
+  const float t = __fdividef(1.0f, fmaf(0.5f * kInvSqrt2, fabsf(x), 1.0f));
+  float p = 0.17087277f;
+  p = fmaf(p, t, -0.82215223f);
+  p = fmaf(p, t, 1.48851587f);
+  p = fmaf(p, t, -1.13520398f);
+  p = fmaf(p, t, 0.27886807f);
+  p = fmaf(p, t, -0.18628806f);
+  p = fmaf(p, t, 0.09678418f);
+  p = fmaf(p, t, 0.37409196f);
+  p = fmaf(p, t, 1.00002368f);
+  p = fmaf(p, t, -1.26551223f);
+  const float tail = 0.5f * t * __expf(fmaf(-0.5f * x, x, p));  // |x| -> inf: t -> 0, exp -> 0
+  return x > 0.0f ? 1.0f - tail : tail;
+}
+KF_DEVICE float gelu_erf_value(float x) { return x * gelu_cdf(x); }
+// Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi): for x -> -inf both terms -> 0 (the exp
+// underflows to 0 before x * 0 could meet an inf).
+KF_DEVICE float gelu_erf_grad(float x) {
+  return fmaf(x * kInvSqrt2Pi, __expf(-0.5f * x * x), gelu_cdf(x));  // -0.5 x * x: one rounding
+}
+
+// The scalar kernels' functions per mode.
+template <bool Erf> KF_DEVICE float gelu_act(float x) { return Erf ? gelu_erf_value(x) : gelu_value(x); }
+template <bool Erf> KF_DEVICE float gelu_dact(float x) { return Erf ? gelu_erf_grad(x) : gelu_grad(x); }
+
 // Misaligned pointers: grid-stride loop, one element per thread per step, 64-bit indices.
-template <typename T>
+template <typename T, bool Erf>
 __global__ void gelu_forward_scalar_kernel(const T* __restrict__ x, T* __restrict__ out, long long n) {
   kf_wait_prior_grids();
   const long long stride = (long long)gridDim.x * blockDim.x;
   for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride)
-    out[t] = from_float<T>(gelu_value(to_float(x[t])));
+    out[t] = from_float<T>(gelu_act<Erf>(to_float(x[t])));
 }
 
-template <typename T>
+template <typename T, bool Erf>
 __global__ void gelu_backward_scalar_kernel(const T* __restrict__ dout, const T* __restrict__ x,
                                             T* __restrict__ dx, long long n) {
   kf_wait_prior_grids();
   const long long stride = (long long)gridDim.x * blockDim.x;
   for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride)
-    dx[t] = from_float<T>(to_float(dout[t]) * gelu_grad(to_float(x[t])));
+    dx[t] = from_float<T>(to_float(dout[t]) * gelu_dact<Erf>(to_float(x[t])));
 }
 
 // ---- 16-byte packs ------------------------------------------------------------------------------
@@ -78,6 +118,14 @@ KF_DEVICE float gelu_grad_fast(float x) {
   const float x2 = x * x;
   const float s = gelu_rcp(1.0f + gelu_ex2(x * fmaf(kGeluE3, x2, kGeluE1)));
   return s * fmaf(x * (1.0f - s), fmaf(kGeluD3, x2, kGeluD1), 1.0f);
+}
+
+// The pack kernels' functions per mode.
+template <bool Erf> KF_DEVICE float gelu_act_fast(float x) {
+  return Erf ? gelu_erf_value(x) : gelu_value_fast(x);
+}
+template <bool Erf> KF_DEVICE float gelu_dact_fast(float x) {
+  return Erf ? gelu_erf_grad(x) : gelu_grad_fast(x);
 }
 
 // A 16-byte pack kept as its four raw 32-bit words from the load until the math uses them, and
@@ -129,34 +177,34 @@ KF_DEVICE void set_word(int4& v, int i, u32 w) {
 }
 
 // One 32-bit word of a pack (1 float or 2 16-bit elements) in, one out.
-template <typename T> KF_DEVICE u32 gelu_forward_word(u32 w) {
+template <typename T, bool Erf> KF_DEVICE u32 gelu_forward_word(u32 w) {
   typedef GeluWord<T> W;
   float f[W::kElems];
   W::unpack(w, f);
 #pragma unroll
-  for (int j = 0; j < W::kElems; ++j) f[j] = gelu_value_fast(f[j]);
+  for (int j = 0; j < W::kElems; ++j) f[j] = gelu_act_fast<Erf>(f[j]);
   return W::pack(f);
 }
-template <typename T> KF_DEVICE u32 gelu_backward_word(u32 g, u32 w) {
+template <typename T, bool Erf> KF_DEVICE u32 gelu_backward_word(u32 g, u32 w) {
   typedef GeluWord<T> W;
   float f[W::kElems], d[W::kElems];
   W::unpack(w, f);
   W::unpack(g, d);
 #pragma unroll
-  for (int j = 0; j < W::kElems; ++j) f[j] = d[j] * gelu_grad_fast(f[j]);
+  for (int j = 0; j < W::kElems; ++j) f[j] = d[j] * gelu_dact_fast<Erf>(f[j]);
   return W::pack(f);
 }
 
-template <typename T> KF_DEVICE int4 gelu_forward_pack(int4 a) {
+template <typename T, bool Erf> KF_DEVICE int4 gelu_forward_pack(int4 a) {
   int4 r;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) set_word(r, i, gelu_forward_word<T>(word(a, i)));
+  for (int i = 0; i < 4; ++i) set_word(r, i, gelu_forward_word<T, Erf>(word(a, i)));
   return r;
 }
-template <typename T> KF_DEVICE int4 gelu_backward_pack(int4 g, int4 a) {
+template <typename T, bool Erf> KF_DEVICE int4 gelu_backward_pack(int4 g, int4 a) {
   int4 r;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) set_word(r, i, gelu_backward_word<T>(word(g, i), word(a, i)));
+  for (int i = 0; i < 4; ++i) set_word(r, i, gelu_backward_word<T, Erf>(word(g, i), word(a, i)));
   return r;
 }
 
@@ -182,14 +230,15 @@ template <int P> KF_DEVICE bool gelu_gate(const int4 (&g)[P], const int4 (&a)[P]
 
 // Packs per thread and threads per block of gelu_{forward,backward}_kernel (kPacksPerThread and
 // kThreads in src/ops/gelu.cpp). The __launch_bounds__ minimum of 8 resident blocks per SM caps the
-// registers at 32 (full occupancy) without spilling (nvcc --resource-usage, sm_80 and sm_90).
+// registers at 32 (full occupancy) without spilling in both modes (nvcc --resource-usage, sm_80 and
+// sm_90).
 constexpr int kGeluP = 2;
 constexpr int kGeluB = 256;
 constexpr int kGeluMinBlocks = 8;
 
 // Block b: packs [b P B, (b + 1) P B), thread t takes packs t + k B (k < P); the block with
 // (b + 1) P B > packs (always the last one) is bounds-checked and writes the scalar tail.
-template <typename T>
+template <typename T, bool Erf>
 __global__ void __launch_bounds__(kGeluB, kGeluMinBlocks)
     gelu_forward_kernel(const T* __restrict__ x, T* __restrict__ out, long long n) {
   kf_wait_prior_grids();
@@ -204,7 +253,7 @@ __global__ void __launch_bounds__(kGeluB, kGeluMinBlocks)
     for (int k = 0; k < P; ++k) a[k] = gelu_ld(xp + k * B * V);
     if (!gelu_gate(a, n)) {
 #pragma unroll
-      for (int k = 0; k < P; ++k) gelu_st(op + k * B * V, gelu_forward_pack<T>(a[k]));
+      for (int k = 0; k < P; ++k) gelu_st(op + k * B * V, gelu_forward_pack<T, Erf>(a[k]));
       return;
     }
   }
@@ -214,13 +263,13 @@ __global__ void __launch_bounds__(kGeluB, kGeluMinBlocks)
     if (k * B < left) a[k] = gelu_ld(xp + k * B * V);
 #pragma unroll
   for (int k = 0; k < P; ++k)
-    if (k * B < left) gelu_st(op + k * B * V, gelu_forward_pack<T>(a[k]));
+    if (k * B < left) gelu_st(op + k * B * V, gelu_forward_pack<T, Erf>(a[k]));
   const long long t = packs * V + threadIdx.x;  // n - packs V < V <= B elements
-  if (t < n) out[t] = from_float<T>(gelu_value_fast(to_float(x[t])));
+  if (t < n) out[t] = from_float<T>(gelu_act_fast<Erf>(to_float(x[t])));
 }
 
 // Layout as gelu_forward_kernel; 2 P loads (dout and x) in flight per thread.
-template <typename T>
+template <typename T, bool Erf>
 __global__ void __launch_bounds__(kGeluB, kGeluMinBlocks)
     gelu_backward_kernel(const T* __restrict__ dout, const T* __restrict__ x, T* __restrict__ dx,
                          long long n) {
@@ -240,7 +289,7 @@ __global__ void __launch_bounds__(kGeluB, kGeluMinBlocks)
     }
     if (!gelu_gate(g, a, n)) {
 #pragma unroll
-      for (int k = 0; k < P; ++k) gelu_st(op + k * B * V, gelu_backward_pack<T>(g[k], a[k]));
+      for (int k = 0; k < P; ++k) gelu_st(op + k * B * V, gelu_backward_pack<T, Erf>(g[k], a[k]));
       return;
     }
   }
@@ -254,7 +303,7 @@ __global__ void __launch_bounds__(kGeluB, kGeluMinBlocks)
   }
 #pragma unroll
   for (int k = 0; k < P; ++k)
-    if (k * B < left) gelu_st(op + k * B * V, gelu_backward_pack<T>(g[k], a[k]));
+    if (k * B < left) gelu_st(op + k * B * V, gelu_backward_pack<T, Erf>(g[k], a[k]));
   const long long t = packs * V + threadIdx.x;
-  if (t < n) dx[t] = from_float<T>(to_float(dout[t]) * gelu_grad_fast(to_float(x[t])));
+  if (t < n) dx[t] = from_float<T>(to_float(dout[t]) * gelu_dact_fast<Erf>(to_float(x[t])));
 }

@@ -1,9 +1,11 @@
-"""gelu (tanh approximation): launchers against a float64 reference (forward and backward): the 16-byte
-pack kernels (full and partial blocks, scalar tail) and the scalar kernels that misaligned pointers
-take, saturation, > 2^31 elements, and the Thunder claim.
+"""gelu, tanh approximation and exact (erf): launchers against a float64 reference (forward and
+backward) in both modes: the 16-byte pack kernels (full and partial blocks, scalar tail) and the
+scalar kernels that misaligned pointers take, the tails, saturation, > 2^31 elements, and the Thunder
+claim of `F.gelu(x)` / `F.gelu(x, approximate="tanh")` / `nn.GELU()`.
 
-CPU tests: decline reasons (exact gelu, CPU tensors, fp64), the fallback to torch on CPU tensors, and
-the Thunder plumbing (metas, grad transform) with the launchers swapped for a torch reference.
+CPU tests: the float64 references themselves, decline reasons (CPU tensors, fp64, an unknown
+`approximate`), the fallback to torch on CPU tensors, and the Thunder plumbing (metas, grad
+transform) in both modes with the launchers swapped for a torch reference.
 """
 from __future__ import annotations
 
@@ -30,10 +32,20 @@ def gelu_tanh64(x64: torch.Tensor) -> torch.Tensor:
     return x64 * torch.sigmoid(2.0 * u)
 
 
-def reference(x, dout):
+def gelu_erf64(x64: torch.Tensor) -> torch.Tensor:
+    """Exact gelu in float64 as x * Phi(x), Phi(x) = erfc(-x / sqrt 2) / 2: torch's float64
+    0.5 (1 + erf(x / sqrt 2)) cancels in the negative tail, and torch.special.ndtr returns 0 at -9."""
+    return x64 * (0.5 * torch.special.erfc(-x64 / math.sqrt(2.0)))
+
+
+REFERENCES = {"tanh": gelu_tanh64, "none": gelu_erf64}
+MODES = list(REFERENCES)
+
+
+def reference(x, dout, approximate="tanh"):
     """float64 gelu(x) and dout * gelu'(x) from the same (rounded) inputs."""
     x64 = x.detach().double().requires_grad_(True)
-    out = gelu_tanh64(x64)
+    out = REFERENCES[approximate](x64)
     out.backward(dout.double())
     return out.detach(), x64.grad
 
@@ -50,9 +62,26 @@ def test_reference_is_accurate_in_the_tails():
     torch.testing.assert_close(gelu_tanh64(y), F.gelu(y, approximate="tanh"), rtol=1e-12, atol=1e-15)
 
 
-def check_against_reference(x, dout, dtype):
-    out, dx = kforge._C.gelu_forward(x), kforge._C.gelu_backward(dout, x)
-    r_out, r_dx = reference(x, dout)
+def test_erf_reference_is_accurate_in_the_tails():
+    # x Phi(x) and Phi(x) + x phi(x) against 30-digit values (mpmath); torch's float64 gelu,
+    # 0.5 x (1 + erf(x / sqrt 2)), loses all digits past x = -8.
+    x = torch.tensor([-9.0, -6.5, -3.0, -0.5, 2.0], dtype=torch.float64, requires_grad=True)
+    exact = torch.tensor([-1.0157295653584566e-18, -2.6104003795084266e-10, -4.0496940948902836e-03,
+                          -1.5426876936299345e-01, 1.9544997361036416], dtype=torch.float64)
+    exact_grad = torch.tensor([-9.1389373739066393e-18, -1.6950517937572626e-09, -1.1945647204183927e-02,
+                               1.3250487534383716e-01, 1.0852318010781969], dtype=torch.float64)
+    y = gelu_erf64(x)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(y.detach(), exact, rtol=1e-12, atol=0)
+    torch.testing.assert_close(g, exact_grad, rtol=1e-10, atol=0)
+    z = torch.linspace(-4, 6, 1001, dtype=torch.float64)
+    torch.testing.assert_close(gelu_erf64(z), F.gelu(z), rtol=1e-12, atol=1e-15)
+
+
+def check_against_reference(x, dout, dtype, approximate="tanh"):
+    out = kforge._C.gelu_forward(x, approximate)
+    dx = kforge._C.gelu_backward(dout, x, approximate)
+    r_out, r_dx = reference(x, dout, approximate)
     assert out.dtype == dx.dtype == dtype and out.shape == dx.shape == x.shape
     assert_close(out, r_out, dtype, "out")
     assert_close(dx, r_dx, dtype, "dx")
@@ -74,30 +103,34 @@ SHAPES = [(1,), (7,), (1000,), (4096,), (8192 + 9,), (8, 3072), (3, 5, 771), ((1
 
 
 @gpu
+@pytest.mark.parametrize("approximate", MODES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
-def test_matches_float64_reference(dtype, shape):
+def test_matches_float64_reference(dtype, shape, approximate):
     x = randn(*shape, dtype=dtype, scale=3.0)
     dout = randn(*shape, dtype=dtype)
-    check_against_reference(x, dout, dtype)
+    check_against_reference(x, dout, dtype, approximate)
 
 
 @gpu
-@pytest.mark.parametrize("v", [-6.90625, -7.5, -8.5, -9.0, -4.0, 5.0])
+@pytest.mark.parametrize("approximate", MODES)
+@pytest.mark.parametrize("v", [-6.90625, -7.5, -8.5, -9.0, -4.0, -1.0, -0.5, 0.75, 5.0])
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
-def test_single_elements_in_the_tails(dtype, v):
+def test_single_elements_in_the_tails(dtype, v, approximate):
     # One element alone, so the relative error is that element's: the negative tail (values down to
-    # 1e-29) is where a reference through 1 + tanh(u) was wrong and where cancellation would show.
+    # 1e-29) is where a reference through 1 + tanh(u) was wrong and where cancellation would show
+    # (1 + erf(x / sqrt 2) in the exact mode; the kernel takes erfc).
     x = torch.tensor([v], device="cuda").to(dtype)
     dout = torch.tensor([-1.375], device="cuda").to(dtype)
-    check_against_reference(x, dout, dtype)
+    check_against_reference(x, dout, dtype, approximate)
 
 
 @gpu
+@pytest.mark.parametrize("approximate", MODES)
 @pytest.mark.parametrize("align", ["aligned", "misaligned"])
 @pytest.mark.parametrize("reps", [1, 1000], ids=lambda r: f"x{r}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_saturation_and_extremes(dtype, reps, align):
+def test_saturation_and_extremes(dtype, reps, align, approximate):
     """Far tails: gelu -> x / 0 and gelu' -> 1 / 0 without inf or NaN from the exp overflowing.
     15 values (scalar tail / partial block), and repeated 1000 times (full blocks); misaligned: the
     scalar kernels."""
@@ -106,8 +139,8 @@ def test_saturation_and_extremes(dtype, reps, align):
     if align == "misaligned":
         x = misaligned(x)
     dout = torch.ones_like(x)
-    out, dx = kforge._C.gelu_forward(x), kforge._C.gelu_backward(dout, x)
-    r_out, r_dx = reference(x, dout)
+    out, dx = kforge._C.gelu_forward(x, approximate), kforge._C.gelu_backward(dout, x, approximate)
+    r_out, r_dx = reference(x, dout, approximate)
     assert torch.isfinite(out).all() and torch.isfinite(dx).all()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), r_out, rtol=tol, atol=tol)
@@ -115,22 +148,24 @@ def test_saturation_and_extremes(dtype, reps, align):
 
 
 @gpu
+@pytest.mark.parametrize("approximate", MODES)
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
-def test_misaligned_and_strided_inputs(dtype):
+def test_misaligned_and_strided_inputs(dtype, approximate):
     """A view off a 16-byte boundary (x or dout) takes the scalar kernels; a strided view is copied
     first (then the pack kernels)."""
     n = 4099
     x, dout = randn(n, dtype=dtype, scale=3.0), randn(n, dtype=dtype)
-    check_against_reference(misaligned(x), dout, dtype)
-    check_against_reference(x, misaligned(dout), dtype)
+    check_against_reference(misaligned(x), dout, dtype, approximate)
+    check_against_reference(x, misaligned(dout), dtype, approximate)
     xs, ds = randn(96, 64, dtype=dtype).t(), randn(96, 64, dtype=dtype).t()
-    check_against_reference(xs, ds, dtype)
+    check_against_reference(xs, ds, dtype, approximate)
 
 
 @gpu
+@pytest.mark.parametrize("approximate", MODES)
 @pytest.mark.parametrize("align", ["aligned", "misaligned"])
 @pytest.mark.bigmem
-def test_more_than_2_31_elements(align):
+def test_more_than_2_31_elements(align, approximate):
     """64-bit offsets: the packs and the scalar tail (aligned), or the scalar kernels' grid-stride
     loop (misaligned), past element 2^31 are right."""
     n = (1 << 31) + (1 << 20) + 5
@@ -143,11 +178,11 @@ def test_more_than_2_31_elements(align):
     x = torch.randn(n + off, device="cuda", generator=gen, dtype=torch.bfloat16)[off:].mul_(3)
     dout = torch.randn(n + off, device="cuda", generator=gen, dtype=torch.bfloat16)[off:]
     assert (x.data_ptr() % 16 != 0) == (dout.data_ptr() % 16 != 0) == bool(off)
-    out = kforge._C.gelu_forward(x)
-    dx = kforge._C.gelu_backward(dout, x)
+    out = kforge._C.gelu_forward(x, approximate)
+    dx = kforge._C.gelu_backward(dout, x, approximate)
     for start in (0, (1 << 31) - (1 << 16), n - (1 << 16)):  # head, across 2^31, tail
         sl = slice(start, start + (1 << 17))
-        r_out, r_dx = reference(x[sl], dout[sl])
+        r_out, r_dx = reference(x[sl], dout[sl], approximate)
         assert_close(out[sl], r_out, torch.bfloat16, f"out[{start}:]")
         assert_close(dx[sl], r_dx, torch.bfloat16, f"dx[{start}:]")
 
@@ -164,20 +199,21 @@ def test_launcher_rejects_bad_arguments():
 
 
 @gpu
+@pytest.mark.parametrize("approximate", MODES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_thunder_jit_uses_kforge(dtype):
+def test_thunder_jit_uses_kforge(dtype, approximate):
     x = randn(4, 33, 3072, dtype=dtype, scale=3.0).requires_grad_(True)
     dout = randn(4, 33, 3072, dtype=dtype)
 
     def fn(x):
-        return F.gelu(x, approximate="tanh")
+        return F.gelu(x, approximate=approximate)
 
     jfn = thunder.jit(fn, executors=[kforge.executor])
     out = jfn(x)
     (dx,) = torch.autograd.grad(out, (x,), dout)
     assert "kforge_gelu_forward" in str(thunder.last_traces(jfn)[-1])
     assert "kforge_gelu_backward" in str(thunder.last_backward_traces(jfn)[-1])
-    r_out, r_dx = reference(x, dout)
+    r_out, r_dx = reference(x, dout, approximate)
     assert_close(out, r_out, dtype, "out")
     assert_close(dx, r_dx, dtype, "dx")
     with torch.no_grad():  # inference: the execution transform
@@ -187,13 +223,20 @@ def test_thunder_jit_uses_kforge(dtype):
 
 
 @gpu
-def test_thunder_leaves_exact_gelu_to_torch_on_gpu():
-    _thunder.reset_declines()
-    x = randn(8, 64)
-    jfn = thunder.jit(lambda x: F.gelu(x), executors=[kforge.executor])
-    torch.testing.assert_close(jfn(x), F.gelu(x))
-    assert "kforge_gelu" not in str(thunder.last_traces(jfn)[-1])
-    assert any("approximate='none'" in r for r in _thunder.declines()["gelu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nn_gelu_module_is_claimed(dtype):
+    """`nn.GELU()` (exact, nanoGPT's MLP) inside a module: claimed in both directions."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda().to(dtype)
+    x = randn(3, 7, 64, dtype=dtype)
+    jm = thunder.jit(mlp, executors=[kforge.executor, *thunder.get_default_executors()])
+    out = jm(x)
+    out.sum().backward()
+    assert "kforge_gelu_forward" in str(thunder.last_traces(jm)[-1])
+    assert "kforge_gelu_backward" in str(thunder.last_backward_traces(jm)[-1])
+    h = mlp[0](x).detach()
+    r_act, _ = reference(h, torch.ones_like(h), "none")
+    ref = F.linear(r_act, mlp[2].weight.double(), mlp[2].bias.double())
+    assert_close(out, ref, dtype, "out", tol=2 * (1e-5 if dtype == torch.float32 else 8e-3))
 
 
 # ---- CPU: declines, fallback, plumbing ----------------------------------------------------------------
@@ -213,9 +256,8 @@ def test_cpu_tensors_fall_back_to_torch(approximate):
     ref = fn(x)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(dx, torch.autograd.grad(ref, (x,), dout)[0])
-    expected = "not CUDA" if approximate == "tanh" else "approximate='none'"
     reasons = _thunder.declines()["gelu"]
-    assert any(r.startswith("gelu: ") and expected in r for r in reasons), reasons
+    assert any(r.startswith("gelu: ") and "not CUDA" in r for r in reasons), reasons
 
 
 def test_bindings_take_no_variant():
@@ -234,7 +276,15 @@ def test_launchers_reject_cpu_tensors():
     with pytest.raises(kforge.KforgeError, match="gelu_forward: x must be a CUDA tensor"):
         kforge._C.gelu_forward(x)
     with pytest.raises(kforge.KforgeError, match="gelu_backward: x must be a CUDA tensor"):
-        kforge._C.gelu_backward(x, x)
+        kforge._C.gelu_backward(x, x, "none")
+
+
+def test_launchers_reject_an_unknown_approximation():
+    x = randn(16, device="cpu")
+    with pytest.raises(kforge.KforgeError, match='gelu_forward: approximate must be "tanh" or "none", got "erf"'):
+        kforge._C.gelu_forward(x, "erf")
+    with pytest.raises(kforge.KforgeError, match='gelu_backward: approximate must be "tanh" or "none"'):
+        kforge._C.gelu_backward(x, x, "sigmoid")
 
 
 def test_checker_accepts_and_declines_with_reasons():
@@ -242,8 +292,10 @@ def test_checker_accepts_and_declines_with_reasons():
     with tracectx(TraceCtx()):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             assert check(proxy((8, 3072), dtype=dtype), approximate="tanh") is None
+            assert check(proxy((8, 3072), dtype=dtype), approximate="none") is None
+            assert check(proxy((8, 3072), dtype=dtype)) is None  # torch's default: exact
         cases = {
-            "approximate='none'": check(proxy((8, 3072))),
+            "approximate='erf' is not one of": check(proxy((8, 3072)), approximate="erf"),
             "not CUDA": check(proxy((8, 3072), device="cpu"), approximate="tanh"),
             "float64": check(proxy((8, 3072), dtype=torch.float64), approximate="tanh"),
             "empty": check(proxy((0, 3072)), approximate="tanh"),
@@ -257,17 +309,18 @@ def test_checker_accepts_and_declines_with_reasons():
 @pytest.fixture
 def cpu_reference_launchers(monkeypatch):
     swap_launchers(monkeypatch, ge, {
-        ge.gelu_forward: lambda x: F.gelu(x, approximate="tanh"),
-        ge.gelu_backward: lambda dout, x: torch.ops.aten.gelu_backward(dout, x, approximate="tanh"),
+        ge.gelu_forward: lambda x, approximate: F.gelu(x, approximate=approximate),
+        ge.gelu_backward: lambda dout, x, approximate: torch.ops.aten.gelu_backward(dout, x, approximate=approximate),
     })
 
 
-def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):
+@pytest.mark.parametrize("approximate", MODES)
+def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers, approximate):
     x = randn(3, 40, device="cpu", scale=3.0).requires_grad_(True)
     dout = randn(3, 40, device="cpu")
 
     def fn(x):
-        return F.gelu(x, approximate="tanh") * 2
+        return F.gelu(x, approximate=approximate) * 2
 
     jfn = thunder.jit(fn, executors=[kforge.executor])
     out = jfn(x)

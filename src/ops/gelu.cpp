@@ -1,9 +1,11 @@
-// gelu launchers (tanh approximation, see kernels_src/gelu.cu): forward -> out; backward -> dx,
-// recomputed from x. Every pointer 16-byte aligned: gelu_{forward,backward}_kernel, no loop, 256-thread
-// blocks, 2 packs per thread (backward: 2 of dout and 2 of x) all loaded before the math, grid
-// packs / 512 + 1, streaming loads and stores; 32 registers, 8 blocks per SM (forward 64 KB of loads
+// gelu launchers, tanh approximation or exact (erf) gelu (see kernels_src/gelu.cu): forward -> out;
+// backward -> dx, recomputed from x. `approximate` is torch's: "tanh" or "none" (erf). Every pointer
+// 16-byte aligned: gelu_{forward,backward}_kernel, no loop, 256-thread blocks, 2 packs per thread
+// (backward: 2 of dout and 2 of x) all loaded before the math, grid packs / 512 + 1, streaming loads
+// and stores; 32 registers, 8 blocks per SM (forward 64 KB of loads
 // in flight per SM, backward 128 KB). Any pointer misaligned: the grid-stride scalar kernels.
 #include <limits>
+#include <string>
 
 #include "../runtime/torch_launch.h"
 
@@ -14,10 +16,20 @@ constexpr const char* kFwd = "gelu_forward";
 constexpr const char* kBwd = "gelu_backward";
 
 Program prog("gelu", ProgramOptions{/*fast_math=*/true});
-Kernel fwd(prog, "gelu_forward_kernel<{T}>");
-Kernel bwd(prog, "gelu_backward_kernel<{T}>");
-Kernel fwd_scalar(prog, "gelu_forward_scalar_kernel<{T}>");
-Kernel bwd_scalar(prog, "gelu_backward_scalar_kernel<{T}>");
+// [tanh, erf]: the kernels' Erf template flag.
+Kernel fwd[2] = {Kernel(prog, "gelu_forward_kernel<{T}, false>"), Kernel(prog, "gelu_forward_kernel<{T}, true>")};
+Kernel bwd[2] = {Kernel(prog, "gelu_backward_kernel<{T}, false>"), Kernel(prog, "gelu_backward_kernel<{T}, true>")};
+Kernel fwd_scalar[2] = {Kernel(prog, "gelu_forward_scalar_kernel<{T}, false>"),
+                        Kernel(prog, "gelu_forward_scalar_kernel<{T}, true>")};
+Kernel bwd_scalar[2] = {Kernel(prog, "gelu_backward_scalar_kernel<{T}, false>"),
+                        Kernel(prog, "gelu_backward_scalar_kernel<{T}, true>")};
+
+// torch's `approximate` argument -> the kernels' Erf flag (index into the tables above).
+int erf_mode(const std::string& approximate, const char* op) {
+  KF_CHECK(approximate == "tanh" || approximate == "none", op,
+           "approximate must be \"tanh\" or \"none\", got \"", approximate, "\"");
+  return approximate == "none" ? 1 : 0;
+}
 
 constexpr int64_t kPacksPerThread = 2;  // kGeluP in kernels_src/gelu.cu
 constexpr int kThreads = 256;           // kGeluB
@@ -34,7 +46,8 @@ unsigned packs_grid(int64_t n, int64_t elem_size, const char* op) {
   return static_cast<unsigned>(blocks);
 }
 
-at::Tensor gelu_forward(const at::Tensor& x_) {
+at::Tensor gelu_forward(const at::Tensor& x_, const std::string& approximate) {
+  const int erf = erf_mode(approximate, kFwd);
   const at::Tensor x = input(x_, kFwd, "x");
   LaunchOn on(x);
   at::Tensor out = new_output_like(x);
@@ -42,16 +55,17 @@ at::Tensor gelu_forward(const at::Tensor& x_) {
   if (n == 0) return out;
   const DType dt = dtype_of(x, kFwd);
   if (!(aligned16(x) && aligned16(out))) {
-    fwd_scalar.launch(dt, on.device, on.stream, scalar_grid(n, on.device), Dim3(256), 0, x.data_ptr(),
-                      out.data_ptr(), n);
+    fwd_scalar[erf].launch(dt, on.device, on.stream, scalar_grid(n, on.device), Dim3(256), 0,
+                           x.data_ptr(), out.data_ptr(), n);
     return out;
   }
-  fwd.launch(dt, on.device, on.stream, Dim3(packs_grid(n, x.element_size(), kFwd)), Dim3(kThreads), 0,
-             x.data_ptr(), out.data_ptr(), n);
+  fwd[erf].launch(dt, on.device, on.stream, Dim3(packs_grid(n, x.element_size(), kFwd)), Dim3(kThreads),
+                  0, x.data_ptr(), out.data_ptr(), n);
   return out;
 }
 
-at::Tensor gelu_backward(const at::Tensor& dout_, const at::Tensor& x_) {
+at::Tensor gelu_backward(const at::Tensor& dout_, const at::Tensor& x_, const std::string& approximate) {
+  const int erf = erf_mode(approximate, kBwd);
   const at::Tensor x = input(x_, kBwd, "x");
   const at::Tensor dout = input_like(dout_, x, kBwd, "dout");
   KF_CHECK(dout.sizes() == x.sizes(), kBwd, "dout has shape ", dout.sizes(), ", x has ", x.sizes());
@@ -61,12 +75,12 @@ at::Tensor gelu_backward(const at::Tensor& dout_, const at::Tensor& x_) {
   if (n == 0) return dx;
   const DType dt = dtype_of(x, kBwd);
   if (!(aligned16(x) && aligned16(dout) && aligned16(dx))) {
-    bwd_scalar.launch(dt, on.device, on.stream, scalar_grid(n, on.device), Dim3(256), 0,
-                      dout.data_ptr(), x.data_ptr(), dx.data_ptr(), n);
+    bwd_scalar[erf].launch(dt, on.device, on.stream, scalar_grid(n, on.device), Dim3(256), 0,
+                           dout.data_ptr(), x.data_ptr(), dx.data_ptr(), n);
     return dx;
   }
-  bwd.launch(dt, on.device, on.stream, Dim3(packs_grid(n, x.element_size(), kBwd)), Dim3(kThreads), 0,
-             dout.data_ptr(), x.data_ptr(), dx.data_ptr(), n);
+  bwd[erf].launch(dt, on.device, on.stream, Dim3(packs_grid(n, x.element_size(), kBwd)), Dim3(kThreads),
+                  0, dout.data_ptr(), x.data_ptr(), dx.data_ptr(), n);
   return dx;
 }
 
@@ -74,13 +88,14 @@ at::Tensor gelu_backward(const at::Tensor& dout_, const at::Tensor& x_) {
 
 KFORGE_BIND_OP(gelu) {
   m.def("gelu_forward", &gelu_forward,
-        "gelu, tanh approximation. 16-byte packs (2 per thread, all loads first); misaligned inputs "
-        "take a scalar grid-stride kernel.",
-        pybind11::arg("x"));
+        "gelu: approximate=\"tanh\" (default) or \"none\" (exact, erf). 16-byte packs (2 per thread, all "
+        "loads first); misaligned inputs take a scalar grid-stride kernel.",
+        pybind11::arg("x"), pybind11::arg("approximate") = "tanh");
   m.def("gelu_backward", &gelu_backward,
-        "gradient of the tanh-approximation gelu: dout * gelu'(x). 16-byte packs (2 of dout and 2 of "
-        "x per thread, all loads first); misaligned inputs take a scalar grid-stride kernel.",
-        pybind11::arg("dout"), pybind11::arg("x"));
+        "gradient of gelu: dout * gelu'(x), approximate=\"tanh\" (default) or \"none\" (erf). 16-byte packs "
+        "(2 of dout and 2 of x per thread, all loads first); misaligned inputs take a scalar grid-stride "
+        "kernel.",
+        pybind11::arg("dout"), pybind11::arg("x"), pybind11::arg("approximate") = "tanh");
 }
 
 }  // namespace kforge
