@@ -2,8 +2,8 @@
 float64 reference, deterministic results, the 16-byte and scalar paths, and the Thunder claims (the
 bias gradient in a linear's backward trace; a forward sum with its broadcast gradient).
 
-CPU tests: which sums are offered and why some are declined, the fallback on CPU tensors, and the
-Thunder plumbing with the launcher swapped for torch.
+CPU tests: which sums are offered and why some are declined (kforge's fusion executor listed among
+them), the fallback on CPU tensors, and the Thunder plumbing with the launcher swapped for torch.
 """
 from __future__ import annotations
 
@@ -153,6 +153,25 @@ def test_cpu_tensors_fall_back_to_torch():
     assert "kforge_" not in str(thunder.last_traces(jf)[-1])
     torch.testing.assert_close(out, x.detach().sum((0, 1)))
     assert any(r.startswith("colsum: ") and "not CUDA" in r for r in _thunder.declines()["sum"])
+
+
+def test_left_to_the_fusion_executor_when_it_is_listed():
+    from types import SimpleNamespace
+
+    from thunder.core.compile_data import compile_data_and_stats
+
+    fusion = pytest.importorskip("kforge.fusion", reason="kforge.fusion is not in this tree").get_fusion_executor()
+    with tracectx(TraceCtx()):
+        x = proxy(8, 1024, 768, dtype=torch.bfloat16)
+        with compile_data_and_stats(SimpleNamespace(executors_list=(kforge.executor, fusion)), None):
+            assert cs._applies(x, (0, 1)) and cs._checker(x, (0, 1)) == "left to kforge.fusion"
+        with compile_data_and_stats(SimpleNamespace(executors_list=(kforge.executor,)), None):
+            assert cs._checker(x, (0, 1)) is None
+    _thunder.reset_declines()
+    x = randn(5, 6, 37, device="cpu")
+    jf = thunder.jit(lambda x: x.sum((0, 1)), executors=[kforge.executor, fusion])
+    torch.testing.assert_close(jf(x), x.sum((0, 1)))
+    assert "colsum: left to kforge.fusion" in _thunder.declines()["sum"]
 
 
 def test_launcher_rejects_cpu_tensors():

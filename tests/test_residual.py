@@ -2,8 +2,9 @@
 rounding of the fp32 sum, as eager), the 16-byte / scalar-tail paths, and the Thunder claim of
 `add` (no casts left in the forward or backward trace).
 
-CPU tests: decline reasons (broadcasting, numbers, alpha, mixed dtypes, CPU tensors), the fallback to
-torch on CPU tensors, and the Thunder plumbing with the launcher swapped for torch.add.
+CPU tests: decline reasons (broadcasting, numbers, alpha, mixed dtypes, CPU tensors, kforge's fusion
+executor in the executor list), the fallback to torch on CPU tensors, and the Thunder plumbing with
+the launcher swapped for torch.add.
 """
 from __future__ import annotations
 
@@ -161,6 +162,47 @@ def test_checker_accepts_and_declines_with_reasons():
         }
     for expected_reason, reason in cases.items():
         assert reason is not None and expected_reason in reason, (expected_reason, reason)
+
+
+def fusion_listed(*executors):
+    """A compile-data stand-in whose executor list the checkers read (Thunder sets the real one
+    during `thunder.jit`'s compile)."""
+    from types import SimpleNamespace
+
+    from thunder.core.compile_data import compile_data_and_stats
+
+    return compile_data_and_stats(SimpleNamespace(executors_list=tuple(executors)), None)
+
+
+def test_left_to_the_fusion_executor_when_it_is_listed():
+    fusion = pytest.importorskip("kforge.fusion", reason="kforge.fusion is not in this tree").get_fusion_executor()
+    with tracectx(TraceCtx()):
+        a, b = proxy(8, 768, dtype=torch.bfloat16), proxy(8, 768, dtype=torch.bfloat16)
+        with fusion_listed(kforge.executor, fusion):
+            assert rs.fusion_in_use()
+            assert rs._checker(a, b) == rs.FUSION_DECLINE == "left to kforge.fusion"
+        with fusion_listed(kforge.executor, *thunder.get_default_executors()):
+            assert not rs.fusion_in_use() and rs._checker(a, b) is None
+        assert not rs.fusion_in_use() and rs._checker(a, b) is None  # outside a compile
+
+
+def test_fusion_decline_recorded_under_thunder_jit():
+    fusion = pytest.importorskip("kforge.fusion", reason="kforge.fusion is not in this tree").get_fusion_executor()
+    _thunder.reset_declines()
+    a, b = randn(5, 37, device="cpu"), randn(5, 37, device="cpu")
+    jfn = thunder.jit(lambda a, b: a + b, executors=[kforge.executor, fusion])
+    torch.testing.assert_close(jfn(a, b), a + b)
+    assert "residual: left to kforge.fusion" in _thunder.declines()["add"]
+
+
+def test_fusion_check_survives_a_missing_fusion_module(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "kforge.fusion", None)  # `from ..fusion import ...` raises ImportError
+    with tracectx(TraceCtx()):
+        a, b = proxy(8, 768), proxy(8, 768)
+        with fusion_listed(kforge.executor):
+            assert not rs.fusion_in_use() and rs._checker(a, b) is None
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ kernels_src/colsum.cu.
 Claims `thunder.torch.sum(x, dim, keepdim)` when `dim` names every dim but the last (in any order,
 negative or not) and no other dtype is asked for (keepdim reshapes the (C,) result); the backward of a claimed forward sum is
 the broadcast of the gradient (no kernel). Other sums are not offered to kforge (`Claim.applies`).
+With kforge's fusion executor in the executor list the sum is declined ("left to kforge.fusion"),
+which reduces it inside a generated kernel together with what produces its input.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from thunder.core.transforms import get_grad, put_grad
 
 from .. import _C
 from .._thunder import Claim, OpSpec, operator, tensor_problem
+from .residual import FUSION_DECLINE, fusion_in_use
 
 
 def _forward_meta(x: TensorProxy) -> TensorProxy:
@@ -53,6 +56,8 @@ def _applies(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = Non
 
 def _checker(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> str | None:
     """None when kforge takes `ltorch.sum(x, dim, keepdim, dtype=dtype)`, else why not."""
+    if fusion_in_use():
+        return FUSION_DECLINE
     if (p := tensor_problem(x, "x")) is not None:
         return p
     if not _leading_dims(x, dim):

@@ -12,6 +12,10 @@ shapes are equal or one is the trailing dims of the other (broadcast along leadi
 position embedding is: its gradient is the sum over those dims); other broadcasting, mixed dtypes
 and other alphas are declined (torch runs them). Adds of a
 number are not offered to kforge at all (`Claim.applies`), so they stay out of the decline log.
+
+With kforge's fusion executor in the executor list (`kforge.jit`, `kforge.executors()`), the add is
+declined ("left to kforge.fusion"): fused into its neighbours' generated kernel it costs no launch
+and no round trip through memory of its own. `kforge.ops.colsum` does the same.
 """
 from __future__ import annotations
 
@@ -24,6 +28,27 @@ from thunder.core.transforms import get_grad, put_grad
 
 from .. import _C
 from .._thunder import Claim, OpSpec, operator, same_dtype_device, tensor_problem
+
+
+FUSION_DECLINE = "left to kforge.fusion"
+
+
+def fusion_in_use() -> bool:
+    """Whether the compilation now running has kforge's fusion executor in its executor list (checkers
+    run inside Thunder's compile; outside one, or before `kforge.fusion` exists, False)."""
+    from thunder.core.compile_data import get_compile_data
+
+    cd = get_compile_data()
+    executors = getattr(cd, "executors_list", None) if cd is not None else None
+    if not executors:
+        return False
+    try:
+        from ..fusion import get_fusion_executor
+
+        fusion = get_fusion_executor()
+    except Exception:  # no fusion module (yet), or one that fails to load: nothing to leave to it
+        return False
+    return fusion in executors
 
 
 def _forward_meta(a: TensorProxy, b: TensorProxy) -> TensorProxy:
@@ -41,6 +66,8 @@ def _two_tensors(a: Any, b: Any, *, alpha: Any = 1) -> bool:
 
 def _checker(a: Any, b: Any, *, alpha: Any = 1) -> str | None:
     """None when kforge takes `ltorch.add(a, b, alpha=alpha)`, else why not."""
+    if fusion_in_use():
+        return FUSION_DECLINE
     if (p := tensor_problem(a, "a")) is not None or (p := tensor_problem(b, "b")) is not None:
         return p
     if isinstance(alpha, TensorProxy) or alpha != 1:
