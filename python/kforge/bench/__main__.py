@@ -148,20 +148,22 @@ def _measure(args: argparse.Namespace, argv: list[str], prog: str) -> int:
     from . import harness
 
     dry = args.what == "models" and args.dry
+    cfg = None
+    if args.what == "models":  # usage errors first: they need no GPU to find
+        from . import models
+
+        try:
+            cfg = models.resolve(args)
+        except models.UsageError as e:
+            print(f"{prog} models: error: {e}", file=sys.stderr)
+            return 2
     if not dry and not torch.cuda.is_available():
         print(f"{prog} {args.what} needs a CUDA GPU; none is visible"
               + (" (--dry checks the wiring on the CPU)." if args.what == "models" else "."), file=sys.stderr)
         return 2
     command = f"{prog} " + " ".join(shlex.quote(a) for a in argv)
     header = records.run_header(command, device="cpu" if dry else "cuda")
-    if args.what == "models":
-        from . import models
-
-        try:
-            cfg = models.resolve(args)
-        except models.FactoryError as e:
-            print(f"{prog} models: error: {e}", file=sys.stderr)
-            return 2
+    if cfg is not None:
         result = models.bench_models(cfg, progress=harness.progress_enabled(),
                                      log=lambda s: print(s, file=sys.stderr, flush=True))
     elif args.what == "ops":

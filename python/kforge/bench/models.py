@@ -51,7 +51,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class FactoryError(ValueError):
+class UsageError(ValueError):
+    """A `bench models` command line that cannot run (unknown model or backend, bad sizes)."""
+
+
+class FactoryError(UsageError):
     """A --model factory that breaks the contract (bad spec, wrong return value, unknown option)."""
 
 
@@ -102,7 +106,7 @@ def zoo_case(name: str, size: str | None = None) -> ModelCase:
     from ..zoo import MODELS
 
     if name not in MODELS:
-        raise FactoryError(f"unknown zoo model {name!r}; choose from {', '.join(MODELS)}")
+        raise UsageError(f"unknown zoo model {name!r}; choose from {', '.join(MODELS)}")
     return ModelCase(name, MODELS[name], size or DEFAULT_SIZE.get(name))
 
 
@@ -142,7 +146,7 @@ def build(case: ModelCase, setup: str, *, batch: int, seq: int, device: Any, see
     import torch
 
     if setup not in SETUPS:
-        raise FactoryError(f"unknown set-up {setup!r}; choose from {', '.join(SETUPS)}")
+        raise UsageError(f"unknown set-up {setup!r}; choose from {', '.join(SETUPS)}")
     factory = load_factory(case.spec)
     device = torch.device(device)
     weights = torch.bfloat16 if setup == "bf16" else torch.float32
@@ -293,7 +297,7 @@ def train_row(built: Built, backend: str, *, steps: int, warmup: int, cudagraphs
     t0 = time.perf_counter()
     fn = wrap(backend, built.model, built.mode, cudagraphs=cudagraphs)
 
-    def step() -> float:
+    def step() -> Any:
         if mark_step:  # a new iteration for CUDA-graph trees: earlier outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         with autocast:
@@ -301,10 +305,9 @@ def train_row(built: Built, backend: str, *, steps: int, warmup: int, cudagraphs
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach().float().item()
+        return loss.detach()
 
-    loss = step()
-    _sync(device)
+    loss = step().float().item()  # .item() waits for the step
     row["first_s"] = time.perf_counter() - t0
     compiles1 = _nvrtc_compiles()
     if backend == "kforge" and compiles0 is not None and compiles1 is not None:
@@ -313,7 +316,7 @@ def train_row(built: Built, backend: str, *, steps: int, warmup: int, cudagraphs
     if first_only:
         return row
     if not timed:
-        row["final_loss"] = step()
+        row["final_loss"] = step().float().item()
         return row
     for _ in range(max(warmup - 1, 0)):
         step()
@@ -323,10 +326,12 @@ def train_row(built: Built, backend: str, *, steps: int, warmup: int, cudagraphs
     for _ in range(steps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        losses.append(step())  # .item() synchronises after the step, outside the events
+        loss_t = step()
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e))
+        # Read before the next step: a CUDA-graph output is overwritten by the next replay.
+        losses.append(loss_t.float().item())
     row.update(ms=statistics.median(times), ms_min=min(times),
                peak_gib=torch.cuda.max_memory_allocated() / 2**30, final_loss=losses[-1])
     return row
@@ -418,12 +423,15 @@ def resolve(args: Any) -> ModelsConfig:
     backends = [b.strip() for b in (args.backends or ",".join(BACKENDS)).split(",") if b.strip()]
     for b in backends:
         if b not in BACKENDS:
-            raise FactoryError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+            raise UsageError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
     dry = bool(args.dry)
+    sizes = dict(batch=pick("batch", 2 if dry else 8), seq=pick("seq", 16 if dry else 1024),
+                 steps=pick("steps", 10), warmup=pick("warmup", 3))
+    for k, v in sizes.items():
+        if v < 1:
+            raise UsageError(f"--{k} must be at least 1, got {v}")
     return ModelsConfig(
-        cases=cases, setups=setups, backends=backends,
-        batch=pick("batch", 2 if dry else 8), seq=pick("seq", 16 if dry else 1024),
-        steps=pick("steps", 10), warmup=pick("warmup", 3),
+        cases=cases, setups=setups, backends=backends, **sizes,
         cudagraphs=bool(args.cudagraphs or preset.get("cudagraphs", False)),
         second_process=bool(args.second_process), dry=dry, cold=not args.warm_caches,
         preset=getattr(args, "preset", None))
@@ -466,6 +474,7 @@ def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[st
             row["error"] = _error(e)
         finally:
             built = None  # noqa: F841 - drop the model before the next row allocates
+            torch._dynamo.reset()  # compiled code holds the row's model
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

@@ -1,0 +1,557 @@
+"""python -m kforge.bench: the command line, the record, BENCHMARKS.md generated from it, the one-time
+importer of the hand-kept tables, and `bench models` (users' models, factories, set-ups, backends).
+
+CPU: argument parsing and help texts, usage lines under both spellings, the record's round trip, the
+importer (a sample of the old format, and the committed record against the file it was imported
+from), the latest-run-per-table rule, the derived targets, charts, BENCHMARKS.md up to date with the
+record, factories and their errors, presets, a --dry run of every zoo model on the CPU (a failing
+backend leaves its error and the run goes on), the second process's plumbing. GPU: a short
+`bench models` run with timings and the second process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kforge
+from conftest import gpu
+from kforge.bench import legacy, models, records, report
+from kforge.bench.__main__ import SUBCOMMANDS, main, parser
+
+PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(kforge.__file__)))
+REPO = os.path.dirname(PKG_ROOT)
+RECORD = os.path.join(REPO, "benchmarks", "records.jsonl")
+
+
+def run_module(*args: str, module: str = "kforge.bench", gpu_visible: bool = True, extra_path: str | None = None,
+               timeout: int = 900):
+    """`python -m MODULE ARGS` in a fresh process; returns (exit status, stdout, stderr)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, PKG_ROOT, env.get("PYTHONPATH")) if p)
+    if not gpu_visible:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    r = subprocess.run([sys.executable, "-m", *module.split(), *args], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    return r.returncode, r.stdout, r.stderr
+
+
+FACTORIES = textwrap.dedent('''
+    import torch
+    import torch.nn.functional as F
+
+    class Net(torch.nn.Module):
+        def __init__(self, vocab=29, dim=16):
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, dim)
+            self.norm = torch.nn.LayerNorm(dim)
+            self.out = torch.nn.Linear(dim, vocab)
+
+        def forward(self, idx, targets):
+            logits = self.out(F.gelu(self.norm(self.emb(idx))))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    def make(batch=2, seq=8, seed=0):
+        # no device / dtype: the bench moves and casts
+        torch.manual_seed(seed)
+        idx = torch.randint(0, 29, (batch, seq))
+        return Net(), (idx, idx)
+
+    def make_all(**kw):
+        # takes everything: sees size, autocast, dtype, device
+        torch.manual_seed(0)
+        seen.append(kw)
+        net = Net().to(device=kw["device"], dtype=torch.float32 if kw["autocast"] else kw["dtype"])
+        idx = torch.randint(0, 29, (kw["batch"], kw["seq"]), device=kw["device"])
+        return net, {"idx": idx, "targets": idx}, {"loss_fn": lambda out: out * 1.0,
+                                                    "autocast": kw["dtype"] if kw["autocast"] else None}
+
+    seen = []
+
+    def bad_options():
+        return Net(), (torch.zeros(1, 2, dtype=torch.long),) * 2, {"colour": "red"}
+
+    def not_a_model():
+        return 42, ()
+
+    def bad_mode():
+        return Net(), (torch.zeros(1, 2, dtype=torch.long),) * 2, {"mode": "fast"}
+
+    not_callable = 3
+''')
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    (tmp_path / "kf_bench_models.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("kf_bench_models", None)
+    yield str(tmp_path)
+    sys.modules.pop("kf_bench_models", None)
+
+
+# ---- command line --------------------------------------------------------------------------------
+def _all_parsers(p: argparse.ArgumentParser):
+    yield p
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sp in a.choices.values():
+                yield from _all_parsers(sp)
+
+
+def test_every_option_has_help_text():
+    for p in _all_parsers(parser("python -m kforge.bench")):
+        for a in p._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            assert a.help and a.help != argparse.SUPPRESS, (p.prog, a.option_strings or a.dest)
+
+
+def test_without_subcommand_lists_them_under_both_spellings():
+    for module, prog in (("kforge.bench", "python -m kforge.bench"), ("kforge bench", "python -m kforge bench")):
+        rc, out, err = run_module(module=module)
+        assert rc == 2, (module, out, err)
+        assert f"usage: {prog} " in err and "name a subcommand" in err
+        for s in SUBCOMMANDS:
+            assert s in err
+
+
+def test_help_names_the_module_and_every_subcommand():
+    rc, out, _ = run_module("--help", module="kforge bench")
+    assert rc == 0 and out.startswith("usage: python -m kforge bench")
+    assert "python -m kforge.bench" in out
+    for s in SUBCOMMANDS:
+        assert s in out
+    rc, out, _ = run_module("models", "--help")
+    assert rc == 0 and out.startswith("usage: python -m kforge.bench models")
+    for opt in ("--model", "--setup", "--backends", "--second-process", "--preset", "--cudagraphs", "--dry", "--record"):
+        assert opt in out
+
+
+def test_main_prog_argument_and_errors(capsys):
+    assert main([], prog="python -m kforge bench") == 2
+    assert "python -m kforge bench: error: name a subcommand" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["models", "--setup", "nope"])
+    assert e.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_measuring_needs_a_gpu(capsys):
+    for argv in (["models", "nanogpt"], ["ops", "--quick"], ["launch"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "needs a CUDA GPU" in err
+    assert main(["models"]) == 2
+    assert "--dry checks the wiring" in capsys.readouterr().err
+    assert main(["models", "--backends", "eager,jax"]) == 2  # usage errors come first
+    assert "unknown backend 'jax'" in capsys.readouterr().err
+    assert main(["models", "--model", "no_such_module_xyz:make"]) == 2
+    assert "cannot import" in capsys.readouterr().err
+
+
+def test_progress_bars_only_on_a_terminal():
+    from kforge.bench.harness import progress_enabled
+
+    assert progress_enabled() == sys.stderr.isatty()
+
+
+# ---- the record ----------------------------------------------------------------------------------
+def test_record_round_trip_and_errors(tmp_path):
+    path = str(tmp_path / "sub" / "records.jsonl")
+    header = records.run_header("python -m kforge.bench launch", device="cpu")
+    for key in ("schema", "device", "gpu", "torch", "thunder", "kforge", "python", "commit", "date", "command"):
+        assert key in header
+    assert header["thunder"] and header["kforge"] == kforge.__version__
+    records.append(path, {**header, "kind": "launch", "rows": [{"launcher": "x", "host_us_per_launch": 1.5}]})
+    records.append(path, {**header, "kind": "launch", "rows": [], "dtype": torch.bfloat16})
+    runs = records.load(path)
+    assert [r["rows"] for r in runs] == [[{"launcher": "x", "host_us_per_launch": 1.5}], []]
+    assert runs[1]["dtype"] == "torch.bfloat16"
+    assert records.load(str(tmp_path / "missing.jsonl")) == []
+    with open(path, "a") as f:
+        f.write("\n{not json\n")
+    with pytest.raises(ValueError, match=r"records.jsonl:4: not JSON"):
+        records.load(path)
+
+
+def test_commit_from_environment(monkeypatch):
+    monkeypatch.setenv("KFORGE_COMMIT", "abc1234")
+    assert records.git_commit() == "abc1234"
+
+
+# ---- importer ------------------------------------------------------------------------------------
+LEGACY = textwrap.dedent('''\
+    # Benchmarks
+
+    ## Where the targets stand
+
+    | target (issue) | result |
+    |---|---|
+    | x | met |
+
+    ### `python -m kforge.bench gpt2 --markdown /root/out/gpt2.md`
+
+    NVIDIA H200 · torch 2.11.0+cu130 · Python 3.12.3 · 2026-11-22 · kforge fa97873
+
+    | model   | attention   | backend        | B x T   | dtype   |   ms/step |   peak GiB |   warm-up s |   loss | error   |
+    |---------|-------------|----------------|---------|---------|-----------|------------|-------------|--------|---------|
+    | gpt2    | sdpa        | eager          | 8x1024  | bf16    |     32.1  |       5.36 |           0 |  8.562 |         |
+    | gpt2    | sdpa        | thunder        | 8x1024  | bf16    |           |            |             |        | RuntimeError: boom |
+
+    An older run, kept for the record:
+
+    | model   | attention   | backend        | B x T   | dtype   |   ms/step |   peak GiB |   warm-up s |   loss | error   |
+    |---------|-------------|----------------|---------|---------|-----------|------------|-------------|--------|---------|
+    | gpt2    | sdpa        | eager          | 8x1024  | bf16    |     99.9  |       5.36 |           0 |  8.562 |         |
+
+    ### `python -m kforge.bench ops --op colsum --quick`
+
+    NVIDIA H100 80GB HBM3 · torch 2.11.0+cu130 · Python 3.12.3 · 2026-11-22 · kforge 8c88da8
+
+    Measured device-to-device copy bandwidth: **4214 GB/s** (read + write). `% copy`: ...
+
+    | op       | dir   | shape            | dtype   |   kforge µs |   kforge GB/s |   % copy |   same-size copy µs |   % same-size copy |   eager µs |   eager GB/s | compile µs   | compile GB/s   |
+    |----------|-------|------------------|---------|-------------|---------------|----------|---------------------|--------------------|------------|--------------|--------------|----------------|
+    | colsum   | fwd   | 8x1024x768       | fp32    |        10.1 |          2489 |       59 |                11.1 |                109 |       19.4 |         1299 | —            | —              |
+
+    ### `python -m kforge.bench launch --markdown /root/out/launch.md`
+
+    NVIDIA H200 · torch 2.11.0+cu130 · Python 3.12.3 · 2026-11-22 · kforge 8c88da8
+
+    | launcher       |   host µs / launch |
+    |----------------|--------------------|
+    | kforge._C.axpy |               4.63 |
+
+    ### The A/B runs (not a bench table)
+
+    ### `python -m kforge.bench gpt2 --markdown /root/out/gpt2.md`
+
+    NVIDIA H200 · torch 2.11.0+cu130 · Python 3.12.3 · 2026-11-21 · kforge 0000000
+
+    | model   | attention   | backend        | B x T   | dtype   |   ms/step |   peak GiB |   warm-up s |   loss | error   |
+    |---------|-------------|----------------|---------|---------|-----------|------------|-------------|--------|---------|
+    | gpt2    | sdpa        | eager          | 8x1024  | bf16    |     77.7  |       5.36 |           0 |  8.562 |         |
+''')
+
+
+def test_importer_reads_the_newest_table_of_each_command():
+    runs = legacy.parse(LEGACY, from_commit="a10325a")
+    assert [(r["kind"], r["commit"]) for r in runs] == [("model", "fa97873"), ("ops", "8c88da8"), ("launch", "8c88da8")]
+    gpt2, ops, launch = runs
+    assert gpt2["gpu"] == "NVIDIA H200" and gpt2["torch"] == "2.11.0+cu130" and gpt2["date"] == "2026-11-22"
+    assert gpt2["python"] == "3.12.3" and gpt2["thunder"] is None and gpt2["imported"]["from_commit"] == "a10325a"
+    assert gpt2["rows"][0] == dict(model="gpt2", attention="sdpa", backend="eager", batch=8, seq=1024, dtype="bf16",
+                                   ms=32.1, peak_gib=5.36, warmup_s=0.0, final_loss=8.562)
+    assert gpt2["rows"][1]["ms"] is None and gpt2["rows"][1]["error"] == "RuntimeError: boom"
+    assert len(gpt2["rows"]) == 2  # the older table under the same heading is prose, not imported
+    assert ops["gpu"] == "NVIDIA H100 80GB HBM3" and ops["copy_gbs"] == 4214.0
+    assert ops["rows"][0]["kforge_us"] == 10.1 and ops["rows"][0]["compile_us"] is None
+    assert ops["rows"][0]["kforge_pct_copy"] == 59.0
+    assert launch["rows"] == [{"launcher": "kforge._C.axpy", "host_us_per_launch": 4.63}]
+    assert legacy.already_imported(runs, runs[1]) and not legacy.already_imported([], runs[1])
+
+
+def test_importer_rejects_a_table_it_cannot_read():
+    bad = LEGACY.replace("|   host µs / launch |", "|   something else   |")
+    with pytest.raises(legacy.LegacyFormatError, match="unknown columns"):
+        legacy.parse(bad)
+
+
+def test_import_md_command_appends_once(tmp_path, capsys):
+    src = tmp_path / "BENCHMARKS.md"
+    src.write_text(LEGACY)
+    rec = str(tmp_path / "records.jsonl")
+    assert main(["import-md", str(src), "--record", rec, "--from-commit", "a10325a", "--dry-run"]) == 0
+    assert not os.path.exists(rec)
+    assert main(["import-md", str(src), "--record", rec, "--from-commit", "a10325a"]) == 0
+    assert len(records.load(rec)) == 3
+    assert main(["import-md", str(src), "--record", rec, "--from-commit", "a10325a"]) == 0
+    assert len(records.load(rec)) == 3 and "3 tables already in" in capsys.readouterr().out
+    src.write_text("# Benchmarks\n\n### layernorm\n\n| a |\n|---|\n| 1 |\n")
+    assert main(["import-md", str(src), "--record", rec]) == 2
+
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def test_committed_record_holds_the_hand_kept_tables_unchanged():
+    imported = [r for r in records.load(RECORD) if r.get("imported")]
+    assert len(imported) == 7
+    src_commit = imported[0]["imported"]["from_commit"]
+    text = _git("show", f"{src_commit}:BENCHMARKS.md")
+    if text is None:
+        pytest.skip("no git history here to read the hand-kept BENCHMARKS.md from")
+    parsed = legacy.parse(text, from_commit=src_commit)
+    key = lambda r: r["command"]  # noqa: E731
+    assert sorted(imported, key=key) == sorted(parsed, key=key)
+
+
+# ---- report --------------------------------------------------------------------------------------
+def _run(kind: str, rows: list[dict], gpu: str = "NVIDIA H200", commit: str = "c0", **kw) -> dict:
+    return {"schema": 1, "kind": kind, "device": "cuda", "gpu": gpu, "torch": "2.11.0", "thunder": "0.2.6",
+            "commit": commit, "date": "2026-11-25", "command": f"python -m kforge.bench {kind}", "rows": rows, **kw}
+
+
+def _op(op: str, us: float, pct: float, d: str = "fwd") -> dict:
+    return dict(op=op, dir=d, shape="8192x768", dtype="bf16", kforge_us=us, kforge_gbs=1000.0, kforge_pct_copy=pct)
+
+
+def test_latest_run_per_table_and_gpu():
+    runs = [_run("ops", [_op("layernorm", 10.0, 90), _op("gelu", 20.0, 95)], commit="old", copy_gbs=4000.0),
+            _run("ops", [_op("layernorm", 9.0, 70)], commit="new", copy_gbs=4100.0),
+            _run("ops", [_op("layernorm", 12.0, 85)], gpu="NVIDIA H100", commit="h100"),
+            {**_run("ops", [_op("gelu", 1.0, 99)], commit="dry"), "device": "cpu"},
+            {**_run("ops", [_op("gelu", 1.0, 99)], commit="dry2"), "dry": True}]
+    tables = {(t.key[1], t.key[2]): t for t in report.current_tables(runs)}
+    assert tables[("layernorm", "NVIDIA H200")].run["commit"] == "new"
+    assert tables[("gelu", "NVIDIA H200")].run["commit"] == "old"
+    assert tables[("layernorm", "NVIDIA H100")].run["commit"] == "h100"
+    assert len(tables) == 3
+    status, figures = report._ops_pct(None, 80)(list(tables.values()))
+    assert status == "**not met**" and "2 of 3" in figures and "layernorm fwd bf16 8192x768 70 %" in figures
+
+
+def _users_run(k_ms: float, c_ms: float, e_ms: float, *, cudagraphs: bool = False) -> dict:
+    def row(backend, ms, peak, first, **kw):
+        return dict(model="nanogpt", size="124M", setup="bf16", backend=backend, batch=8, seq=1024, ms=ms,
+                    peak_gib=peak, first_s=first, final_loss=10.9, cudagraphs=cudagraphs and backend != "eager", **kw)
+    rows = [row("eager", e_ms, 6.0, 1.0), row("torch.compile", c_ms, 5.0, 40.0, first_s_2nd=9.0),
+            row("thunder", None, None, None, error="RuntimeError: query and dout must have the same dtype"),
+            row("kforge", k_ms, 5.2, 30.0, nvrtc_compiles=40, first_s_2nd=8.0, nvrtc_compiles_2nd=0, path="jit")]
+    return _run("models", rows)
+
+
+def test_users_model_targets_and_table():
+    tables = report.current_tables([_users_run(17.0, 19.0, 40.0)])
+    rows = {t.text: t.check(tables) for t in report.TARGETS}
+    assert rows["users' models: thunder + kforge ≤ 0.9× torch.compile ms/step (issue 18)"] == ("met", "nanogpt bf16: 0.89× (H200)")
+    assert rows["users' models: thunder + kforge never slower than eager (issue 18)"][0] == "met"
+    assert rows["users' models: peak memory ≤ 1.1× torch.compile's (issue 18)"][0] == "met"
+    assert rows["users' models: first step (trace + compile) ≤ torch.compile's (issue 18)"][0] == "met"
+    warm = rows["users' models: a second process starts warm from the disk cache (issue 18)"]
+    assert warm[0] == "met" and "0 NVRTC compiles" in warm[1]
+    assert rows["launch overhead < 10 µs host time per launch"] == ("no run", "")
+    slow = report.current_tables([_users_run(18.5, 19.0, 40.0)])
+    assert report.TARGETS[0].check(slow)[0] == "**not met**"
+    md = report.models_table(tables[0].rows)
+    assert "0.89" in md and "query and dout" in md and "| jit " in md
+    graphs = report.current_tables([_users_run(1.0, 1.2, 3.0, cudagraphs=True)])
+    small = [t for t in report.TARGETS if t.text.startswith("small batch")][0]
+    assert small.check(graphs)[0] == "met" and report.TARGETS[0].check(graphs) == ("no run", "")
+    assert "kforge + CUDAGraphTransform" in report.models_table(graphs[0].rows)
+
+
+def test_render_writes_charts_and_links_them(tmp_path):
+    runs = [_users_run(17.0, 19.0, 40.0), _run("ops", [_op("layernorm", 9.0, 70), _op("layernorm", 9.0, 70, "bwd")],
+                                                copy_gbs=4100.0)]
+    (tmp_path / "docs" / "experiments").mkdir(parents=True)
+    (tmp_path / "docs" / "experiments" / "layernorm.md").write_text("# layernorm notes\n")
+    text, plots = report.render(runs, doc_path=str(tmp_path / "BENCHMARKS.md"), plots_dir=str(tmp_path / "docs" / "plots"),
+                                exp_dir=str(tmp_path / "docs" / "experiments"),
+                                record_path=str(tmp_path / "benchmarks" / "records.jsonl"))
+    names = sorted(os.path.basename(p) for p in plots)
+    assert names == ["layernorm_bwd_bf16.png", "layernorm_fwd_bf16.png", "step_nanogpt_124M_8x1024.png"]
+    assert all(os.path.getsize(p) > 1000 for p in plots)
+    assert "](docs/plots/step_nanogpt_124M_8x1024.png)" in text and "](docs/plots/layernorm_bwd_bf16.png)" in text
+    assert "[layernorm](docs/experiments/layernorm.md): layernorm notes" in text
+    assert "[benchmarks/records.jsonl](benchmarks/records.jsonl)" in text
+    # the same record gives the same text, with or without charts
+    again, _ = report.render(runs, doc_path=str(tmp_path / "BENCHMARKS.md"), exp_dir=str(tmp_path / "docs" / "experiments"),
+                             record_path=str(tmp_path / "benchmarks" / "records.jsonl"))
+    assert again == text
+
+
+def test_run_markdown_of_every_kind():
+    for run in (_users_run(1.0, 2.0, 3.0), _run("ops", [_op("gelu", 1.0, 90)], copy_gbs=None),
+                _run("launch", [{"launcher": "torch.add", "host_us_per_launch": 7.0}]),
+                _run("model", [dict(model="gpt2", attention="sdpa", backend="eager", batch=8, seq=1024, dtype="bf16",
+                                    ms=30.0, peak_gib=5.0, warmup_s=1.0, final_loss=8.5)])):
+        md = report.run_markdown(run)
+        assert md.startswith(f"### `{run['command']}`") and "NVIDIA H200 · torch 2.11.0" in md and "|" in md
+
+
+def test_benchmarks_md_is_generated_from_the_record():
+    rc = main(["report", "--check"])
+    assert rc == 0, "BENCHMARKS.md differs from the record: run `python -m kforge.bench report`"
+
+
+def test_no_session_wording_in_bench_files():
+    paths = [os.path.join(REPO, "BENCHMARKS.md"), RECORD]
+    for d in (os.path.join(REPO, "docs", "experiments"), os.path.join(PKG_ROOT, "kforge", "bench")):
+        paths += [os.path.join(d, n) for n in os.listdir(d) if n.endswith((".md", ".py"))]
+    for p in paths:
+        with open(p, encoding="utf-8") as f:
+            assert "session" not in f.read().lower(), p
+
+
+# ---- factories and presets -----------------------------------------------------------------------
+def test_load_factory_errors(factories):
+    for spec, msg in (("nocolon", "must look like"), ("no_such_module_xyz:make", "cannot import"),
+                      ("kf_bench_models:nope", "has no attribute"), ("kf_bench_models:not_callable", "not callable")):
+        with pytest.raises(models.FactoryError, match=msg):
+            models.load_factory(spec)
+
+
+def test_build_moves_casts_and_checks(factories):
+    case = models.ModelCase("m", "kf_bench_models:make")
+    b = models.build(case, "bf16", batch=3, seq=5, device="cpu")
+    assert {p.dtype for p in b.model.parameters()} == {torch.bfloat16} and b.autocast is None and b.mode == "jit"
+    assert b.inputs[0].shape == (3, 5)
+    b = models.build(case, "autocast", batch=3, seq=5, device="cpu")
+    assert {p.dtype for p in b.model.parameters()} == {torch.float32} and b.autocast == torch.bfloat16
+    assert b.loss_fn(b.call(b.model)).shape == ()
+    import kf_bench_models
+
+    b = models.build(models.ModelCase("m", "kf_bench_models:make_all", "tiny"), "autocast", batch=2, seq=4, device="cpu")
+    kw = kf_bench_models.seen[-1]
+    assert kw["size"] == "tiny" and kw["autocast"] is True and kw["dtype"] == torch.bfloat16
+    assert isinstance(b.inputs, dict) and b.autocast == torch.bfloat16
+    for spec, msg in (("bad_options", "options must be a dict"), ("not_a_model", "not an nn.Module"),
+                      ("bad_mode", "mode must be")):
+        with pytest.raises(models.FactoryError, match=msg):
+            models.build(models.ModelCase(spec, f"kf_bench_models:{spec}"), "bf16", batch=1, seq=2, device="cpu")
+    with pytest.raises(models.UsageError, match="set-up"):
+        models.build(case, "fp8", batch=1, seq=2, device="cpu")
+
+
+def test_default_loss_picks_the_scalar():
+    t = torch.tensor(2.0)
+    assert models.default_loss(t) is not None
+    assert models.default_loss((torch.ones(3), t)).item() == 2.0
+    assert models.default_loss({"loss": t}).item() == 2.0
+    with pytest.raises(models.FactoryError, match="loss_fn"):
+        models.default_loss(torch.ones(3))
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(names=[], model_specs=None, preset=None, size=None, setup=None, backends=None, batch=None, seq=None,
+                steps=None, warmup=None, cudagraphs=False, second_process=False, warm_caches=False, dry=False)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_resolve_presets_and_defaults():
+    cfg = models.resolve(_args())
+    assert [(c.label, c.size) for c in cfg.cases] == [("nanogpt", "124M"), ("plain-llama", "bench"), ("hf-llama", "bench")]
+    assert cfg.setups == ["bf16", "autocast"] and cfg.backends == list(models.BACKENDS)
+    assert (cfg.batch, cfg.seq, cfg.steps, cfg.warmup, cfg.cudagraphs, cfg.cold) == (8, 1024, 10, 3, False, True)
+    small = models.resolve(_args(preset="small"))
+    assert [(c.label, c.size) for c in small.cases] == [("nanogpt", "124M")]
+    assert (small.batch, small.seq, small.setups, small.cudagraphs) == (4, 64, ["fp32"], True)
+    assert models.resolve(_args(preset="small", batch=2)).batch == 2
+    dry = models.resolve(_args(dry=True, names=["hf-llama"]))
+    assert [(c.label, c.size) for c in dry.cases] == [("hf-llama", "micro")] and (dry.batch, dry.seq) == (2, 16)
+    with pytest.raises(models.UsageError, match="unknown backend"):
+        models.resolve(_args(backends="eager,jax"))
+    with pytest.raises(models.UsageError, match="unknown zoo model"):
+        models.resolve(_args(names=["gpt5"]))
+    with pytest.raises(models.UsageError, match="--steps must be at least 1"):
+        models.resolve(_args(steps=0))
+
+
+def test_backends_are_wired():
+    model = torch.nn.Linear(2, 2)
+    assert models.wrap("eager", model) is model
+    assert type(models.cudagraph_transform()).__name__ == "CUDAGraphTransform"
+    with pytest.raises(ValueError, match="unknown backend"):
+        models.wrap("tvm", model)
+    assert models.path_of("kforge", "dynamo") == "dynamo" and models.path_of("thunder", "jit") == "jit"
+    assert models.path_of("eager", "jit") is None
+    assert models.backend_label({"backend": "torch.compile", "cudagraphs": True}) == "torch.compile (reduce-overhead)"
+
+
+# ---- zoo -----------------------------------------------------------------------------------------
+def test_hf_llama_has_the_plain_llamas_sizes():
+    from kforge.zoo import MODELS, hf_llama, plain_llama
+
+    assert set(MODELS) == {"nanogpt", "plain-llama", "hf-llama"}
+    assert hf_llama.SIZES == plain_llama.SIZES
+    hf, inputs, opts = hf_llama.make(size="bench", batch=2, seq=16, device="meta", dtype=torch.bfloat16)
+    plain, _, _ = plain_llama.make(size="bench", batch=2, seq=16, device="meta", dtype=torch.bfloat16)
+    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in plain.parameters())
+    assert opts["mode"] == "dynamo" and opts["autocast"] is None and set(inputs) == {"input_ids", "labels"}
+    assert hf.config.num_key_value_heads == 4 and hf.config.intermediate_size == 2048 and not hf.config.use_cache
+    m, inputs, opts = hf_llama.make(size="micro", batch=2, seq=64, device="cpu", dtype=torch.bfloat16, autocast=True)
+    assert {p.dtype for p in m.parameters()} == {torch.float32} and opts["autocast"] == torch.bfloat16
+    assert inputs["input_ids"].shape == (2, 32)  # clipped to the context
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = opts["loss_fn"](m(**inputs))
+    assert loss.dtype == torch.float32 and 3 < loss.item() < 6  # ~ log(97)
+
+
+# ---- dry runs ------------------------------------------------------------------------------------
+def test_dry_run_of_every_zoo_model(monkeypatch):
+    real_wrap = models.wrap
+
+    def wrap(backend, model, mode="jit", **kw):
+        if backend == "kforge":
+            raise RuntimeError("kforge refused on purpose")
+        return real_wrap(backend, model, mode, **kw)
+
+    monkeypatch.setattr(models, "wrap", wrap)
+    cfg = models.resolve(_args(dry=True, backends="eager,kforge,thunder"))
+    cfg.cases[2:] = []  # hf-llama below: Thunder's Dynamo path takes ~30 s on a CPU
+    result = models.bench_models(cfg)
+    rows = result["rows"]
+    assert result["dry"] and len(rows) == 2 * 2 * 3
+    for r in rows:
+        if r["backend"] == "kforge":
+            assert r["error"] == "RuntimeError: kforge refused on purpose"
+        else:
+            assert "error" not in r, r
+            assert r["first_s"] >= 0 and 2 < r["final_loss"] < 7 and r.get("ms") is None
+    thunder_rows = [r for r in rows if r["backend"] == "thunder"]
+    assert all(r["path"] == "jit" for r in thunder_rows)
+
+
+def test_dry_run_from_the_command_line(factories, tmp_path):
+    rec = tmp_path / "records.jsonl"
+    rc, out, err = run_module("models", "--dry", "--backends", "eager", "--setup", "all", "hf-llama",
+                              "--model", "kf_bench_models:make", "--record", str(rec), extra_path=factories,
+                              gpu_visible=False)
+    assert rc == 0, err[-3000:]
+    assert "dry run: not recorded" in err and not rec.exists()
+    assert out.startswith("### `python -m kforge.bench models --dry")
+    for name in ("hf-llama", "kf_bench_models:make", "fp32 weights + bf16 autocast", "bf16 weights", "| fp32 "):
+        assert name in out, name
+    assert "Error" not in out
+
+
+def test_second_process_plumbing_on_cpu(factories):
+    case = models.ModelCase("m", "kf_bench_models:make")
+    res = models.second_process(case, "fp32", "eager", batch=2, seq=4, device="cpu", cudagraphs=False, env={})
+    assert "error_2nd" not in res and res["first_s_2nd"] >= 0
+    bad = models.second_process(models.ModelCase("m", "kf_bench_models:bad_mode"), "fp32", "eager", batch=2, seq=4,
+                                device="cpu", cudagraphs=False, env={})
+    assert "mode must be" in bad["error_2nd"]
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+@gpu
+def test_models_on_gpu_records_timings(tmp_path):
+    rec = tmp_path / "records.jsonl"
+    rc, out, err = run_module("models", "nanogpt", "plain-llama", "--size", "tiny", "--batch", "2", "--seq", "128",
+                              "--steps", "3", "--warmup", "2", "--setup", "bf16",
+                              "--backends", "eager,torch.compile,kforge", "--second-process", "--record", str(rec))
+    assert rc == 0, err[-4000:]
+    (run,) = records.load(str(rec))
+    assert run["kind"] == "models" and run["gpu"] and run["device"] == "cuda"
+    by = {(r["model"], r["backend"]): r for r in run["rows"]}
+    assert by[("nanogpt", "eager")]["ms"] > 0 and by[("nanogpt", "torch.compile")]["ms"] > 0
+    assert by[("nanogpt", "torch.compile")].get("first_s_2nd") is not None
+    k = by[("nanogpt", "kforge")]
+    if "error" not in k:
+        assert k["ms"] > 0 and k["nvrtc_compiles"] > 0 and k["nvrtc_compiles_2nd"] == 0, k
+    text, _ = report.render(records.load(str(rec)), doc_path=str(tmp_path / "B.md"))
+    assert "size tiny, B=2 T=128" in text
