@@ -30,6 +30,7 @@ import importlib
 import inspect as pyinspect
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -484,6 +485,8 @@ def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[st
         if log:
             log(_row_line(row))
         rows.append(row)
+    if cache_root:
+        shutil.rmtree(cache_root, ignore_errors=True)  # compiled artefacts of every row: up to GBs
     return {"kind": "models", "dry": cfg.dry, "rows": rows,
             "config": dict(setups=cfg.setups, backends=cfg.backends, batch=cfg.batch, seq=cfg.seq,
                            steps=cfg.steps, warmup=cfg.warmup, cudagraphs=cfg.cudagraphs,
