@@ -11,7 +11,6 @@ backend leaves its error and the run goes on), the second process's plumbing. GP
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

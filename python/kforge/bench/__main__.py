@@ -133,7 +133,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     im.add_argument("source", help="the BENCHMARKS.md to read")
     im.add_argument("--record", metavar="FILE", default=None,
                     help=f"the record to append to (default: {records.RECORD_NAME} of the checkout)")
-    im.add_argument("--from-commit", metavar="SHA", help="the commit the file is from (default: git's last commit of it)")
+    im.add_argument("--from-commit", metavar="SHA",
+                    help="the commit the file is from (default: git's last commit of it)")
     im.add_argument("--dry-run", action="store_true", help="print what would be imported; append nothing")
     return p
 
@@ -198,8 +199,9 @@ def _report(args: argparse.Namespace, prog: str) -> int:
     if not runs:
         print(f"{prog} report: no runs in {', '.join(paths)}", file=sys.stderr)
         return 2
-    text, plots = report.render(runs, doc_path=args.output, plots_dir=None if (args.no_plots or args.check) else args.plots,
-                                exp_dir=args.experiments, record_path=paths[0])
+    plots_dir = None if (args.no_plots or args.check) else args.plots
+    text, plots = report.render(runs, doc_path=args.output, plots_dir=plots_dir, exp_dir=args.experiments,
+                                record_path=paths[0])
     if args.check:
         current = open(args.output, encoding="utf-8").read() if os.path.exists(args.output) else ""
         if current != text:
@@ -209,7 +211,8 @@ def _report(args: argparse.Namespace, prog: str) -> int:
         return 0
     with open(args.output, "w", encoding="utf-8") as f:
         f.write(text)
-    print(f"wrote {args.output} ({len(report.current_tables(runs))} tables from {len(runs)} runs) and {len(plots)} charts")
+    n_tables = len(report.current_tables(runs))
+    print(f"wrote {args.output} ({n_tables} tables from {len(runs)} runs) and {len(plots)} charts")
     return 0
 
 

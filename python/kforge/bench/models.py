@@ -413,7 +413,9 @@ def resolve(args: Any) -> ModelsConfig:
         v = getattr(args, name, None)
         return v if v is not None else preset.get(name, default)
 
-    names = list(args.names or []) or ([] if args.model_specs else preset.get("models", ["nanogpt", "plain-llama", "hf-llama"]))
+    names = list(args.names or [])
+    if not names and not args.model_specs:
+        names = preset.get("models", ["nanogpt", "plain-llama", "hf-llama"])
     size = pick("size", None)
     cases = [zoo_case(n, DRY_SIZE if args.dry and size is None else size) for n in names]
     for spec in args.model_specs or []:

@@ -328,7 +328,8 @@ def _users_rule(rule: Callable[[dict[str, dict]], tuple[bool | None, str]], cuda
             return "no run", ""
         ok = all(x[2] for x in results)
         gpus = sorted({_short_gpu(t.gpu) for t, *_ in results})
-        return _status(ok), "; ".join(f"{_case_name(t, s)}: {txt}" for t, s, _, txt in results) + f" ({', '.join(gpus)})"
+        figures = "; ".join(f"{_case_name(t, s)}: {txt}" for t, s, _, txt in results)
+        return _status(ok), f"{figures} ({', '.join(gpus)})"
     return check
 
 
@@ -637,7 +638,8 @@ def render(runs: Sequence[dict[str, Any]], *, doc_path: str, plots_dir: str | No
             charts = []
             for r in rows:
                 name = f"{r['op']}_{r['dir']}_{r['dtype']}" + (f"_{_slug(_short_gpu(ts[0].gpu))}" if multi_gpu else "")
-                link = f"[{r['op']} {r['dir']} {r['dtype']}]({_rel(os.path.join(plot_dir_for_links, name + '.png'), doc_dir)})"
+                png = _rel(os.path.join(plot_dir_for_links, name + ".png"), doc_dir)
+                link = f"[{r['op']} {r['dir']} {r['dtype']}]({png})"
                 if link not in charts:
                     charts.append(link)
             L += ["Charts: " + ", ".join(charts), ""]
