@@ -454,6 +454,11 @@ def test_resolve_presets_and_defaults():
     assert models.resolve(_args(preset="small", batch=2)).batch == 2
     dry = models.resolve(_args(dry=True, names=["hf-llama"]))
     assert [(c.label, c.size) for c in dry.cases] == [("hf-llama", "micro")] and (dry.batch, dry.seq) == (2, 16)
+    dry_small = models.resolve(_args(dry=True, preset="small", names=["nanogpt", "plain-llama"]))
+    assert [c.size for c in dry_small.cases] == ["micro", "micro"] and dry_small.cudagraphs
+    named = models.resolve(_args(preset="small", names=["plain-llama"]))
+    assert [(c.label, c.size) for c in named.cases] == [("plain-llama", "bench")]  # the preset's size is nanogpt's
+    assert [c.size for c in models.resolve(_args(size="tiny")).cases] == ["tiny"] * 3
     with pytest.raises(models.UsageError, match="unknown backend"):
         models.resolve(_args(backends="eager,jax"))
     with pytest.raises(models.UsageError, match="unknown zoo model"):

@@ -414,10 +414,14 @@ def resolve(args: Any) -> ModelsConfig:
         return v if v is not None else preset.get(name, default)
 
     names = list(args.names or [])
-    if not names and not args.model_specs:
+    from_preset = not names and not args.model_specs
+    if from_preset:
         names = preset.get("models", ["nanogpt", "plain-llama", "hf-llama"])
-    size = pick("size", None)
-    cases = [zoo_case(n, DRY_SIZE if args.dry and size is None else size) for n in names]
+    # --size applies to every model; a preset's size only to the preset's own models; --dry
+    # builds the zoo's models at their micro size unless --size says otherwise.
+    size = args.size
+    zoo_size = size or (DRY_SIZE if args.dry else (preset.get("size") if from_preset else None))
+    cases = [zoo_case(n, zoo_size) for n in names]
     for spec in args.model_specs or []:
         load_factory(spec)  # fail on a bad spec before anything runs
         cases.append(ModelCase(spec, spec, size))
@@ -450,12 +454,18 @@ def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[st
     device = "cpu" if cfg.dry else "cuda"
     if not cfg.dry and not torch.cuda.is_available():
         raise RuntimeError("bench models needs a CUDA GPU (--dry builds and steps every model on the CPU)")
+    cudagraphs = cfg.cudagraphs
+    if cfg.dry and cudagraphs:
+        cudagraph_transform()  # the import path is checked; capturing graphs needs a GPU
+        cudagraphs = False
+        if log:
+            log("--dry: CUDA graphs need a GPU; the rows run without them")
     jobs = [(c, s, b) for c in cfg.cases for s in cfg.setups for b in cfg.backends]
     cache_root = tempfile.mkdtemp(prefix="kforge-bench-") if cfg.cold and not cfg.dry else None
     rows = []
     for case, setup, backend in tqdm(jobs, desc="models", unit="row", disable=not progress, leave=False):
         row: dict[str, Any] = dict(model=case.label, size=case.size, setup=setup, backend=backend,
-                                   cudagraphs=cfg.cudagraphs and backend != "eager", batch=cfg.batch,
+                                   cudagraphs=cudagraphs and backend != "eager", batch=cfg.batch,
                                    seq=cfg.seq)
         env: dict[str, str] = {}
         try:
