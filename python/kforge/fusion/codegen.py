@@ -653,17 +653,18 @@ def _pick_vec(ir: RegionIR, last: int, sizes: Sequence[int]) -> int:
 
 
 def _params(ir: RegionIR, layout: dict[int, str]) -> str:
+    """Kernel parameters in the order GeneratedKernel passes them: each tensor input's pointer (and
+    strides when strided), every output, every scalar (as double), the workspace."""
     ps = []
     for a in ir.args:
-        i = a.attrs["index"]
         if a.op == "input":
+            i = a.attrs["index"]
             ps.append(f"const {CTYPE[a.dtype]}* __restrict__ in{i}")
             if layout[i][0] == "s":
                 ps.extend(f"long long st{i}_{d}" for d in range(a.ndim))
-        else:
-            ps.append(f"double sc{i}_arg")
     for j, o in enumerate(ir.outputs):
         ps.append(f"{CTYPE[o.dtype]}* __restrict__ out{j}")
+    ps.extend(f"double sc{a.attrs['index']}_arg" for a in ir.args if a.op == "scalar")
     ps.append("float* __restrict__ ws")
     return ", ".join(ps)
 

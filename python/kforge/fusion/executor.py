@@ -29,7 +29,7 @@ from .. import __version__
 from . import codegen, ir as fir
 from .partition import Group, partition
 
-__all__ = ["KforgeFusionExecutor", "FusedRegion", "FusionInfo", "regions"]
+__all__ = ["KforgeFusionExecutor", "FusedRegion", "FusionInfo", "regions", "lower_fusion"]
 
 _TORCH_DTYPE_NAME = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "bool": "bool", "i32": "int32",
                      "i64": "int64"}
@@ -279,6 +279,11 @@ class KforgeFusionExecutor(FusionExecutor):
             [b.sym.name for b in bsyms]
         self.infos[name] = FusionInfo(name, ops, fr.name if fr else None, kind, reason)
         return bsym
+
+
+def lower_fusion(bsym: BoundSymbol) -> fir.RegionIR:
+    """The IR of a kforge fusion symbol of a final trace."""
+    return fir.lower(bsym.subsymbols, [a for a in bsym.args], list(bsym.output))
 
 
 def _device_of(bsym: BoundSymbol) -> int | None:

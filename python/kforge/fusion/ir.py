@@ -247,10 +247,10 @@ class _Lowerer:
             outs = (outs,)
         if len(outs) != len(flat):
             raise Unsupported(f"{bsym.sym.name}: {len(flat)} outputs, lowered {len(outs)}")
-        from thunder.core.proxies import TensorProxy
+        from thunder.core.proxies import Proxy, TensorProxy
 
         for p, v in zip(flat, outs):
-            if p is None:
+            if not isinstance(p, Proxy):
                 continue
             if isinstance(p, TensorProxy):
                 shape, dtype = _shape(p), ir_dtype(p.dtype)
@@ -305,8 +305,16 @@ def _convert(L: _Lowerer, bsym: Any) -> Value | Number:
     out = _out(bsym)
     from thunder.core.proxies import TensorProxy
 
-    if not isinstance(out, TensorProxy) or not isinstance(a, Value):
-        raise Unsupported("convert_element_type of a number")
+    if not isinstance(out, TensorProxy):
+        if isinstance(a, Value):
+            raise Unsupported("convert_element_type of a run-time number")
+        from thunder.core import dtypes
+
+        # a constant converted at trace time: Thunder's dtypes for numbers are Python types
+        pt = dtypes.dtype_to_numbertype(bsym.args[1]) if not isinstance(bsym.args[1], type) else bsym.args[1]
+        return pt(a)
+    if not isinstance(a, Value):
+        raise Unsupported("convert_element_type of a number to a tensor")
     dtype = ir_dtype(out.dtype)
     if a.dtype == dtype:
         return a

@@ -149,11 +149,12 @@ def _elementwise(op: str, xs: list[Any], v: Value, get) -> Any:
         "gt": torch.gt, "ge": torch.ge, "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or,
         "bitwise_xor": torch.bitwise_xor, "where": torch.where, "lerp": torch.lerp,
     }[op]
-    if op in ("maximum", "minimum", "atan2", "fmod", "remainder", "lerp", "where"):
+    if op == "where":
+        cd = _compute_dtype(v.dtype)
+        t = [t[0]] + [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=cd) for x in t[1:]]
+    elif op in ("maximum", "minimum", "atan2", "fmod", "remainder", "lerp"):
         ref = next(x for x in t if isinstance(x, torch.Tensor))
-        t = [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=ref.dtype if op != "where" or x is not t[0]
-                                                                else torch.bool, device=ref.device)
-             for x in t]
+        t = [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=ref.dtype, device=ref.device) for x in t]
     if all(isinstance(x, Number) for x in t):
         return fn(torch.tensor(t[0]), *t[1:]) if len(t) > 1 else fn(torch.tensor(t[0]))
     if isinstance(t[0], Number) and len(t) == 2:

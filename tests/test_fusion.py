@@ -1,0 +1,559 @@
+"""kforge.fusion: lowering, code generation, partitioning, and the generated kernels against torch.
+
+CPU (CI): every case is traced by Thunder on CPU tensors, lowered to the IR and evaluated with the IR's
+torch reference against eager PyTorch (the lowering's meaning); its source is generated for every
+layout variant and compiled by NVRTC for sm_80 and sm_90; generated chains of prims (hypothesis) do
+the same; the users' models are traced as on a GPU (fake tensors) and their regions checked.
+GPU: the same cases and generated chains run through `thunder.jit` with the fusion executor against
+eager PyTorch, on contiguous, transposed, broadcast, sliced (unaligned), size-1 and odd shapes, in
+fp32 / bf16 / fp16, poisoned outputs; reductions of every schedule; > 2^31 elements; streams and CUDA
+graphs.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import HAS_GPU, assert_close, gpu, randn
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+DTYPES3 = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+# ---- the cases: torch functions whose traces are elementwise / view / reduction prims ------------------
+def _rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _silu_mul(a, b):
+    return F.silu(a) * b
+
+
+def _gelu_erf(x):
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def _softplus_like(x, y):
+    return torch.where(x > y, torch.log1p(torch.exp(-torch.abs(x))), torch.tanh(y) ** 2)
+
+
+def _minmax(x, y):
+    return torch.maximum(x, y) - torch.minimum(x, 0.5 * y), torch.clamp(x, -0.5, 0.75)
+
+
+def _transpose_add(x, y):
+    return x.transpose(-1, -2) + y
+
+
+def _reshape_mul(x, y):
+    b, t, c = x.shape
+    return (x.reshape(b, t, 4, c // 4) * y).reshape(b, t, c)
+
+
+def _pad_slice(x):
+    return F.pad(x[..., 1:], (2, 1)) * 3.0
+
+
+def _cat3(x, y, z):
+    return torch.cat([x * 2, y, z.sin()], dim=1)
+
+
+def _sum_last(x):
+    return (x * x).sum(-1)
+
+
+def _sum_lead(x, y):
+    return (x * y).sum((0, 1))
+
+
+def _mean_keepdim(x):
+    return x.float().mean(-1, keepdim=True) * 2.0
+
+
+def _amax_mid(x):
+    return x.amax(1)
+
+
+def _var_mean(x):
+    v, m = torch.var_mean(x.float(), dim=-1, correction=1)
+    return v + 1.0, m
+
+
+def _rsqrt_norm_stats(x):
+    return torch.rsqrt((x.float() ** 2).mean(-1) + 1e-5)
+
+
+def _sum_all(x):
+    return x.sum()
+
+
+def _grad_like(dy, x):
+    s = torch.sigmoid(x)
+    return dy * s * (1 + x * (1 - s)), (dy * x).sum(0)
+
+
+CASES: dict[str, tuple[Callable, Callable[[torch.dtype, str], tuple]]] = {
+    "rope": (_rope, lambda dt, dev: (randn(2, 3, 16, 64, dtype=dt, device=dev), randn(16, 64, dtype=dt, device=dev),
+                                     randn(16, 64, dtype=dt, device=dev))),
+    "silu_mul": (_silu_mul, lambda dt, dev: (randn(3, 5, 96, dtype=dt, device=dev), randn(3, 5, 96, dtype=dt, device=dev))),
+    "gelu_erf": (_gelu_erf, lambda dt, dev: (randn(7, 33, dtype=dt, device=dev),)),
+    "softplus_like": (_softplus_like, lambda dt, dev: (randn(9, 17, dtype=dt, device=dev), randn(9, 17, dtype=dt, device=dev))),
+    "minmax": (_minmax, lambda dt, dev: (randn(5, 8, dtype=dt, device=dev), randn(5, 8, dtype=dt, device=dev))),
+    "transpose_add": (_transpose_add, lambda dt, dev: (randn(4, 6, 10, dtype=dt, device=dev), randn(4, 10, 6, dtype=dt, device=dev))),
+    "reshape_mul": (_reshape_mul, lambda dt, dev: (randn(2, 5, 64, dtype=dt, device=dev), randn(2, 5, 4, 16, dtype=dt, device=dev))),
+    "pad_slice": (_pad_slice, lambda dt, dev: (randn(3, 7, 12, dtype=dt, device=dev),)),
+    "cat3": (_cat3, lambda dt, dev: (randn(2, 3, 8, dtype=dt, device=dev), randn(2, 5, 8, dtype=dt, device=dev),
+                                     randn(2, 1, 8, dtype=dt, device=dev))),
+    "sum_last": (_sum_last, lambda dt, dev: (randn(6, 5, 300, dtype=dt, device=dev),)),
+    "sum_lead": (_sum_lead, lambda dt, dev: (randn(8, 33, 24, dtype=dt, device=dev), randn(8, 33, 24, dtype=dt, device=dev))),
+    "mean_keepdim": (_mean_keepdim, lambda dt, dev: (randn(4, 7, 40, dtype=dt, device=dev),)),
+    "amax_mid": (_amax_mid, lambda dt, dev: (randn(3, 11, 16, dtype=dt, device=dev),)),
+    "var_mean": (_var_mean, lambda dt, dev: (randn(5, 129, dtype=dt, device=dev),)),
+    "rms_stats": (_rsqrt_norm_stats, lambda dt, dev: (randn(4, 3, 256, dtype=dt, device=dev),)),
+    "sum_all": (_sum_all, lambda dt, dev: (randn(1000, 37, dtype=dt, device=dev),)),
+    "grad_like": (_grad_like, lambda dt, dev: (randn(64, 48, dtype=dt, device=dev), randn(64, 48, dtype=dt, device=dev))),
+}
+
+
+def _flat(out: Any) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _region_of(fn: Callable, args: tuple):
+    """The IR of `fn`'s whole computation trace (traced by Thunder on the given CPU tensors). Its
+    arguments are the inputs the trace reads (`_used_args` picks them from `args`)."""
+    import thunder
+    from thunder.core import prims
+    from thunder.core.proxies import TensorProxy
+
+    from kforge.fusion import ir as fir
+
+    jf = thunder.jit(fn)
+    jf(*args)
+    tr = thunder.last_traces(jf)[0]
+    skip = (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN, prims.PrimIDs.UNPACK_SEQUENCE)
+    bsyms = [b for b in tr.bound_symbols if b.sym.id not in skip]
+    ins = [a for a in tr.args if isinstance(a, TensorProxy)]
+    outs = [o for o in _flat(tr.output) if isinstance(o, TensorProxy)]
+    region = fir.lower(bsyms, ins, outs)
+    region.positions = [_position(fn, p.name) for p in ins]  # type: ignore[attr-defined]
+    return region
+
+
+def _position(fn: Callable, name: str) -> int:
+    """Which positional argument of `fn` Thunder named `name` (its parameter's name, maybe t_-prefixed)."""
+    import inspect
+
+    params = list(inspect.signature(fn).parameters)
+    for cand in (name, name.removeprefix("t_")):
+        if cand in params:
+            return params.index(cand)
+    raise AssertionError(f"{name} is none of {params}")
+
+
+def _used_args(region, args: tuple) -> list:
+    return [args[i] for i in region.positions]
+
+
+# ---- CPU: the IR means what the trace means; the sources compile -------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES3, ids=str)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lowering_matches_eager(case: str, dtype: torch.dtype) -> None:
+    from kforge.fusion import reference
+
+    fn, make = CASES[case]
+    args = make(dtype, "cpu")
+    region = _region_of(fn, args)
+    outs = reference.evaluate(region, _used_args(region, args))
+    ref = [r for r in _flat(fn(*args))]
+    assert len(outs) == len(ref)
+    for o, r in zip(outs, ref):
+        assert o.dtype == r.dtype and o.shape == r.shape, f"{case}: {o.dtype}{tuple(o.shape)} vs {r.dtype}{tuple(r.shape)}"
+        assert_close(o, r, dtype if r.is_floating_point() else torch.float32, case, tol=TOL[dtype] * 5)
+
+
+def _layout_keys(region) -> list[str]:
+    from kforge.fusion import codegen
+
+    n = sum(1 for a in region.args if a.op == "input")
+    keys = {codegen.default_key(region), "su" * n, "cu" * n, "sa" * n + "L"}
+    if n > 1:
+        keys.add("ca" + "su" * (n - 1))
+    return sorted(keys)
+
+
+def _assert_waits_first(source: str) -> None:
+    """Every generated kernel starts with kf_wait_prior_grids() (the runtime's dependent launches)."""
+    lines = source.splitlines()
+    kernels = [i for i, l in enumerate(lines) if "__global__" in l]
+    assert kernels
+    for i in kernels:
+        assert lines[i + 1].strip() == "kf_wait_prior_grids();", lines[i:i + 2]
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sources_compile(case: str, arch: int) -> None:
+    import kforge
+    from kforge.fusion import codegen
+
+    fn, make = CASES[case]
+    for dtype in (torch.float32, torch.bfloat16):
+        region = _region_of(fn, make(dtype, "cpu"))
+        for key in _layout_keys(region):
+            for sm in (132, 8):  # a small SM count forces the split reductions
+                ks = codegen.generate(region, key, sm_count=sm)
+                _assert_waits_first(ks.source)
+                lowered = kforge._C.compile_generated(ks.program, ks.source, [l[0] for l in ks.launches], arch)
+                assert len(lowered) == len(ks.launches)
+
+
+def test_vector_loads_where_contiguous() -> None:
+    """Contiguous aligned inputs whose runs are unit-stride are read in whole runs; a transposed one
+    is not (its lanes are not consecutive in memory)."""
+    from kforge.fusion import codegen
+
+    x, cos, sin = CASES["rope"][1](torch.bfloat16, "cpu")
+    region = _region_of(_rope, (x, cos, sin))
+    ks = codegen.generate(region, codegen.default_key(region))
+    assert ks.vec == 8 and ks.source.count("kf_load_run<bf16, 8>") >= 4, ks.source
+    region = _region_of(_transpose_add, CASES["transpose_add"][1](torch.float32, "cpu"))
+    ks = codegen.generate(region, codegen.default_key(region))
+    assert ks.source.count("kf_load_run") == 1, ks.source  # y only
+
+
+def test_unsupported_is_explained() -> None:
+    from kforge.fusion import codegen, ir as fir
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(fir.Unsupported, match="float64"):
+        _region_of(lambda a: a * 2, (x,))
+    region = _region_of(lambda a: (a - a.amax(-1, keepdim=True)).exp(), (torch.randn(4, 8),))
+    with pytest.raises(fir.Unsupported, match="another element|normalisation|reduced shape|input shape"):
+        codegen.generate(region, codegen.default_key(region))
+
+
+# ---- generated chains of prims ------------------------------------------------------------------------
+_UNARY = {
+    "neg": torch.neg, "abs": torch.abs, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sin": torch.sin,
+    "exp_neg": lambda x: torch.exp(-torch.abs(x)), "sqrt_abs": lambda x: torch.sqrt(torch.abs(x) + 0.25),
+    "square": lambda x: x * x, "relu": F.relu, "silu": F.silu, "erf": torch.erf, "scale": lambda x: x * 0.37 + 1.5,
+    "log1p_abs": lambda x: torch.log1p(torch.abs(x)), "floor": lambda x: torch.floor(x * 4),
+}
+_BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "max": torch.maximum, "min": torch.minimum,
+    "where_gt": lambda a, b: torch.where(a > b, a, b * 0.5), "div_safe": lambda a, b: a / (b.abs() + 1.0),
+}
+
+
+@st.composite
+def chains(draw):
+    rank = draw(st.integers(1, 4))
+    shape = tuple(draw(st.sampled_from([1, 2, 3, 5, 8, 16, 33])) for _ in range(rank))
+    dtype = draw(st.sampled_from(DTYPES3))
+    n_in = draw(st.integers(1, 3))
+    steps = []
+    n_vals = n_in
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["u", "u", "b", "b", "t", "r", "s"]))
+        a = draw(st.integers(0, n_vals - 1))
+        if kind == "u":
+            steps.append(("u", draw(st.sampled_from(sorted(_UNARY))), a))
+        elif kind == "b":
+            steps.append(("b", draw(st.sampled_from(sorted(_BINARY))), a, draw(st.integers(0, n_vals - 1))))
+        elif kind == "t":
+            steps.append(("t", a))  # flip the dim order twice: a transpose pair
+        elif kind == "r":
+            steps.append(("r", a))  # reshape to 1-D and back
+        else:
+            steps.append(("s", a, draw(st.integers(0, rank - 1)), draw(st.booleans())))  # reduce a dim
+        n_vals += 1
+    reduce_last = draw(st.booleans())
+    return shape, dtype, n_in, steps, reduce_last
+
+
+def _chain_fn(shape, steps, reduce_last, n_in: int = 3):
+    def body(*xs):
+        vals = list(xs)
+        for s in steps:
+            if s[0] == "u":
+                vals.append(_UNARY[s[1]](vals[s[2]]))
+            elif s[0] == "b":
+                a, b = vals[s[2]], vals[s[3]]
+                if a.shape != b.shape:
+                    b = b.sum() if b.dim() else b
+                vals.append(_BINARY[s[1]](a, b))
+            elif s[0] == "t":
+                v = vals[s[1]]
+                rev = tuple(range(v.dim() - 1, -1, -1))
+                vals.append(v.permute(rev).contiguous().permute(rev) * 1.0)
+            elif s[0] == "r":
+                v = vals[s[1]]
+                vals.append(v.reshape(-1).reshape(v.shape) + 0.5)
+            else:
+                v, d, keep = vals[s[1]], s[2], s[3]
+                vals.append((v.sum(min(d, v.dim() - 1), keepdim=True) if v.dim() else v) * 0.5 + 0 * v if keep else
+                            v.float().amax(min(d, v.dim() - 1), keepdim=True).to(v.dtype) + v if v.dim() else v)
+        out = vals[-1]
+        return out.sum(-1) if reduce_last and out.dim() else out
+
+    # named parameters, so a trace's inputs map back to arguments by name
+    return {1: lambda a0: body(a0), 2: lambda a0, a1: body(a0, a1), 3: lambda a0, a1, a2: body(a0, a1, a2)}[n_in]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(chains())
+def test_generated_chains_lower_and_compile(chain) -> None:
+    import kforge
+    from kforge.fusion import codegen, ir as fir, reference
+
+    shape, dtype, n_in, steps, reduce_last = chain
+    fn = _chain_fn(shape, steps, reduce_last, n_in)
+    args = tuple(randn(*shape, dtype=dtype, device="cpu", seed=i) for i in range(n_in))
+    try:
+        region = _region_of(fn, args)
+    except fir.Unsupported as e:
+        hypothesis.note(f"not one region: {e}")
+        hypothesis.assume(False)
+    outs = reference.evaluate(region, _used_args(region, args))
+    ref = _flat(fn(*args))
+    for o, r in zip(outs, ref):
+        assert_close(o.float(), r.float(), torch.float32, "chain", tol=TOL[dtype] * 10)
+    try:
+        ks = codegen.generate(region, codegen.default_key(region))
+    except fir.Unsupported:
+        return  # a shape the schedules do not take (the partitioner would split it)
+    kforge._C.compile_generated(ks.program, ks.source, [l[0] for l in ks.launches], 90)
+
+
+# ---- the partitioner on users' models, traced as on a GPU ---------------------------------------------
+def fake_cuda_trace(make: Callable, executors: list, **kw):
+    """Trace a zoo model as on a GPU without one: fake tensors on "cuda", no kernel runs."""
+    from unittest import mock
+
+    import thunder
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        model, inputs, _ = make(device="cuda", **kw)
+        jm = thunder.jit(model, executors=executors)
+        with mock.patch.object(torch.backends.cuda, "can_use_flash_attention", return_value=True, create=True):
+            thunder.compile_data(jm).get_computation_and_inputs(*inputs)
+    return thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+
+
+def _fusions(trace) -> list:
+    return [b for b in trace.bound_symbols if b.sym.name.startswith("kforgeFusion")]
+
+
+@pytest.mark.parametrize("model", ["plain_llama", "nanogpt"])
+def test_users_models_fuse(model: str) -> None:
+    import importlib
+
+    import kforge
+    from kforge.fusion import codegen, executor as fx
+
+    make = importlib.import_module(f"kforge.zoo.{model}").make
+    fw, bw = fake_cuda_trace(make, kforge.executors(), size="micro", batch=2, seq=16)
+    for trace in (fw, bw):
+        fusions = _fusions(trace)
+        assert fusions, "no fusion in the trace"
+        for b in fusions:
+            names = {s.sym.name for s in b.subsymbols}
+            assert not names & {"linear", "matmul"}, names
+            region = fx.lower_fusion(b)
+            ks = codegen.generate(region, codegen.default_key(region))
+            kforge._C.compile_generated(ks.program, ks.source, [l[0] for l in ks.launches], 90)
+        # every elementwise prim left at the top level is one the fusion cannot take
+        left = [b.sym.name for b in trace.bound_symbols if b.sym.name in ("mul", "add", "exp", "neg", "where")]
+        assert not left, left
+    # backward fusions are tagged so Thunder's CUDA-graph pass keeps the backward in few graphs
+    from thunder.core.symbol import BoundSymbolTag
+
+    assert all(BoundSymbolTag.BACKWARD in b.tags for b in _fusions(bw))
+
+
+def test_fusion_off_by_environment(monkeypatch) -> None:
+    import kforge
+    from kforge.fusion import get_fusion_executor
+
+    assert get_fusion_executor() in kforge.executors()
+    monkeypatch.setenv("KFORGE_FUSION", "0")
+    assert get_fusion_executor() not in kforge.executors()
+    monkeypatch.setenv("KFORGE_FUSION", "FALSE")
+    assert get_fusion_executor() not in kforge.executors()
+
+
+# ---- GPU: the kernels against eager PyTorch -----------------------------------------------------------
+def _fusion_only():
+    from kforge.fusion import get_fusion_executor
+
+    return [get_fusion_executor()]
+
+
+def _run_fused(fn: Callable, args: tuple, executors: list | None = None):
+    import thunder
+
+    jf = thunder.jit(fn, executors=executors or _fusion_only())
+    out = jf(*args)
+    return out, thunder.last_traces(jf)[-1]
+
+
+def _layouts(args: tuple, layout: str) -> tuple:
+    """The same values in another memory layout: transposed storage, or storage starting one
+    element into its allocation (not 16-byte aligned)."""
+    out = []
+    for a in args:
+        if layout == "contiguous" or a.dim() < 2:
+            out.append(a)
+        elif layout == "transposed":
+            out.append(a.transpose(-1, -2).contiguous().transpose(-1, -2))
+        elif layout == "offset":
+            big = torch.empty(a.numel() + 1, dtype=a.dtype, device=a.device)
+            v = big[1:].view(a.shape)
+            v.copy_(a)
+            out.append(v)
+        else:
+            raise ValueError(layout)
+    return tuple(out)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "offset"])
+@pytest.mark.parametrize("dtype", DTYPES3, ids=str)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernels_match_eager(case: str, dtype: torch.dtype, layout: str) -> None:
+    fn, make = CASES[case]
+    args = _layouts(make(dtype, "cuda"), layout)
+    out, trace = _run_fused(fn, args)
+    assert any(b.sym.name.startswith("kforgeFusion") for b in trace.bound_symbols), "nothing was fused"
+    ref = _flat(fn(*args))
+    for o, r in zip(_flat(out), ref):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        assert_close(o, r, dtype if r.is_floating_point() else torch.float32, f"{case} {layout}", tol=TOL[dtype])
+
+
+@gpu
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(chains())
+def test_generated_chains_on_gpu(chain) -> None:
+    shape, dtype, n_in, steps, reduce_last = chain
+    fn = _chain_fn(shape, steps, reduce_last, n_in)
+    args = tuple(randn(*shape, dtype=dtype, seed=i) for i in range(n_in))
+    out, _ = _run_fused(fn, args)
+    for o, r in zip(_flat(out), _flat(fn(*args))):
+        assert_close(o.float(), r.float(), torch.float32, "chain", tol=TOL[dtype] * 4)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,cols,dims", [(1, 1 << 20, (-1,)), (3, 70000, (-1,)), (9000, 7, (-1,)),
+                                            (1 << 16, 64, (0,)), (5, 1 << 18, (0,)), (257, 33, (0, 1))])
+def test_reduction_schedules(rows: int, cols: int, dims: tuple, dtype: torch.dtype) -> None:
+    """Inner and outer reductions, split over the grid or not, against float64 sums."""
+    x = randn(rows, cols, dtype=dtype)
+    y = randn(rows, cols, dtype=dtype)
+
+    def fn(a, b):
+        p = a.float() * b.float()
+        return p.sum(dims), p.amax(dims), torch.var_mean(p, dims, correction=0)
+
+    out, trace = _run_fused(fn, (x, y))
+    p64 = x.double() * y.double()
+    s, m, (v, mu) = out
+    assert_close(s, p64.sum(dims).float(), torch.float32, "sum", tol=1e-5)
+    assert torch.equal(m, (x.float() * y.float()).amax(dims)), "amax"
+    assert_close(mu, p64.mean(dims).float(), torch.float32, "mean", tol=1e-5)
+    assert_close(v, p64.var(dims, correction=0).float(), torch.float32, "var", tol=1e-4)
+    # deterministic: the same bits again
+    again = _run_fused(fn, (x, y))[0]
+    assert all(torch.equal(a, b) for a, b in zip(_flat(out[:2]) + list(out[2]), _flat(again[:2]) + list(again[2])))
+
+
+@gpu
+def test_nan_and_inf_follow_torch() -> None:
+    x = randn(4, 64)
+    x[0, 3], x[1, 5], x[2, 7] = float("nan"), float("inf"), -float("inf")
+    y = randn(4, 64)
+
+    def fn(a, b):
+        return torch.maximum(a, b) * 2, a.amax(-1), (a + b).sum(-1)
+
+    out, _ = _run_fused(fn, (x, y))
+    for o, r in zip(out, fn(x, y)):
+        assert torch.equal(torch.isnan(o), torch.isnan(r)) and torch.equal(torch.isinf(o), torch.isinf(r))
+
+
+@gpu
+def test_streams_and_cuda_graphs() -> None:
+    fn = CASES["rope"][0]
+    args = CASES["rope"][1](torch.bfloat16, "cuda")
+    import thunder
+
+    jf = thunder.jit(fn, executors=_fusion_only())
+    ref = fn(*args)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out = jf(*args)
+    torch.cuda.synchronize()
+    assert_close(out, ref, torch.bfloat16, "side stream")
+    static = [a.clone() for a in args]
+    jf(*static)  # warm up: compile and load outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gout = jf(*static)
+    for a, b in zip(static, CASES["rope"][1](torch.bfloat16, "cuda")):
+        a.copy_(b)
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close(gout, fn(*static), torch.bfloat16, "graph replay")
+
+
+@gpu
+@pytest.mark.bigmem
+def test_past_2_31_elements() -> None:
+    n = (1 << 31) + 24
+    x = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+    x[-7:] = 3.0
+
+    def fn(a):
+        return a * 2 + 1
+
+    out, _ = _run_fused(fn, (x,))
+    assert out[0].item() == 3.0 and out[-1].item() == 7.0 and out[-8].item() == 3.0
+    del out
+    s, _ = _run_fused(lambda a: a.float().sum(), (x,))
+    assert s.item() == float(n - 7 + 21)
+
+
+@gpu
+@pytest.mark.parametrize("model", ["plain_llama", "nanogpt"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_users_models_tie_out(model: str, dtype: torch.dtype) -> None:
+    """Loss and every gradient of a zoo model under kforge.jit (fusion on) against eager."""
+    import copy
+    import importlib
+
+    import kforge
+
+    make = importlib.import_module(f"kforge.zoo.{model}").make
+    m, inputs, opts = make(size="micro", batch=2, seq=16, dtype=dtype)
+    jm = kforge.jit(copy.deepcopy(m))
+    ref_loss = opts["loss_fn"](m(*inputs))
+    ref_loss.backward()
+    loss = opts["loss_fn"](jm(*inputs))
+    loss.backward()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert_close(loss.detach(), ref_loss.detach(), dtype, "loss", tol=tol)
+    ref_grads = dict(m.named_parameters())
+    for name, p in jm.named_parameters():
+        assert_close(p.grad, ref_grads[name].grad, dtype, name, tol=tol * 5)
