@@ -346,6 +346,17 @@ def test_users_model_targets_and_table():
     assert report.TARGETS[0].check(slow)[0] == "**not met**"
     md = report.models_table(tables[0].rows)
     assert "0.89" in md and "query and dout" in md and "| jit " in md
+    # set-ups measured by separate runs add up to one table, each set-up from its latest run
+    auto = _users_run(20.0, 21.0, 45.0)
+    for r in auto["rows"]:
+        r["setup"] = "autocast"
+    auto["commit"] = "c1"
+    merged = report.current_tables([_users_run(99.0, 19.0, 40.0), _users_run(17.0, 19.0, 40.0), auto])
+    assert len(merged) == 1 and [r["setup"] for r in merged[0].rows] == ["bf16"] * 4 + ["autocast"] * 4
+    assert merged[0].run["commit"] == "c1" and len(merged[0].runs) == 2 and merged[0].rows[3]["ms"] == 17.0
+    block = "\n".join(report._table_block(merged[0], "### t", "body", None, "."))
+    assert "- bf16 weights: NVIDIA H200" in block and "- fp32 weights + bf16 autocast: NVIDIA H200" in block
+    assert "kforge c1" in block and "kforge c0" in block
     graphs = report.current_tables([_users_run(1.0, 1.2, 3.0, cudagraphs=True)])
     small = [t for t in report.TARGETS if t.text.startswith("small batch")][0]
     assert small.check(graphs)[0] == "met" and report.TARGETS[0].check(graphs) == ("no run", "")

@@ -155,12 +155,15 @@ def run_markdown(run: dict[str, Any]) -> str:
 # ---- current tables ------------------------------------------------------------------------------
 @dataclass
 class Table:
-    """One table of the report: the latest run that measured `key`, and that run's rows of it."""
+    """One table of the report: the latest run that measured `key`, and that run's rows of it. A
+    users'-model table gathers each set-up from the latest run that measured that set-up (`runs`,
+    one per set-up; `run` is the newest of them)."""
 
     kind: str
     key: tuple
     run: dict[str, Any]
     rows: list[dict[str, Any]]
+    runs: list[dict[str, Any]] | None = None
 
     @property
     def gpu(self) -> str:
@@ -175,9 +178,9 @@ def _row_keys(run: dict[str, Any]) -> dict[tuple, list[dict]]:
             key = ("ops", r["op"], gpu)
         elif kind == "model":
             key = ("model", r["model"], r["attention"], gpu)
-        elif kind == "models":
+        elif kind == "models":  # one key per set-up: runs of one set-up each add up to one table
             key = ("models", r["model"], r.get("size"), r["batch"], r["seq"],
-                   any(x.get("cudagraphs") for x in run["rows"]), gpu)
+                   any(x.get("cudagraphs") for x in run["rows"]), gpu, r["setup"])
         elif kind == "launch":
             key = ("launch", gpu)
         else:
@@ -190,12 +193,28 @@ def current_tables(runs: Sequence[dict[str, Any]]) -> list[Table]:
     """For every table key, the rows of the latest run (last in the record) that measured it. Runs
     without a GPU (dry runs) never count."""
     latest: dict[tuple, Table] = {}
-    for run in runs:
+    order: dict[int, int] = {}
+    for i, run in enumerate(runs):
         if run.get("device", "cuda") != "cuda" or run.get("dry"):
             continue
+        order[id(run)] = i
         for key, rows in _row_keys(run).items():
             latest[key] = Table(run["kind"], key, run, rows)
-    return list(latest.values())
+    out = [t for t in latest.values() if t.kind != "models"]
+    groups: dict[tuple, list[Table]] = {}
+    for t in latest.values():
+        if t.kind == "models":
+            groups.setdefault(t.key[:7], []).append(t)
+    setup_rank = {"bf16": 0, "autocast": 1, "fp32": 2}
+    for key, ts in groups.items():
+        ts.sort(key=lambda t: setup_rank.get(t.key[7], 9))
+        runs_ = []
+        for t in ts:
+            if all(t.run is not r for r in runs_):
+                runs_.append(t.run)
+        newest = max(runs_, key=lambda r: order[id(r)])
+        out.append(Table("models", key, newest, [r for t in ts for r in t.rows], runs_))
+    return out
 
 
 def _tables(tables: list[Table], kind: str) -> list[Table]:
@@ -545,6 +564,13 @@ def _rel(path: str, start_dir: str) -> str:
 
 
 def _table_block(t: Table, heading: str, body: str, plot: str | None, doc_dir: str) -> list[str]:
+    if t.runs and len(t.runs) > 1:  # set-ups from different runs: each with its provenance
+        out = [heading, ""]
+        for run in t.runs:
+            setups = ", ".join(dict.fromkeys(SETUP_TITLES.get(r["setup"], r["setup"]) for r in t.rows
+                                             if any(r is x for x in run["rows"])))
+            out += [f"- {setups}: {run_line(run)} · `{run['command']}`"]
+        return out + ["", body, ""] + ([f"![{heading.lstrip('# ')}]({_rel(plot, doc_dir)})", ""] if plot else [])
     out = [heading, "", f"{run_line(t.run)}  ", f"`{t.run['command']}`", ""]
     if t.run.get("imported"):
         out[-1:] = [f"(imported from the hand-kept BENCHMARKS.md of {t.run['imported'].get('from_commit') or '?'}, "
