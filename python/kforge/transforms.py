@@ -1,41 +1,64 @@
-"""Find Llama building blocks in Thunder traces and hand them to kforge's operators.
+"""Find the mission's steps in Thunder traces, written as users write them, and hand them to kforge.
 
-Models that `thunder.jit` cannot trace (Hugging Face `LlamaForCausalLM` in transformers 5.x) reach
-Thunder through its Dynamo path, `torch.compile(model, backend=ThunderCompiler(...))`, and there the
-Llama steps arrive decomposed into torch ops, never as calls of kforge's helper functions:
+Users' models reach Thunder with their steps spelled in torch ops, never as calls of kforge's
+helpers: under `thunder.jit` (`kforge.jit`) as the user wrote them, under Thunder's Dynamo path
+(`kforge.compile`; Hugging Face's LlamaForCausalLM, which `thunder.jit` cannot trace) decomposed by
+Dynamo. This module finds those subgraphs in a computation trace, before autograd, and replaces
+each with the Thunder operator of the kforge helper that computes the same thing, so kforge's grad
+transforms give the backward too. Spellings found (all forward and backward):
 
-    RMSNorm   to(f32) -> pow(2) -> mean(-1, keepdim) -> add(eps) -> rsqrt -> mul -> to(dtype) -> mul(weight)
-    RoPE      x * cos + cat((-x[..., D/2:], x[..., :D/2]), -1) * sin, for q and k with the same cos/sin
-    SwiGLU    silu(gate) * up
-    repeat_kv x[:, :, None].expand(B, H, n, T, D).reshape(B, H * n, T, D)
+  kind            spellings                                                       replaced by
+  rms_norm        x [.float()] * rsqrt(mean(x*x or x.pow(2), -1, keepdim) + eps),  kforge.ops.rmsnorm.rms_norm (cast,
+                  cast back before (HF, Meta's type_as) or after (litgpt,           then weight); F.rms_norm (weight,
+                  weight.float()) the weight, or no casts at all                  then cast)
+  rope            rotate-half: x * cos + cat(-x2, x1) * sin, halves by chunk or     kforge.ops.rope.apply_rope (q and k
+                  slicing; interleaved pairs: llama2.c's real form (reshape,        in one launch)
+                  unbind, four products, stack, flatten) and Meta's complex form
+                  (view_as_complex * freqs_cis, view_as_real); (B, H, T, D) or
+                  (B, T, H, D) heads; cos / sin (T, D), (1, T, D), (B or 1, 1, T,
+                  D) (HF's unsqueeze(1)); fp32 tables on 16-bit q / k (autocast)
+                  with the result cast back
+  repeat_kv       repeat_interleave(n, dim=1), HF's x[:, :, None].expand().reshape(), kforge.ops.gqa.repeat_kv
+                  Meta's on (B, T, H, D) heads
+  swiglu          silu(gate) * up, gate / up from one chunk or two projections    kforge.ops.swiglu.swiglu
+  split_qkv       qkv.split(C, 2) (or chunk(3)), each .view(B, T, nh, hs)           kforge.ops.permute.split_qkv
+                  .transpose(1, 2) [.contiguous()]                                (views; copies if .contiguous())
+  merge_heads     y.transpose(1, 2) [.contiguous()] .view / .reshape(B, T, C)      kforge.ops.permute.merge_heads
+  causal_softmax  softmax([scale *] att masked by a causal mask built in the       kforge.ops.softmax.causal_softmax
+                  trace: masked_fill(mask, -inf) or + additive mask, from tril /
+                  triu of ones / full; F.softmax(..., dtype=float32).to(dtype)
+  cross_entropy   F.cross_entropy(logits.float().view(-1, V), targets...)         kforge.ops.cross_entropy.
+                  (the upcast folded: no fp32 copy of the logits)                 cross_entropy_upcast
 
-`find_llama_patterns(trace)` recognises these subgraphs by dataflow (not by position in the trace):
-every op, constant and shape is checked, and every intermediate must feed only the next step of its
-pattern, so a near miss (another eps wiring, a reduction over another dim, an intermediate read
-elsewhere) is left alone. `LlamaPatternTransform` replaces each match with the Thunder operator that
-kforge registers for the plain-PyTorch helper (`kforge.ops.rmsnorm.rms_norm`, `kforge.ops.rope.
-apply_rope`, `kforge.ops.swiglu.swiglu`, `kforge.ops.gqa.repeat_kv`, swapped in through `replaces=`),
-before autograd, so kforge's grad transforms also give the backward. By default a match is rewritten
-only where kforge's checker accepts it; anything kforge declines keeps its original ops.
+`find_patterns(trace)` recognises these subgraphs by dataflow (not by position in the trace):
+every op, constant, shape and dtype is checked, and every intermediate must feed only the next step
+of its pattern, so a near miss (another eps wiring, a reduction over another dim, an intermediate
+read elsewhere) is no match and keeps its ops. A spelling that is recognised but that kforge cannot
+take (a mask whose contents are unknown at trace time, an fp32 result read as fp32) comes back as a
+match with its `problem`; `LlamaPatternTransform` replaces the other matches with kforge's
+operators, by default only where kforge's checker accepts them, and records every match with its
+outcome in `rewrites` (shown by `kforge.inspect`).
 
-    compiled = kforge.transforms.thunderfx(model)      # torch.compile + Thunder + kforge + this pass
-    out = compiled(input_ids=idx, labels=idx)
-    compiled.last_traces, compiled.last_backward_traces
+    jmodel = kforge.transforms.jit(model)           # thunder.jit + kforge first + every pattern
+    compiled = kforge.transforms.thunderfx(model)   # torch.compile + Thunder + kforge + every pattern
+    jmodel.llama_patterns.rewrites                  # what was replaced, or why not
 
-Written against lightning-thunder 0.2.6, torch 2.11 and transformers 5.17 (eager and sdpa attention,
-fp32 and bf16), whose Dynamo traces are what the patterns describe; tests/test_llama.py pins them on
-CPU traces, so a transformers or Thunder release that writes these steps differently fails there.
+Written against lightning-thunder 0.2.6, torch 2.11 and transformers 5.17, whose traces are what the
+patterns describe; the CPU tests pin them (tests/test_transforms.py, tests/test_llama.py), so a
+release that writes these steps differently fails there rather than silently falling back.
 """
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Number
 from typing import Any
 
 import torch
 from thunder.core import dtypes
+from thunder.core.prims import PrimIDs
 from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, variableify
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
@@ -44,9 +67,12 @@ from thunder.core.transform_common import Transform
 
 __all__ = [
     "KINDS",
+    "STEP_KINDS",
+    "ALL_KINDS",
     "HELPERS",
     "Match",
     "Rewrite",
+    "find_patterns",
     "find_llama_patterns",
     "LlamaPatternTransform",
     "thunderfx",
@@ -54,54 +80,111 @@ __all__ = [
     "executors",
 ]
 
-# Pattern kinds, in the order matches are reported; each names the helper that replaces it.
+# The Llama steps of Hugging Face's Dynamo traces (the transform's default kinds, `find_llama_patterns`).
 KINDS = ("rms_norm", "rope", "swiglu", "repeat_kv")
+# The other steps of users' models (GPT-2 / nanoGPT and friends).
+STEP_KINDS = ("split_qkv", "merge_heads", "causal_softmax", "cross_entropy")
+# Everything: what `jit` and `thunderfx` (so `kforge.jit` / `kforge.compile`) look for.
+ALL_KINDS = KINDS + STEP_KINDS
 # kind -> "module:function" of the plain-PyTorch helper whose kforge operator replaces the pattern.
 HELPERS: dict[str, str] = {
     "rms_norm": "kforge.ops.rmsnorm:rms_norm",
     "rope": "kforge.ops.rope:apply_rope",
     "swiglu": "kforge.ops.swiglu:swiglu",
     "repeat_kv": "kforge.ops.gqa:repeat_kv",
+    "split_qkv": "kforge.ops.permute:split_qkv",
+    "merge_heads": "kforge.ops.permute:merge_heads",
+    "causal_softmax": "kforge.ops.softmax:causal_softmax",
+    "cross_entropy": "kforge.ops.cross_entropy:cross_entropy_upcast",
 }
 
-# Thunder symbol ids (thunder.torch) of the ops the patterns are made of.
+# Thunder symbol ids (thunder.torch, thunder.core.prims) of the ops the patterns are made of.
 _TO = "torch.Tensor.to"
+_TYPE_AS = "torch.Tensor.type_as"
+_CONVERT = PrimIDs.CONVERT_ELEMENT_TYPE
+_CASTS = (_TO, _TYPE_AS, _CONVERT, "Tensor.bfloat16", "Tensor.half", "torch.Tensor.float", "torch.Tensor.type")
 _POW = "torch.pow"
 _MEAN = "torch.mean"
 _ADD = "torch.add"
+_SUB = "torch.sub"
 _RSQRT = "torch.rsqrt"
 _MUL = "torch.mul"
-_GETITEM = "torch.Tensor.__getitem__"
+_TRUE_DIV = "torch.true_divide"
+_DIV = "torch.div"
 _NEG = "torch.neg"
+_GETITEM = "torch.Tensor.__getitem__"
 _CAT = "torch.cat"
+_STACK = "torch.stack"
+_CHUNK = "torch.chunk"
+_SPLIT = "torch.split"
+_UNBIND = "torch.unbind"
 _SILU = "torch.nn.functional.silu"
 _UNSQUEEZE = "torch.unsqueeze"
 _EXPAND = "torch.Tensor.expand"
 _RESHAPE = "torch.reshape"
+_VIEW = "torch.Tensor.view"
+_FLATTEN = "torch.flatten"
+_TRANSPOSE = "torch.transpose"
+_PERMUTE = "torch.permute"
+_CONTIGUOUS = "torch.Tensor.contiguous"
+_REPEAT_INTERLEAVE = "torch.repeat_interleave"
+_VIEW_AS_COMPLEX = "torch.view_as_complex"
+_VIEW_AS_REAL = "torch.view_as_real"
+_SOFTMAX = "torch.softmax"
+_MASKED_FILL = "torch.masked_fill"
+_CROSS_ENTROPY = "torch.nn.functional.cross_entropy"
+# Data movement that commutes with a dtype cast (exactly, element for element).
+_MOVES = (_REPEAT_INTERLEAVE, _TRANSPOSE, _PERMUTE, _RESHAPE, _VIEW, _CONTIGUOUS, _UNSQUEEZE, _EXPAND, _FLATTEN)
+
+_16BIT = (torch.bfloat16, torch.float16)
+# A masked score at or below this acts as -inf: exp(v - rowmax) is exactly 0 in fp32 for any
+# rowmax above -1e30 + 104.
+_MASKED = -1e30
+# Largest mask the causal check evaluates at trace time (T x T elements).
+_MAX_MASK = 1 << 26
+# Rounds of matching: a replacement can expose the next pattern (RoPE's fp32 result cast back after
+# repeat_interleave becomes kforge's 16-bit rope, then a 16-bit repeat_interleave for repeat_kv).
+_ROUNDS = 3
 
 
 @dataclass(frozen=True, eq=False)
 class Match:
-    """One occurrence of a Llama step in a trace.
+    """One occurrence of a step in a trace.
 
-    kind:    one of KINDS.
-    args:    the helper's arguments (proxies and constants), in its signature's order:
-             rms_norm (x, weight, eps), rope (q, k, cos, sin), swiglu (gate, up), repeat_kv (x, n_rep).
-    outputs: the proxies the rest of the trace reads (rope: (q_embed, k_embed); others one proxy).
+    kind:    one of ALL_KINDS.
+    args:    the pattern's inputs in the helper's argument order: rms_norm (x, weight, eps), rope (q, k,
+             cos, sin), swiglu (gate, up), repeat_kv (x, n_rep), split_qkv (qkv, n_head), merge_heads
+             (y,), causal_softmax (att, scale), cross_entropy (logits16, target, weight, size_average,
+             ignore_index, reduce, reduction, label_smoothing).
+    outputs: the proxies the rest of the trace reads (rope: (q_embed, k_embed); split_qkv: (q, k, v)).
     bsyms:   every top-level bound symbol the match replaces.
+    kwargs:  keyword arguments of the helper (rope: interleaved; split_qkv: copy; rms_norm:
+             cast_before_weight=False for litgpt's / F.rms_norm's order).
+    prep:    when set, turns `args` into the helper's arguments inside the trace (a transpose of
+             (B, T, H, D) heads, a table reshape, a flatten of the logits).
+    post:    when set, turns the helper's outputs (a tuple) into the pattern's (a transpose back, a
+             data movement op that came between the step and its downcast).
+    problem: set when the spelling is recognised but not replaceable: why (the match is reported,
+             never rewritten).
     """
 
     kind: str
     args: tuple
     outputs: tuple[TensorProxy, ...]
     bsyms: tuple[BoundSymbol, ...]
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    prep: Callable[..., tuple] | None = None
+    post: Callable[[tuple], tuple] | None = None
+    problem: str | None = None
 
     def __repr__(self) -> str:
         def show(a: Any) -> str:
             return a.name if isinstance(a, Proxy) else repr(a)
 
-        return (f"Match({self.kind}({', '.join(map(show, self.args))}) -> "
-                f"{', '.join(o.name for o in self.outputs)}, {len(self.bsyms)} ops)")
+        extra = "".join(f", {k}={v!r}" for k, v in self.kwargs.items())
+        why = f", problem={self.problem!r}" if self.problem else ""
+        return (f"Match({self.kind}({', '.join(map(show, self.args))}{extra}) -> "
+                f"{', '.join(o.name for o in self.outputs)}, {len(self.bsyms)} ops{why})")
 
 
 @dataclass(frozen=True)
@@ -118,7 +201,8 @@ class Rewrite:
 
 # ---- the trace as a dataflow graph ----------------------------------------------------------------
 class _Graph:
-    """Producers and consumers of the proxies of a trace's top-level bound symbols."""
+    """Producers and consumers of the proxies of a trace's top-level bound symbols. `prims.shape`
+    reads no data: it is not a consumer (a rewrite drops the ones left without their input)."""
 
     def __init__(self, trace: TraceCtx):
         self.bsyms: list[BoundSymbol] = list(trace.bound_symbols)
@@ -127,30 +211,46 @@ class _Graph:
         self._consumers: dict[str, list[BoundSymbol]] = {}
         for b in self.bsyms:
             args = {variableify(p): p for p in b.flat_proxy_args}
-            for p in args.values():
-                self._consumers.setdefault(p.name, []).append(b)
+            if b.sym.id != PrimIDs.SHAPE:
+                for p in args.values():
+                    self._consumers.setdefault(p.name, []).append(b)
             for o in b.flat_proxy_outs:
                 # An op that returns one of its inputs does not produce it.
                 if variableify(o) not in args:
                     self._producer.setdefault(o.name, b)
 
-    def producer(self, p: Any, *sym_ids: str) -> BoundSymbol | None:
-        """The bound symbol that produced proxy `p`, when its symbol is one of `sym_ids`."""
+    def producer(self, p: Any, *sym_ids: Any) -> BoundSymbol | None:
+        """The bound symbol that produced proxy `p`, when its symbol is one of `sym_ids` (any if none)."""
         if not isinstance(p, TensorProxy):
             return None
         b = self._producer.get(p.name)
-        return b if b is not None and b.sym.id in sym_ids else None
+        return b if b is not None and (not sym_ids or b.sym.id in sym_ids) else None
 
     def consumers(self, p: Proxy) -> list[BoundSymbol]:
         """Distinct top-level bound symbols reading `p` (the trace's return included)."""
         return self._consumers.get(p.name, [])
 
-    def only_consumer(self, p: Proxy, *sym_ids: str) -> BoundSymbol | None:
+    def only_consumer(self, p: Proxy, *sym_ids: Any) -> BoundSymbol | None:
         """The one bound symbol reading `p`, when there is exactly one and its symbol is in `sym_ids`."""
         users = self.consumers(p)
         if len(users) != 1 or users[0].sym.id not in sym_ids:
             return None
         return users[0]
+
+    def closed(self, bsyms: Iterable[BoundSymbol], outputs: Iterable[Proxy]) -> bool:
+        """Every value `bsyms` produce, but `outputs`, is read by `bsyms` only: removing them changes
+        nothing else."""
+        bsyms = list(bsyms)
+        inner = {id(b) for b in bsyms}
+        keep = {o.name for o in outputs}
+        for b in bsyms:
+            ins = {p.name for p in b.flat_proxy_args}
+            for o in b.flat_proxy_outs:
+                if o.name in keep or o.name in ins:
+                    continue
+                if not all(id(c) in inner for c in self.consumers(o)):
+                    return False
+        return True
 
 
 # ---- small predicates on bound symbol arguments -------------------------------------------------------
@@ -166,16 +266,27 @@ def _const(x: Any) -> bool:
     return isinstance(x, Number) and not isinstance(x, (bool, NumberProxy))
 
 
+def _int(x: Any) -> bool:
+    return _const(x) and isinstance(x, int)
+
+
 def _torch_dtype(p: TensorProxy) -> torch.dtype:
     return dtypes.to_torch_dtype(p.dtype)
 
 
-def _is_last_dim(dim: Any, ndim: int) -> bool:
+def _norm_dim(dim: Any, ndim: int) -> int | None:
+    """`dim` as a non-negative index into `ndim` dims (a 1-tuple is its element), or None."""
     if isinstance(dim, (tuple, list)):
         if len(dim) != 1:
-            return False
+            return None
         dim = dim[0]
-    return _const(dim) and isinstance(dim, int) and dim in (-1, ndim - 1)
+    if not _int(dim) or not -ndim <= dim < ndim:
+        return None
+    return dim % ndim
+
+
+def _is_last_dim(dim: Any, ndim: int) -> bool:
+    return ndim >= 1 and _norm_dim(dim, ndim) == ndim - 1
 
 
 def _other(b: BoundSymbol, p: Proxy) -> Any:
@@ -188,12 +299,29 @@ def _other(b: BoundSymbol, p: Proxy) -> Any:
     return None
 
 
-def _is_cast(b: BoundSymbol, dtype: torch.dtype) -> bool:
-    """`b` is `Tensor.to` that changes (at most) the dtype, to `dtype`: same shape, same device."""
-    src, out = b.args[0], b.output
-    return (isinstance(src, TensorProxy) and isinstance(out, TensorProxy) and out.shape == src.shape
-            and out.device == src.device and _torch_dtype(out) == dtype
-            and b.kwargs.get("memory_format") in (None, torch.preserve_format))
+def _shape(p: TensorProxy) -> tuple[int, ...]:
+    return tuple(p.shape)
+
+
+def _pure_cast(b: BoundSymbol | None) -> bool:
+    """`b` changes at most the dtype of its first argument (same shape, same device, no layout)."""
+    if b is None or b.sym.id not in _CASTS:
+        return False
+    src, out = b.args[0] if b.args else None, b.output
+    return (isinstance(src, TensorProxy) and isinstance(out, TensorProxy) and _shape(out) == _shape(src)
+            and out.device == src.device and b.kwargs.get("memory_format") in (None, torch.preserve_format))
+
+
+def _cast_src(g: _Graph, p: Any) -> tuple[TensorProxy, BoundSymbol] | None:
+    """(source, cast) when `p` is a pure dtype cast of source."""
+    b = g.producer(p, *_CASTS)
+    return (b.args[0], b) if _pure_cast(b) else None
+
+
+def _cast_to(g: _Graph, p: Proxy, dtype: torch.dtype) -> BoundSymbol | None:
+    """The pure cast of `p` to `dtype` that is `p`'s one reader, or None."""
+    b = g.only_consumer(p, *_CASTS)
+    return b if _pure_cast(b) and _torch_dtype(b.output) == dtype else None
 
 
 def _is_full_slice(s: Any) -> bool:
@@ -224,7 +352,50 @@ def _is_half(s: slice, d: int, which: str) -> bool:
     return (start, stop) == ((0, d // 2) if which == "lo" else (d // 2, d))
 
 
-# ---- the patterns -------------------------------------------------------------------------------------
+def _swaps_1_2(b: BoundSymbol, ndim: int = 4) -> bool:
+    """`b` is transpose(1, 2) (any spelling of those dims) or permute(0, 2, 1, 3) of a 4-D tensor."""
+    x = b.args[0] if b.args else None
+    if not (isinstance(x, TensorProxy) and x.ndim == ndim == 4):
+        return False
+    if b.sym.id == _TRANSPOSE:
+        d0, d1 = _norm_dim(_arg(b, 1, "dim0"), 4), _norm_dim(_arg(b, 2, "dim1"), 4)
+        return {d0, d1} == {1, 2}
+    if b.sym.id == _PERMUTE:
+        dims = b.args[1:] if len(b.args) > 2 else _arg(b, 1, "dims")
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = dims[0]
+        return isinstance(dims, (tuple, list)) and [_norm_dim(d, 4) for d in dims] == [0, 2, 1, 3]
+    return False
+
+
+def _transpose12(x: TensorProxy) -> TensorProxy:
+    import thunder.torch as ltorch
+
+    return ltorch.transpose(x, 1, 2)
+
+
+def _rebind(b: BoundSymbol, first: TensorProxy) -> TensorProxy:
+    """`b`'s op applied again, to `first` in place of its first argument (inside a trace)."""
+    return b.sym(first, *b.args[1:], **b.kwargs)
+
+
+def _downcast_tail(g: _Graph, out: TensorProxy, dtype: torch.dtype):
+    """A step computed in fp32 from 16-bit inputs whose result is only cast back to `dtype`, directly
+    or after one data-movement op (which commutes with the cast). Returns (bsyms, final output, post)
+    or None."""
+    c = _cast_to(g, out, dtype)
+    if c is not None:
+        return (c,), c.output, None
+    m = g.only_consumer(out, *_MOVES)
+    if m is None or m.args[0] is not out or any(isinstance(a, TensorProxy) for a in tree_flatten((m.args[1:], m.kwargs))[0]):
+        return None
+    c = _cast_to(g, m.output, dtype)
+    if c is None:
+        return None
+    return (m, c), c.output, (lambda r, m=m: _rebind(m, r))
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------------
 def _match_rms_norm(g: _Graph, rsqrt: BoundSymbol) -> Match | None:
     """Anchored at `rsqrt(mean(x32 ** 2, -1, keepdim=True) + eps)`."""
     (a,) = rsqrt.args
@@ -250,95 +421,165 @@ def _match_rms_norm(g: _Graph, rsqrt: BoundSymbol) -> Match | None:
         return None
     if pow_.sym.id == _MUL and pow_.args[1] is not x32:
         return None
-    if not isinstance(x32, TensorProxy) or _torch_dtype(x32) != torch.float32:
+    if not (isinstance(x32, TensorProxy) and dtypes.is_float_dtype(x32.dtype) and x32.ndim >= 1):
         return None
 
-    # x32 * rsqrt(...): the normalised rows in fp32.
+    # x32 * rsqrt(...): the normalised rows.
     norm = g.only_consumer(rsqrt.output, _MUL)
     if norm is None or _other(norm, rsqrt.output) is not x32:
         return None
-    # The input: x itself when already fp32 without a cast, else the source of the fp32 cast.
-    up = g.producer(x32, _TO)
-    x = up.args[0] if up is not None and _is_cast(up, torch.float32) else x32
-    if x is x32:
-        up = None
-    if not (dtypes.is_float_dtype(x.dtype) and x.ndim >= 1):
-        return None
-
-    # Cast back to the input dtype (HF always writes it, a no-op for fp32), then times the weight.
-    h = norm.output
-    down = g.only_consumer(h, _TO, _MUL)
-    if down is not None and down.sym.id == _TO:
-        if not _is_cast(down, _torch_dtype(x)):
-            return None
-        h = down.output
+    # The input: the source of an upcast to fp32 (the round trip), else x32 itself.
+    up = None
+    src = _cast_src(g, x32)
+    if src is not None and _torch_dtype(x32) == torch.float32 and _torch_dtype(src[0]) != torch.float32:
+        x, up = src
     else:
-        if _torch_dtype(x) != torch.float32:
-            return None
-        down = None
-    scale = g.only_consumer(h, _MUL)
-    if scale is None:
+        x = x32
+    xdt = _torch_dtype(x)
+
+    # Cast back before the weight (HF, Meta's type_as), or after it (litgpt), or no cast at all.
+    h = norm.output
+    down_before = down_after = wcast = None
+    nxt = g.only_consumer(h, *_CASTS, _MUL)
+    if nxt is None:
         return None
-    w = _other(scale, h)
+    if nxt.sym.id != _MUL:
+        if not (_pure_cast(nxt) and _torch_dtype(nxt.output) == xdt):
+            return None
+        down_before, h = nxt, nxt.output
+        scale = g.only_consumer(h, _MUL)
+        if scale is None:
+            return None
+        w = _other(scale, h)
+    else:
+        scale = nxt
+        w = _other(scale, h)
+        wsrc = _cast_src(g, w)  # litgpt: weight.float()
+        if wsrc is not None and [id(c) for c in g.consumers(w)] == [id(scale)]:
+            w, wcast = wsrc
+        down_after = _cast_to(g, scale.output, xdt)
+        if up is not None and down_after is None:
+            return None  # a 16-bit input normalised into an fp32 result: not a norm kforge writes
     if not (isinstance(w, TensorProxy) and w.ndim == 1 and w.shape[0] == x.shape[-1] and w.device == x.device):
         return None
 
-    bsyms = [b for b in (up, pow_, mean, add, rsqrt, norm, down, scale) if b is not None]
-    # Each intermediate feeds only the next step, so removing the pattern changes nothing else.
-    inner = {id(b) for b in bsyms}
-    for b in bsyms[:-1]:
-        if not all(id(c) in inner for c in g.consumers(b.output)):
-            return None
-    return Match("rms_norm", (x, w, eps), (scale.output,), tuple(bsyms))
+    bsyms = [b for b in (up, pow_, mean, add, rsqrt, norm, down_before, wcast, scale, down_after) if b is not None]
+    out = bsyms[-1].output
+    if not g.closed(bsyms, (out,)):
+        return None
+    # Where the cast sits only matters for 16-bit inputs: there the weight multiplies the fp32 rows
+    # (F.rms_norm's order) unless the cast came first.
+    kwargs = {} if down_before is not None or xdt == torch.float32 else {"cast_before_weight": False}
+    return Match("rms_norm", (x, w, eps), (out,), tuple(bsyms), kwargs)
 
 
-def _match_rotate(g: _Graph, cat: BoundSymbol) -> tuple | None:
-    """Anchored at `cat((-x[..., D/2:], x[..., :D/2]), -1)` (HF's rotate_half): returns
+# ---- RoPE ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Rotation:
+    """One rotated tensor (q or k) before pairing: x, its tables, layout and what to replace."""
+
+    variant: str                 # "half", "pairs" (llama2.c) or "complex" (Meta)
+    x: TensorProxy               # the rotated tensor, in the model's dtype
+    tables: tuple                # (cos, sin) as found, or (freqs_cis,) for "complex"
+    layout: str                  # "bhtd" or "bthd"
+    out: TensorProxy             # the pattern's output
+    bsyms: tuple
+    post: Callable | None        # a data-movement op between the rotation and its downcast
+    problem: str | None = None
+
+
+def _table_layout(x: TensorProxy, t: Any, dc: int) -> str | None:
+    """How table `t` broadcasts against x (B, A, C, D): "bhtd" for rows per token along dim 2
+    ((T, dc), (1, T, dc), (B or 1, 1, T, dc)), "bthd" along dim 1 ((B or 1, T, 1, dc), (T, 1, dc));
+    None for anything else (a table per head, a T that is not x's)."""
+    if not (isinstance(t, TensorProxy) and t.device == x.device and 2 <= t.ndim <= 4 and x.ndim == 4):
+        return None
+    s = (1,) * (4 - t.ndim) + _shape(t)
+    if s[3] != dc or s[0] not in (1, x.shape[0]):
+        return None
+    if s[1] == 1 and s[2] == x.shape[2]:
+        return "bhtd"
+    if s[2] == 1 and s[1] == x.shape[1]:
+        return "bthd"
+    return None
+
+
+def _helper_table(t: TensorProxy, x: TensorProxy, layout: str) -> TensorProxy:
+    """Table `t` as apply_rope takes it, (T, dc) or (B or 1, T, dc), inside the trace."""
+    import thunder.torch as ltorch
+
+    if t.ndim == 2 or (t.ndim == 3 and layout == "bhtd"):
+        return t  # (T, dc), (1, T, dc), or HF's (B, T, dc) from before its unsqueeze(1)
+    s = (1,) * (4 - t.ndim) + _shape(t)
+    rows = s[2] if layout == "bhtd" else s[1]
+    return ltorch.reshape(t, (s[0], rows, s[3]))
+
+
+def _rope_tail(g: _Graph, x: TensorProxy, out: TensorProxy):
+    """(tail bsyms, final output, post, problem) for a rotation's result `out`: nothing when it has
+    x's dtype; its cast back when fp32 tables made it fp32."""
+    if out.dtype == x.dtype:
+        return (), out, None, None
+    tail = _downcast_tail(g, out, _torch_dtype(x))
+    if tail is None:
+        return (), out, None, (f"the rotation of {_torch_dtype(x)} {x.name} by {_torch_dtype(out)} tables is "
+                               f"{_torch_dtype(out)} and read as such (kforge's rope returns x's dtype)")
+    return tail[0], tail[1], tail[2], None
+
+
+def _match_rotate_half(g: _Graph, cat: BoundSymbol) -> tuple | None:
+    """Anchored at `cat((-x2, x1), -1)`, x1 / x2 the halves of x by slicing or chunk(2, -1):
     (x, bsyms of rotate_half)."""
     tensors = _arg(cat, 0, "tensors")
     if not (isinstance(tensors, (tuple, list)) and len(tensors) == 2):
         return None
-    lo_neg, lo = tensors
-    neg = g.producer(lo_neg, _NEG)
-    hi_get = g.producer(neg.args[0], _GETITEM) if neg is not None else None
-    lo_get = g.producer(lo, _GETITEM)
-    if hi_get is None or lo_get is None or hi_get.args[0] is not lo_get.args[0]:
+    neg_out, lo = tensors
+    neg = g.producer(neg_out, _NEG)
+    if neg is None:
         return None
-    x = lo_get.args[0]
-    d = x.shape[-1] if isinstance(x, TensorProxy) and x.ndim >= 1 else 0
-    if d < 2 or d % 2 or not _is_last_dim(_arg(cat, 1, "dim", 0), x.ndim):
+    hi = neg.args[0]
+    chunk = g.producer(hi, _CHUNK)
+    if chunk is not None:
+        x = chunk.args[0]
+        outs = list(chunk.output) if isinstance(chunk.output, (tuple, list)) else []
+        if len(outs) != 2 or outs[0] is not lo or outs[1] is not hi or _arg(chunk, 1, "chunks") != 2:
+            return None
+        if not (isinstance(x, TensorProxy) and x.ndim >= 1 and _is_last_dim(_arg(chunk, 2, "dim", 0), x.ndim)):
+            return None
+        d = x.shape[-1]
+        if d < 2 or d % 2 or lo.shape[-1] != d // 2:
+            return None
+        halves: tuple = (chunk,)
+    else:
+        hi_get, lo_get = g.producer(hi, _GETITEM), g.producer(lo, _GETITEM)
+        if hi_get is None or lo_get is None or hi_get.args[0] is not lo_get.args[0]:
+            return None
+        x = lo_get.args[0]
+        d = x.shape[-1] if isinstance(x, TensorProxy) and x.ndim >= 1 else 0
+        if d < 2 or d % 2:
+            return None
+        s_hi = _last_dim_slice(_arg(hi_get, 1, "key"), x.ndim)
+        s_lo = _last_dim_slice(_arg(lo_get, 1, "key"), x.ndim)
+        if s_hi is None or s_lo is None or not _is_half(s_hi, d, "hi") or not _is_half(s_lo, d, "lo"):
+            return None
+        halves = (hi_get, lo_get)
+    if not _is_last_dim(_arg(cat, 1, "dim", 0), x.ndim):
         return None
-    s_hi, s_lo = _last_dim_slice(_arg(hi_get, 1, "key"), x.ndim), _last_dim_slice(_arg(lo_get, 1, "key"), x.ndim)
-    if s_hi is None or s_lo is None or not _is_half(s_hi, d, "hi") or not _is_half(s_lo, d, "lo"):
-        return None
-    return x, (hi_get, lo_get, neg, cat)
+    return x, (*halves, neg, cat)
 
 
-def _rope_tables(g: _Graph, x: TensorProxy, table: Any) -> tuple | None:
-    """`table` is HF's `cos.unsqueeze(1)` (or sin), broadcasting over x's heads: (B or 1, 1, T, D).
-    Returns (cos as the helper takes it: (B or 1, T, D), the unsqueeze) or None."""
-    unsq = g.producer(table, _UNSQUEEZE)
-    if unsq is None or _arg(unsq, 1, "dim") not in (1, -3):
-        return None
-    src = unsq.args[0]
-    if not (isinstance(src, TensorProxy) and x.ndim == 4 and src.ndim == 3):
-        return None
-    b, _, t, d = x.shape
-    if src.shape[0] not in (1, b) or tuple(src.shape[1:]) != (t, d) or src.device != x.device:
-        return None
-    return src, unsq
-
-
-def _match_rope_one(g: _Graph, cat: BoundSymbol) -> tuple | None:
-    """`x * cos + rotate_half(x) * sin` around one rotate_half: (x, cos, sin, out, bsyms)."""
-    rot = _match_rotate(g, cat)
+def _match_rope_half(g: _Graph, cat: BoundSymbol) -> _Rotation | None:
+    """`x * cos + rotate_half(x) * sin` around one rotate_half."""
+    rot = _match_rotate_half(g, cat)
     if rot is None:
         return None
     x, rot_bsyms = rot
+    if x.ndim != 4:
+        return None
     mul_sin = g.only_consumer(cat.output, _MUL)
     if mul_sin is None:
         return None
-    sin_u = _other(mul_sin, cat.output)
+    sin_t = _other(mul_sin, cat.output)
     add = g.only_consumer(mul_sin.output, _ADD)
     if add is None or _arg(add, 2, "alpha", 1) != 1:
         return None
@@ -346,22 +587,199 @@ def _match_rope_one(g: _Graph, cat: BoundSymbol) -> tuple | None:
     mul_cos = g.producer(c, _MUL)
     if mul_cos is None:
         return None
-    cos_u = _other(mul_cos, x)
-    if cos_u is None or cos_u is sin_u:
+    cos_t = _other(mul_cos, x)
+    if cos_t is None or cos_t is sin_t:
         return None
-    cos, sin = _rope_tables(g, x, cos_u), _rope_tables(g, x, sin_u)
-    if cos is None or sin is None or add.output.shape != x.shape:
+    layout = _table_layout(x, cos_t, x.shape[3])
+    if layout is None or _table_layout(x, sin_t, x.shape[3]) != layout or _shape(cos_t) != _shape(sin_t):
         return None
-    bsyms = (*rot_bsyms, mul_sin, mul_cos, add)
-    inner = {id(b) for b in bsyms}
-    for b in bsyms[:-1]:
-        if not all(id(u) in inner for u in g.consumers(b.output)):
-            return None
-    return x, cos[0], sin[0], add.output, bsyms
+    # HF: cos.unsqueeze(1) of (B or 1, T, D) tables; the rotation takes the 3-D tables themselves.
+    tables = []
+    for t in (cos_t, sin_t):
+        unsq = g.producer(t, _UNSQUEEZE)
+        src = unsq.args[0] if unsq is not None else None
+        if (unsq is not None and _norm_dim(_arg(unsq, 1, "dim"), 4) == 1 and isinstance(src, TensorProxy)
+                and src.ndim == 3 and layout == "bhtd"):
+            t = src
+        tables.append(t)
+    if _shape(add.output) != _shape(x):
+        return None
+    tail, out, post, problem = _rope_tail(g, x, add.output)
+    bsyms = (*rot_bsyms, mul_sin, mul_cos, add, *tail)
+    if not g.closed(bsyms, (out,)):
+        return None
+    return _Rotation("half", x, tuple(tables), layout, out, bsyms, post, problem)
 
 
+def _pairs_input(g: _Graph, xp: Any) -> tuple[TensorProxy, tuple] | None:
+    """`xp` = x[.float()].reshape(..., D / 2, 2) (llama2.c / Meta): (x, bsyms)."""
+    r = g.producer(xp, _RESHAPE, _VIEW)
+    if r is None:
+        return None
+    x32 = r.args[0]
+    if not (isinstance(x32, TensorProxy) and x32.ndim == 4 and x32.shape[3] % 2 == 0
+            and _shape(xp) == (*_shape(x32)[:3], x32.shape[3] // 2, 2)):
+        return None
+    src = _cast_src(g, x32)
+    if src is not None and _torch_dtype(x32) == torch.float32 and _torch_dtype(src[0]) in _16BIT:
+        return src[0], (src[1], r)
+    if _torch_dtype(x32) != torch.float32:
+        return None
+    return x32, (r,)
+
+
+def _flattened(g: _Graph, y: TensorProxy, x: TensorProxy) -> BoundSymbol | None:
+    """The one reader of (B, A, C, D / 2, 2) `y` that flattens its last two dims back to x's shape."""
+    f = g.only_consumer(y, _FLATTEN, _RESHAPE, _VIEW)
+    if f is None or _shape(f.output) != _shape(x):
+        return None
+    if f.sym.id == _FLATTEN and not (_norm_dim(_arg(f, 1, "start_dim", 0), 5) == 3
+                                     and _norm_dim(_arg(f, 2, "end_dim", -1), 5) == 4):
+        return None
+    return f
+
+
+def _match_rope_pairs(g: _Graph, stack: BoundSymbol) -> _Rotation | None:
+    """llama2.c: (xr, xi) = x.float().reshape(..., D / 2, 2).unbind(-1); stack([xr c - xi s,
+    xr s + xi c], -1).flatten(3), cast back to x's dtype."""
+    tensors = _arg(stack, 0, "tensors")
+    if not (isinstance(tensors, (tuple, list)) and len(tensors) == 2):
+        return None
+    out_r, out_i = tensors
+    if not (isinstance(out_r, TensorProxy) and out_r.ndim == 4
+            and _norm_dim(_arg(stack, 1, "dim", 0), 5) == 4):
+        return None
+    sub, add = g.producer(out_r, _SUB), g.producer(out_i, _ADD)
+    if sub is None or add is None or _arg(sub, 2, "alpha", 1) != 1 or _arg(add, 2, "alpha", 1) != 1:
+        return None
+    m1, m2 = g.producer(sub.args[0], _MUL), g.producer(sub.args[1], _MUL)
+    m3, m4 = g.producer(add.args[0], _MUL), g.producer(add.args[1], _MUL)
+    if None in (m1, m2, m3, m4):
+        return None
+    unbind = None
+    for a in m1.args:
+        u = g.producer(a, _UNBIND)
+        if u is not None:
+            unbind = u
+    if unbind is None or not isinstance(unbind.output, (tuple, list)) or len(unbind.output) != 2:
+        return None
+    xr, xi = unbind.output
+    if _norm_dim(_arg(unbind, 1, "dim", 0), 5) != 4:
+        return None
+    c, s = _other(m1, xr), _other(m2, xi)
+    if c is None or s is None or c is s:
+        return None
+    # xr s + xi c, in either order of the sum.
+    prods = {(id(m.args[0]), id(m.args[1])) for m in (m3, m4)} | {(id(m.args[1]), id(m.args[0])) for m in (m3, m4)}
+    if not {(id(xr), id(s)), (id(xi), id(c))} <= prods or m3 is m4:
+        return None
+    inp = _pairs_input(g, unbind.args[0])
+    if inp is None:
+        return None
+    x, in_bsyms = inp
+    dc = x.shape[3] // 2
+    layout = _table_layout(x, c, dc)
+    if layout is None or _table_layout(x, s, dc) != layout or _shape(c) != _shape(s):
+        return None
+    f = _flattened(g, stack.output, x)
+    if f is None:
+        return None
+    tail, out, post, problem = _rope_tail(g, x, f.output)
+    bsyms = (*in_bsyms, unbind, m1, m2, sub, m3, m4, add, stack, f, *tail)
+    if not g.closed(bsyms, (out,)):
+        return None
+    return _Rotation("pairs", x, (c, s), layout, out, bsyms, post, problem)
+
+
+def _match_rope_complex(g: _Graph, vr: BoundSymbol) -> _Rotation | None:
+    """Meta's reference: view_as_real(view_as_complex(x.float().reshape(..., D / 2, 2)) * freqs_cis)
+    .flatten(3), cast back to x's dtype (`type_as`)."""
+    prod = g.producer(vr.args[0], _MUL)
+    if prod is None:
+        return None
+    vc = None
+    for a in prod.args:
+        b = g.producer(a, _VIEW_AS_COMPLEX)
+        if b is not None:
+            vc = b
+    if vc is None:
+        return None
+    f = _other(prod, vc.output)
+    inp = _pairs_input(g, vc.args[0])
+    if inp is None or not isinstance(f, TensorProxy):
+        return None
+    x, in_bsyms = inp
+    if f.dtype != dtypes.complex64:
+        return None
+    layout = _table_layout(x, f, x.shape[3] // 2)
+    fl = _flattened(g, vr.output, x)
+    if layout is None or fl is None:
+        return None
+    tail, out, post, problem = _rope_tail(g, x, fl.output)
+    bsyms = (*in_bsyms, vc, prod, vr, fl, *tail)
+    if not g.closed(bsyms, (out,)):
+        return None
+    return _Rotation("complex", x, (f,), layout, out, bsyms, post, problem)
+
+
+def _complex_tables(f: TensorProxy) -> tuple[TensorProxy, TensorProxy]:
+    """(cos, sin) = (real, imaginary parts) of freqs_cis, inside the trace."""
+    import thunder.torch as ltorch
+
+    fr = ltorch.view_as_real(f)
+    return fr[..., 0], fr[..., 1]
+
+
+def _pair_rotations(rots: list[_Rotation]) -> list[Match]:
+    """q / k pairs sharing one set of tables, in trace order (the order the rotations were found)."""
+    groups: dict[tuple, list[_Rotation]] = {}
+    for r in rots:
+        groups.setdefault((r.variant, r.layout, *(t.name for t in r.tables)), []).append(r)
+    found = []
+    for group in groups.values():
+        for q, k in zip(group[0::2], group[1::2]):
+            xq, xk = q.x, k.x
+            if q.layout == "bthd":
+                same = xq.shape[0] == xk.shape[0] and xq.shape[1] == xk.shape[1] and xq.shape[3] == xk.shape[3]
+            else:
+                same = xq.shape[0] == xk.shape[0] and xq.shape[2:] == xk.shape[2:]
+            if xq is xk or not same or xq.dtype != xk.dtype:
+                continue
+            found.append(_rope_match(q, k))
+    return found
+
+
+def _rope_match(q: _Rotation, k: _Rotation) -> Match:
+    interleaved = q.variant != "half"
+    layout = q.layout
+
+    def prep(xq, xk, *tables):
+        if q.variant == "complex":  # args hold freqs_cis twice
+            tables = _complex_tables(tables[0])
+        cos, sin = (_helper_table(t, xq, layout) for t in tables)
+        if layout == "bthd":
+            xq, xk = _transpose12(xq), _transpose12(xk)
+        return xq, xk, cos, sin
+
+    def post(outs):
+        qo, ko = outs
+        if layout == "bthd":
+            qo, ko = _transpose12(qo), _transpose12(ko)
+        return (q.post(qo) if q.post else qo, k.post(ko) if k.post else ko)
+
+    tables = q.tables if len(q.tables) == 2 else (q.tables[0], q.tables[0])
+    needs_prep = layout == "bthd" or q.variant == "complex" or any(
+        not (t.ndim == 2 or (t.ndim == 3 and layout == "bhtd")) for t in q.tables)
+    return Match("rope", (q.x, k.x, *tables), (q.out, k.out), q.bsyms + k.bsyms,
+                 {"interleaved": True} if interleaved else {},
+                 prep=prep if needs_prep else None,
+                 post=post if (layout == "bthd" or q.post or k.post) else None,
+                 problem=q.problem or k.problem)
+
+
+# ---- SwiGLU -------------------------------------------------------------------------------------------
 def _match_swiglu(g: _Graph, silu: BoundSymbol) -> Match | None:
-    """`silu(gate) * up`, gate and up of one shape and dtype."""
+    """`silu(gate) * up`, gate and up of one shape and dtype (two projections, or one chunked)."""
     gate = silu.args[0]
     if _arg(silu, 1, "inplace", False) is not False or not isinstance(gate, TensorProxy):
         return None
@@ -375,8 +793,19 @@ def _match_swiglu(g: _Graph, silu: BoundSymbol) -> Match | None:
     return Match("swiglu", (gate, up), (mul.output,), (silu, mul))
 
 
+# ---- GQA ----------------------------------------------------------------------------------------------
+def _heads_dim_match(x: TensorProxy, n: int, d: int, out: TensorProxy, bsyms: tuple) -> Match:
+    """repeat_kv of 4-D `x` along dim d (1: (B, H, T, D) heads; 2: Meta's (B, T, H, D), transposed
+    for the kernel and back)."""
+    if d == 1:
+        return Match("repeat_kv", (x, n), (out,), bsyms)
+    return Match("repeat_kv", (x, n), (out,), bsyms, prep=lambda x, n: (_transpose12(x), n),
+                 post=lambda outs: (_transpose12(outs[0]),))
+
+
 def _match_repeat_kv(g: _Graph, expand: BoundSymbol) -> Match | None:
-    """HF repeat_kv: `x[:, :, None].expand(B, H, n, T, D).reshape(B, H * n, T, D)` (or unsqueeze(2))."""
+    """`x[:, :, None].expand(B, H, n, T, D).reshape(B, H * n, T, D)` (HF, or unsqueeze(2)), and
+    Meta's `x[:, :, :, None, :].expand(B, T, H, n, D).reshape(B, T, H * n, D)`."""
     e = expand.args[0]
     head = g.producer(e, _GETITEM, _UNSQUEEZE)
     if head is None:
@@ -385,68 +814,392 @@ def _match_repeat_kv(g: _Graph, expand: BoundSymbol) -> Match | None:
     if not (isinstance(x, TensorProxy) and x.ndim == 4):
         return None
     if head.sym.id == _UNSQUEEZE:
-        if _arg(head, 1, "dim") not in (2, -3):
-            return None
+        u = _norm_dim(_arg(head, 1, "dim"), 5)
     else:
         key = _arg(head, 1, "key")
-        if not (isinstance(key, tuple) and 3 <= len(key) <= 5 and key[2] is None
-                and all(_is_full_slice(k) for i, k in enumerate(key) if i != 2)):
+        if not (isinstance(key, tuple) and 3 <= len(key) <= 5):
             return None
-    b, h, t, d = x.shape
+        nones = [i for i, k in enumerate(key) if k is None]
+        if len(nones) != 1 or not all(_is_full_slice(k) for i, k in enumerate(key) if i != nones[0]):
+            return None
+        u = nones[0]
+    if u not in (2, 3):
+        return None
+    d = u - 1  # the repeated dim of x
     f = expand.output
-    if f.ndim != 5 or (f.shape[0], f.shape[1], f.shape[3], f.shape[4]) != (b, h, t, d):
+    xs = _shape(x)
+    if f.ndim != 5 or _shape(f)[:u] + _shape(f)[u + 1:] != xs:
         return None
-    n_rep = f.shape[2]
-    reshape = g.only_consumer(f, _RESHAPE)
-    if reshape is None or tuple(reshape.output.shape) != (b, h * n_rep, t, d) or n_rep < 1:
+    n_rep = f.shape[u]
+    reshape = g.only_consumer(f, _RESHAPE, _VIEW)
+    want = xs[:d] + (xs[d] * n_rep,) + xs[d + 1:]
+    if reshape is None or _shape(reshape.output) != want or not _int(n_rep) or n_rep < 1:
         return None
-    if [id(u) for u in g.consumers(e)] != [id(expand)]:
+    if [id(c) for c in g.consumers(e)] != [id(expand)]:
         return None
-    return Match("repeat_kv", (x, n_rep), (reshape.output,), (head, expand, reshape))
+    return _heads_dim_match(x, n_rep, d, reshape.output, (head, expand, reshape))
 
 
-def find_llama_patterns(trace: TraceCtx, kinds: Iterable[str] = KINDS) -> list[Match]:
-    """Every RMSNorm / RoPE (q and k pairs) / SwiGLU / repeat_kv subgraph in `trace`, in trace order.
+def _match_repeat_interleave(g: _Graph, ri: BoundSymbol) -> Match | None:
+    """`x.repeat_interleave(n, dim=1)` of (B, H, T, D) heads (dim 2: (B, T, H, D) heads)."""
+    x, n = ri.args[0], _arg(ri, 1, "repeats")
+    if not (isinstance(x, TensorProxy) and x.ndim == 4 and _int(n) and n >= 1):
+        return None
+    if _arg(ri, 3, "output_size") is not None:
+        return None
+    d = _norm_dim(_arg(ri, 2, "dim"), 4)
+    if d not in (1, 2):
+        return None
+    return _heads_dim_match(x, n, d, ri.output, (ri,))
+
+
+# ---- attention head split / merge ---------------------------------------------------------------------
+def _match_split_qkv(g: _Graph, split: BoundSymbol) -> Match | None:
+    """`q, k, v = qkv.split(C, 2)` (or chunk(3, 2)), each `.view(B, T, nh, hs).transpose(1, 2)`,
+    all three or none followed by `.contiguous()`."""
+    qkv = split.args[0]
+    if not (isinstance(qkv, TensorProxy) and qkv.ndim == 3 and qkv.shape[2] % 3 == 0):
+        return None
+    B, T, C3 = _shape(qkv)
+    C = C3 // 3
+    if split.sym.id == _SPLIT:
+        size = _arg(split, 1, "split_size_or_sections")
+        if not (size == C or (isinstance(size, (tuple, list)) and list(size) == [C, C, C])):
+            return None
+        if not _is_last_dim(_arg(split, 2, "dim", 0), 3):
+            return None
+    elif _arg(split, 1, "chunks") != 3 or not _is_last_dim(_arg(split, 2, "dim", 0), 3):
+        return None
+    parts = list(split.output) if isinstance(split.output, (tuple, list)) else []
+    if len(parts) != 3:
+        return None
+    bsyms, outs, n_heads, copies = [split], [], set(), set()
+    for p in parts:
+        v = g.only_consumer(p, _VIEW, _RESHAPE)
+        if v is None or v.output.ndim != 4 or _shape(v.output)[:2] != (B, T):
+            return None
+        nh, hs = v.output.shape[2], v.output.shape[3]
+        t = g.only_consumer(v.output, _TRANSPOSE, _PERMUTE)
+        if t is None or not _swaps_1_2(t) or nh * hs != C:
+            return None
+        c = g.only_consumer(t.output, _CONTIGUOUS)
+        if c is not None and c.kwargs.get("memory_format") not in (None, torch.contiguous_format):
+            c = None
+        bsyms += [v, t] + ([c] if c is not None else [])
+        outs.append(c.output if c is not None else t.output)
+        n_heads.add(nh)
+        copies.add(c is not None)
+    if len(n_heads) != 1 or len(copies) != 1:
+        return None
+    if not g.closed(bsyms, outs):
+        return None
+    return Match("split_qkv", (qkv, n_heads.pop()), tuple(outs), tuple(bsyms), {"copy": copies.pop()})
+
+
+def _match_merge_heads(g: _Graph, tr: BoundSymbol) -> Match | None:
+    """`y.transpose(1, 2)[.contiguous()].view(B, T, C)` (or reshape) of (B, nh, T, hs) heads."""
+    if not _swaps_1_2(tr):
+        return None
+    y = tr.args[0]
+    B, nh, T, hs = _shape(y)
+    bsyms = [tr]
+    nxt = g.only_consumer(tr.output, _CONTIGUOUS, _VIEW, _RESHAPE)
+    if nxt is not None and nxt.sym.id == _CONTIGUOUS:
+        if nxt.kwargs.get("memory_format") not in (None, torch.contiguous_format):
+            return None
+        bsyms.append(nxt)
+        nxt = g.only_consumer(nxt.output, _VIEW, _RESHAPE)
+    if nxt is None or _shape(nxt.output) != (B, T, nh * hs):
+        return None
+    bsyms.append(nxt)
+    if not g.closed(bsyms, (nxt.output,)):
+        return None
+    return Match("merge_heads", (y,), (nxt.output,), tuple(bsyms))
+
+
+# ---- causal softmax -----------------------------------------------------------------------------------
+class _NotConstant(Exception):
+    """A value the mask check cannot compute at trace time; the message says why."""
+
+
+def _evaluate(g: _Graph, p: Any, memo: dict, depth: int = 0) -> Any:
+    """The value of `p` computed on the CPU from the ops that make it in the trace, when every one of
+    them depends on constants only (a mask built with torch.ones / full / arange, tril / triu,
+    comparisons, views); raises _NotConstant otherwise."""
+    if not isinstance(p, Proxy):
+        return p
+    if not isinstance(p, TensorProxy):
+        raise _NotConstant(f"{p.name} is a number known only at run time")
+    if p.name in memo:
+        return memo[p.name]
+    if depth > 32:
+        raise _NotConstant("built by too many ops")
+    if p.numel > _MAX_MASK:
+        raise _NotConstant(f"{p.name} has {p.numel} elements, too many to check at trace time")
+    b = g.producer(p)
+    if b is None:
+        raise _NotConstant(f"{p.name} is an input of the traced function (a model buffer or argument)")
+    fn = _EVAL.get(b.sym.id)
+    if fn is None:
+        raise _NotConstant(f"{p.name} comes from {b.sym.name}, which the check does not evaluate")
+
+    def ev(a: Any) -> Any:
+        if isinstance(a, (tuple, list)):
+            return type(a)(ev(v) for v in a)
+        return _evaluate(g, a, memo, depth + 1)
+
+    args = [ev(a) for a in b.args]
+    kwargs = {k: ev(v) for k, v in b.kwargs.items()}
+    outs = list(b.flat_proxy_outs)
+    try:
+        val = fn(*args, **kwargs)
+    except Exception as e:  # an op spelled in a way the table does not cover
+        raise _NotConstant(f"{b.sym.name} could not be evaluated ({type(e).__name__})") from None
+    if len(outs) != 1 or not isinstance(val, torch.Tensor) or tuple(val.shape) != _shape(p):
+        raise _NotConstant(f"{b.sym.name} could not be evaluated")
+    val = val.to(_torch_dtype(p))
+    memo[p.name] = val
+    return val
+
+
+def _td(dtype: Any) -> torch.dtype | None:
+    return None if dtype is None else dtypes.to_torch_dtype(dtype)
+
+
+def _shape_args(args: tuple) -> tuple:
+    return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else tuple(args)
+
+
+def _cast_eval(a: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return a  # _evaluate casts every result to its proxy's dtype
+
+
+# The ops a causal mask is built from, evaluated with torch on the CPU (device arguments dropped).
+_EVAL: dict[Any, Callable] = {
+    "torch.ones": lambda *s, device=None, dtype=None, **k: torch.ones(_shape_args(s), dtype=_td(dtype)),
+    "torch.zeros": lambda *s, device=None, dtype=None, **k: torch.zeros(_shape_args(s), dtype=_td(dtype)),
+    "torch.full": lambda shape, fill, *a, device=None, dtype=None, **k: torch.full(tuple(shape), fill, dtype=_td(dtype)),
+    "torch.arange": lambda start, end=None, step=1, *, device=None, dtype=None, **k: (
+        torch.arange(start, dtype=_td(dtype)) if end is None else torch.arange(start, end, step, dtype=_td(dtype))),
+    "torch.ones_like": lambda a, *x, **k: torch.ones_like(a),
+    "torch.zeros_like": lambda a, *x, **k: torch.zeros_like(a),
+    "torch.tril": lambda a, diagonal=0, *x, fill_value=None: torch.tril(a, diagonal),
+    "torch.triu": lambda a, diagonal=0, *x, fill_value=None: torch.triu(a, diagonal),
+    "torch.eq": torch.eq, "torch.ne": torch.ne, "torch.lt": torch.lt, "torch.le": torch.le,
+    "torch.gt": torch.gt, "torch.ge": torch.ge,
+    "torch.logical_not": torch.logical_not, "torch.bitwise_not": torch.bitwise_not,
+    "torch.logical_and": torch.logical_and, "torch.logical_or": torch.logical_or,
+    "torch.neg": torch.neg,
+    "torch.add": lambda a, b, alpha=1: a + alpha * b if alpha != 1 else a + b,
+    "torch.sub": lambda a, b, alpha=1: a - alpha * b if alpha != 1 else a - b,
+    "torch.mul": lambda a, b: a * b,
+    "torch.where": lambda c, a, b: torch.where(c, a, b),
+    "torch.masked_fill": lambda a, m, v: a.masked_fill(m, v),
+    _VIEW: lambda a, *s: a.reshape(_shape_args(s)),
+    _RESHAPE: lambda a, *s: a.reshape(_shape_args(s)),
+    _UNSQUEEZE: lambda a, d: a.unsqueeze(d),
+    _EXPAND: lambda a, *s: a.expand(_shape_args(s)),
+    _GETITEM: lambda a, key: a[key],
+    _CONTIGUOUS: lambda a, **k: a,
+    **{c: _cast_eval for c in _CASTS},
+}
+
+
+def _causal_mask_problem(mask: torch.Tensor, t: int, additive: bool, value: Any = None) -> str | None:
+    """None when `mask` (broadcast over leading dims) masks exactly the entries above the diagonal of
+    a (t, t) score matrix, else what it does instead."""
+    if mask.ndim < 2 or tuple(mask.shape[-2:]) != (t, t) or any(n != 1 for n in mask.shape[:-2]):
+        return f"the mask has shape {tuple(mask.shape)}, not (..., {t}, {t}) with 1s before"
+    m = mask.reshape(t, t)
+    above = torch.ones(t, t, dtype=torch.bool).triu(1)
+    if additive:
+        if not m.is_floating_point():
+            return "the additive mask is not floating point"
+        masked = m <= _MASKED
+        if not ((m == 0) | masked).all():
+            return "the additive mask holds values other than 0 and -inf"
+    else:
+        if m.dtype != torch.bool:
+            return "the masked_fill mask is not boolean"
+        masked = m
+        if not (_const(value) and value <= _MASKED):
+            return f"the masked entries are filled with {value!r}, not -inf"
+    if not torch.equal(masked, above):
+        return "the mask is not causal (it does not mask exactly the entries above the diagonal)"
+    return None
+
+
+def _scale_of(g: _Graph, s: TensorProxy, consumer: BoundSymbol) -> tuple[TensorProxy, float, tuple]:
+    """(unscaled scores, scale, bsyms) for scores `s`: `att * c`, `c * att`, `att / c` with a
+    constant c, when `s` feeds only `consumer`; else (s, 1.0, ())."""
+    b = g.producer(s, _MUL, _TRUE_DIV, _DIV)
+    if b is None or [id(c) for c in g.consumers(s)] != [id(consumer)]:
+        return s, 1.0, ()
+    if b.sym.id == _MUL:
+        a0, a1 = b.args[0], b.args[1]
+        att, c = (a0, a1) if isinstance(a0, TensorProxy) else (a1, a0)
+        if isinstance(att, TensorProxy) and _const(c):
+            return att, float(c), (b,)
+    elif b.kwargs.get("rounding_mode") is None and isinstance(b.args[0], TensorProxy) and _const(b.args[1]):
+        if b.args[1] != 0:
+            return b.args[0], 1.0 / float(b.args[1]), (b,)
+    return s, 1.0, ()
+
+
+def _match_causal_softmax(g: _Graph, sm: BoundSymbol) -> Match | None:
+    """`softmax([scale *] att masked causally, -1)`: masked_fill(mask, -inf) or + an additive mask,
+    the mask computed in the trace from constants; HF's softmax(..., dtype=float32).to(dtype) too."""
+    m = sm.args[0]
+    if not (isinstance(m, TensorProxy) and m.ndim >= 2 and _is_last_dim(_arg(sm, 1, "dim"), m.ndim)):
+        return None
+    t = m.shape[-1]
+    if m.shape[-2] != t:
+        return None
+    fill = g.producer(m, _MASKED_FILL)
+    add = g.producer(m, _ADD) if fill is None else None
+    memo: dict = {}
+    if fill is not None:
+        s, mask, value = fill.args[0], fill.args[1], _arg(fill, 2, "value")
+        masking = fill
+    elif add is not None and _arg(add, 2, "alpha", 1) == 1:
+        s = mask = None
+        for i in (0, 1):  # the additive mask is the operand computable at trace time
+            try:
+                _evaluate(g, add.args[i], memo)
+            except _NotConstant:
+                continue
+            mask, s = add.args[i], add.args[1 - i]
+        if mask is None:
+            return None  # scores plus a run-time tensor: no telling what it is (plain softmax stays)
+        value, masking = None, add
+    else:
+        return None
+    if not (isinstance(s, TensorProxy) and isinstance(mask, TensorProxy)):
+        return None
+    att, scale, scale_bsyms = _scale_of(g, s, masking)
+    bsyms = [*scale_bsyms, masking, sm]
+    out = sm.output
+    problem = None
+    try:
+        problem = _causal_mask_problem(_evaluate(g, mask, memo), t, fill is None, value)
+    except _NotConstant as e:
+        problem = f"the mask is not known at trace time: {e}; the softmax alone runs on kforge"
+    if out.dtype != att.dtype:  # softmax(..., dtype=float32), or an fp32 additive mask on 16-bit scores
+        tail = _cast_to(g, out, _torch_dtype(att))
+        if tail is not None:
+            bsyms.append(tail)
+            out = tail.output
+        elif problem is None:
+            problem = (f"the softmax of {_torch_dtype(att)} scores is {_torch_dtype(out)} and read as such "
+                       "(kforge's causal softmax returns the scores' dtype)")
+    if not g.closed(bsyms, (out,)):
+        return None
+    return Match("causal_softmax", (att, scale), (out,), tuple(bsyms), problem=problem)
+
+
+# ---- cross-entropy on upcast logits -------------------------------------------------------------------
+def _match_cross_entropy(g: _Graph, ce: BoundSymbol) -> Match | None:
+    """`F.cross_entropy(logits16.float().view(-1, V), ...)` (the view before or after the cast, or
+    2-D logits without one): the cast is folded into kforge's cross-entropy."""
+    a = ce.args[0]
+    if not (isinstance(a, TensorProxy) and a.ndim == 2 and _torch_dtype(a) == torch.float32):
+        return None
+    p, bsyms, cast, view = a, [], None, None
+    while True:
+        b = g.producer(p)
+        if b is not None and cast is None and _pure_cast(b) and _torch_dtype(b.args[0]) in _16BIT:
+            cast = b
+        elif (b is not None and view is None and b.sym.id in (_VIEW, _RESHAPE) and isinstance(b.args[0], TensorProxy)
+              and b.args[0].ndim >= 2 and b.args[0].shape[-1] == a.shape[1]):
+            view = b
+        else:
+            break
+        bsyms.insert(0, b)
+        p = b.args[0]
+    if cast is None:
+        return None
+    x = p  # the 16-bit logits (N, V) or (..., V)
+    if not g.closed((*bsyms, ce), (ce.output,)):
+        return None
+    args = (x, *ce.args[1:])
+    prep = None
+    if x.ndim != 2:
+        def prep(x, *rest, v=a.shape[1]):
+            import thunder.torch as ltorch
+
+            return (ltorch.reshape(x, (-1, v)), *rest)
+    return Match("cross_entropy", args, (ce.output,), (*bsyms, ce), dict(ce.kwargs), prep=prep)
+
+
+# ---- finding them all ---------------------------------------------------------------------------------
+_MATCHERS: dict[Any, tuple[str, Callable]] = {
+    _RSQRT: ("rms_norm", _match_rms_norm),
+    _SILU: ("swiglu", _match_swiglu),
+    _EXPAND: ("repeat_kv", _match_repeat_kv),
+    _REPEAT_INTERLEAVE: ("repeat_kv", _match_repeat_interleave),
+    _SPLIT: ("split_qkv", _match_split_qkv),
+    _CHUNK: ("split_qkv", _match_split_qkv),
+    _TRANSPOSE: ("merge_heads", _match_merge_heads),
+    _PERMUTE: ("merge_heads", _match_merge_heads),
+    _SOFTMAX: ("causal_softmax", _match_causal_softmax),
+    _CROSS_ENTROPY: ("cross_entropy", _match_cross_entropy),
+}
+_ROTATIONS: dict[Any, Callable] = {_CAT: _match_rope_half, _STACK: _match_rope_pairs,
+                                   _VIEW_AS_REAL: _match_rope_complex}
+
+
+def _check_kinds(kinds: Iterable[str], who: str) -> tuple[str, ...]:
+    kinds = tuple(kinds)
+    unknown = set(kinds) - set(ALL_KINDS)
+    if unknown:
+        raise ValueError(f"{who}: unknown kinds {sorted(unknown)}; choose from {ALL_KINDS}")
+    return kinds
+
+
+def find_patterns(trace: TraceCtx, kinds: Iterable[str] = ALL_KINDS) -> list[Match]:
+    """Every step of `kinds` in `trace`, in trace order, near misses with their `problem` included.
 
     Works on any Thunder trace whose top-level bound symbols are torch-level ops (the computation
     trace as a Transform's `transform_traces_pre_prologue` sees it, or `thunder.last_traces(fn)[0]`),
     on any device: recognising a pattern does not depend on kforge accepting it. Matches never share
-    an op. RoPE is matched per q/k pair sharing one cos and one sin table (helper
-    `apply_rope(q, k, cos, sin)`); a lone rotated tensor is not reported.
+    an op (RoPE wins over repeat_kv where a rotation's downcast follows a repeat_interleave). RoPE is
+    matched per q / k pair sharing one cos and one sin table (helper `apply_rope(q, k, cos, sin)`);
+    a lone rotated tensor is not reported.
     """
-    kinds = tuple(kinds)
-    unknown = set(kinds) - set(KINDS)
-    if unknown:
-        raise ValueError(f"find_llama_patterns: unknown kinds {sorted(unknown)}; choose from {KINDS}")
+    kinds = _check_kinds(kinds, "find_patterns")
     g = _Graph(trace)
     found: list[Match] = []
-    ropes: dict[tuple[str, str], list[tuple]] = {}
+    rotations: list[_Rotation] = []
     for b in g.bsyms:
         sid = b.sym.id
-        if sid == _RSQRT and "rms_norm" in kinds:
-            m = _match_rms_norm(g, b)
-        elif sid == _SILU and "swiglu" in kinds:
-            m = _match_swiglu(g, b)
-        elif sid == _EXPAND and "repeat_kv" in kinds:
-            m = _match_repeat_kv(g, b)
-        elif sid == _CAT and "rope" in kinds:
-            one = _match_rope_one(g, b)
-            if one is not None:
-                ropes.setdefault((one[1].name, one[2].name), []).append(one)
+        if sid in _ROTATIONS and "rope" in kinds:
+            r = _ROTATIONS[sid](g, b)
+            if r is not None:
+                rotations.append(r)
             continue
-        else:
+        kind, matcher = _MATCHERS.get(sid, (None, None))
+        if kind in kinds:
+            m = matcher(g, b)
+            if m is not None:
+                found.append(m)
+    found = _pair_rotations(rotations) + found  # first in line for shared ops
+    taken: set[int] = set()
+    kept = []
+    for m in found:
+        ids = {id(b) for b in m.bsyms}
+        if ids & taken:
             continue
-        if m is not None:
-            found.append(m)
-    # Pair rotations that share cos and sin, in trace order: (q, k) of one attention call.
-    for group in ropes.values():
-        for q, k in zip(group[0::2], group[1::2]):
-            xq, xk = q[0], k[0]
-            if xq is xk or xq.shape[0] != xk.shape[0] or xq.shape[2:] != xk.shape[2:] or xq.dtype != xk.dtype:
-                continue
-            found.append(Match("rope", (xq, xk, q[1], q[2]), (q[3], k[3]), q[4] + k[4]))
-    found.sort(key=lambda m: max(g.position[id(b)] for b in m.bsyms))
-    return found
+        taken |= ids
+        kept.append(m)
+    kept.sort(key=lambda m: max(g.position[id(b)] for b in m.bsyms))
+    return kept
+
+
+def find_llama_patterns(trace: TraceCtx, kinds: Iterable[str] = KINDS) -> list[Match]:
+    """The replaceable RMSNorm / RoPE (q and k pairs) / SwiGLU / repeat_kv subgraphs of `trace` (or
+    of other `kinds`), in trace order: `find_patterns` without the near misses."""
+    kinds = _check_kinds(kinds, "find_llama_patterns")
+    return [m for m in find_patterns(trace, kinds) if m.problem is None]
 
 
 # ---- the rewrite --------------------------------------------------------------------------------------
@@ -464,25 +1217,38 @@ def _kforge_replacement(kind: str) -> Callable:
     op = ex._lookasides.get(helper)  # what thunder.jit itself calls in place of the helper
     if op is None:
         raise LookupError(f"kforge registers no operator replacing {HELPERS[kind]}")
+    if kind == "rms_norm":
+        return _rms_norm_replacement(op)
     return op
 
 
-def _call_helper(kind: str, fn: Callable, args: tuple) -> tuple:
-    out = fn(*args)
-    return tuple(out) if kind == "rope" else (out,)
+def _rms_norm_replacement(op: Callable) -> Callable:
+    """HF's order (cast, then weight) runs kforge's rms_norm helper operator; the other order is
+    exactly `F.rms_norm`, which kforge claims as it is."""
+
+    def replacement(x: TensorProxy, w: TensorProxy, eps: float, cast_before_weight: bool = True):
+        if cast_before_weight:
+            return op(x, w, eps)
+        import thunder.torch as ltorch
+
+        return ltorch.rms_norm(x, (x.shape[-1],), w, eps)
+
+    return replacement
 
 
 def _claimed(bsyms: Sequence[BoundSymbol]) -> str | None:
-    """None when kforge executes every kforge operator among `bsyms`, else kforge's reason."""
+    """None when kforge executes every symbol among `bsyms` it has an implementation for (its own
+    operators, or torch symbols it claims such as F.rms_norm), else kforge's reason."""
     from . import _thunder
 
     ex = _thunder.get_executor()
-    ours = [b for b in bsyms if b.sym.executor is ex]
-    if not ours:
-        return "the replacement holds no kforge operator"
-    for b in ours:
+    checked = False
+    for b in bsyms:
         impl = ex.implmap.get(b.sym.id)
-        if impl is None or impl.checker is None:
+        if impl is None:
+            continue
+        checked = True
+        if impl.checker is None:
             continue  # an operator without a checker always runs on kforge
         # The op table wraps each checker (functools.wraps); the original returns the reason.
         check = getattr(impl.checker, "__wrapped__", None)
@@ -495,18 +1261,19 @@ def _claimed(bsyms: Sequence[BoundSymbol]) -> str | None:
                 return f"kforge declines {b.sym.name}: {reason}"
         elif not impl.checker(*b.args, **b.kwargs):
             return f"kforge declines {b.sym.name}"
-    return None
+    return None if checked else "the replacement holds no kforge operator"
 
 
 class LlamaPatternTransform(Transform):
-    """Replace Llama steps found by `find_llama_patterns` with kforge operators, before autograd.
+    """Replace the steps `find_patterns` finds with kforge operators, before autograd.
 
     Pass it to `thunder.jit(..., transforms=[...])` or `ThunderCompiler(transforms=[...])` together
-    with `kforge.executor` first in the executor list (`kforge.transforms.thunderfx` does both).
+    with `kforge.executor` first in the executor list (`jit` and `thunderfx` below do both, for every
+    kind).
 
-    kinds:         which patterns to replace (default all of KINDS).
-    replacements:  kind -> callable taking the helper's arguments (see `Match.args`) and returning its
-                   output(s) in a trace; default kforge's operator for the helper.
+    kinds:         which patterns to replace (default the Llama steps, KINDS; ALL_KINDS for all).
+    replacements:  kind -> callable taking the helper's arguments (see `Match.args`, `Match.kwargs`)
+                   and returning its output(s) in a trace; default kforge's operator for the helper.
     require_claim: rewrite only where kforge's checker accepts the replacement (default), so what
                    kforge declines (CPU tensors, unsupported sizes) keeps its original, fusible ops.
 
@@ -515,10 +1282,7 @@ class LlamaPatternTransform(Transform):
 
     def __init__(self, *, kinds: Iterable[str] = KINDS, replacements: Mapping[str, Callable] | None = None,
                  require_claim: bool = True):
-        self.kinds = tuple(kinds)
-        unknown = set(self.kinds) - set(KINDS)
-        if unknown:
-            raise ValueError(f"LlamaPatternTransform: unknown kinds {sorted(unknown)}; choose from {KINDS}")
+        self.kinds = _check_kinds(kinds, "LlamaPatternTransform")
         self.replacements = dict(replacements or {})
         self.require_claim = require_claim
         self.rewrites: list[Rewrite] = []
@@ -537,41 +1301,58 @@ class LlamaPatternTransform(Transform):
         executors_list = kwargs.get("executors_list")
         if self.require_claim and executors_list is not None and _thunder.get_executor() not in executors_list:
             # Nobody would run kforge's operators: keep the trace (record why, once per trace).
-            for m in find_llama_patterns(computation_trace, self.kinds):
+            for m in find_patterns(computation_trace, self.kinds):
                 self.rewrites.append(Rewrite(m, "kforge is not in the executor list"))
             return prologue_trace, computation_trace, epilogue_trace
         return prologue_trace, self.rewrite(computation_trace), epilogue_trace
 
     def rewrite(self, trace: TraceCtx) -> TraceCtx:
-        """A copy of `trace` with the accepted matches replaced (`trace` itself when none is);
-        every match and its outcome is appended to `self.rewrites`."""
-        matches = find_llama_patterns(trace, self.kinds)
-        if not matches:
-            return trace
+        """A copy of `trace` with the accepted matches replaced (`trace` itself when none is); every
+        match and its outcome is appended to `self.rewrites`. Matching runs again on the result
+        while replacements expose new matches (at most a few rounds)."""
+        reported: set[frozenset] = set()
+        for _ in range(_ROUNDS):
+            matches = [m for m in find_patterns(trace, self.kinds) if _key(m) not in reported]
+            if not matches:
+                break
+            reported.update(_key(m) for m in matches)
+            new = self._rewrite_once(trace, matches)
+            if new is trace:
+                break
+            trace = new
+        return trace
+
+    def _rewrite_once(self, trace: TraceCtx, matches: list[Match]) -> TraceCtx:
         g = _Graph(trace)
         new = from_trace(trace)
         at: dict[int, list[BoundSymbol]] = {}  # position -> bound symbols inserted there
         removed: set[int] = set()
+        applied = 0
         for m in matches:
-            reason = self._place(g, new, m, at, removed)
+            reason = m.problem or self._place(g, new, m, at, removed)
             self.rewrites.append(Rewrite(m, reason))
+            applied += reason is None
         if not removed:
             return trace
+        # Values the removed ops made that nothing reads any more; prims.shape of them goes too.
+        made = {o.name for inserted in at.values() for b in inserted for o in b.flat_proxy_outs}
+        gone = {o.name for b in g.bsyms if id(b) in removed for o in b.flat_proxy_outs} - made
         bsyms: list[BoundSymbol] = []
         for i, b in enumerate(g.bsyms):
-            if id(b) not in removed:
+            dead_shape = b.sym.id == PrimIDs.SHAPE and any(p.name in gone for p in b.flat_proxy_args)
+            if id(b) not in removed and not dead_shape:
                 bsyms.append(b)
             bsyms.extend(at.get(i, ()))
         new.bound_symbols = bsyms
-        n = sum(1 for r in self.rewrites[-len(matches):] if r.applied)
-        new.set_provenance(TraceProvenance(f"kforge Llama patterns ({n} of {len(matches)} matches replaced)"))
+        new.set_provenance(TraceProvenance(f"kforge Llama patterns ({applied} of {len(matches)} matches replaced)"))
         return new
 
     def _place(self, g: _Graph, new: TraceCtx, m: Match, at: dict, removed: set) -> str | None:
         """Trace the replacement of `m` into `new` and schedule it; returns why not, or None."""
         # The replacement goes where the last of its outputs was computed: every input is defined by
         # then, and every reader of an output must come after it.
-        where = max(g.position[id(b)] for b in m.bsyms if any(o is b.output for o in m.outputs))
+        outs = {o.name for o in m.outputs}
+        where = max(g.position[id(b)] for b in m.bsyms if any(o.name in outs for o in b.flat_proxy_outs))
         for o in m.outputs:
             if any(g.position[id(u)] <= where for u in g.consumers(o)):
                 return "an output is read before the pattern ends"
@@ -580,24 +1361,37 @@ class LlamaPatternTransform(Transform):
             new.push_scope([])
             try:
                 with tracectx(new):
-                    outs = _call_helper(m.kind, fn, m.args)
+                    args = m.prep(*m.args) if m.prep is not None else m.args
+                    new.push_scope([])
+                    try:
+                        out = fn(*args, **m.kwargs)
+                    finally:
+                        helper_bsyms = new.pop_scope()
+                    new.peek_scope().extend(helper_bsyms)
+                    out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+                    if m.post is not None:
+                        out = tuple(m.post(out))
             finally:
                 bsyms = new.pop_scope()
         except Exception as e:  # never break tracing over a pattern: keep the original ops
             return f"replacement failed: {type(e).__name__}: {e}"
-        flat, _ = tree_flatten(outs)
+        flat, _ = tree_flatten(out)
         if len(flat) != len(m.outputs):
             return f"replacement returned {len(flat)} outputs, the pattern {len(m.outputs)}"
         for o, r in zip(m.outputs, flat):
             if not (isinstance(r, TensorProxy) and r.shape == o.shape and r.dtype == o.dtype and r.device == o.device):
                 return f"replacement output {r} does not match {o.name}: {o.shape} {o.dtype} {o.device}"
-        if self.require_claim and (reason := _claimed(bsyms)) is not None:
+        if self.require_claim and (reason := _claimed(helper_bsyms)) is not None:
             return reason
         # The replacement's outputs take the pattern's output names, so every reader is unchanged.
         swap = {variableify(r): o for r, o in zip(flat, m.outputs)}
         at.setdefault(where, []).extend(b.from_bsym_swap_proxies(swap) for b in bsyms)
         removed.update(id(b) for b in m.bsyms)
         return None
+
+
+def _key(m: Match) -> frozenset:
+    return frozenset(id(b) for b in m.bsyms)
 
 
 # ---- the short user-facing calls ----------------------------------------------------------------------
@@ -610,9 +1404,11 @@ def executors() -> list:
     return [_thunder.get_executor(), *thunder.get_default_executors()]
 
 
-def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), **kwargs: Any):
+def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterable[str] = ALL_KINDS,
+              **kwargs: Any):
     """`thunder.dynamo.thunderfx(model)` (torch.compile with Thunder as its backend) with kforge first
-    in the executor list and `LlamaPatternTransform` applied to every Thunder subgraph.
+    in the executor list and `LlamaPatternTransform(kinds=kinds)` (every step by default) applied to
+    every Thunder subgraph.
 
     For models `thunder.jit` cannot trace, such as Hugging Face's LlamaForCausalLM. Other keyword
     arguments go to torch.compile / thunder.jit (`executors=` overrides the executor list). The
@@ -623,20 +1419,20 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), **kwa
     from thunder.dynamo import thunderfx as _thunderfx
 
     kwargs.setdefault("executors", executors())
-    patterns = LlamaPatternTransform()
+    patterns = LlamaPatternTransform(kinds=kinds)
     compiled = _thunderfx(model, transforms=[patterns, *transforms], **kwargs)
     compiled.llama_patterns = patterns
     return compiled
 
 
-def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), **kwargs: Any):
-    """`thunder.jit(fn)` with kforge first in the executor list and `LlamaPatternTransform`, for
-    models Thunder can trace whose Llama steps are written out in torch ops rather than through
-    kforge's helpers. The transform is `fn.llama_patterns`."""
+def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterable[str] = ALL_KINDS, **kwargs: Any):
+    """`thunder.jit(fn)` with kforge first in the executor list and `LlamaPatternTransform(kinds=kinds)`
+    (every step by default), for models Thunder can trace whose steps are written out in torch ops
+    rather than through kforge's helpers. The transform is `fn.llama_patterns`."""
     import thunder
 
     kwargs.setdefault("executors", executors())
-    patterns = LlamaPatternTransform()
+    patterns = LlamaPatternTransform(kinds=kinds)
     jfn = thunder.jit(fn, transforms=[patterns, *transforms], **kwargs)
     jfn.llama_patterns = patterns
     return jfn

@@ -13,6 +13,16 @@ Claims `thunder.torch.cross_entropy` for 2-D logits (GPT-2's `F.cross_entropy(lo
 targets.view(-1), ignore_index=-1)` reaches Thunder as (N, V) with (N,)), weight=None,
 label_smoothing=0, reduction mean / sum / none, any ignore_index. Targets outside [0, V) that are not
 ignore_index give a NaN loss (and NaN gradient rows) instead of PyTorch's device-side assert.
+
+The loss on upcast logits, `F.cross_entropy(logits.float().view(-1, V), targets.view(-1))` (nanoGPT,
+Hugging Face's loss), is the helper `cross_entropy_upcast(logits16, targets, ...)`: its operator
+`kforge_cross_entropy_upcast` reads the 16-bit logits in place (the kernels compute in fp32 anyway)
+and returns the fp32 loss of the fp32 computation, so the (N, V) fp32 copy of the logits (1.6 GB at
+GPT-2's B=8, T=1024) and its fp32 gradient are never made; the gradient comes back in the logits'
+dtype, as `.float()`'s backward would cast it. `kforge.transforms` rewrites the inline spelling into
+the helper. Only the loss gradient itself (one number for mean / sum) is rounded to the logits' dtype
+before the kernel scales by it: exact for 1 and powers of two, else 2^-9 relative (bf16), the size of
+the rounding every dlogits element gets anyway.
 """
 from __future__ import annotations
 
@@ -60,6 +70,60 @@ def _backward(grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, l
 
 # (grad, logits, targets, lse, n_valid, ignore_index, reduction) -> dlogits
 cross_entropy_backward = operator("cross_entropy_backward", meta=_backward_meta, fn=_backward)
+
+
+# ---- the loss on upcast logits ----------------------------------------------------------------------
+def cross_entropy_upcast(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                         size_average: Any = None, ignore_index: int = -100, reduce: Any = None,
+                         reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+    """`F.cross_entropy(logits.float(), target, ...)`: the loss in fp32 of 16-bit logits. Plain
+    PyTorch; under `thunder.jit` with kforge it becomes `kforge_cross_entropy_upcast`, which never
+    makes the fp32 copy of the logits (see the module docstring)."""
+    return F.cross_entropy(logits.float(), target, weight, size_average, ignore_index, reduce, reduction,
+                           label_smoothing)
+
+
+def _upcast_like(logits: TensorProxy, target: TensorProxy, weight: Any = None, size_average: Any = None,
+                 ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                 label_smoothing: float = 0.0) -> TensorProxy:
+    # cross_entropy_upcast in thunder.torch ops: the operator's meta and its decomposition.
+    return ltorch.cross_entropy(ltorch.to(logits, dtypes.float32), target, weight, size_average, ignore_index,
+                                reduce, reduction, label_smoothing)
+
+
+def fp32_loss(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, n_valid: torch.Tensor,
+              ignore_index: int, reduction: str) -> torch.Tensor:
+    """The fp32 cross-entropy from the forward kernel's fp32 row logsumexp: row i loses
+    lse[i] - logits[i, t_i] (the 16-bit logit is exact in fp32); ignored rows 0, targets outside
+    [0, V) NaN (as the kernel); then the mean over n_valid, the sum, or the rows. A few (N,)-sized
+    torch ops: the kernel's own loss is rounded to the logits' dtype."""
+    v = logits.shape[1]
+    in_range = (targets >= 0) & (targets < v)
+    picked = logits.gather(1, targets.clamp(0, v - 1).unsqueeze(1)).squeeze(1).float()
+    row = (lse - picked).masked_fill(targets == ignore_index, 0.0)
+    row = row.masked_fill(~in_range & (targets != ignore_index), float("nan"))
+    if reduction == "none":
+        return row
+    total = row.sum()
+    return total / n_valid if reduction == "mean" else total
+
+
+def _forward_f32(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str):
+    """(fp32 loss, lse, n_valid): the forward kernel, then the loss in fp32 from its lse."""
+    _, lse, n_valid = _C.cross_entropy_forward(logits, targets, ignore_index, reduction)
+    return fp32_loss(logits, targets, lse, n_valid, ignore_index, reduction), lse, n_valid
+
+
+def _forward_f32_meta(logits: TensorProxy, targets: TensorProxy, ignore_index: int, reduction: str):
+    loss, lse, n_valid = _forward_meta(logits, targets, ignore_index, reduction)
+    return TensorProxy(like=loss, dtype=dtypes.float32), lse, n_valid
+
+
+# (logits16, targets, ignore_index, reduction) -> (fp32 loss, lse (N,) f32, n_valid () f32)
+cross_entropy_forward_f32 = operator("cross_entropy_forward_f32", meta=_forward_f32_meta, fn=_forward_f32)
+# fn: what a declined call runs without a gradient (with one, thunder differentiates the decomposition).
+kforge_cross_entropy_upcast = operator("cross_entropy_upcast", like=_upcast_like, fn=cross_entropy_upcast,
+                                       replaces=cross_entropy_upcast)
 
 
 def _checker(a: Any, target: Any, weight: Any = None, size_average: Any = None, ignore_index: Any = -100,
@@ -112,7 +176,37 @@ def _grad(a: TensorProxy, target: TensorProxy, weight: Any = None, size_average:
     return loss
 
 
-SPEC = OpSpec("cross_entropy", (Claim(ltorch.cross_entropy, _checker, _execution, _grad),))
+def _upcast_checker(logits: Any, target: Any, weight: Any = None, size_average: Any = None,
+                    ignore_index: Any = -100, reduce: Any = None, reduction: str = "mean",
+                    label_smoothing: float = 0.0) -> str | None:
+    """None when kforge takes `cross_entropy_upcast(logits, target, ...)`, else why not."""
+    if isinstance(logits, TensorProxy) and dtypes.to_torch_dtype(logits.dtype) not in (torch.bfloat16, torch.float16):
+        return f"logits dtype {dtypes.to_torch_dtype(logits.dtype)} is not 16-bit (nothing to upcast)"
+    return _checker(logits, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+
+
+def _upcast_execution(logits: TensorProxy, target: TensorProxy, weight: Any = None, size_average: Any = None,
+                      ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                      label_smoothing: float = 0.0) -> TensorProxy:
+    loss, _, _ = cross_entropy_forward_f32(logits, target, ignore_index, reduction)
+    return loss
+
+
+def _upcast_grad(logits: TensorProxy, target: TensorProxy, weight: Any = None, size_average: Any = None,
+                 ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                 label_smoothing: float = 0.0) -> TensorProxy:
+    # Saved for backward: the 16-bit logits, targets, lse, n_valid. The fp32 loss gradient is rounded
+    # to the logits' dtype for the kernel, which returns dlogits in that dtype (`.float()`'s backward).
+    loss, lse, n_valid = cross_entropy_forward_f32(logits, target, ignore_index, reduction)
+    g = ltorch.to(get_grad(loss), logits.dtype)
+    put_grad(logits, cross_entropy_backward(g, logits, target, lse, n_valid, ignore_index, reduction))
+    return loss
+
+
+SPEC = OpSpec("cross_entropy", (
+    Claim(ltorch.cross_entropy, _checker, _execution, _grad),
+    Claim(kforge_cross_entropy_upcast, _upcast_checker, _upcast_execution, _upcast_grad),
+))
 
 
 def bench_cases(dtype: torch.dtype, quick: bool) -> list:
