@@ -133,6 +133,7 @@ _VIEW_AS_REAL = "torch.view_as_real"
 _SOFTMAX = "torch.softmax"
 _MASKED_FILL = "torch.masked_fill"
 _CROSS_ENTROPY = "torch.nn.functional.cross_entropy"
+_DROPOUT = "torch.nn.functional.dropout"
 # Data movement that commutes with a dtype cast (exactly, element for element).
 _MOVES = (_REPEAT_INTERLEAVE, _TRANSPOSE, _PERMUTE, _RESHAPE, _VIEW, _CONTIGUOUS, _UNSQUEEZE, _EXPAND, _FLATTEN)
 
@@ -140,6 +141,8 @@ _16BIT = (torch.bfloat16, torch.float16)
 # A masked score at or below this acts as -inf: exp(v - rowmax) is exactly 0 in fp32 for any
 # rowmax above -1e30 + 104.
 _MASKED = -1e30
+# Longest chain of data-movement ops between an fp32 step and its cast back (_downcast_tail).
+_MAX_MOVES = 4
 # Largest mask the causal check evaluates at trace time (T x T elements).
 _MAX_MASK = 1 << 26
 # Rounds of matching: a replacement can expose the next pattern (RoPE's fp32 result cast back after
@@ -380,19 +383,43 @@ def _rebind(b: BoundSymbol, first: TensorProxy) -> TensorProxy:
 
 
 def _downcast_tail(g: _Graph, out: TensorProxy, dtype: torch.dtype):
-    """A step computed in fp32 from 16-bit inputs whose result is only cast back to `dtype`, directly
-    or after one data-movement op (which commutes with the cast). Returns (bsyms, final output, post)
-    or None."""
-    c = _cast_to(g, out, dtype)
-    if c is not None:
-        return (c,), c.output, None
-    m = g.only_consumer(out, *_MOVES)
-    if m is None or m.args[0] is not out or any(isinstance(a, TensorProxy) for a in tree_flatten((m.args[1:], m.kwargs))[0]):
-        return None
-    c = _cast_to(g, m.output, dtype)
-    if c is None:
-        return None
-    return (m, c), c.output, (lambda r, m=m: _rebind(m, r))
+    """A step computed in fp32 from 16-bit inputs (autocast: 16-bit q times fp32 tables) whose result
+    is only cast back to `dtype`, directly or through a chain of data-movement ops (which commute with
+    the cast: HF's repeat_kv expand + reshape, a transpose) and identities (a cast to the dtype it
+    already has, dropout with p=0). Returns (bsyms, final output, post: the moves applied again to
+    the 16-bit result) or None."""
+    chain: list[BoundSymbol] = []
+    moves: list[BoundSymbol] = []
+    p = out
+    for _ in range(_MAX_MOVES + 1):
+        c = _cast_to(g, p, dtype)
+        if c is not None:
+            post = None
+            if moves:
+                def post(r: TensorProxy, moves=tuple(moves)) -> TensorProxy:
+                    for m in moves:
+                        r = _rebind(m, r)
+                    return r
+            return (*chain, c), c.output, post
+        m = g.only_consumer(p, *_MOVES, _GETITEM, *_CASTS, _DROPOUT)
+        if m is None or m.args[0] is not p or not _moves_only(m):
+            return None
+        if m.sym.id in _CASTS or m.sym.id == _DROPOUT:
+            identity = (_pure_cast(m) and m.output.dtype == p.dtype) if m.sym.id in _CASTS else (
+                _const(_arg(m, 1, "p", 0.5)) and _arg(m, 1, "p", 0.5) == 0)
+            if not identity:
+                return None
+        else:
+            moves.append(m)
+        chain.append(m)
+        p = m.output
+    return None
+
+
+def _moves_only(m: BoundSymbol) -> bool:
+    """`m` only moves or repeats its first argument's elements: no other tensor argument, and an
+    indexing key that only slices / inserts dims (no index tensors)."""
+    return not any(isinstance(a, TensorProxy) for a in tree_flatten((m.args[1:], m.kwargs))[0])
 
 
 # ---- RMSNorm ------------------------------------------------------------------------------------------
@@ -962,6 +989,14 @@ def _evaluate(g: _Graph, p: Any, memo: dict, depth: int = 0) -> Any:
     return val
 
 
+def _constant(g: _Graph, p: Any, memo: dict) -> Any:
+    """`_evaluate` with real tensors even while a tracer's fake-tensor or dispatch mode is active."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return _evaluate(g, p, memo)
+
+
 def _td(dtype: Any) -> torch.dtype | None:
     return None if dtype is None else dtypes.to_torch_dtype(dtype)
 
@@ -983,6 +1018,11 @@ _EVAL: dict[Any, Callable] = {
         torch.arange(start, dtype=_td(dtype)) if end is None else torch.arange(start, end, step, dtype=_td(dtype))),
     "torch.ones_like": lambda a, *x, **k: torch.ones_like(a),
     "torch.zeros_like": lambda a, *x, **k: torch.zeros_like(a),
+    "Tensor.new_ones": lambda a, *s, dtype=None, device=None, **k: torch.ones(_shape_args(s), dtype=_td(dtype) or a.dtype),
+    "torch.tensor": lambda data, *a, dtype=None, device=None, **k: torch.tensor(data, dtype=_td(dtype)),
+    "torch.diff": lambda a, n=1, dim=-1, prepend=None, append=None: torch.diff(a, n, dim, prepend, append),
+    "torch.cumsum": lambda a, dim, *, dtype=None: torch.cumsum(a, dim, dtype=_td(dtype)),
+    "torch.bitwise_and": torch.bitwise_and, "torch.bitwise_or": torch.bitwise_or,
     "torch.tril": lambda a, diagonal=0, *x, fill_value=None: torch.tril(a, diagonal),
     "torch.triu": lambda a, diagonal=0, *x, fill_value=None: torch.triu(a, diagonal),
     "torch.eq": torch.eq, "torch.ne": torch.ne, "torch.lt": torch.lt, "torch.le": torch.le,
@@ -1006,12 +1046,12 @@ _EVAL: dict[Any, Callable] = {
 
 
 def _causal_mask_problem(mask: torch.Tensor, t: int, additive: bool, value: Any = None) -> str | None:
-    """None when `mask` (broadcast over leading dims) masks exactly the entries above the diagonal of
-    a (t, t) score matrix, else what it does instead."""
-    if mask.ndim < 2 or tuple(mask.shape[-2:]) != (t, t) or any(n != 1 for n in mask.shape[:-2]):
-        return f"the mask has shape {tuple(mask.shape)}, not (..., {t}, {t}) with 1s before"
-    m = mask.reshape(t, t)
-    above = torch.ones(t, t, dtype=torch.bool).triu(1)
+    """None when every (t, t) slice of `mask` masks exactly the entries above the diagonal of a
+    (t, t) score matrix, else what it does instead."""
+    if mask.ndim < 2 or tuple(mask.shape[-2:]) != (t, t):
+        return f"the mask has shape {tuple(mask.shape)}, not (..., {t}, {t})"
+    m = mask  # every (t, t) slice of it must be the causal mask
+    above = torch.ones(t, t, dtype=torch.bool).triu(1).expand(mask.shape)
     if additive:
         if not m.is_floating_point():
             return "the additive mask is not floating point"
@@ -1065,7 +1105,7 @@ def _match_causal_softmax(g: _Graph, sm: BoundSymbol) -> Match | None:
         s = mask = None
         for i in (0, 1):  # the additive mask is the operand computable at trace time
             try:
-                _evaluate(g, add.args[i], memo)
+                _constant(g, add.args[i], memo)
             except _NotConstant:
                 continue
             mask, s = add.args[i], add.args[1 - i]
@@ -1079,22 +1119,26 @@ def _match_causal_softmax(g: _Graph, sm: BoundSymbol) -> Match | None:
     att, scale, scale_bsyms = _scale_of(g, s, masking)
     bsyms = [*scale_bsyms, masking, sm]
     out = sm.output
-    problem = None
+    from torch.utils._python_dispatch import _disable_current_modes
+
     try:
-        problem = _causal_mask_problem(_evaluate(g, mask, memo), t, fill is None, value)
+        with _disable_current_modes():  # real tensors, even under a tracer's fake-tensor mode
+            problem = _causal_mask_problem(_evaluate(g, mask, memo), t, fill is None, value)
     except _NotConstant as e:
         problem = f"the mask is not known at trace time: {e}; the softmax alone runs on kforge"
+    post = None
     if out.dtype != att.dtype:  # softmax(..., dtype=float32), or an fp32 additive mask on 16-bit scores
-        tail = _cast_to(g, out, _torch_dtype(att))
+        tail = _downcast_tail(g, out, _torch_dtype(att))
         if tail is not None:
-            bsyms.append(tail)
-            out = tail.output
+            bsyms += tail[0]
+            out, post = tail[1], tail[2]
         elif problem is None:
             problem = (f"the softmax of {_torch_dtype(att)} scores is {_torch_dtype(out)} and read as such "
                        "(kforge's causal softmax returns the scores' dtype)")
     if not g.closed(bsyms, (out,)):
         return None
-    return Match("causal_softmax", (att, scale), (out,), tuple(bsyms), problem=problem)
+    return Match("causal_softmax", (att, scale), (out,), tuple(bsyms), problem=problem,
+                 post=(lambda outs, post=post: (post(outs[0]),)) if post is not None else None)
 
 
 # ---- cross-entropy on upcast logits -------------------------------------------------------------------
@@ -1148,6 +1192,15 @@ _ROTATIONS: dict[Any, Callable] = {_CAT: _match_rope_half, _STACK: _match_rope_p
                                    _VIEW_AS_REAL: _match_rope_complex}
 
 
+def _guarded(matcher: Callable, g: _Graph, b: BoundSymbol) -> Any:
+    """A matcher's result; None where it fails on a spelling it did not foresee (never break
+    tracing over a pattern: the ops stay as they are)."""
+    try:
+        return matcher(g, b)
+    except Exception:
+        return None
+
+
 def _check_kinds(kinds: Iterable[str], who: str) -> tuple[str, ...]:
     kinds = tuple(kinds)
     unknown = set(kinds) - set(ALL_KINDS)
@@ -1173,13 +1226,13 @@ def find_patterns(trace: TraceCtx, kinds: Iterable[str] = ALL_KINDS) -> list[Mat
     for b in g.bsyms:
         sid = b.sym.id
         if sid in _ROTATIONS and "rope" in kinds:
-            r = _ROTATIONS[sid](g, b)
+            r = _guarded(_ROTATIONS[sid], g, b)
             if r is not None:
                 rotations.append(r)
             continue
         kind, matcher = _MATCHERS.get(sid, (None, None))
         if kind in kinds:
-            m = matcher(g, b)
+            m = _guarded(matcher, g, b)
             if m is not None:
                 found.append(m)
     found = _pair_rotations(rotations) + found  # first in line for shared ops

@@ -17,6 +17,12 @@ Thunder symbols:
 
 Claims: `kforge_rms_norm` (the helper) and `thunder.torch.rms_norm` (F.rms_norm), forward and
 backward. Saved for backward: x, weight, rstd.
+
+`nn.RMSNorm` under Thunder's Dynamo path: Dynamo inlines `F.rms_norm` (a Python wrapper) into
+`torch.rms_norm`, which lightning-thunder 0.2.6 does not map; its splitter then hands the norm (and
+the graph around it) to Inductor. Importing this module maps `torch.rms_norm` to
+`thunder.torch.rms_norm` (the same signature and semantics), so the norm stays in Thunder and kforge
+claims it on both paths.
 """
 from __future__ import annotations
 
@@ -74,6 +80,23 @@ rmsnorm_backward = operator("rmsnorm_backward", meta=_backward_meta, fn=_C.rmsno
 # fn: what a declined call runs when no gradient is needed (with one, thunder differentiates the
 # decomposition instead).
 kforge_rms_norm = operator("rms_norm", like=_rms_norm_like, fn=rms_norm, replaces=rms_norm)
+
+
+def _map_torch_rms_norm() -> None:
+    """Map `torch.rms_norm` to `thunder.torch.rms_norm` for thunder.jit and Thunder's Dynamo splitter
+    (both read the map; the jit's lookaside table was copied from it at import)."""
+    fn = getattr(torch, "rms_norm", None)
+    sym = getattr(ltorch, "rms_norm", None)
+    if fn is None or sym is None or fn in ltorch._torch_to_thunder_function_map:
+        return
+    from thunder.core import jit_ext
+
+    ltorch._torch_to_thunder_function_map[fn] = sym
+    jit_ext._general_jit_lookaside_map[fn] = jit_ext.ensure_recursive_proxies(
+        jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(sym)))
+
+
+_map_torch_rms_norm()
 
 
 # ---- checkers ---------------------------------------------------------------------------------------
