@@ -65,14 +65,21 @@ class Workload:
     inputs: Any  # tuple of positional arguments or dict of keyword arguments
     mode: str = "jit"
     loss_fn: Callable | None = None
+    autocast: Any = None  # a dtype: the step runs under torch.autocast("cuda", dtype)
     # Extra keyword arguments of a training step (profile): the built-in models skip returning
     # logits there, as llm.c's training loop does.
     train_kwargs: dict = field(default_factory=dict)
 
     def call(self, fn: Callable, **extra: Any) -> Any:
-        if isinstance(self.inputs, dict):
-            return fn(**self.inputs, **extra)
-        return fn(*self.inputs, **extra)
+        import contextlib
+
+        import torch
+
+        ctx = torch.autocast("cuda", dtype=self.autocast) if self.autocast is not None else contextlib.nullcontext()
+        with ctx:
+            if isinstance(self.inputs, dict):
+                return fn(**self.inputs, **extra)
+            return fn(*self.inputs, **extra)
 
 
 def _torch_dtype(name: str | None):
@@ -123,10 +130,12 @@ def _user_workload(args: argparse.Namespace) -> Workload:
 
     factory = _load_factory(args.model_spec)
     device, dtype = _device(args.device), _torch_dtype(args.dtype)
-    offered = dict(device=device, dtype=dtype, batch=args.batch, seq=args.seq, seed=args.seed)
+    offered = dict(device=device, dtype=dtype, batch=args.batch, seq=args.seq, seed=args.seed, size=args.size)
     params = pyinspect.signature(factory).parameters
     takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    kw = {k: v for k, v in offered.items() if takes_all or k in params}
+    # An option the command line left unset (None) goes only where the factory has no default of its own.
+    kw = {k: v for k, v in offered.items() if (takes_all or k in params)
+          and (v is not None or (k in params and params[k].default is pyinspect.Parameter.empty))}
     out = factory(**kw)
     if not (isinstance(out, tuple) and len(out) in (2, 3)):
         raise UsageError(f"--model {args.model_spec}: the factory must return (model, inputs) or "
@@ -134,8 +143,9 @@ def _user_workload(args: argparse.Namespace) -> Workload:
     model, inputs, options = out[0], out[1], (out[2] if len(out) == 3 else {})
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"--model {args.model_spec}: the factory returned {type(model).__name__}, not an nn.Module")
-    if not isinstance(options, dict) or set(options) - {"mode", "loss_fn"}:
-        raise UsageError(f"--model {args.model_spec}: options must be a dict with keys mode / loss_fn, got {options!r}")
+    if not isinstance(options, dict) or set(options) - {"mode", "loss_fn", "autocast"}:
+        raise UsageError(f"--model {args.model_spec}: options must be a dict with keys mode / loss_fn / autocast, "
+                         f"got {options!r}")
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     if not isinstance(inputs, (tuple, list, dict)):
@@ -148,7 +158,7 @@ def _user_workload(args: argparse.Namespace) -> Workload:
     if mode not in ("jit", "dynamo"):
         raise UsageError(f"--model {args.model_spec}: mode must be 'jit' or 'dynamo', got {mode!r}")
     return Workload(args.model_spec, model, tuple(inputs) if isinstance(inputs, list) else inputs, mode,
-                    options.get("loss_fn"))
+                    options.get("loss_fn"), options.get("autocast"))
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -202,18 +212,15 @@ def compile_workload(w: Workload, backend: str = "kforge") -> Any:
         return torch.compile(w.model)
     import thunder
 
-    from .tieout import default_executors
-
-    executors = default_executors() if backend == "kforge" else thunder.get_default_executors()
-    if w.mode == "jit":
-        return thunder.jit(w.model, executors=executors)
     if backend == "kforge":
-        from .transforms import thunderfx
+        from .frontend import compile as kforge_compile, jit as kforge_jit
 
-        return thunderfx(w.model)
+        return kforge_jit(w.model) if w.mode == "jit" else kforge_compile(w.model)
+    if w.mode == "jit":
+        return thunder.jit(w.model, executors=thunder.get_default_executors())
     from thunder.dynamo import thunderfx as plain_thunderfx
 
-    return plain_thunderfx(w.model, executors=executors)
+    return plain_thunderfx(w.model, executors=thunder.get_default_executors())
 
 
 def loss_of(out: Any, loss_fn: Callable | None = None):
@@ -266,14 +273,9 @@ def cmd_tieout(args: argparse.Namespace) -> int:
                 if p.is_floating_point():
                     p.mul_(1 + rel)
         extra["perturb_compiled"] = perturb
-    if w.mode == "dynamo":
-        if "transforms" in pyinspect.signature(tieout).parameters:
-            from .transforms import LlamaPatternTransform
+    from .transforms import LlamaPatternTransform
 
-            extra["transforms"] = [LlamaPatternTransform()]
-        else:
-            print("note: kforge.tieout takes no transforms= yet, so this Dynamo-path tie-out runs without "
-                  "kforge's Llama pattern rewrite", file=sys.stderr)
+    extra["transforms"] = [LlamaPatternTransform()]
     report = tieout(w.model, w.inputs, mode=w.mode, tolerances=_tolerances(args), loss_fn=w.loss_fn, **extra)
     print(f"{w.name} [{w.mode}]" + (f", compiled copy perturbed by {args.perturb:g}" if args.perturb else ""))
     print(report.table(failures_only=args.failures_only) if report.rows else "no rows")
@@ -470,7 +472,7 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--trace", metavar="FILE", help="also write a Chrome trace (Perfetto)")
     pr.add_argument("--json", metavar="FILE", help="write the summary as JSON")
 
-    sub.add_parser("bench", help="python -m kforge.bench {ops,gpt2,llama,launch} ...", add_help=False)
+    sub.add_parser("bench", help="python -m kforge.bench {models,ops,gpt2,llama,launch,report} ...", add_help=False)
     return p
 
 

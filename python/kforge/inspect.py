@@ -247,6 +247,9 @@ class InspectReport:
     declines:  every symbol kforge declines, with the reason and how many calls (per call in the
                program; Thunder itself asks once per pass, which the `recording()` log counts).
     patterns:  (Llama pattern kind, None if replaced else why not) per match, for pattern-transform runs.
+    fusions:   one dict per kforge.fusion region in the final traces ("trace" forward / backward, name,
+               ops, schedule, kernel, inputs, outputs).
+    left_out:  (prim, reason) -> count: what the fusion executor could take but left to torch, and why.
     forward_traces / backward_traces: the final traces (one per Thunder function).
     saved:     files written by `save_dir=`.
     """
@@ -258,6 +261,8 @@ class InspectReport:
     claimed: Counter
     declines: list[Decline]
     patterns: list[tuple[str, str | None]] = field(default_factory=list)
+    fusions: list[dict] = field(default_factory=list)
+    left_out: Counter = field(default_factory=Counter)
     forward_traces: list = field(default_factory=list, repr=False)
     backward_traces: list = field(default_factory=list, repr=False)
     saved: list[str] = field(default_factory=list)
@@ -295,12 +300,33 @@ class InspectReport:
         return tabulate([(k, r, n) for (k, r), n in sorted(counts.items())],
                         headers=("Llama pattern", "outcome", "count"), tablefmt=tablefmt)
 
+    def fusions_table(self, tablefmt: str = "simple") -> str:
+        from tabulate import tabulate
+
+        rows = []
+        for f in self.fusions:
+            ops = Counter(f["ops"])
+            top = ", ".join(f"{op}×{n}" if n > 1 else op for op, n in ops.most_common(6))
+            rows.append((f["trace"], f["name"], f["schedule"], len(f["ops"]), f"{f['inputs']}→{f['outputs']}",
+                         f["kernel"], top + (", …" if len(ops) > 6 else "")))
+        return tabulate(rows, headers=("trace", "fusion", "schedule", "ops", "in→out", "kernel", "ops (most common)"),
+                        tablefmt=tablefmt, disable_numparse=True)
+
+    def left_out_table(self, tablefmt: str = "simple") -> str:
+        from tabulate import tabulate
+
+        rows = [(s, n, r) for (s, r), n in sorted(self.left_out.items())]
+        return tabulate(rows, headers=("left out of fusions", "count", "why"), tablefmt=tablefmt,
+                        disable_numparse=True)
+
     def summary(self) -> str:
         n_kernel = sum(n for s, n in self.symbols.items() if _launches_kernel(s))
         return (f"kforge: {len(self.symbols)} distinct symbol(s), {n_kernel} kernel call(s) per step "
                 f"({sum(self.forward.values())} forward, {sum(self.backward.values())} backward) in "
                 f"{self.functions} Thunder function(s) [{self.mode}]; "
-                f"{sum(self.claimed.values())} claim(s), {sum(d.count for d in self.declines)} decline(s)")
+                f"{sum(self.claimed.values())} claim(s), {sum(d.count for d in self.declines)} decline(s)"
+                + (f"; kforge.fusion: {len(self.fusions)} region(s), "
+                   f"{len({f['kernel'] for f in self.fusions})} distinct kernel(s)" if self.fusions else ""))
 
     def __str__(self) -> str:
         parts = [self.summary(), ""]
@@ -310,9 +336,24 @@ class InspectReport:
         parts += ["", self.declines_table() if self.declines else "no declines"]
         if self.patterns:
             parts += ["", self.patterns_table()]
+        if self.fusions:
+            parts += ["", self.fusions_table()]
+        if self.left_out:
+            parts += ["", self.left_out_table()]
         if self.saved:
             parts += ["", "traces saved: " + ", ".join(self.saved)]
         return "\n".join(parts)
+
+
+def _fusions(trace: Any, which: str) -> list[dict]:
+    """kforge.fusion regions of a final trace (empty when the fusion executor was not used)."""
+    out = []
+    for b in trace.bound_symbols:
+        if b.sym.is_fusion and getattr(b.sym.executor, "name", None) == "kforge_fusion":
+            from .fusion.executor import describe
+
+            out.append({"trace": which, **describe(b)})
+    return out
 
 
 def inspect(
@@ -332,12 +373,17 @@ def inspect(
     from .tieout import symbol_counts
 
     mode, fns = thunder_functions(compiled)
-    fwd, bwd, claimed, declined = Counter(), Counter(), Counter(), Counter()
-    f_traces, b_traces = [], []
+    fwd, bwd, claimed, declined, left_out = Counter(), Counter(), Counter(), Counter(), Counter()
+    f_traces, b_traces, fusions = [], [], []
     for fn in fns:
         traces, f, b = _final_traces(fn)
         if f is None:
             continue
+        fusions += _fusions(f, "forward") + (_fusions(b, "backward") if b is not None else [])
+        import thunder
+
+        cd = thunder.compile_data(fn)
+        left_out.update(getattr(cd, "_kforge_fusion_left_out", None) or {})
         f_traces.append(f)
         fwd += symbol_counts(f)
         if b is not None:
@@ -370,7 +416,8 @@ def inspect(
     rewrites = getattr(compiled, "llama_patterns", None)
     patterns = [(r.match.kind, r.reason) for r in getattr(rewrites, "rewrites", [])]
 
-    report = InspectReport(mode, len(f_traces), fwd, bwd, claimed, decline_list, patterns, f_traces, b_traces)
+    report = InspectReport(mode, len(f_traces), fwd, bwd, claimed, decline_list, patterns, fusions, left_out,
+                           f_traces, b_traces)
     if show_traces:
         for i, t in enumerate(f_traces):
             print(f"# ---- final forward trace{'' if len(f_traces) == 1 else f' {i}'} ----\n{t}")

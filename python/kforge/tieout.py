@@ -212,12 +212,11 @@ def _error_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float,
 
 # ---- compiling, running ----------------------------------------------------------------------------
 def default_executors() -> list:
-    """`[kforge.executor, *thunder.get_default_executors()]`."""
-    import thunder
+    """`kforge.executors()`: kforge's operators, Thunder's attention executors, kforge's fusion
+    executor (unless KFORGE_FUSION=0), then Thunder's other defaults."""
+    from .frontend import executors
 
-    import kforge
-
-    return [kforge.executor, *thunder.get_default_executors()]
+    return executors()
 
 
 def compile_model(model: nn.Module, *, mode: Mode = "jit", executors: Sequence | None = None,

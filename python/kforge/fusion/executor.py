@@ -29,7 +29,7 @@ from .. import __version__
 from . import codegen, ir as fir
 from .partition import Group, partition
 
-__all__ = ["KforgeFusionExecutor", "FusedRegion", "FusionInfo", "regions", "lower_fusion"]
+__all__ = ["KforgeFusionExecutor", "FusedRegion", "FusionInfo", "regions", "lower_fusion", "describe"]
 
 _TORCH_DTYPE_NAME = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "bool": "bool", "i32": "int32",
                      "i64": "int64"}
@@ -216,10 +216,18 @@ class KforgeFusionExecutor(FusionExecutor):
         self._legal_cache = {}
         bsyms = list(trace.bound_symbols)
         order, groups, reasons = partition(bsyms, self._fusible, self._legal)
+        from thunder.core.compile_data import get_compile_data
+
+        cd = get_compile_data()
+        per_fn = None
+        if cd is not None:  # kept with the function being compiled, for kforge.inspect
+            per_fn = cd.__dict__.setdefault("_kforge_fusion_left_out", {})
         for i, why in reasons.items():
             name = bsyms[i].sym.name
             self.left_out.setdefault(name, {}).setdefault(why, 0)
             self.left_out[name][why] += 1
+            if per_fn is not None:
+                per_fn[(name, why)] = per_fn.get((name, why), 0) + 1
         new_bsyms: list[BoundSymbol] = []
         counter = 0
         for item in order:
@@ -279,6 +287,22 @@ class KforgeFusionExecutor(FusionExecutor):
             [b.sym.name for b in bsyms]
         self.infos[name] = FusionInfo(name, ops, fr.name if fr else None, kind, reason)
         return bsym
+
+
+def describe(bsym: BoundSymbol) -> dict:
+    """A kforge fusion symbol of a final trace: its name, ops, schedule and kernel (for inspect)."""
+    from .codegen import schedule
+
+    fn = (bsym._call_ctx or {}).get(bsym.sym.name)
+    kernel = getattr(fn, "name", None)
+    try:
+        region = lower_fusion(bsym)
+        ops = [v.op for v in region.values if v.op not in ("input", "scalar", "const")]
+        kind = schedule(region).kind if kernel else "torch"
+    except fir.Unsupported as e:
+        ops, kind = [b.sym.name for b in bsym.subsymbols], f"torch ({e})"
+    return {"name": bsym.sym.name, "ops": ops, "schedule": kind, "kernel": kernel or "torch fallback",
+            "inputs": len(bsym.args), "outputs": len(bsym.output)}
 
 
 def lower_fusion(bsym: BoundSymbol) -> fir.RegionIR:
