@@ -240,3 +240,88 @@ def assert_rejects_bad_token_shapes(model, block_size: int) -> None:
         model(torch.zeros(1, block_size + 1, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\(B, T\)"):
         model(torch.zeros(4, dtype=torch.long))
+
+
+# ---- tracing as on a GPU, without one ------------------------------------------------------------------
+class FakeTrace:
+    """What `fake_cuda_trace` traced: the compiled function `fn` (for `kforge.inspect`, `.llama_patterns`),
+    the computation trace Thunder's transforms saw first, and the final forward / backward traces."""
+
+    def __init__(self, fn, computation, forward, backward):
+        self.fn, self.computation, self.forward, self.backward = fn, computation, forward, backward
+
+    def symbols(self) -> tuple:
+        """(forward, backward) Counters of the kforge symbols, fusion regions included."""
+        from kforge.tieout import symbol_counts
+
+        return symbol_counts(self.forward), symbol_counts(self.backward) if self.backward is not None else None
+
+
+def fake_cuda_trace(make, /, *, jit=None, dynamo: bool | None = None, **make_kwargs) -> FakeTrace:
+    """Trace `make`'s function as Thunder would on a GPU, without one: forward and backward traces
+    are built, no kernel runs.
+
+    make:   a zoo factory contract, `make(device="cuda", **make_kwargs) -> (fn, inputs, options)`:
+            inputs a tuple (positional) or a dict (keyword arguments); options may hold "autocast"
+            (a dtype: the call runs under `torch.autocast("cuda", dtype)`) and "mode" ("dynamo":
+            Thunder's Dynamo path). It runs inside a FakeTensorMode, so it builds models and tensors
+            on "cuda" as usual (fake: shapes, dtypes and devices only).
+    jit:    fn -> compiled function (default `kforge.transforms.jit`: kforge first, every pattern).
+    dynamo: trace the FX graph Dynamo makes of `fn` (what ThunderCompiler hands Thunder when nothing
+            splits it) instead of `fn` itself; default: options' mode.
+
+    Works around what a GPU-less machine lacks: SDPA's flash check, autocast's CUDA checks, module
+    parameters converted by `.to()` under fake tensors. Everything is restored afterwards.
+    """
+    import contextlib
+    from unittest import mock
+
+    import thunder
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if jit is None:
+        from kforge.transforms import jit
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(torch.backends.cuda, "can_use_flash_attention",
+                                                  return_value=True, create=True))
+            stack.enter_context(mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False))
+            stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=True))
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
+            fn, inputs, options = make(device="cuda", **make_kwargs)
+            args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
+            ac = options.get("autocast")
+            autocast = (lambda: torch.autocast("cuda", ac)) if ac is not None else contextlib.nullcontext
+            if options.get("mode") == "dynamo" if dynamo is None else dynamo:
+                fn, args, kwargs = _dynamo_graph(fn, args, kwargs, autocast)
+            jfn = jit(fn)
+            with autocast():
+                thunder.compile_data(jfn).get_computation_and_inputs(*args, **kwargs)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    traces = thunder.last_traces(jfn)
+    backward = thunder.last_backward_traces(jfn)
+    return FakeTrace(jfn, traces[0], traces[-1], backward[-1] if backward else None)
+
+
+def _dynamo_graph(fn, args, kwargs, autocast):
+    """(the one FX graph Dynamo makes of fn(*args, **kwargs), its inputs as fresh fake tensors, {})."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm
+
+    torch._dynamo.reset()
+    try:
+        with autocast():
+            torch.compile(fn, backend=capture)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1, f"Dynamo made {len(graphs)} graphs of the model, not one"
+    gm, example = graphs[0]
+    inputs = [torch.empty_strided(e.shape, e.stride(), dtype=e.dtype, device=e.device, requires_grad=e.requires_grad)
+              if isinstance(e, torch.Tensor) else e for e in example]
+    return gm, tuple(inputs), {}
