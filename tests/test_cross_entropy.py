@@ -1,6 +1,8 @@
 """cross_entropy: launchers (forward, backward, fused) against a float64 torch reference, edge rows
 (ignored, out-of-range, all ignored), > 2^31 elements, determinism; the Thunder claim on GPU; checker
-declines and CPU fallback (CPU-runnable)."""
+declines and CPU fallback (CPU-runnable). The loss on upcast logits (`cross_entropy_upcast`, what
+kforge.transforms makes of `F.cross_entropy(logits.float()...)`): its fp32 loss from the row lse, its
+checker and wiring on CPU; on GPU no fp32 copy of the logits, the padded lm_head read in place."""
 from __future__ import annotations
 
 import pytest
@@ -616,3 +618,157 @@ def test_thunder_wiring_on_cpu_with_stand_in_launchers(monkeypatch, reduction):
     ref_loss.backward(g.double())
     assert_close(loss.detach(), ref_loss.detach(), torch.float32, "loss")
     assert_close(logits.grad, ref.grad, torch.float32, "dlogits")
+
+
+# ---- the loss on upcast logits: cross_entropy_upcast ---------------------------------------------------
+def upcast_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """nanoGPT's loss line: the logits upcast to fp32 before the loss."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                           reduction=reduction)
+
+
+def test_upcast_helper_is_the_loss_on_upcast_logits():
+    from kforge.ops.cross_entropy import cross_entropy_upcast
+
+    x = randn(6, 11, device="cpu", dtype=torch.bfloat16, scale=2.0)
+    t = make_targets(6, 11, -1, 5, device="cpu")
+    for reduction in REDUCTIONS:
+        got = cross_entropy_upcast(x, t, ignore_index=-1, reduction=reduction)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, F.cross_entropy(x.float(), t, ignore_index=-1, reduction=reduction),
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_fp32_loss_from_the_row_logsumexp(reduction):
+    """fp32_loss turns the forward kernel's fp32 lse into the fp32 loss: against float64 with ignored
+    rows, and NaN for a target outside [0, V) (as the kernel's own loss)."""
+    from kforge.ops.cross_entropy import fp32_loss
+
+    n, v = 40, 13
+    x = randn(n, v, device="cpu", dtype=torch.bfloat16, scale=2.0, seed=7)
+    t = make_targets(n, v, -1, 7, device="cpu")
+    lse = torch.logsumexp(x.double(), -1).float()
+    n_valid = (t != -1).sum().float()
+    got = fp32_loss(x, t, lse, n_valid, -1, reduction)
+    ref = F.cross_entropy(x.double(), t, ignore_index=-1, reduction=reduction)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert_close(got, ref, torch.float32, "fp32 loss")
+    bad = t.clone()
+    bad[3] = v
+    rows = fp32_loss(x, bad, lse, n_valid, -1, "none")
+    assert torch.isnan(rows[3]) and torch.isfinite(torch.cat([rows[:3], rows[4:]])).all()
+    assert torch.isnan(fp32_loss(x, bad, lse, n_valid, -1, "mean"))
+
+
+def test_upcast_checker():
+    from thunder.core.trace import TraceCtx, tracectx
+
+    from kforge.ops.cross_entropy import _upcast_checker
+
+    with tracectx(TraceCtx()):
+        t = proxy(8, dtype=torch.int64)
+        for dt in (torch.bfloat16, torch.float16):
+            assert _upcast_checker(proxy(8, 50257, dtype=dt), t, ignore_index=-1) is None
+        assert "not 16-bit" in _upcast_checker(proxy(8, 50257), t)
+        assert "label_smoothing" in _upcast_checker(proxy(8, 50257, dtype=torch.bfloat16), t, label_smoothing=0.1)
+        assert "not CUDA" in _upcast_checker(proxy(8, 50257, dtype=torch.bfloat16, device="cpu"),
+                                             proxy(8, dtype=torch.int64, device="cpu"))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_upcast_wiring_on_cpu_with_stand_in_launchers(monkeypatch, reduction):
+    """The helper's operator, its fp32 forward and the 16-bit backward on CPU: the fp32 forward's
+    kernel replaced by torch's lse (then kforge's own fp32_loss), the backward by a torch stand-in."""
+    import thunder
+
+    import kforge.ops.cross_entropy as ce
+
+    def forward_f32(x, t, ignore_index, reduction):
+        lse = torch.logsumexp(x.double(), -1).float()
+        n_valid = (t != ignore_index).sum().float()
+        return ce.fp32_loss(x, t, lse, n_valid, ignore_index, reduction), lse, n_valid
+
+    swap_launchers(monkeypatch, ce, {ce.cross_entropy_forward_f32: forward_f32,
+                                     ce.cross_entropy_backward: _torch_backward})
+    logits = randn(2, 5, 11, device="cpu", dtype=torch.bfloat16, scale=2.0).requires_grad_(True)
+    targets = make_targets(10, 11, -1, 9, device="cpu").view(2, 5)
+
+    def fn(logits, targets):
+        return ce.cross_entropy_upcast(logits.view(-1, 11), targets.view(-1), ignore_index=-1, reduction=reduction)
+
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    loss = jf(logits, targets)
+    g = torch.rand(loss.shape) + 0.5
+    loss.backward(g)
+    assert loss.dtype == torch.float32
+    assert "kforge_cross_entropy_forward_f32" in str(thunder.last_traces(jf)[-1])
+    assert "kforge_cross_entropy_backward" in str(thunder.last_backward_traces(jf)[-1])
+    ref = logits.detach().double().requires_grad_(True)
+    ref_loss = upcast_loss(ref, targets, reduction)
+    ref_loss.backward(g.double())
+    assert_close(loss.detach(), ref_loss.detach(), torch.float32, "loss")
+    assert logits.grad.dtype == torch.bfloat16
+    assert_close(logits.grad, ref.grad, torch.bfloat16, "dlogits", tol=2 * 8e-3)
+
+
+@gpu
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_upcast_loss_claimed_without_an_fp32_copy(dtype, reduction):
+    """nanoGPT's `F.cross_entropy(logits.float().view(-1, V), ...)` under kforge.transforms.jit: the
+    16-bit logits go to kforge's kernels as they are (no fp32 (N, V) tensor in either trace), the loss
+    is fp32, dlogits 16-bit, both against float64."""
+    import thunder
+
+    import kforge.transforms as kt
+
+    b, tt, v = 3, 33, 50257
+    logits = randn(b, tt, v, dtype=dtype, scale=2.0, seed=41).requires_grad_(True)
+    targets = make_targets(b * tt, v, -1, 41).view(b, tt)
+    jf = kt.jit(upcast_loss)
+    loss = jf(logits, targets, reduction)
+    g = make_grad(reduction, b * tt, torch.float32, 41)
+    loss.backward(g)
+    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
+    assert "kforge_cross_entropy_forward_f32" in str(fwd) and "kforge_cross_entropy_backward" in str(bwd)
+    for trace in (fwd, bwd):
+        big = [p for bs in trace.bound_symbols for p in (*bs.flat_proxy_args, *bs.flat_proxy_outs)
+               if getattr(p, "shape", None) is not None and p.shape[-1:] == (v,) and p.dtype == thunder.dtypes.float32]
+        assert not big, f"fp32 logits in the trace: {big}"
+    assert loss.dtype == torch.float32 and logits.grad.dtype == dtype
+    ref = logits.detach().double().requires_grad_(True)
+    ref_loss = upcast_loss(ref, targets, reduction)
+    ref_loss.backward(g.double())
+    assert_close(loss, ref_loss, torch.float32, "loss", tol=2e-5)
+    assert_close(logits.grad, ref.grad, dtype, "dlogits", tol=2 * (8e-3 if dtype == torch.bfloat16 else 1e-3))
+
+
+@gpu
+def test_upcast_loss_reads_the_padded_lm_head_in_place():
+    """GPT-2's lm_head (768 -> 50257, bf16: kforge's padded linear) then the upcast loss: the logits
+    stay a view of the padded output, and the loss and every gradient match float64."""
+    import thunder
+
+    import kforge.transforms as kt
+
+    n, c, v = 64, 768, 50257
+    x = randn(n, c, dtype=torch.bfloat16, seed=43).requires_grad_(True)
+    w = randn(v, c, dtype=torch.bfloat16, scale=0.02, seed=44).requires_grad_(True)
+    targets = make_targets(n, v, -1, 43)
+
+    def fn(x, w, t):
+        return F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-1)
+
+    jf = kt.jit(fn)
+    loss = jf(x, w, targets)
+    loss.backward()
+    names = str(thunder.last_traces(jf)[-1])
+    assert "kforge_linear_forward" in names and "kforge_cross_entropy_forward_f32" in names
+    xr, wr = (t.detach().double().requires_grad_(True) for t in (x, w))
+    ref = F.cross_entropy(F.linear(xr, wr), targets, ignore_index=-1)
+    ref.backward()
+    # bf16 logits (the linear rounds them) against float64 ones: about 1e-4 of the loss.
+    assert_close(loss, ref, torch.float32, "loss", tol=2e-3)
+    assert_close(x.grad, xr.grad, torch.bfloat16, "dx", tol=2e-2)
+    assert_close(w.grad, wr.grad, torch.bfloat16, "dw", tol=2e-2)
