@@ -209,6 +209,7 @@ class _Graph:
 
     def __init__(self, trace: TraceCtx):
         self.bsyms: list[BoundSymbol] = list(trace.bound_symbols)
+        self.values: dict[str, torch.Tensor] = {}  # constants computed by _evaluate, shared by matches
         self.position: dict[int, int] = {id(b): i for i, b in enumerate(self.bsyms)}
         self._producer: dict[str, BoundSymbol] = {}
         self._consumers: dict[str, list[BoundSymbol]] = {}
@@ -531,7 +532,7 @@ def _table_layout(x: TensorProxy, t: Any, dc: int) -> str | None:
     return None
 
 
-def _helper_table(t: TensorProxy, x: TensorProxy, layout: str) -> TensorProxy:
+def _helper_table(t: TensorProxy, layout: str) -> TensorProxy:
     """Table `t` as apply_rope takes it, (T, dc) or (B or 1, T, dc), inside the trace."""
     import thunder.torch as ltorch
 
@@ -783,7 +784,7 @@ def _rope_match(q: _Rotation, k: _Rotation) -> Match:
     def prep(xq, xk, *tables):
         if q.variant == "complex":  # args hold freqs_cis twice
             tables = _complex_tables(tables[0])
-        cos, sin = (_helper_table(t, xq, layout) for t in tables)
+        cos, sin = (_helper_table(t, layout) for t in tables)
         if layout == "bthd":
             xq, xk = _transpose12(xq), _transpose12(xk)
         return xq, xk, cos, sin
@@ -1097,7 +1098,7 @@ def _match_causal_softmax(g: _Graph, sm: BoundSymbol) -> Match | None:
         return None
     fill = g.producer(m, _MASKED_FILL)
     add = g.producer(m, _ADD) if fill is None else None
-    memo: dict = {}
+    memo = g.values  # one mask serves every layer: computed once
     if fill is not None:
         s, mask, value = fill.args[0], fill.args[1], _arg(fill, 2, "value")
         masking = fill
