@@ -57,7 +57,7 @@ ZOO_SYMBOLS = {
         "gelu": ("kforge_gelu_forward", "kforge_gelu_backward", 1),
         "split_qkv": ("kforge_split_qkv_views", "kforge_split_qkv_backward", 1),
         "merge_heads": ("kforge_merge_heads_forward", "kforge_merge_heads_backward", 1),
-        "cross_entropy": ("kforge_cross_entropy_forward_f32", "kforge_cross_entropy_backward", 1),
+        "cross_entropy": ("kforge_cross_entropy_f32_forward", "kforge_cross_entropy_backward", 1),
     },
     "hf_llama": {
         "rms_norm": ("kforge_rmsnorm_forward", "kforge_rmsnorm_backward", 3),
@@ -65,7 +65,7 @@ ZOO_SYMBOLS = {
         "repeat_kv": ("kforge_repeat_kv_forward", "kforge_repeat_kv_backward", 2),
         "swiglu": ("kforge_swiglu_forward", "kforge_swiglu_backward", 1),
         "merge_heads": ("kforge_merge_heads_forward", "kforge_merge_heads_backward", 1),
-        "cross_entropy": ("kforge_cross_entropy_forward_f32", "kforge_cross_entropy_backward", 1),
+        "cross_entropy": ("kforge_cross_entropy_f32_forward", "kforge_cross_entropy_backward", 1),
     },
 }
 # Pattern kinds each model's trace must have replaced (the other steps are claimed as torch symbols).
@@ -414,13 +414,13 @@ CASES = {
     "ce logits.float().view(-1, V)": Case(
         lambda l, t: F.cross_entropy(l.float().view(-1, l.size(-1)), t.view(-1), ignore_index=-1),
         _inputs(_t(B, T, V, scale=2.0), lambda d, dt: _targets(d)), "cross_entropy",
-        "kforge_cross_entropy_forward_f32", "kforge_cross_entropy_backward"),
+        "kforge_cross_entropy_f32_forward", "kforge_cross_entropy_backward"),
     # (reduction="sum": Thunder 0.2.6's own CPU backward of it fails, "expected scalar type Float but
     # found Double" in nll_loss_backward, so the CPU numerics take "none")
     "ce logits.view(-1, V).float(), none": Case(
         lambda l, t: F.cross_entropy(l.view(-1, V).float(), t.view(-1), ignore_index=-1, reduction="none"),
         _inputs(_t(B, T, V, scale=2.0), lambda d, dt: _targets(d)), "cross_entropy",
-        "kforge_cross_entropy_forward_f32", "kforge_cross_entropy_backward"),
+        "kforge_cross_entropy_f32_forward", "kforge_cross_entropy_backward"),
     # bf16 autocast over fp32 inputs: a Llama attention block (rope with fp32 tables, GQA, merge)
     "autocast attention block": Case(
         lambda x, wq, wk, wv, cos, sin: _attention_block(x, wq, wk, wv, cos, sin),

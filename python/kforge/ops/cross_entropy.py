@@ -120,7 +120,7 @@ def _forward_f32_meta(logits: TensorProxy, targets: TensorProxy, ignore_index: i
 
 
 # (logits16, targets, ignore_index, reduction) -> (fp32 loss, lse (N,) f32, n_valid () f32)
-cross_entropy_forward_f32 = operator("cross_entropy_forward_f32", meta=_forward_f32_meta, fn=_forward_f32)
+cross_entropy_f32_forward = operator("cross_entropy_f32_forward", meta=_forward_f32_meta, fn=_forward_f32)
 # fn: what a declined call runs without a gradient (with one, thunder differentiates the decomposition).
 kforge_cross_entropy_upcast = operator("cross_entropy_upcast", like=_upcast_like, fn=cross_entropy_upcast,
                                        replaces=cross_entropy_upcast)
@@ -188,7 +188,7 @@ def _upcast_checker(logits: Any, target: Any, weight: Any = None, size_average: 
 def _upcast_execution(logits: TensorProxy, target: TensorProxy, weight: Any = None, size_average: Any = None,
                       ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
                       label_smoothing: float = 0.0) -> TensorProxy:
-    loss, _, _ = cross_entropy_forward_f32(logits, target, ignore_index, reduction)
+    loss, _, _ = cross_entropy_f32_forward(logits, target, ignore_index, reduction)
     return loss
 
 
@@ -197,7 +197,7 @@ def _upcast_grad(logits: TensorProxy, target: TensorProxy, weight: Any = None, s
                  label_smoothing: float = 0.0) -> TensorProxy:
     # Saved for backward: the 16-bit logits, targets, lse, n_valid. The fp32 loss gradient is rounded
     # to the logits' dtype for the kernel, which returns dlogits in that dtype (`.float()`'s backward).
-    loss, lse, n_valid = cross_entropy_forward_f32(logits, target, ignore_index, reduction)
+    loss, lse, n_valid = cross_entropy_f32_forward(logits, target, ignore_index, reduction)
     g = ltorch.to(get_grad(loss), logits.dtype)
     put_grad(logits, cross_entropy_backward(g, logits, target, lse, n_valid, ignore_index, reduction))
     return loss
