@@ -638,6 +638,7 @@ def _math(op: str, x: list[str], compute: str, v: Value) -> str:
 
 
 # ---- whole kernels ----------------------------------------------------------------------------------
+_MAX_SPLIT = 64  # partial results per output element a finishing kernel combines
 _REDUCE_INIT = {"sum": "0.0f", "mean": "0.0f", "amax": "(-KF_INF)", "amin": "KF_INF"}
 
 
@@ -811,17 +812,22 @@ def _reduction(ir: RegionIR, sched: Schedule, layout: dict, wide: bool, sm_count
         blocks_rows = -(-rows // rows_per_block)
         split = 1
         if blocks_rows < 2 * sm_count and col_runs > group * 8:
-            split = min(max(1, (2 * sm_count) // max(blocks_rows, 1)), max(1, col_runs // (group * 8)), 1024)
+            split = min(max(1, (2 * sm_count) // max(blocks_rows, 1)), max(1, col_runs // (group * 8)), _MAX_SPLIT)
         grid_x = max(1, min(blocks_rows, sm_count * 32))
         block = 256
     else:
+        # A block is BX lanes over kept runs (coalesced) by BY lanes over reduced elements, combined
+        # in shared memory in a fixed order.
         kept_runs = rows // vec
-        block = 256
-        blocks = -(-kept_runs // block)
-        split = 1
-        if blocks < 4 * sm_count and cols >= 16:
-            split = min(max(1, (4 * sm_count) // max(blocks, 1)), max(1, cols // 8), 1024)
+        bx = 32 if kept_runs >= 32 else 1 << max(0, (kept_runs - 1).bit_length())
+        by = 256 // bx
+        while by > 1 and slots * by * bx * vec > 8192:  # at most 32 KiB of shared memory
+            by //= 2
+        blocks = -(-kept_runs // bx)
         grid_x = max(1, min(blocks, sm_count * 32))
+        split = 1
+        if grid_x < 2 * sm_count and cols >= 4 * by:
+            split = min(-(-(2 * sm_count) // grid_x), max(1, cols // (4 * by)), _MAX_SPLIT)
     chunk = -(-(cols // vec if inner else cols) // split)
 
     em = _Emitter(ir, layout, vec)
@@ -961,30 +967,61 @@ def _reduction(ir: RegionIR, sched: Schedule, layout: dict, wide: bool, sm_count
         body += ["  }", "}"]
         launches.append(("KF_KERNEL", [grid_x, split, 1], [256, 1, 1], 0))
     else:
+        kr_total = rows // vec
+        smem = []
+        slot = 0
+        for name, kind, r in accs:
+            for f_ in (("n", "mean", "m2") if kind == "welford" else ("",)):
+                smem.append((name, f_, slot))
+                slot += 1
+
+        def sidx(slot_: int, y: str) -> str:
+            return f"kf_red[(({slot_} * {by} + {y}) * {bx} + tx) * {vec} + v]"
+
         body = head + [
+            f"  __shared__ float kf_red[{slots * by * bx * vec}];",
+            f"  const int tx = threadIdx.x % {bx}, ty = threadIdx.x / {bx};",
             f"  const idx_t c_begin = (idx_t)blockIdx.y * {chunk};",
             f"  const idx_t c_end = c_begin + {chunk} < {cols} ? c_begin + {chunk} : {cols};",
-            f"  for (idx_t kr = (idx_t)blockIdx.x * blockDim.x + threadIdx.x; kr < {rows // vec};"
-            f" kr += (idx_t)gridDim.x * blockDim.x) {{",
+            f"  for (idx_t kb = (idx_t)blockIdx.x * {bx}; kb < {kr_total}; kb += (idx_t)gridDim.x * {bx}) {{",
+            "    const idx_t kr = kb + tx;",
+            f"    const bool active = kr < {kr_total};",
             f"    const idx_t k0 = kr * {vec};",
             *_indent(acc_decl(True), 4),
-            "    for (idx_t c = c_begin; c < c_end; ++c) {",
-            *_indent(hoisted_pre, 6),
+            "    if (active) {",
+            f"      for (idx_t c = c_begin + ty; c < c_end; c += {by}) {{",
+            *_indent(hoisted_pre, 8),
             "#pragma unroll",
-            f"      for (int v = 0; v < {vec}; ++v) {{",
-            *_indent(body_pre, 8),
+            f"        for (int v = 0; v < {vec}; ++v) {{",
+            *_indent(body_pre, 10),
+            "        }",
             "      }",
             "    }",
+            "#pragma unroll",
+            f"    for (int v = 0; v < {vec}; ++v) {{",
+            *[f"      {sidx(sl, 'ty')} = {name}[v]{'.' + f_ if f_ else ''};" for name, f_, sl in smem],
+            "    }",
+            "    __syncthreads();",
+            "    if (ty == 0 && active) {",
+            "#pragma unroll",
+            f"      for (int v = 0; v < {vec}; ++v) {{",
         ]
+        for name, kind, r in accs:
+            if kind == "welford":
+                sl = next(x[2] for x in smem if x[0] == name and x[1] == "n")
+                body.append(f"        for (int y = 1; y < {by}; ++y) {name}[v] = kf_welford_merge({name}[v], "
+                            f"{{{sidx(sl, 'y')}, {sidx(sl + 1, 'y')}, {sidx(sl + 2, 'y')}}});")
+            else:
+                sl = next(x[2] for x in smem if x[0] == name)
+                comb = kind if kind != "mean" else "sum"
+                body.append(f"        for (int y = 1; y < {by}; ++y) {name}[v] = kf_combine_{comb}({name}[v], {sidx(sl, 'y')});")
         if split > 1:
-            body += ["#pragma unroll", f"    for (int v = 0; v < {vec}; ++v) {{",
-                     *_indent(partial_writes("[v]", "(k0 + v)"), 6), "    }"]
+            body += _indent(partial_writes("[v]", "(k0 + v)"), 8)
         else:
             rc = unravel(Idx("(k0 + v)", "k0", "other"), sched.kept, 1)
-            body += ["#pragma unroll", f"    for (int v = 0; v < {vec}; ++v) {{",
-                     *_indent(epilogue(rc, {n: f"{n}[v]" for n, _, _ in accs}, True), 6), "    }"]
-        body += ["  }", "}"]
-        launches.append(("KF_KERNEL", [grid_x, split, 1], [256, 1, 1], 0))
+            body += _indent(epilogue(rc, {n: f"{n}[v]" for n, _, _ in accs}, True), 8)
+        body += ["      }", "    }", "    __syncthreads();", "  }", "}"]
+        launches.append(("KF_KERNEL", [grid_x, split, 1], [bx * by, 1, 1], 0))
 
     if split > 1:
         # The finishing kernel: one thread per output element combines the partials in order.
@@ -996,6 +1033,7 @@ def _reduction(ir: RegionIR, sched: Schedule, layout: dict, wide: bool, sm_count
         for name, kind, r in accs:
             if kind == "welford":
                 fin.append(f"    KfWelford {name} = kf_welford_init();")
+                fin.append("#pragma unroll 8")
                 fin.append(f"    for (int s = 0; s < {split}; ++s) {name} = kf_welford_merge({name}, "
                            f"{{ws[((idx_t){slot} * {split} + s) * {rows} + row], ws[((idx_t){slot + 1} * {split} + s) * {rows} + row], "
                            f"ws[((idx_t){slot + 2} * {split} + s) * {rows} + row]}});")
@@ -1003,6 +1041,7 @@ def _reduction(ir: RegionIR, sched: Schedule, layout: dict, wide: bool, sm_count
             else:
                 comb = kind if kind != "mean" else "sum"
                 fin.append(f"    float {name} = ws[((idx_t){slot} * {split}) * {rows} + row];")
+                fin.append("#pragma unroll 8")
                 fin.append(f"    for (int s = 1; s < {split}; ++s) {name} = kf_combine_{comb}({name}, "
                            f"ws[((idx_t){slot} * {split} + s) * {rows} + row]);")
                 slot += 1

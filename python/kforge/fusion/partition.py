@@ -13,7 +13,8 @@
    group has to export anything new.
 3. Tail views leave their group: a view (broadcast, reshape, transpose, squeeze) whose result is only
    read outside the group runs as a torch view of the group's output instead of a materialised copy.
-   A group left with views only is dissolved: views are free in torch.
+   A group left with views only is dissolved: views are free in torch, unless it ends in a reshape
+   torch would have to copy (a transposed or expanded view), which a region copies vectorised.
 4. Groups and the remaining bound symbols are put in a topological order that keeps each unit close
    to where its last symbol was.
 """
@@ -53,6 +54,35 @@ def is_view_bsym(bsym: Any) -> bool:
 def _only(bsym: Any, names: set) -> bool:
     ns = _prim_names(bsym)
     return bool(ns) and all(n in names for n in ns)
+
+
+def _prims(bsym: Any) -> list:
+    if not bsym.subsymbols:
+        return [bsym]
+    out = []
+    for sub in bsym.subsymbols:
+        out.extend(_prims(sub))
+    return out
+
+
+def _replay(t: Any, prim: Any) -> Any:
+    """Apply a view prim to meta tensor `t` as torch would (None when it is not one we know)."""
+    name, a = prim.sym.name, prim.args
+    if name in ("reshape", "view"):
+        return t.reshape(tuple(prim.flat_outs[0].shape))
+    if name == "transpose":
+        return t.permute(tuple(a[1]))
+    if name == "broadcast_in_dim":
+        shape, bdims = tuple(a[1]), tuple(a[2])
+        src = [1] * len(shape)
+        for j, d in enumerate(bdims):
+            src[d] = t.shape[j]
+        return t.reshape(src).expand(shape)
+    if name == "squeeze":
+        return t.reshape(tuple(prim.flat_outs[0].shape))
+    if name == "shallow_copy":
+        return t
+    return None
 
 
 @dataclass
@@ -275,6 +305,39 @@ class _Partitioner:
                     break
 
     # -- 3. peeling ---------------------------------------------------------------------------------------
+    def copies(self, i: int) -> bool:
+        """Node i is a reshape torch would have to copy (of a transposed or expanded view): as a
+        kernel of ours it is a vectorised copy, or better, part of a region."""
+        import torch
+
+        b = self.nodes[i].bsym
+        ps = _prims(b)
+        if not ps or ps[-1].sym.name not in ("reshape", "view"):
+            return False
+        chain, j = [], i
+        while True:  # the views feeding it, back to a tensor torch holds contiguous
+            node = self.nodes[j]
+            if not is_view_bsym(node.bsym):
+                break
+            chain = _prims(node.bsym) + chain
+            src = node.bsym.flat_proxy_args[0] if node.bsym.flat_proxy_args else None
+            k = self.producer.get(src.name) if src is not None else None
+            if k is None:
+                break
+            j = k
+        try:
+            src = chain[0].flat_proxy_args[0]
+            t = torch.empty(tuple(int(x) for x in src.shape), device="meta")
+            for prim in chain[:-1]:
+                t = _replay(t, prim)
+                if t is None:
+                    return False
+            out = _replay(t, chain[-1])
+        except Exception:
+            return False
+        return out is not None and not out._is_view()
+
+
     def peel(self, ms: Sequence[int], home: Sequence[int] | None = None) -> list[int]:
         """`ms` without tail views (views whose results are read only outside the group). Slices stay:
         exporting the whole tensor instead would move more bytes."""
@@ -285,7 +348,7 @@ class _Partitioner:
             inside = set(keep)
             for i in list(keep):
                 b = self.nodes[i].bsym
-                if not is_view_bsym(b):
+                if not is_view_bsym(b) or self.copies(i):
                     continue
                 read_inside = any(c in inside and c != i
                                   for o in b.flat_proxy_outs for c in self.consumers.get(o.name, ()))
@@ -320,7 +383,7 @@ class _Partitioner:
             ms = self.members[g]
             allm = self.all_members(g)
             why = None
-            if not ms or all(_only(self.nodes[i].bsym, _SHAPE_PRIMS) for i in allm):
+            if not ms or all(_only(self.nodes[i].bsym, _SHAPE_PRIMS) and not self.copies(i) for i in allm):
                 why = "views only: left to torch (free views, no kernel)"
             else:
                 bs, ins, outs = self.region(allm, ms)
