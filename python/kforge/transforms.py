@@ -1014,12 +1014,14 @@ def _cast_eval(a: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 _EVAL: dict[Any, Callable] = {
     "torch.ones": lambda *s, device=None, dtype=None, **k: torch.ones(_shape_args(s), dtype=_td(dtype)),
     "torch.zeros": lambda *s, device=None, dtype=None, **k: torch.zeros(_shape_args(s), dtype=_td(dtype)),
-    "torch.full": lambda shape, fill, *a, device=None, dtype=None, **k: torch.full(tuple(shape), fill, dtype=_td(dtype)),
+    "torch.full": lambda shape, fill, *a, device=None, dtype=None, **k: torch.full(tuple(shape), fill,
+                                                                                  dtype=_td(dtype)),
     "torch.arange": lambda start, end=None, step=1, *, device=None, dtype=None, **k: (
         torch.arange(start, dtype=_td(dtype)) if end is None else torch.arange(start, end, step, dtype=_td(dtype))),
     "torch.ones_like": lambda a, *x, **k: torch.ones_like(a),
     "torch.zeros_like": lambda a, *x, **k: torch.zeros_like(a),
-    "Tensor.new_ones": lambda a, *s, dtype=None, device=None, **k: torch.ones(_shape_args(s), dtype=_td(dtype) or a.dtype),
+    "Tensor.new_ones": lambda a, *s, dtype=None, device=None, **k: torch.ones(_shape_args(s),
+                                                                              dtype=_td(dtype) or a.dtype),
     "torch.tensor": lambda data, *a, dtype=None, device=None, **k: torch.tensor(data, dtype=_td(dtype)),
     "torch.diff": lambda a, n=1, dim=-1, prepend=None, append=None: torch.diff(a, n, dim, prepend, append),
     "torch.cumsum": lambda a, dim, *, dtype=None: torch.cumsum(a, dim, dtype=_td(dtype)),
