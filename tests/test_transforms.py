@@ -273,7 +273,8 @@ def _causal_additive(att):
 
 def _causal_hf(att):
     keep = torch.arange(T, device=att.device)[None, :] <= torch.arange(T, device=att.device)[:, None]
-    mask = torch.where(keep, 0.0, torch.finfo(att.dtype).min).to(att.dtype)[None, None]
+    zero = torch.tensor(0.0, dtype=att.dtype, device=att.device)  # as transformers builds it
+    mask = torch.where(keep, zero, torch.finfo(att.dtype).min)[None, None]
     return F.softmax(att * 0.25 + mask, dim=-1, dtype=torch.float32).to(att.dtype)
 
 
