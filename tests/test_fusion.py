@@ -336,35 +336,26 @@ def test_generated_chains_lower_and_compile(chain) -> None:
 
 
 # ---- the partitioner on users' models, traced as on a GPU ---------------------------------------------
-def fake_cuda_trace(make: Callable, executors: list, **kw):
-    """Trace a zoo model as on a GPU without one: fake tensors on "cuda", no kernel runs."""
-    from unittest import mock
-
-    import thunder
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=False):
-        model, inputs, _ = make(device="cuda", **kw)
-        jm = thunder.jit(model, executors=executors)
-        with mock.patch.object(torch.backends.cuda, "can_use_flash_attention", return_value=True, create=True):
-            thunder.compile_data(jm).get_computation_and_inputs(*inputs)
-    return thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
-
-
 def _fusions(trace) -> list:
     return [b for b in trace.bound_symbols if b.sym.name.startswith("kforgeFusion")]
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
 @pytest.mark.parametrize("model", ["plain_llama", "nanogpt"])
-def test_users_models_fuse(model: str) -> None:
+def test_users_models_fuse(model: str, autocast: bool) -> None:
+    """Under kforge.jit every elementwise / view / reduction chain of a user's model is a region;
+    each region's source compiles; backward regions carry Thunder's BACKWARD tag; inspect lists them."""
     import importlib
 
     import kforge
+    from conftest import fake_cuda_trace
     from kforge.fusion import codegen, executor as fx
+    from kforge.inspect import inspect
+    from thunder.core.symbol import BoundSymbolTag
 
     make = importlib.import_module(f"kforge.zoo.{model}").make
-    fw, bw = fake_cuda_trace(make, kforge.executors(), size="micro", batch=2, seq=16)
-    for trace in (fw, bw):
+    ft = fake_cuda_trace(make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=autocast)
+    for trace in (ft.forward, ft.backward):
         fusions = _fusions(trace)
         assert fusions, "no fusion in the trace"
         for b in fusions:
@@ -374,12 +365,12 @@ def test_users_models_fuse(model: str) -> None:
             ks = codegen.generate(region, codegen.default_key(region))
             kforge._C.compile_generated(ks.program, ks.source, [l[0] for l in ks.launches], 90)
         # every elementwise prim left at the top level is one the fusion cannot take
-        left = [b.sym.name for b in trace.bound_symbols if b.sym.name in ("mul", "add", "exp", "neg", "where")]
+        left = [b.sym.name for b in trace.bound_symbols if b.sym.name in ("mul", "add", "exp", "neg", "where", "to")]
         assert not left, left
-    # backward fusions are tagged so Thunder's CUDA-graph pass keeps the backward in few graphs
-    from thunder.core.symbol import BoundSymbolTag
-
-    assert all(BoundSymbolTag.BACKWARD in b.tags for b in _fusions(bw))
+    assert all(BoundSymbolTag.BACKWARD in b.tags for b in _fusions(ft.backward))
+    report = inspect(ft.fn)
+    assert len(report.fusions) == len(_fusions(ft.forward)) + len(_fusions(ft.backward))
+    assert "kforgeFusion" in str(report)
 
 
 def test_fusion_off_by_environment(monkeypatch) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 
 __all__ = ["executors", "jit", "compile"]
 
+_warming = False
+
 # Thunder executors that implement attention itself; they go before the fusion executor.
 _ATTENTION_EXECUTORS = ("cudnn", "sdpa", "fa3")
 
@@ -39,6 +41,30 @@ def executors(*, fusion: bool | None = None) -> list:
     return out + rest
 
 
+def _compile_kernels_in_background() -> None:
+    """Compile kforge's kernel sources on a thread pool while Thunder traces (seconds of tracing,
+    one NVRTC compile per source; disk-cache hits return at once). Done once per process."""
+    global _warming
+    if _warming:
+        return
+    _warming = True
+    import concurrent.futures
+    import os
+
+    import torch
+
+    from . import _C, kernel_names
+
+    if not torch.cuda.is_available():
+        return
+    arch = _C.device_arch(torch.cuda.current_device())
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1)),
+                                                 thread_name_prefix="kforge-warm")
+    for name in kernel_names():
+        pool.submit(_C.compile, name, arch)  # releases the GIL while NVRTC runs
+    pool.shutdown(wait=False)
+
+
 def jit(fn: Callable, /, *, fusion: bool | None = None, transforms: Sequence[Any] = (), **kwargs: Any):
     """`thunder.jit(fn)` with `kforge.executors()` and kforge's pattern transforms, which find the
     mission's steps (RMSNorm, RoPE, GQA, SwiGLU, ...) as users write them in plain torch ops and hand
@@ -46,6 +72,7 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, transforms: Sequence[Any
     the list). `fn.llama_patterns` is the pattern transform (its `rewrites` say what was replaced)."""
     from .transforms import jit as _jit
 
+    _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
     return _jit(fn, transforms=transforms, **kwargs)
 
@@ -56,5 +83,6 @@ def compile(model: Callable, /, *, fusion: bool | None = None, transforms: Seque
     LlamaForCausalLM. Other keyword arguments go to Thunder / torch.compile."""
     from .transforms import thunderfx
 
+    _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
     return thunderfx(model, transforms=transforms, **kwargs)

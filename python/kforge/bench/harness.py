@@ -115,6 +115,8 @@ def op_modules(only: list[str] | None = None) -> list[Any]:
         mod = importlib.import_module(f"{ops.__name__}.{info.name}")
         if hasattr(mod, "bench_cases"):
             mods.append(mod)
+    if not only or "fusion" in only:  # generated kernels of typical regions (kforge.fusion.bench)
+        mods.append(importlib.import_module("kforge.fusion.bench"))
     return mods
 
 
@@ -297,6 +299,9 @@ def bench_launch(args) -> dict:
             samples.append((time.perf_counter() - t) / n * 1e6)
             torch.cuda.synchronize()
         rows.append({"launcher": name, "host_us_per_launch": statistics.median(samples)})
+    from ..fusion.bench import launch_rows
+
+    rows += launch_rows()
     return {"kind": "launch", "rows": rows}
 
 

@@ -1,0 +1,116 @@
+"""What `python -m kforge.bench ops --op fusion` times: generated kernels of typical regions against
+eager PyTorch and torch.compile, in GB/s against the measured copy bandwidth.
+
+Each case is a torch function jitted by Thunder with kforge's fusion executor alone; the timed call
+is the region's GeneratedKernel itself (what a Thunder trace calls), so the numbers are the kernels'.
+"""
+from __future__ import annotations
+
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def _rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _silu_mul(a, b):
+    return F.silu(a) * b
+
+
+def _add(a, b):
+    return a + b
+
+
+def _bias_grad(g):
+    return g.float().sum(0).to(g.dtype)
+
+
+def _sum_sq_rows(x):
+    return (x.float() * x.float()).sum(-1)
+
+
+def _heads_to_tokens(x):
+    return x.transpose(1, 2).contiguous()
+
+
+def _region_kernel(fn: Callable, args: tuple) -> Callable:
+    """The GeneratedKernel of `fn`'s single region, called on `args` (built with Thunder on them)."""
+    import thunder
+    from thunder.core.proxies import TensorProxy
+
+    from . import get_fusion_executor
+
+    jf = thunder.jit(fn, executors=[get_fusion_executor()])
+    jf(*args)
+    trace = thunder.last_traces(jf)[-1]
+    fusions = [b for b in trace.bound_symbols if b.sym.is_fusion]
+    if len(fusions) != 1:
+        raise AssertionError(f"expected one region, got {len(fusions)}")
+    b = fusions[0]
+    kernel = b._call_ctx[b.sym.name]
+    names = [a.name for a in trace.args]
+    order = [names.index(a.name) for a in b.args if isinstance(a, TensorProxy)]
+    return lambda *xs: kernel(*(xs[i] for i in order))
+
+
+def bench_cases(dtype: torch.dtype, quick: bool) -> list:
+    from ..bench.cases import BenchCase
+
+    es = torch.tensor([], dtype=dtype).element_size()
+    cases = []
+
+    def add(name: str, shape: str, fn: Callable, make: Callable[[], tuple], nbytes: int, direction: str = "fwd"):
+        holder: dict = {}
+
+        def kforge(*xs):
+            if "k" not in holder:
+                holder["k"] = _region_kernel(fn, xs)
+            return holder["k"](*xs)
+
+        cases.append(BenchCase(f"fusion.{name}", direction, shape, make, kforge=kforge, eager=fn, bytes=nbytes))
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    b, h, t, d = 8, 12, 1024, 64
+    n = b * h * t * d
+    add("rope", f"{b}x{h}x{t}x{d}", _rope, lambda: (rnd(b, h, t, d), rnd(t, d), rnd(t, d)), (2 * n + 2 * t * d) * es)
+    rows, ffn = 8192, 2048 if quick else 14336
+    add("silu_mul", f"{rows}x{ffn}", _silu_mul, lambda: (rnd(rows, ffn), rnd(rows, ffn)), 3 * rows * ffn * es)
+    add("add", f"{rows}x768", _add, lambda: (rnd(rows, 768), rnd(rows, 768)), 3 * rows * 768 * es)
+    add("bias_grad", f"{rows}x3072", _bias_grad, lambda: (rnd(rows, 3072),), (rows + 1) * 3072 * es, "reduce")
+    add("sum_sq_rows", f"{rows}x4096", _sum_sq_rows, lambda: (rnd(rows, 4096),), rows * 4096 * es + rows * 4, "reduce")
+    add("heads_to_tokens", f"{b}x{h}x{t}x{d}", _heads_to_tokens, lambda: (rnd(b, h, t, d),), 2 * n * es)
+    return cases
+
+
+def launch_rows() -> list[dict]:
+    """Host microseconds per call of a generated kernel (what a Thunder trace calls per region),
+    beside torch.add on the same 1024 elements."""
+    import statistics
+    import time
+
+    x, y = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
+    k = _region_kernel(_add, (x, y))
+    rows = []
+    for name, fn in (("kforge.fusion GeneratedKernel (a + b)", lambda: k(x, y)), ("torch.add", lambda: torch.add(x, y))):
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(20000):
+                fn()
+            samples.append((time.perf_counter() - t0) / 20000 * 1e6)
+            torch.cuda.synchronize()
+        rows.append({"launcher": name, "host_us_per_launch": statistics.median(samples)})
+    return rows
+
+
+
