@@ -523,7 +523,7 @@ def test_past_2_31_elements() -> None:
     assert out[0].item() == 3.0 and out[-1].item() == 7.0 and out[-8].item() == 3.0
     del out
     s, _ = _run_fused(lambda a: a.float().sum(), (x,))
-    assert s.item() == float(n - 7 + 21)
+    assert abs(s.item() - float(n - 7 + 21)) <= 1e-6 * n  # fp32 partial sums: a few ulps at 2^31
 
 
 @gpu
