@@ -548,3 +548,30 @@ def test_users_models_tie_out(model: str, dtype: torch.dtype) -> None:
     ref_grads = dict(m.named_parameters())
     for name, p in jm.named_parameters():
         assert_close(p.grad, ref_grads[name].grad, dtype, name, tol=tol * 5)
+
+
+@gpu
+@pytest.mark.parametrize("model", ["plain_llama", "nanogpt"])
+def test_cuda_graph_transform(model: str) -> None:
+    """kforge.jit with Thunder's CUDAGraphTransform: fusions and kforge ops captured, replays match eager
+    over several steps of new inputs."""
+    import copy
+    import importlib
+
+    from thunder.transforms.cudagraph import CUDAGraphTransform
+
+    import kforge
+
+    make = importlib.import_module(f"kforge.zoo.{model}").make
+    m, inputs, opts = make(size="micro", batch=2, seq=16, dtype=torch.float32)
+    jm = kforge.jit(copy.deepcopy(m), transforms=[CUDAGraphTransform()])
+    for step in range(3):
+        _, new_inputs, _ = make(size="micro", batch=2, seq=16, dtype=torch.float32, seed=step + 1)
+        ref = opts["loss_fn"](m(*new_inputs))
+        out = opts["loss_fn"](jm(*new_inputs))
+        assert_close(out.detach(), ref.detach(), torch.float32, f"step {step}", tol=1e-4)
+        ref.backward()
+        out.backward()
+    grads = dict(m.named_parameters())
+    for name, p in jm.named_parameters():
+        assert_close(p.grad, grads[name].grad, torch.float32, name, tol=1e-3)

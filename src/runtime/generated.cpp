@@ -12,6 +12,8 @@
 #include "generated.h"
 
 #include <torch/extension.h>
+#include <ATen/cuda/EmptyTensor.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <climits>
@@ -50,6 +52,24 @@ GeneratedKernel::GeneratedKernel(std::string name, std::vector<ArgSpec> args, st
                                  py::function generator)
     : name_(std::move(name)), args_(std::move(args)), outs_(std::move(outs)), generator_(std::move(generator)) {
   for (const auto& a : args_) n_tensors_ += a.is_tensor;
+}
+
+// Per tensor 2 bits (strided, unaligned), bit 56 for 64-bit offsets, bits 57.. the device: one
+// integer compare per call instead of a string (host time per launch is the point of this class).
+uint64_t GeneratedKernel::packed_key(const at::Tensor* tensors, size_t n, int device) const {
+  uint64_t key = static_cast<uint64_t>(device) << 57;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = tensors[i];
+    const bool contig = t.is_contiguous();
+    if (!contig) {
+      key |= uint64_t(1) << (2 * i);
+      int64_t reach = 0;
+      for (int64_t d = 0; d < t.dim(); ++d) reach += (t.size(d) - 1) * std::abs(t.stride(d));
+      if (reach > INT_MAX) key |= uint64_t(1) << 56;
+    }
+    if (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) key |= uint64_t(2) << (2 * i);
+  }
+  return key;
 }
 
 std::string GeneratedKernel::layout_key(const std::vector<at::Tensor>& tensors, int device) const {
@@ -100,7 +120,7 @@ py::tuple GeneratedKernel::call(const py::args& args) {
   KF_CHECK(args.size() == args_.size(), op, name_, " takes ", args_.size(), " arguments, got ", args.size());
   std::vector<at::Tensor> tensors;
   tensors.reserve(n_tensors_);
-  std::vector<double> scalars;
+  c10::SmallVector<double, 4> scalars;
   int device = -1;
   for (size_t i = 0; i < args_.size(); ++i) {
     const ArgSpec& spec = args_[i];
@@ -121,28 +141,47 @@ py::tuple GeneratedKernel::call(const py::args& args) {
   if (device < 0) device = default_device_ >= 0 ? default_device_ : static_cast<int>(c10::cuda::current_device());
 
   c10::cuda::CUDAGuard guard(device);
-  auto v = variant(layout_key(tensors, device), device);
+  GeneratedVariant* v;
+  if (tensors.size() <= 28) {
+    const uint64_t key = packed_key(tensors.data(), tensors.size(), device);
+    if (last_ && key == last_key_) {
+      v = last_;
+    } else {
+      auto it = packed_.find(key);
+      if (it == packed_.end()) it = packed_.emplace(key, variant(layout_key(tensors, device), device)).first;
+      v = it->second.get();
+      last_key_ = key;
+      last_ = v;
+    }
+  } else {
+    v = variant(layout_key(tensors, device), device).get();
+  }
 
-  py::tuple result(outs_.size());
-  std::vector<at::Tensor> outputs;
-  outputs.reserve(outs_.size());
-  for (const auto& o : outs_)
-    outputs.push_back(new_output(o.sizes, at::TensorOptions().dtype(o.dtype).device(at::kCUDA, device)));
+  c10::SmallVector<at::Tensor, 4> outputs;
+  for (const auto& o : outs_) {
+    at::Tensor t = at::detail::empty_cuda(o.sizes, o.dtype, at::Device(at::kCUDA, device), std::nullopt);
+    if (poison_outputs()) {
+      if (at::isFloatingType(t.scalar_type()))
+        t.fill_(std::numeric_limits<double>::quiet_NaN());
+      else
+        t.view(at::kByte).fill_(0xFF);
+    }
+    outputs.push_back(std::move(t));
+  }
   if (!v->launches.empty()) {
     at::Tensor workspace;
     if (v->workspace_bytes > 0)
-      workspace = at::empty({v->workspace_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+      workspace = at::detail::empty_cuda({v->workspace_bytes}, at::kByte, at::Device(at::kCUDA, device), std::nullopt);
     // Kernel parameters, in the generator's order: per tensor input its pointer (and its strides when
     // strided), every output pointer, every scalar as double, then the workspace pointer.
-    std::vector<void*> ptrs;
-    std::vector<int64_t> strides;
-    ptrs.reserve(tensors.size() + outputs.size() + 1);
+    c10::SmallVector<void*, 16> ptrs;
+    c10::SmallVector<int64_t, 16> strides;
     size_t n_strides = 0;
     for (size_t i = 0; i < tensors.size(); ++i)
       if (v->strided[i]) n_strides += tensors[i].dim();
+    ptrs.reserve(tensors.size() + outputs.size() + 1);  // stable addresses: params point into these
     strides.reserve(n_strides);
-    std::vector<void*> params;
-    params.reserve(tensors.size() + n_strides + outputs.size() + scalars.size() + 2);
+    c10::SmallVector<void*, 32> params;
     for (size_t i = 0; i < tensors.size(); ++i) {
       ptrs.push_back(tensors[i].data_ptr());
       params.push_back(&ptrs.back());
@@ -156,15 +195,16 @@ py::tuple GeneratedKernel::call(const py::args& args) {
       ptrs.push_back(o.data_ptr());
       params.push_back(&ptrs.back());
     }
-    for (auto& s : scalars) params.push_back(&s);
-    void* ws = workspace.defined() ? workspace.data_ptr() : nullptr;
-    params.push_back(&ws);
+    for (auto& sc : scalars) params.push_back(&sc);
+    ptrs.push_back(workspace.defined() ? workspace.data_ptr() : nullptr);
+    params.push_back(&ptrs.back());
     params.push_back(nullptr);
     CUstream stream = reinterpret_cast<CUstream>(c10::cuda::getCurrentCUDAStream(device).stream());
     for (const auto& l : v->launches)
       l.kernel->launch_raw(DType::f32, device, stream, l.grid, l.block, l.smem, params.data());
   }
-  for (size_t i = 0; i < outputs.size(); ++i) result[i] = py::cast(outputs[i]);
+  py::tuple result(outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) result[i] = py::cast(std::move(outputs[i]));
   return result;
 }
 

@@ -50,6 +50,7 @@ class GeneratedKernel {
 
  private:
   std::string layout_key(const std::vector<at::Tensor>& tensors, int device) const;
+  uint64_t packed_key(const at::Tensor* tensors, size_t n, int device) const;
   std::shared_ptr<GeneratedVariant> variant(const std::string& key, int device);
 
   std::string name_;
@@ -59,6 +60,9 @@ class GeneratedKernel {
   size_t n_tensors_ = 0;
   int default_device_ = -1;
   std::unordered_map<std::string, std::shared_ptr<GeneratedVariant>> variants_;
+  std::unordered_map<uint64_t, std::shared_ptr<GeneratedVariant>> packed_;  // same variants, by packed key
+  uint64_t last_key_ = 0;
+  GeneratedVariant* last_ = nullptr;  // the variant of the previous call (nearly always this one)
 };
 
 void bind_generated(pybind11::module_& m);

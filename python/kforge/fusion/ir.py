@@ -375,6 +375,14 @@ def _copy(L: _Lowerer, bsym: Any) -> Value:
     return L.tensor(bsym.args[0])
 
 
+def _stride_order(L: _Lowerer, bsym: Any) -> Value:
+    a = L.tensor(bsym.args[0])
+    order = tuple(int(d) for d in bsym.args[1])
+    if order != tuple(range(a.ndim - 1, -1, -1)):
+        raise Unsupported(f"stride_order {order}: only the contiguous order (a kernel's outputs are contiguous)")
+    return a  # a region's outputs are contiguous: .contiguous() is the copy the region makes anyway
+
+
 def _cat(L: _Lowerer, bsym: Any) -> Value:
     parts = [L.tensor(t) for t in bsym.args[0]]
     out = _out(bsym)
@@ -465,6 +473,7 @@ def _build_handlers() -> dict:
         PrimIDs.CLONE: _copy,
         PrimIDs.SHALLOW_COPY: _copy,
         PrimIDs.CAT: _cat,
+        PrimIDs.STRIDE_ORDER: _stride_order,
         PrimIDs.PAD: _pad,
         PrimIDs.FULL: _full,
         PrimIDs.IOTA: _iota,
