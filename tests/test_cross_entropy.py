@@ -134,7 +134,7 @@ INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float
 
 @pytest.fixture
 def poisoned():
-    """Launcher outputs start as NaN (conftest turns this on for the session; these tests rely on it
+    """Launcher outputs start as NaN (conftest turns this on for the whole test run; these tests rely on it
     to see unwritten padding, so they say so)."""
     _C.set_poison_outputs(True)
     yield

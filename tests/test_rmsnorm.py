@@ -453,7 +453,7 @@ def test_ring_timeline_probe_still_patches_and_compiles(tmp_path):
 
 
 def test_ring_dynamic_probe_still_patches_and_compiles(tmp_path):
-    # scripts/ring_dynamic_probe.py (BENCHMARKS.md, tenth session) replaces the ring kernel's row loop
+    # scripts/ring_dynamic_probe.py (docs/experiments/rmsnorm.md, 5d12b31) replaces the ring kernel's row loop
     # by anchor text: the anchors still match and both patched kernels compile (NVRTC, sm_90).
     path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "ring_dynamic_probe.py"
     spec = importlib.util.spec_from_file_location("ring_dynamic_probe", path)
