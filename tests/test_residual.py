@@ -41,7 +41,7 @@ def test_matches_reference_bitwise(dtype, shape):
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_misaligned_and_strided_inputs(dtype):
-    """A view off a 16-byte boundary takes the scalar path; a strided view is copied first."""
+    """A view off a 16-byte boundary takes the scalar path; transposed views are read in place."""
     n = 4099
     a, b = randn(n, dtype=dtype), randn(n, dtype=dtype)
     a_off = torch.empty(n + 1, dtype=dtype, device="cuda")[1:].copy_(a)
@@ -49,6 +49,36 @@ def test_misaligned_and_strided_inputs(dtype):
     torch.testing.assert_close(kforge._C.residual_forward(a_off, b), expected(a, b), rtol=0, atol=0)
     at, bt = randn(96, 64, dtype=dtype).t(), randn(96, 64, dtype=dtype).t()
     torch.testing.assert_close(kforge._C.residual_forward(at, bt), expected(at, bt), rtol=0, atol=0)
+
+
+def _heads(*bthd, dtype):
+    """(B, H, T, D) heads in (B, T, H, D) memory: a projection's view(B, T, H, D).transpose(1, 2)."""
+    b, t, h, d = bthd
+    return randn(b, t, h, d, dtype=dtype).transpose(1, 2)
+
+
+LAYOUTS = {
+    "a transposed, b contiguous": lambda dt: (_heads(2, 64, 8, 32, dtype=dt), randn(2, 8, 64, 32, dtype=dt)),
+    "a contiguous, b transposed": lambda dt: (randn(2, 8, 64, 32, dtype=dt), _heads(2, 64, 8, 32, dtype=dt)),
+    "both transposed alike": lambda dt: (_heads(2, 64, 8, 32, dtype=dt), _heads(2, 64, 8, 32, dtype=dt)),
+    "a permuted, odd sizes": lambda dt: (randn(3, 5, 7, 9, dtype=dt).permute(0, 3, 1, 2), randn(3, 9, 5, 7, dtype=dt)),
+    "a sliced (not dense)": lambda dt: (randn(8, 100, dtype=dt)[:, :96], randn(8, 96, dtype=dt)),
+    "a transposed, size-1 dim": lambda dt: (_heads(1, 64, 8, 32, dtype=dt), randn(1, 8, 64, 32, dtype=dt)),
+}
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_output_takes_eager_layout(dtype, layout):
+    """The output is laid out as eager's `a + b` (a's dim order when a is dense, as TensorIterator
+    does): a value Thunder hands to an Inductor piece of a split Dynamo graph has the strides Inductor
+    compiled for. Bits as eager's."""
+    a, b = LAYOUTS[layout](dtype)
+    out, ref = kforge._C.residual_forward(a, b), a + b
+    assert out.stride() == ref.stride(), (out.stride(), ref.stride())
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert a.stride() == LAYOUTS[layout](dtype)[0].stride()  # the inputs were not rewritten
 
 
 @gpu

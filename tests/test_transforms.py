@@ -8,11 +8,16 @@ CPU (CI), traced as on a GPU (`conftest.fake_cuda_trace`: fake CUDA tensors, no 
   every pattern replaced, and no fp32 copy of the logits;
 - a catalogue of spellings (RMSNorm, RoPE, GQA, SwiGLU, GELU, head split / merge, causal softmax,
   cross-entropy on upcast logits), each replaced and claimed in both directions;
-- near misses: no match, or a match left alone with the reason `kforge.inspect` shows.
+- near misses: no match, or a match left alone with the reason `kforge.inspect` shows;
+- Thunder's Dynamo path: kforge.compile's backend splits the zoo Llamas' graphs under bf16 autocast
+  exactly where it splits them in bf16 (Thunder 0.2.6's splitter, checking nodes without the ambient
+  autocast, cut them at every attention), and a value a Thunder piece hands to an Inductor piece
+  reaches it in the strides Inductor compiled for (real CPU tensors, real Inductor).
 CPU numerics: each rewrite computes what the user wrote (kforge's operators decompose on CPU, with
 `require_claim=False`): outputs and gradients against eager PyTorch.
-GPU: the catalogue's kernels against float64 references, and the zoo models against eager in both
-set-ups (loss and every gradient), through `kforge.transforms.jit` and `kforge.transforms.thunderfx`.
+GPU: the catalogue's kernels against float64 references, the zoo models against eager in both
+set-ups (loss and every gradient), through `kforge.transforms.jit` and `kforge.transforms.thunderfx`,
+and a split graph's Thunder-to-Inductor value with kforge's operators and with its generated kernels.
 """
 from __future__ import annotations
 
@@ -165,6 +170,164 @@ def test_nn_rmsnorm_stays_in_thunder_on_the_dynamo_path():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
     kinds = {r.match.kind for r in compiled.llama_patterns.rewrites}
     assert kinds == {"rope", "repeat_kv", "swiglu", "merge_heads"}, kinds
+
+
+# ---- Thunder's Dynamo path under autocast, and the split points ----------------------------------------
+@contextlib.contextmanager
+def _as_on_a_gpu():
+    """What conftest.fake_cuda_trace patches to build and trace CUDA models without a GPU."""
+    from unittest import mock
+
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(torch.backends.cuda, "can_use_flash_attention",
+                                                  return_value=True, create=True))
+            stack.enter_context(mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False))
+            stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=True))
+            yield
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+
+
+def _dynamo_split(model: str, setup: str):
+    """`kforge.compile`'s backend splitting the FX graph Dynamo makes of a zoo model (micro size, fake
+    CUDA tensors), under the set-up's autocast, as it does on the first call on a GPU; Inductor's
+    compile is a stand-in (nothing is compiled). Returns (the backend, its SubgraphInfo)."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import conftest
+    import kforge
+
+    with _as_on_a_gpu():
+        with FakeTensorMode(allow_non_fake_inputs=False):
+            m, inputs, opts = _zoo(model)(size="micro", batch=B, seq=T, device="cuda", **SETUPS[setup])
+            ac = opts.get("autocast")
+            autocast = (lambda: torch.autocast("cuda", ac)) if ac is not None else contextlib.nullcontext
+            args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
+            gm, args, _ = conftest._dynamo_graph(m, args, kwargs, autocast)
+        # The splitter runs in the fake mode of Dynamo's example values, as inside torch.compile.
+        dynamo_mode = next(n.meta["example_value"].fake_mode for n in gm.graph.nodes
+                           if isinstance(n.meta.get("example_value"), torch.Tensor))
+        backend = kforge.compile(m)._backend
+        with autocast(), dynamo_mode, mock.patch("torch._inductor.compile", lambda g, example_inputs: g):
+            backend(gm, list(args))
+    return backend, backend.subgraph_infos[-1]
+
+
+def _pieces(info) -> list[str]:
+    return [str(n.target) for n in info.split_graph_module.graph.nodes
+            if n.op == "call_module" and str(n.target).startswith(("thunder_", "inductor_"))]
+
+
+@pytest.mark.parametrize("model", ["plain_llama", "hf_llama"])
+def test_autocast_adds_no_split_on_the_dynamo_path(model):
+    """Under torch.autocast with fp32 weights, Thunder 0.2.6's splitter checks each node without the
+    autocast, so a linear of a bf16 activation and an fp32 weight, and SDPA of fp32 rotated q / k with a
+    bf16 v, failed its check and went to Inductor: the graph was cut at every projection and attention,
+    and each cut handed Inductor a Thunder output in a layout other than the one it compiled for (the
+    GPU failure: "expected size 8==8, stride 2048==32 at dim=1"). kforge.compile's splitter applies the
+    ambient autocast, as thunder.jit does: autocast cuts the graph nowhere the bf16 set-up does not."""
+    _, bf16 = _dynamo_split(model, "bf16")
+    _, autocast = _dynamo_split(model, "autocast")
+    assert _pieces(autocast) == _pieces(bf16), [r.info for r in autocast.split_reasons]
+    assert not [r for r in autocast.split_reasons if "dtype" in str(r.exception)], autocast.split_reasons
+    if model == "plain_llama":
+        assert _pieces(autocast) == ["thunder_0"]
+    else:  # transformers builds its mask with ops Thunder only has a torch fallback for (diff, new_ones)
+        assert {r.reason_type.name for r in autocast.split_reasons} == {"MISSING_OP_SUPPORT"}
+
+
+def test_autocast_splitter_still_splits_unsupported_ops():
+    """On real (CPU) tensors under CPU autocast: the second linear (a bf16 activation, an fp32 weight)
+    stays in Thunder, an op Thunder does not have still goes to Inductor with its reason, and the
+    result is eager's."""
+    import kforge
+
+    def fn(x, w1, w2):
+        return torch.arctan(F.linear(F.linear(x, w1), w2)).sum()
+
+    x, w1, w2 = torch.randn(4, 8), torch.randn(16, 8, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    torch._dynamo.reset()
+    try:
+        compiled = kforge.compile(fn)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = compiled(x, w1, w2)
+        infos = compiled._backend.subgraph_infos
+    finally:
+        torch._dynamo.reset()
+    with torch.autocast("cpu", torch.bfloat16):
+        ref = fn(x, w1, w2)
+    torch.testing.assert_close(out, ref)
+    (info,) = infos
+    assert _pieces(info) == ["thunder_0", "inductor_1", "thunder_2"], _pieces(info)
+    assert [r.reason_type.name for r in info.split_reasons] == ["MISSING_OP_SUPPORT"], info.split_reasons
+    assert "arctan" in info.split_reasons[0].info
+
+
+def _contiguous_add(a, b):
+    """An operator that allocates its output contiguous whatever its inputs' layout (as kforge's
+    generated kernels and Thunder's fusions do): eager's a + b keeps a's layout."""
+    return torch.add(a, b).contiguous()
+
+
+def _rotate_then_inductor(x, cos):
+    q = x.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D) heads in (B, T, H, D) memory
+    r = q * cos + _rotate_half_chunk(q)      # eager: r in q's layout
+    return torch.arctan(r)                   # Thunder has no arctan: the graph is cut before it
+
+
+@pytest.mark.parametrize("add", [_contiguous_add, torch.add], ids=["contiguous", "eager layout"])
+def test_values_reach_inductor_in_the_layout_it_compiled_for(monkeypatch, add):
+    """A Thunder piece's output that feeds an Inductor piece reaches it in the strides of Dynamo's
+    fake value, which Inductor compiled for and asserts: copied there (counted, one LayoutCopyWarning)
+    only when the operator that made it chose another layout; untouched otherwise. Before, Inductor's
+    assertion failed ("expected size 4==4, stride 128==16 at dim=1")."""
+    import warnings
+
+    from conftest import swap_launchers
+    from kforge.ops import residual as rs
+
+    swap_launchers(monkeypatch, rs, {rs.residual_forward: add})
+    x, cos = torch.randn(B, T, H * D, requires_grad=True), torch.randn(T, D)
+    torch._dynamo.reset()
+    try:
+        compiled = kt.thunderfx(_rotate_then_inductor)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = [compiled(x, cos) for _ in range(2)]
+    finally:
+        torch._dynamo.reset()
+    assert "kforge_residual_forward" in {b.sym.name for t in compiled.last_traces for b in t.bound_symbols}
+    (boundary,) = compiled.backend.layout_boundaries
+    assert (boundary.source, boundary.target) == ("thunder_0 output", "inductor_1 input 0")
+    assert boundary.stride == _rotate_then_inductor(x, cos).stride() == (H * T * D, D, H * D, 1)
+    copied = add is _contiguous_add
+    assert boundary.copies == 2 * copied, str(boundary)
+    layout_warnings = [w for w in caught if issubclass(w.category, kt.LayoutCopyWarning)]
+    assert len(layout_warnings) == copied, [str(w.message) for w in layout_warnings]
+    ref = _rotate_then_inductor(x, cos)
+    g = torch.randn_like(ref)
+    (dx,) = torch.autograd.grad(ref, x, g)
+    for out in outs:
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(torch.autograd.grad(out, x, g)[0], dx)
+
+
+def test_layout_guard_copies_into_strided_and_leaves_overlapping_layouts():
+    b = kt.LayoutBoundary("thunder_0 output", "inductor_1 input 0", (4, 3), (8, 2), torch.float32)  # a slice's
+    t = torch.randn(4, 3, requires_grad=True)
+    with pytest.warns(kt.LayoutCopyWarning, match="compiled for"):
+        out = kt._ToLayout(b)(t)
+    assert out.stride() == (8, 2) and b.copies == 1
+    torch.testing.assert_close(out, t)
+    out.sum().backward()
+    torch.testing.assert_close(t.grad, torch.ones(4, 3))
+    assert kt._ToLayout(b)(out) is out and b.copies == 1
+    assert kt._overlaps((4, 3), (0, 1)) and kt._overlaps((4, 4), (2, 1)) and not kt._overlaps((4, 1, 3), (3, 0, 1))
 
 
 # ==== the spellings ===================================================================================
@@ -776,3 +939,42 @@ def test_users_models_tie_out_on_gpu(model, setup, route):
         if model == "hf_llama" and step == "repeat_kv" and step not in found:
             continue  # transformers may hand GQA to SDPA itself (enable_gqa) when there is no mask
         assert fwd[f] and bwd[b], (step, dict(fwd), dict(bwd))
+    if route == "dynamo":
+        # Autocast cuts the graph nowhere (no dtype-mismatch split reasons), and no activation crosses a
+        # cut into Inductor in another layout (what does cross is transformers' int64 mask input).
+        reasons = [r for info in compiled.backend.subgraph_infos for r in info.split_reasons]
+        assert not [r for r in reasons if "dtype" in str(r.exception)], reasons
+        copied = [str(b) for b in compiled.backend.layout_boundaries if b.copies and b.dtype.is_floating_point]
+        assert not copied, copied
+
+
+@gpu
+@pytest.mark.parametrize("fusion", [False, True], ids=["operators", "fusion"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_split_points_on_gpu_match_eager(dtype, fusion):
+    """A Thunder piece whose output Inductor reads (Thunder has no arctan): kforge.compile's result and
+    input gradient are eager's, with kforge's residual operator (fusion off: it writes a's layout, eager's,
+    so nothing is copied) or kforge's generated kernels (fusion on: a copy into eager's layout where
+    they wrote another)."""
+    import kforge
+
+    x = randn(B, T, H * D, dtype=dtype).requires_grad_(True)
+    cos = randn(T, D, dtype=dtype)
+    torch._dynamo.reset()
+    try:
+        compiled = kforge.compile(_rotate_then_inductor, fusion=fusion)
+        out = compiled(x, cos)
+        g = torch.randn_like(out)
+        (dx,) = torch.autograd.grad(out, x, g)
+    finally:
+        torch._dynamo.reset()
+    ref = _rotate_then_inductor(x, cos)
+    (dx_ref,) = torch.autograd.grad(ref, x, g)
+    assert_close(out, ref, dtype, "output", tol=2 * REL_TOL[dtype])
+    assert_close(dx, dx_ref, dtype, "grad x", tol=2 * REL_TOL[dtype])
+    (boundary,) = compiled.backend.layout_boundaries
+    assert boundary.stride == ref.stride(), str(boundary)
+    names = {b.sym.name for t in compiled.last_traces for b in t.bound_symbols}
+    if not fusion:
+        assert "kforge_residual_forward" in names, names
+        assert boundary.copies == 0, str(boundary)

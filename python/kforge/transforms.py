@@ -43,12 +43,17 @@ outcome in `rewrites` (shown by `kforge.inspect`).
     compiled = kforge.transforms.thunderfx(model)   # torch.compile + Thunder + kforge + every pattern
     jmodel.llama_patterns.rewrites                  # what was replaced, or why not
 
+On Thunder's Dynamo path the backend is `KforgeThunderCompiler` (below): Thunder's splitter there sees the
+ambient torch.autocast (else a model under autocast with fp32 weights is cut at every attention), and the
+values it hands to Inductor pieces arrive in the strides Inductor compiled for.
+
 Written against lightning-thunder 0.2.6, torch 2.11 and transformers 5.17, whose traces are what the
 patterns describe; the CPU tests pin them (tests/test_transforms.py, tests/test_llama.py), so a
 release that writes these steps differently fails there rather than silently falling back.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -76,6 +81,9 @@ __all__ = [
     "find_llama_patterns",
     "LlamaPatternTransform",
     "thunderfx",
+    "KforgeThunderCompiler",
+    "LayoutBoundary",
+    "LayoutCopyWarning",
     "jit",
     "executors",
 ]
@@ -1450,6 +1458,243 @@ def _key(m: Match) -> frozenset:
     return frozenset(id(b) for b in m.bsyms)
 
 
+# ---- Thunder's Dynamo path: the splitter under autocast, layouts where the graph is split ------------
+# Thunder's splitter (thunder.dynamo.splitter) hands every FX node it cannot run to Inductor. It decides
+# by running the node's Thunder symbol on proxies without the ambient torch.autocast, so under
+# `torch.autocast` with fp32 weights a linear of a bf16 activation and an fp32 weight, or SDPA of fp32
+# rotated q / k and a bf16 v, fail its check ("Expected a.dtype=bfloat16 and w.dtype=float32") and the
+# graph is cut at every attention and at the projections of its bf16 results, although thunder.jit
+# applies autocast when it traces the piece. Each cut also exposes memory layouts: Inductor compiles
+# its piece for the strides of Dynamo's fake values (eager's layouts; an elementwise op keeps its
+# input's layout), while Thunder's proxies carry no strides and its executors (kforge's operators and
+# generated kernels, nvFuser) may allocate contiguous outputs; Inductor's stride assertion then fails
+# ("expected size 8==8, stride 2048==32 at dim=1"). KforgeThunderCompiler fixes the first and guards
+# the second.
+def _ambient_autocast() -> tuple[str, torch.dtype] | None:
+    """(device, dtype) of the torch.autocast the compile runs under, read as thunder.jit reads it (CUDA
+    or CPU, not both), or None."""
+    cuda, cpu = torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu")
+    if cuda == cpu:
+        return None
+    device = "cuda" if cuda else "cpu"
+    return device, torch.get_autocast_dtype(device)
+
+
+@contextlib.contextmanager
+def _autocast_compile_data(device: str, dtype: torch.dtype):
+    """Compile data created meanwhile by the splitter's node check carries the ambient autocast (as
+    thunder.jit's own compile data does when it traces under autocast), so symbols apply their autocast
+    rules to the proxies."""
+    import thunder.common
+
+    base = thunder.common.CompileData
+
+    class _AutocastCompileData(base):
+        def __init__(self, *args: Any, **kw: Any):
+            super().__init__(*args, **kw)
+            self.autocast_stack.push(device, dtypes.to_dtype(dtype), True)
+
+    thunder.common.CompileData = _AutocastCompileData
+    try:
+        yield
+    finally:
+        thunder.common.CompileData = base
+
+
+@contextlib.contextmanager
+def _splitter_applies_autocast():
+    """While Thunder's splitter runs under torch.autocast: a node its check rejects is checked again
+    with the autocast applied, and kept in Thunder when that passes (Dynamo compiles one frame at a
+    time; the splitter's module global is restored afterwards)."""
+    import thunder.dynamo.splitter as splitter
+
+    ambient = _ambient_autocast()
+    original = splitter.is_node_supported_by_thunder
+    if ambient is None:
+        yield
+        return
+
+    def is_node_supported_by_thunder(node: Any, thunder_options: dict) -> tuple[bool, Any]:
+        ok, reason = original(node, thunder_options)
+        if ok:
+            return ok, reason
+        with _autocast_compile_data(*ambient):
+            ok_autocast, _ = original(node, thunder_options)
+        return (True, None) if ok_autocast else (ok, reason)
+
+    splitter.is_node_supported_by_thunder = is_node_supported_by_thunder
+    try:
+        yield
+    finally:
+        splitter.is_node_supported_by_thunder = original
+
+
+class LayoutCopyWarning(UserWarning):
+    """kforge.compile copied a value Thunder handed to an Inductor piece into the layout Inductor was
+    compiled for (one extra copy per call at that split point)."""
+
+
+def _overlaps(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a layout may address one element twice (a stride 0, or dims of size > 1 interleaved)."""
+    reach = 0  # the largest offset the dims of smaller strides reach
+    for st, n in sorted((st, n) for n, st in zip(shape, stride) if n > 1):
+        if st <= reach:
+            return True
+        reach += st * (n - 1)
+    return False
+
+
+@dataclass
+class LayoutBoundary:
+    """A value a Thunder piece of a split Dynamo graph hands to an Inductor piece, and the strides that
+    piece was compiled for (those of Dynamo's fake value: eager's layout). `copies` counts the calls in
+    which the value arrived in another layout and was copied into this one."""
+
+    source: str              # "thunder_0 output 2"
+    target: str              # "inductor_1 input 0"
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    copies: int = 0
+
+    def __str__(self) -> str:
+        return (f"{self.source} -> {self.target}: {str(self.dtype).removeprefix('torch.')}{list(self.shape)} "
+                f"strides {self.stride}, copied {self.copies}x")
+
+
+def _same_strides(t: torch.Tensor, stride: Sequence[int]) -> bool:
+    """What Inductor's input assertion checks besides the sizes: the strides of dims of size > 1."""
+    return all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), stride))
+
+
+class _ToLayout(torch.nn.Module):
+    """Inserted by KforgeThunderCompiler between a Thunder piece's output and an Inductor piece: the
+    value itself when its strides are those Inductor was compiled for, else a copy in that layout
+    (differentiable; counted, and reported once with a LayoutCopyWarning)."""
+
+    def __init__(self, boundary: LayoutBoundary):
+        super().__init__()
+        self.boundary = boundary
+
+    def forward(self, t: Any) -> Any:
+        b = self.boundary
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != b.shape or _same_strides(t, b.stride):
+            return t  # the sizes are Dynamo's to guard; a mismatch there is not ours to hide
+        out = torch.empty_strided(b.shape, b.stride, dtype=t.dtype, device=t.device)
+        out.copy_(t)
+        if b.copies == 0:
+            import warnings
+
+            warnings.warn(f"kforge.compile: {b.source} reaches {b.target} with strides {tuple(t.stride())}, where "
+                          f"Inductor's piece was compiled for {b.stride} (eager's layout); copied into that "
+                          "layout, one copy per call", LayoutCopyWarning, stacklevel=2)
+        b.copies += 1
+        return out
+
+
+def _static_ints(values: Iterable[Any]) -> tuple[int, ...] | None:
+    out = tuple(values)
+    return out if all(isinstance(v, int) and not isinstance(v, bool) for v in out) else None
+
+
+def _guard_layouts(split_gm: torch.fx.GraphModule) -> list[LayoutBoundary]:
+    """Route every value a Thunder piece of `split_gm` (Thunder's split of one Dynamo graph) hands to an
+    Inductor piece through a `_ToLayout` of the strides that piece was compiled for (its placeholders'
+    fake values). Returns the boundaries."""
+    import operator
+
+    boundaries: list[LayoutBoundary] = []
+    guards: dict[tuple, torch.fx.Node] = {}
+
+    def thunder_source(a: Any) -> str | None:
+        if not isinstance(a, torch.fx.Node):
+            return None
+        if a.op == "call_module" and str(a.target).startswith("thunder_"):
+            return f"{a.target} output"
+        if (a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[0], torch.fx.Node)
+                and a.args[0].op == "call_module" and str(a.args[0].target).startswith("thunder_")):
+            return f"{a.args[0].target} output {a.args[1]}"
+        return None
+
+    for node in list(split_gm.graph.nodes):
+        if node.op != "call_module" or not str(node.target).startswith("inductor_"):
+            continue
+        graph = getattr(split_gm.get_submodule(str(node.target)), "graph", None)
+        if graph is None:
+            continue
+        placeholders = [p for p in graph.nodes if p.op == "placeholder"]
+        if len(placeholders) != len(node.args) or node.kwargs:
+            continue
+        new_args = list(node.args)
+        for i, (a, ph) in enumerate(zip(node.args, placeholders)):
+            source = thunder_source(a)
+            fake = ph.meta.get("example_value")
+            if source is None or not isinstance(fake, torch.Tensor):
+                continue
+            shape, stride = _static_ints(fake.shape), _static_ints(fake.stride())
+            if shape is None or stride is None or _overlaps(shape, stride):
+                continue  # symbolic or overlapping layouts: left as they are
+            key = (a.name, stride)
+            if key not in guards:
+                b = LayoutBoundary(source, f"{node.target} input {i}", shape, stride, fake.dtype)
+                name = f"kforge_layout_{len(boundaries)}"
+                split_gm.add_submodule(name, _ToLayout(b))
+                with split_gm.graph.inserting_before(node):
+                    guards[key] = split_gm.graph.call_module(name, (a,))
+                boundaries.append(b)
+            new_args[i] = guards[key]
+        node.args = tuple(new_args)
+    if boundaries:
+        split_gm.graph.lint()
+        split_gm.recompile()
+    return boundaries
+
+
+def _compiler_class():
+    """KforgeThunderCompiler, made on first use (thunder.dynamo is imported only by the Dynamo path)."""
+    global _KforgeThunderCompiler
+    if _KforgeThunderCompiler is None:
+        from thunder.dynamo import ThunderCompiler
+
+        class KforgeThunderCompiler(ThunderCompiler):
+            """Thunder's torch.compile backend (`thunder.dynamo.ThunderCompiler`, the same options), with:
+
+            - the splitter seeing the ambient torch.autocast: a node Thunder's check rejects only because
+              it ran without autocast (a bf16 activation times an fp32 weight) stays in Thunder, which
+              applies autocast when it traces the piece, so a model under autocast with fp32 weights is
+              not cut at every projection and attention;
+            - at every remaining cut, each value a Thunder piece hands to an Inductor piece passes a
+              check of the strides Inductor compiled that piece for (eager's layouts, from Dynamo's fake
+              values): a value in another layout (Thunder's proxies carry no strides; kforge's kernels
+              and generated kernels allocate contiguous outputs) is copied into it, counted in
+              `layout_boundaries` and reported once with a `LayoutCopyWarning`.
+            """
+
+            def __init__(self, **thunder_options: Any):
+                super().__init__(**thunder_options)
+                self.layout_boundaries: list[LayoutBoundary] = []
+
+            def __call__(self, gm: torch.fx.GraphModule, sample_args: list):
+                with _splitter_applies_autocast():
+                    split = super().__call__(gm, sample_args)
+                self.layout_boundaries += _guard_layouts(split)
+                return split
+
+        KforgeThunderCompiler.__module__ = __name__
+        KforgeThunderCompiler.__qualname__ = "KforgeThunderCompiler"
+        _KforgeThunderCompiler = KforgeThunderCompiler
+    return _KforgeThunderCompiler
+
+
+_KforgeThunderCompiler = None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KforgeThunderCompiler":
+        return _compiler_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # ---- the short user-facing calls ----------------------------------------------------------------------
 def executors() -> list:
     """kforge first, then Thunder's default executors."""
@@ -1464,20 +1709,29 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
               **kwargs: Any):
     """`thunder.dynamo.thunderfx(model)` (torch.compile with Thunder as its backend) with kforge first
     in the executor list and `LlamaPatternTransform(kinds=kinds)` (every step by default) applied to
-    every Thunder subgraph.
+    every Thunder subgraph; the backend is `KforgeThunderCompiler` (Thunder's, with the two fixes it
+    describes: the splitter sees the ambient torch.autocast, and values Thunder hands to Inductor
+    arrive in the layout Inductor was compiled for).
 
     For models `thunder.jit` cannot trace, such as Hugging Face's LlamaForCausalLM. Other keyword
     arguments go to torch.compile / thunder.jit (`executors=` overrides the executor list). The
     result is called like the model and trains the model's own parameters; its `last_traces` /
-    `last_backward_traces` list the final Thunder traces of every subgraph, and `llama_patterns` is
-    the transform (its `rewrites` say what was replaced, or why not).
+    `last_backward_traces` list the final Thunder traces of every subgraph, `llama_patterns` is
+    the transform (its `rewrites` say what was replaced, or why not), `backend` the compiler (its
+    `subgraph_infos` say how Dynamo's graphs were split and why, its `layout_boundaries` what was
+    checked and copied at the splits).
     """
-    from thunder.dynamo import thunderfx as _thunderfx
+    from thunder.dynamo.compiler import ThunderFXCompiledObject
+    from thunder.dynamo.utils import get_torch_compile_kwargs
 
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    compiled = _thunderfx(model, transforms=[patterns, *transforms], **kwargs)
+    kwargs["transforms"] = [patterns, *transforms]
+    compile_kwargs = get_torch_compile_kwargs(**kwargs)
+    backend = _compiler_class()(**{k: v for k, v in kwargs.items() if k not in compile_kwargs})
+    compiled = ThunderFXCompiledObject(backend, torch.compile(model, backend=backend, **compile_kwargs))
     compiled.llama_patterns = patterns
+    compiled.backend = backend
     return compiled
 
 

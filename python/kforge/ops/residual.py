@@ -7,6 +7,11 @@ gradient to fp32 and back again per branch. `kforge_residual_forward` is one ker
 rounded once: the same bits as eager PyTorch), and the backward needs none: the gradient flows
 unchanged to both inputs. Kernel: kernels_src/residual.cu.
 
+Layout: the output is laid out as eager's `a + b` is: in a's dim order when b has a's shape and a is
+dense (a transposed view of attention heads is read in place, b copied into that order only when it
+is laid out otherwise), else contiguous. Where Thunder's Dynamo path hands the sum to an Inductor
+piece, that piece was compiled for eager's strides.
+
 Claims `thunder.torch.add(a, b)` when a and b are CUDA tensors of one float dtype, alpha is 1, and the
 shapes are equal or one is the trailing dims of the other (broadcast along leading dims, as GPT-2's
 position embedding is: its gradient is the sum over those dims); other broadcasting, mixed dtypes
