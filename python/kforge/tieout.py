@@ -234,9 +234,11 @@ def compile_model(model: nn.Module, *, mode: Mode = "jit", executors: Sequence |
     if mode == "jit":
         return thunder.jit(model, **options), None
     if mode == "dynamo":
-        from thunder.dynamo import ThunderCompiler
+        # kforge's compiler: the splitter sees the ambient autocast, and values handed to Inductor
+        # arrive in the layout it compiled for
+        from .transforms import KforgeThunderCompiler
 
-        backend = ThunderCompiler(**options)
+        backend = KforgeThunderCompiler(**options)
         return torch.compile(model, backend=backend), backend
     raise ValueError(f"tieout mode must be 'jit' or 'dynamo', got {mode!r}")
 

@@ -1697,12 +1697,11 @@ def __getattr__(name: str) -> Any:
 
 # ---- the short user-facing calls ----------------------------------------------------------------------
 def executors() -> list:
-    """kforge first, then Thunder's default executors."""
-    import thunder
+    """`kforge.executors()`: kforge's operators, Thunder's attention executors, kforge's fusion
+    executor (unless KFORGE_FUSION=0), then Thunder's other defaults."""
+    from .frontend import executors as _executors
 
-    from . import _thunder
-
-    return [_thunder.get_executor(), *thunder.get_default_executors()]
+    return _executors()
 
 
 def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterable[str] = ALL_KINDS,
