@@ -581,6 +581,11 @@ _FLOAT_FN = {
 }
 
 
+_CALL1 = {"neg": "(-{})", "reciprocal": "(1.0f / {})", "sign": "kf_sign({})"}
+# Binary ops that are one call: torch's NaN-propagating max / min, Python's remainder (fused.cuh).
+_CALL2 = {"maximum": "kf_max", "minimum": "kf_min", "atan2": "atan2f", "fmod": "fmodf", "remainder": "kf_remainder"}
+
+
 def _math(op: str, x: list[str], compute: str, v: Value) -> str:
     f = compute == "float"
     if op in _FLOAT_FN:
@@ -591,12 +596,8 @@ def _math(op: str, x: list[str], compute: str, v: Value) -> str:
         return f"{_FLOAT_FN[op]}({x[0]})"
     if op == "abs":
         return f"fabsf({x[0]})" if f else f"({x[0]} < 0 ? -{x[0]} : {x[0]})"
-    if op == "neg":
-        return f"(-{x[0]})"
-    if op == "reciprocal":
-        return f"(1.0f / {x[0]})"
-    if op == "sign":
-        return f"kf_sign({x[0]})"
+    if op in _CALL1:
+        return _CALL1[op].format(x[0])
     if op == "signbit":
         return f"(signbit({x[0]}) != 0)" if f else f"({x[0]} < 0)"
     if op == "isfinite":
@@ -612,16 +613,8 @@ def _math(op: str, x: list[str], compute: str, v: Value) -> str:
         if compute == "bool":
             return f"(bool)((int){x[0]} {sym} (int){x[1]})"
         return f"({x[0]} {sym} {x[1]})"
-    if op == "maximum":
-        return f"kf_max({x[0]}, {x[1]})"
-    if op == "minimum":
-        return f"kf_min({x[0]}, {x[1]})"
-    if op == "atan2":
-        return f"atan2f({x[0]}, {x[1]})"
-    if op == "fmod":
-        return f"fmodf({x[0]}, {x[1]})"
-    if op == "remainder":
-        return f"kf_remainder({x[0]}, {x[1]})"
+    if op in _CALL2:
+        return f"{_CALL2[op]}({x[0]}, {x[1]})"
     if op == "pow":
         b = v.args[1]
         if not isinstance(b, Value) and isinstance(b, Number):

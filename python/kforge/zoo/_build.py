@@ -24,3 +24,11 @@ def build(cls, *args, device: str | torch.device, dtype: torch.dtype | None):
     fp32 explicitly stay fp32."""
     with torch.device(device), _default_dtype(dtype):
         return cls(*args)
+
+
+def random_tokens(vocab_size: int, batch: int, seq: int, device: str | torch.device, seed: int):
+    """(inputs, targets): token ids drawn on the CPU (the same on every device), then moved."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab_size, (batch, seq), generator=g).to(device)
+    targets = torch.randint(0, vocab_size, (batch, seq), generator=g).to(device)
+    return idx, targets

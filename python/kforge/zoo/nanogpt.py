@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._build import build
+from ._build import build, random_tokens
 
 SIZES = {
     "124M": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024),
@@ -126,7 +126,5 @@ def make(*, size: str = "tiny", batch: int = 4, seq: int | None = None, device: 
     cfg = GPTConfig(**SIZES[size])
     seq = min(seq or cfg.block_size, cfg.block_size)
     model = build(GPT, cfg, device=device, dtype=None if autocast else dtype)
-    g = torch.Generator().manual_seed(seed + 1)
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
-    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+    idx, targets = random_tokens(cfg.vocab_size, batch, seq, device, seed + 1)
     return model, (idx, targets), {"loss_fn": lambda out: out[1], "autocast": dtype if autocast else None}

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._build import build
+from ._build import build, random_tokens
 
 SIZES = {
     "bench": dict(n_layer=12, dim=768, n_heads=12, n_kv_heads=4, hidden_dim=2048, vocab_size=32000, max_seq_len=1024),
@@ -134,7 +134,5 @@ def make(*, size: str = "tiny", batch: int = 4, seq: int | None = None, device: 
     args = ModelArgs(**SIZES[size])
     seq = min(seq or args.max_seq_len, args.max_seq_len)
     model = build(Transformer, args, device=device, dtype=None if autocast else dtype)
-    g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=g).to(device)
-    targets = torch.randint(0, args.vocab_size, (batch, seq), generator=g).to(device)
+    tokens, targets = random_tokens(args.vocab_size, batch, seq, device, seed + 1)
     return model, (tokens, targets), {"loss_fn": lambda out: out, "autocast": dtype if autocast else None}
