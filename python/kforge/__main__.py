@@ -37,7 +37,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect as pyinspect
 import json
 import sys
@@ -109,20 +108,13 @@ def _to_device(x: Any, device) -> Any:
 
 
 def _load_factory(spec: str) -> Callable:
-    mod_name, sep, attr = spec.partition(":")
-    if not sep or not mod_name or not attr:
-        raise UsageError(f"--model must look like package.module:factory, got {spec!r}")
+    """The callable `package.module:factory` names (one parser for this CLI and kforge.bench)."""
+    from .bench.models import FactoryError, load_factory
+
     try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise UsageError(f"--model {spec}: cannot import {mod_name!r}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise UsageError(f"--model {spec}: {mod_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise UsageError(f"--model {spec}: {attr!r} is not callable")
-    return obj
+        return load_factory(spec)
+    except FactoryError as e:
+        raise UsageError(str(e)) from e
 
 
 def _user_workload(args: argparse.Namespace) -> Workload:

@@ -236,7 +236,6 @@ def schedule(ir: RegionIR) -> Schedule:
             raise Unsupported("a reduction reads another reduction's result (normalisation pattern)")
     pre = {v.id for v in ir.values if v.id not in post}
     n_in = numel(shape)
-    n_out = numel(tuple(s for i, s in enumerate(shape) if i not in dims))
     for o in ir.outputs:
         if o.id in post:
             if squeezed(o.shape) != squeezed(reds[0].shape):
@@ -245,8 +244,6 @@ def schedule(ir: RegionIR) -> Schedule:
         elif squeezed(o.shape) != squeezed(shape):
             raise Unsupported(f"output {o.dtype}{list(o.shape)} is neither of the reduction's input shape "
                               f"{list(shape)} nor of its result")
-    if n_out == 0:
-        pass
     return Schedule("reduce", shape, tuple(dims), pre, n_in)
 
 
@@ -807,7 +804,6 @@ def _reduction(ir: RegionIR, sched: Schedule, layout: dict, wide: bool, sm_count
         if blocks_rows < 2 * sm_count and col_runs > group * 8:
             split = min(max(1, (2 * sm_count) // max(blocks_rows, 1)), max(1, col_runs // (group * 8)), _MAX_SPLIT)
         grid_x = max(1, min(blocks_rows, sm_count * 32))
-        block = 256
     else:
         # A block is BX lanes over kept runs (coalesced) by BY lanes over reduced elements, combined
         # in shared memory in a fixed order.
@@ -825,7 +821,6 @@ def _reduction(ir: RegionIR, sched: Schedule, layout: dict, wide: bool, sm_count
 
     em = _Emitter(ir, layout, vec)
     # Coordinates of one input element: kept coords from the row, reduced coords from the column.
-    lines: list[str] = []
     if inner:
         row_lin = Idx.const("row")
         col_lin = Idx("(c0 + v)", "c0", "lane" if vec > 1 else "other", vec > 1) if vec > 1 else Idx("c0", "c0", "other")
@@ -864,7 +859,7 @@ def _reduction(ir: RegionIR, sched: Schedule, layout: dict, wide: bool, sm_count
             ty = "KfWelford" if kind == "welford" else "float"
             if lanes:
                 out.append(f"{ty} {name}[{vec}];")
-                out.append(f"#pragma unroll")
+                out.append("#pragma unroll")
                 out.append(f"for (int v = 0; v < {vec}; ++v) {name}[v] = {init};")
             else:
                 out.append(f"{ty} {name} = {init};")
@@ -926,7 +921,7 @@ def _reduction(ir: RegionIR, sched: Schedule, layout: dict, wide: bool, sm_count
     if inner:
         g = 32 if rows_per_block > 1 else 256
         body = head + [
-            f"  __shared__ float kf_scratch[96];",
+            "  __shared__ float kf_scratch[96];",
             f"  const int lane = threadIdx.x % {g};",
             f"  const idx_t c_begin = (idx_t)blockIdx.y * {chunk};",
             f"  const idx_t c_end = c_begin + {chunk} < {cols // vec} ? c_begin + {chunk} : {cols // vec};",

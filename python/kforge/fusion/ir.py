@@ -357,7 +357,7 @@ def _squeeze(L: _Lowerer, bsym: Any) -> Value:
 
 def _slice(L: _Lowerer, bsym: Any) -> Value:
     a = L.tensor(bsym.args[0])
-    start, end = tuple(bsym.args[1]), tuple(bsym.args[2])
+    start = tuple(bsym.args[1])
     steps = tuple(bsym.args[3]) if len(bsym.args) > 3 and bsym.args[3] is not None else (1,) * a.ndim
     shape = _shape(_out(bsym))
     if shape == a.shape and all(s == 0 for s in start):
