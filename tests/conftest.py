@@ -6,6 +6,7 @@ Thunder and kforge are imported inside the helpers, so collecting tests that nee
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -257,6 +258,26 @@ class FakeTrace:
         return symbol_counts(self.forward), symbol_counts(self.backward) if self.backward is not None else None
 
 
+@contextlib.contextmanager
+def as_on_a_gpu():
+    """What tracing CUDA models without a GPU needs patched: SDPA's flash check, autocast's CUDA
+    checks, module parameters converted by `.to()` under fake tensors. Restored afterwards."""
+    import contextlib
+    from unittest import mock
+
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(torch.backends.cuda, "can_use_flash_attention",
+                                                  return_value=True, create=True))
+            stack.enter_context(mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False))
+            stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=True))
+            yield
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+
+
 def fake_cuda_trace(make, /, *, jit=None, dynamo: bool | None = None, **make_kwargs) -> FakeTrace:
     """Trace `make`'s function as Thunder would on a GPU, without one: forward and backward traces
     are built, no kernel runs.
@@ -274,33 +295,23 @@ def fake_cuda_trace(make, /, *, jit=None, dynamo: bool | None = None, **make_kwa
     parameters converted by `.to()` under fake tensors. Everything is restored afterwards.
     """
     import contextlib
-    from unittest import mock
 
     import thunder
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if jit is None:
         from kforge.transforms import jit
-    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
-    torch.__future__.set_overwrite_module_params_on_conversion(True)
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(mock.patch.object(torch.backends.cuda, "can_use_flash_attention",
-                                                  return_value=True, create=True))
-            stack.enter_context(mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False))
-            stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=True))
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
-            fn, inputs, options = make(device="cuda", **make_kwargs)
-            args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
-            ac = options.get("autocast")
-            autocast = (lambda: torch.autocast("cuda", ac)) if ac is not None else contextlib.nullcontext
-            if options.get("mode") == "dynamo" if dynamo is None else dynamo:
-                fn, args, kwargs = _dynamo_graph(fn, args, kwargs, autocast)
-            jfn = jit(fn)
-            with autocast():
-                thunder.compile_data(jfn).get_computation_and_inputs(*args, **kwargs)
-    finally:
-        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    with as_on_a_gpu(), contextlib.ExitStack() as stack:
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
+        fn, inputs, options = make(device="cuda", **make_kwargs)
+        args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
+        ac = options.get("autocast")
+        autocast = (lambda: torch.autocast("cuda", ac)) if ac is not None else contextlib.nullcontext
+        if options.get("mode") == "dynamo" if dynamo is None else dynamo:
+            fn, args, kwargs = _dynamo_graph(fn, args, kwargs, autocast)
+        jfn = jit(fn)
+        with autocast():
+            thunder.compile_data(jfn).get_computation_and_inputs(*args, **kwargs)
     traces = thunder.last_traces(jfn)
     backward = thunder.last_backward_traces(jfn)
     return FakeTrace(jfn, traces[0], traces[-1], backward[-1] if backward else None)

@@ -173,22 +173,7 @@ def test_nn_rmsnorm_stays_in_thunder_on_the_dynamo_path():
 
 
 # ---- Thunder's Dynamo path under autocast, and the split points ----------------------------------------
-@contextlib.contextmanager
-def _as_on_a_gpu():
-    """What conftest.fake_cuda_trace patches to build and trace CUDA models without a GPU."""
-    from unittest import mock
-
-    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
-    torch.__future__.set_overwrite_module_params_on_conversion(True)
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(mock.patch.object(torch.backends.cuda, "can_use_flash_attention",
-                                                  return_value=True, create=True))
-            stack.enter_context(mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False))
-            stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=True))
-            yield
-    finally:
-        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+from conftest import as_on_a_gpu as _as_on_a_gpu  # noqa: E402
 
 
 def _dynamo_split(model: str, setup: str):

@@ -95,18 +95,6 @@ def _device(name: str | None):
     return torch.device(name)
 
 
-def _to_device(x: Any, device) -> Any:
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, dict):
-        return {k: _to_device(v, device) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to_device(v, device) for v in x)
-    return x
-
-
 def _load_factory(spec: str) -> Callable:
     """The callable `package.module:factory` names (one parser for this CLI and kforge.bench)."""
     from .bench.models import FactoryError, load_factory
@@ -143,7 +131,9 @@ def _user_workload(args: argparse.Namespace) -> Workload:
     if not isinstance(inputs, (tuple, list, dict)):
         raise UsageError(f"--model {args.model_spec}: inputs must be a tensor, a tuple or a dict, got {type(inputs).__name__}")
     if "device" not in kw:
-        model, inputs = model.to(device), _to_device(inputs, device)
+        from .bench.models import to_device
+
+        model, inputs = model.to(device), to_device(inputs, device)
     if "dtype" not in kw and dtype is not None:
         model = model.to(dtype=dtype)
     mode = options.get("mode", args.mode or "jit")

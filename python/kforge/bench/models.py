@@ -111,15 +111,16 @@ def zoo_case(name: str, size: str | None = None) -> ModelCase:
     return ModelCase(name, MODELS[name], size or DEFAULT_SIZE.get(name))
 
 
-def _to_device(x: Any, device: Any) -> Any:
+def to_device(x: Any, device: Any) -> Any:
+    """Tensors in `x` (nested tuples / lists / dicts) moved to `device`."""
     import torch
 
     if isinstance(x, torch.Tensor):
         return x.to(device)
     if isinstance(x, dict):
-        return {k: _to_device(v, device) for k, v in x.items()}
+        return {k: to_device(v, device) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
-        return type(x)(_to_device(v, device) for v in x)
+        return type(x)(to_device(v, device) for v in x)
     return x
 
 
@@ -183,7 +184,7 @@ def build(case: ModelCase, setup: str, *, batch: int, seq: int, device: Any, see
         raise FactoryError(f"--model {case.spec}: inputs must be a tensor, a tuple or a dict, "
                            f"got {type(inputs).__name__}")
     if "device" not in kw:
-        model, inputs = model.to(device), _to_device(inputs, device)
+        model, inputs = model.to(device), to_device(inputs, device)
     if "dtype" not in kw:
         model = model.to(dtype=weights)
     mode = options.get("mode", "jit")
