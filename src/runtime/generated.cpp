@@ -12,6 +12,7 @@
 #include "generated.h"
 
 #include <torch/extension.h>
+#include <ATen/TensorUtils.h>
 #include <ATen/cuda/EmptyTensor.h>
 #include <c10/util/SmallVector.h>
 
@@ -115,6 +116,44 @@ std::shared_ptr<GeneratedVariant> GeneratedKernel::variant(const std::string& ke
   return v;
 }
 
+// The region's output as a view of `t`, computed from sizes and strides only (no allocation, no
+// exception on the way): false when a reshape would need a copy, as torch's reshape decides it.
+bool GeneratedKernel::try_view(const at::Tensor& t, at::Tensor& out) const {
+  at::DimVector sizes(t.sizes().begin(), t.sizes().end()), strides(t.strides().begin(), t.strides().end());
+  int64_t offset = t.storage_offset();
+  for (const auto& s : view_steps_) {
+    switch (s.kind) {
+      case ViewStep::kPermute: {
+        at::DimVector ns(sizes.size()), nt(strides.size());
+        for (size_t i = 0; i < s.perm_or_start.size(); ++i) {
+          ns[i] = sizes[s.perm_or_start[i]];
+          nt[i] = strides[s.perm_or_start[i]];
+        }
+        sizes = std::move(ns);
+        strides = std::move(nt);
+        break;
+      }
+      case ViewStep::kReshape: {
+        at::DimVector shape(s.shape.begin(), s.shape.end());
+        auto st = at::detail::computeStride(sizes, strides, shape);
+        if (!st) return false;
+        sizes = std::move(shape);
+        strides = std::move(*st);
+        break;
+      }
+      case ViewStep::kSlice:
+        for (size_t d = 0; d < sizes.size(); ++d) {
+          offset += s.perm_or_start[d] * strides[d];
+          strides[d] *= s.step[d];
+        }
+        sizes.assign(s.shape.begin(), s.shape.end());
+        break;
+    }
+  }
+  out = t.as_strided(sizes, strides, offset);
+  return true;
+}
+
 py::tuple GeneratedKernel::call(const py::args& args) {
   const char* op = "fusion";
   KF_CHECK(args.size() == args_.size(), op, name_, " takes ", args_.size(), " arguments, got ", args.size());
@@ -139,6 +178,17 @@ py::tuple GeneratedKernel::call(const py::args& args) {
     tensors.push_back(std::move(t));
   }
   if (device < 0) device = default_device_ >= 0 ? default_device_ : static_cast<int>(c10::cuda::current_device());
+
+  if (view_arg_ >= 0) {
+    at::Tensor view;
+    size_t ti = 0;  // the argument's position among the tensor inputs
+    for (int i = 0; i < view_arg_; ++i) ti += args_[i].is_tensor;
+    if (try_view(tensors[ti], view)) {
+      c10::SmallVector<at::Tensor, 4> one;
+      one.push_back(std::move(view));
+      return assemble(args, one);
+    }
+  }
 
   c10::cuda::CUDAGuard guard(device);
   GeneratedVariant* v;
@@ -203,8 +253,24 @@ py::tuple GeneratedKernel::call(const py::args& args) {
     for (const auto& l : v->launches)
       l.kernel->launch_raw(DType::f32, device, stream, l.grid, l.block, l.smem, params.data());
   }
-  py::tuple result(outputs.size());
-  for (size_t i = 0; i < outputs.size(); ++i) result[i] = py::cast(std::move(outputs[i]));
+  return assemble(args, outputs);
+}
+
+py::tuple GeneratedKernel::assemble(const py::args& args, c10::SmallVector<at::Tensor, 4>& kernel_outs) const {
+  if (out_map_.empty()) {
+    py::tuple result(kernel_outs.size());
+    for (size_t i = 0; i < kernel_outs.size(); ++i) result[i] = py::cast(std::move(kernel_outs[i]));
+    return result;
+  }
+  // Outputs that are arguments are returned as the same Python objects; two outputs of one value
+  // share its tensor (Thunder never writes into either).
+  c10::SmallVector<py::object, 4> kernel_objs;
+  for (auto& t : kernel_outs) kernel_objs.push_back(py::cast(std::move(t)));
+  py::tuple result(out_map_.size());
+  for (size_t i = 0; i < out_map_.size(); ++i) {
+    const int64_t m = out_map_[i];
+    result[i] = m >= 0 ? kernel_objs[m] : py::object(args[-m - 1]);
+  }
   return result;
 }
 
@@ -237,7 +303,8 @@ void bind_generated(py::module_& m) {
       "Compile a generated source for sm_<arch> (no GPU needed; memory and disk cache); returns lowered names.");
   py::class_<GeneratedKernel, std::shared_ptr<GeneratedKernel>>(m, "GeneratedKernel",
       "A fused region's kernel: specialised per input layout, compiled on first use, launched from C++.")
-      .def(py::init([](std::string name, py::list args, py::list outs, py::function generator, int device) {
+      .def(py::init([](std::string name, py::list args, py::list outs, py::function generator, int device,
+                       std::vector<int64_t> out_map, py::object view) {
              std::vector<GeneratedKernel::ArgSpec> a;
              for (const auto& x : args) {
                GeneratedKernel::ArgSpec s;
@@ -257,10 +324,39 @@ void bind_generated(py::module_& m) {
              }
              auto k = std::make_shared<GeneratedKernel>(std::move(name), std::move(a), std::move(o), std::move(generator));
              k->set_default_device(device);
+             k->set_out_map(out_map);
+             if (!view.is_none()) {
+               auto plan = view.cast<py::tuple>();  // (argument index, [(kind, ...), ...])
+               std::vector<ViewStep> steps;
+               for (const auto& x : plan[1]) {
+                 auto st = x.cast<py::tuple>();
+                 const auto kind = st[0].cast<std::string>();
+                 ViewStep s;
+                 if (kind == "permute") {
+                   s.kind = ViewStep::kPermute;
+                   s.perm_or_start = st[1].cast<std::vector<int64_t>>();
+                 } else if (kind == "reshape") {
+                   s.kind = ViewStep::kReshape;
+                   s.shape = st[1].cast<std::vector<int64_t>>();
+                 } else if (kind == "slice") {
+                   s.kind = ViewStep::kSlice;
+                   s.perm_or_start = st[1].cast<std::vector<int64_t>>();
+                   s.step = st[2].cast<std::vector<int64_t>>();
+                   s.shape = st[3].cast<std::vector<int64_t>>();
+                 } else {
+                   throw Error("kforge.fusion: unknown view step " + kind);
+                 }
+                 steps.push_back(std::move(s));
+               }
+               k->set_view_plan(plan[0].cast<int>(), std::move(steps));
+             }
              return k;
            }),
            py::arg("name"), py::arg("args"), py::arg("outputs"), py::arg("generator"), py::arg("device") = -1,
-           "args: per argument (dtype name, sizes) for a tensor or None for a scalar; outputs: (dtype name, sizes).")
+           py::arg("out_map") = std::vector<int64_t>{}, py::arg("view") = py::none(),
+           "args: per argument (dtype name, sizes) for a tensor or None for a scalar; outputs: (dtype name, "
+           "sizes) of what the kernel writes; out_map: per region output its kernel output (>= 0) or "
+           "argument -(i + 1); view: (argument, steps) of a movement-only region, a view when strides allow.")
       .def("__call__", &GeneratedKernel::call)
       .def_property_readonly("name", &GeneratedKernel::name)
       .def("keys", &GeneratedKernel::keys, "Layout keys compiled so far (device:per-input flags).");

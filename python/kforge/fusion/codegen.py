@@ -211,9 +211,13 @@ class Schedule:
 
 
 def schedule(ir: RegionIR) -> Schedule:
-    """How `ir` is computed, or Unsupported with the reason it cannot be one kernel (pair)."""
+    """How `ir` is computed, or Unsupported with the reason it cannot be one kernel (pair).
+    "passthrough": every output is one of the region's inputs, nothing to launch."""
     if not ir.outputs:
         raise Unsupported("region has no outputs")
+    ir = ir.for_kernel()
+    if not ir.outputs:
+        return Schedule("passthrough", ())
     reds = ir.reductions
     if not reds:
         n = ir.outputs[0].numel
@@ -700,9 +704,13 @@ def _header(name: str, ir: RegionIR, sched: Schedule, key: str) -> list[str]:
 
 
 def generate(ir: RegionIR, key: str, *, sm_count: int = 132, name: str | None = None) -> KernelSource:
-    """The variant of `ir` for layout `key` (see GeneratedKernel in src/runtime/generated.cpp)."""
+    """The variant of `ir` for layout `key` (see GeneratedKernel in src/runtime/generated.cpp): the
+    kernel writes `ir.kernel_outputs()` (inputs returned as is and repeated values are not written)."""
     sched = schedule(ir)
     layout, wide = _parse_key(ir, key)
+    ir = ir.for_kernel()
+    if sched.kind == "passthrough":
+        return KernelSource("", "", [], 0, 1, 32)
     if sched.kind == "pointwise":
         body, launches, ws, vec, bits = _pointwise(ir, sched, layout, wide, sm_count)
     else:

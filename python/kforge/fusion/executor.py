@@ -27,6 +27,7 @@ from thunder.extend import FusionExecutor
 
 from .. import __version__
 from . import codegen, ir as fir
+from .matmul_acc import accumulate_matmuls
 from .partition import Group, partition
 
 __all__ = ["KforgeFusionExecutor", "FusedRegion", "FusionInfo", "regions", "lower_fusion", "describe"]
@@ -48,6 +49,19 @@ class FusedRegion:
     @property
     def name(self) -> str:
         return self.kernel.name
+
+
+class _Passthrough:
+    """A region whose every output is one of its inputs (cast round trips, identity views): returns
+    them, launches nothing."""
+
+    name = "none (outputs are inputs)"
+
+    def __init__(self, sources: Sequence[int]) -> None:
+        self.args = tuple(-s - 1 for s in sources)
+
+    def __call__(self, *args: Any) -> tuple:
+        return tuple(args[i] for i in self.args)
 
 
 @dataclass
@@ -98,9 +112,15 @@ def _get_region(ir: fir.RegionIR, device: int) -> FusedRegion:
             return ks.to_spec()
 
         args = [(_TORCH_DTYPE_NAME[a.dtype], list(a.shape)) if a.op == "input" else None for a in ir.args]
-        outs = [(_TORCH_DTYPE_NAME[o.dtype], list(o.shape)) for o in ir.outputs]
+        outs = [(_TORCH_DTYPE_NAME[o.dtype], list(o.shape)) for o in ir.kernel_outputs()]
+        sources = ir.output_sources()
+        out_map = [] if sources == list(range(len(sources))) else sources
+        plan = fir.view_plan(ir)
+        view = None if plan is None else (plan[0], [tuple(list(x) if isinstance(x, tuple) else x for x in st)
+                                                    for st in plan[1]])
         digest = key.__hash__() & 0xFFFFFFFF
-        fr.kernel = _C.GeneratedKernel(f"fusion_{len(_regions)}_{digest:08x}", args, outs, generate, device)
+        fr.kernel = _C.GeneratedKernel(f"fusion_{len(_regions)}_{digest:08x}", args, outs, generate, device,
+                                       out_map=out_map, view=view)
         _regions[key] = fr
         return fr
 
@@ -108,10 +128,11 @@ def _get_region(ir: fir.RegionIR, device: int) -> FusedRegion:
 def structural_key(ir: fir.RegionIR) -> str:
     """The region's structure without proxy names: equal keys compute the same function."""
     lines = []
-    outs = {v.id: i for i, v in enumerate(ir.outputs)}
     for v in ir.values:
         args = ",".join(f"%{a.id}" if isinstance(a, fir.Value) else repr(a) for a in v.args)
-        lines.append(f"{v.id}:{v.op}:{v.dtype}:{v.shape}:{args}:{sorted(v.attrs.items())}:{outs.get(v.id, '')}")
+        lines.append(f"{v.id}:{v.op}:{v.dtype}:{v.shape}:{args}:{sorted(v.attrs.items())}")
+    # every output by value id: an input returned as is, or one value returned twice, is part of it
+    lines.append("out:" + ",".join(str(o.id) for o in ir.outputs))
     return "\n".join(lines)
 
 
@@ -184,6 +205,7 @@ class KforgeFusionExecutor(FusionExecutor):
         self.infos: dict[str, FusionInfo] = {}
         self.left_out: dict[str, dict[str, int]] = {}  # prim name -> reason -> count (last passes)
         self._legal_cache: dict[tuple, str | None] = {}
+        self.accumulated = 0  # adds the last pass turned into matmul accumulation (addmm)
 
     def get_fuel(self, amount: int = 1, /) -> bool:
         return True
@@ -214,7 +236,8 @@ class KforgeFusionExecutor(FusionExecutor):
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
         t0 = time.perf_counter()
         self._legal_cache = {}
-        bsyms = list(trace.bound_symbols)
+        # Sums of matmul results go into the matmuls (addmm) first, so no region is made of the add.
+        bsyms, self.accumulated = accumulate_matmuls(trace.bound_symbols)
         order, groups, reasons = partition(bsyms, self._fusible, self._legal)
         from thunder.core.compile_data import get_compile_data
 
@@ -241,7 +264,8 @@ class KforgeFusionExecutor(FusionExecutor):
         fused = dce(fused)
         self._legal_cache = {}
         ms = (time.perf_counter() - t0) * 1e3
-        fused.set_provenance(TraceProvenance(f"kforge fusion: {counter} regions (took {ms:.0f} milliseconds)"))
+        fused.set_provenance(TraceProvenance(f"kforge fusion: {counter} regions, {self.accumulated} adds into "
+                                             f"matmuls (took {ms:.0f} milliseconds)"))
         self._precompile_trace(fused)
         return fused
 
@@ -271,8 +295,11 @@ class KforgeFusionExecutor(FusionExecutor):
         try:
             region_ir = fir.lower(bsyms, inputs, outputs)
             sched = codegen.schedule(region_ir)
-            fr = _get_region(region_ir, _device_index(inputs, outputs))
-            fn = fr.kernel
+            if sched.kind == "passthrough":
+                fn = _Passthrough(region_ir.output_sources())
+            else:
+                fr = _get_region(region_ir, _device_index(inputs, outputs))
+                fn = fr.kernel
             kind = sched.kind
         except fir.Unsupported as e:
             reason = str(e)
@@ -283,9 +310,11 @@ class KforgeFusionExecutor(FusionExecutor):
         if any(BoundSymbolTag.BACKWARD in b.tags for b in bsyms):
             bsym.tags.add(BoundSymbolTag.BACKWARD)
         bsym._kforge_region = fr  # type: ignore[attr-defined]
-        ops = [v.op for v in fr.ir.values if v.op not in ("input", "scalar", "const")] if fr else \
-            [b.sym.name for b in bsyms]
-        self.infos[name] = FusionInfo(name, ops, fr.name if fr else None, kind, reason)
+        if reason is None:
+            ops = [v.op for v in region_ir.values if v.op not in ("input", "scalar", "const")]
+        else:
+            ops = [b.sym.name for b in bsyms]
+        self.infos[name] = FusionInfo(name, ops, getattr(fn, "name", None) if reason is None else None, kind, reason)
         return bsym
 
 
@@ -299,6 +328,8 @@ def describe(bsym: BoundSymbol) -> dict:
         region = lower_fusion(bsym)
         ops = [v.op for v in region.values if v.op not in ("input", "scalar", "const")]
         kind = schedule(region).kind if kernel else "torch"
+        if kernel and fir.view_plan(region) is not None:
+            kind += " (a view when the input's strides allow)"
     except fir.Unsupported as e:
         ops, kind = [b.sym.name for b in bsym.subsymbols], f"torch ({e})"
     return {"name": bsym.sym.name, "ops": ops, "schedule": kind, "kernel": kernel or "torch fallback",

@@ -27,7 +27,7 @@ from numbers import Number
 from typing import Any, Iterable, Sequence
 
 __all__ = ["Unsupported", "Value", "RegionIR", "lower", "format_ir", "DTYPE_BYTES", "torch_dtype", "ir_dtype",
-           "UNARY", "BINARY", "TERNARY", "VIEW_OPS", "REDUCE_KINDS", "numel"]
+           "UNARY", "BINARY", "TERNARY", "VIEW_OPS", "REDUCE_KINDS", "numel", "lossless", "view_plan"]
 
 
 class Unsupported(Exception):
@@ -129,6 +129,34 @@ class RegionIR:
     def reductions(self) -> list[Value]:
         return [v for v in self.values if v.op == "reduce"]
 
+    def output_sources(self) -> list[int]:
+        """Per region output, where it comes from: k >= 0 the kernel's k-th output, -(i + 1) region
+        argument i returned as is (a cast round trip or a view that simplified away). Two outputs of
+        the same value share one kernel output."""
+        kernel: dict[int, int] = {}
+        out = []
+        for o in self.outputs:
+            if o.op == "input":
+                out.append(-(o.attrs["index"] + 1))
+            else:
+                out.append(kernel.setdefault(o.id, len(kernel)))
+        return out
+
+    def kernel_outputs(self) -> list[Value]:
+        """The values a kernel writes: the computed outputs, each once, in order of first appearance."""
+        seen: dict[int, Value] = {}
+        for o in self.outputs:
+            if o.op != "input":
+                seen.setdefault(o.id, o)
+        return list(seen.values())
+
+    def for_kernel(self) -> "RegionIR":
+        """This region with the outputs a kernel writes (itself when they are the outputs already)."""
+        ko = self.kernel_outputs()
+        if len(ko) == len(self.outputs):
+            return self
+        return prune(RegionIR(self.args, self.values, ko))
+
 
 def _fmt_arg(a: Any) -> str:
     if isinstance(a, Value):
@@ -139,12 +167,14 @@ def _fmt_arg(a: Any) -> str:
 def format_ir(ir: RegionIR) -> str:
     """The region as text, one value per line (what `kforge.inspect` and tests print)."""
     lines = []
-    outs = {v.id: i for i, v in enumerate(ir.outputs)}
+    outs: dict[int, list[int]] = {}
+    for i, v in enumerate(ir.outputs):
+        outs.setdefault(v.id, []).append(i)
     for v in ir.values:
         attrs = ", ".join(f"{k}={val}" for k, val in v.attrs.items())
         args = ", ".join(_fmt_arg(a) for a in v.args)
         body = f"{v.op}({args}{', ' if args and attrs else ''}{attrs})"
-        tail = f"  -> out{outs[v.id]}" if v.id in outs else ""
+        tail = "  -> " + ", ".join(f"out{i}" for i in outs[v.id]) if v.id in outs else ""
         name = f"  # {v.name}" if v.name else ""
         lines.append(f"%{v.id}: {v.dtype}{list(v.shape)} = {body}{tail}{name}")
     return "\n".join(lines)
@@ -318,7 +348,16 @@ def _convert(L: _Lowerer, bsym: Any) -> Value | Number:
     dtype = ir_dtype(out.dtype)
     if a.dtype == dtype:
         return a
+    if a.op == "convert" and a.args[0].dtype == dtype and lossless(dtype, a.dtype):
+        return a.args[0]  # widened and narrowed back: exactly the value it started as
     return L.b.add("convert", a.shape, dtype, (a,), {"dtype": dtype})
+
+
+def lossless(src: str, dst: str) -> bool:
+    """Every `src` value converts to `dst` and back unchanged (so the round trip is the identity)."""
+    if src == dst or src == "bool":
+        return True  # bool -> number -> bool: 0 / 1 and back through != 0
+    return (src, dst) in {("bf16", "f32"), ("f16", "f32"), ("i32", "i64")}
 
 
 def _broadcast_in_dim(L: _Lowerer, bsym: Any) -> Value:
@@ -527,3 +566,37 @@ def prune(ir: RegionIR) -> RegionIR:
         stack.extend(a for a in v.args if isinstance(a, Value))
     keep = [v for v in ir.values if v.id in live or v.op in ("input", "scalar")]
     return RegionIR(ir.args, keep, ir.outputs)
+
+
+def view_plan(ir: RegionIR) -> tuple[int, list[tuple]] | None:
+    """How the region's one computed output is a view of one input, when every op between them only
+    moves elements (transpose, reshape, squeeze, unsqueeze-like broadcast, slice): (argument index,
+    steps), steps ("permute", perm) / ("reshape", shape) / ("slice", start, step, shape) applied in
+    order to the input's sizes and strides. Whether each reshape is a view depends on the run-time
+    strides (the launcher checks, as torch's reshape does); None when the region computes anything."""
+    ko = ir.kernel_outputs()
+    if len(ko) != 1:
+        return None
+    steps: list[tuple] = []
+    v = ko[0]
+    while v.op != "input":
+        a = v.args[0] if v.args else None
+        if v.op == "transpose":
+            steps.append(("permute", tuple(v.attrs["perm"])))
+        elif v.op in ("reshape", "squeeze"):
+            steps.append(("reshape", v.shape))
+        elif v.op == "broadcast_in_dim":
+            bd = v.attrs["bdims"]
+            if (any(a.shape[j] != v.shape[d] for j, d in enumerate(bd))
+                    or any(v.shape[d] != 1 for d in range(v.ndim) if d not in bd)):
+                return None  # an expansion: a stride-0 output would be a different kind of tensor
+            steps.append(("reshape", v.shape))
+        elif v.op == "slice":
+            if any(s < 1 for s in v.attrs["step"]):
+                return None
+            steps.append(("slice", tuple(v.attrs["start"]), tuple(v.attrs["step"]), v.shape))
+        else:
+            return None
+        v = a
+    steps.reverse()
+    return v.attrs["index"], steps

@@ -1,0 +1,156 @@
+"""Sums of matmul results accumulated by cuBLAS instead of an add kernel.
+
+The backward of a layer whose input feeds several projections (the q / k / v projections, SwiGLU's
+w1 and w3) sums their input gradients: `dX = reshape(g1 @ W1) + reshape(g2 @ W2) (+ ...)`. When
+every matmul result is read only by that sum (through reshapes), the fusion pass rewrites it as
+
+    t1 = matmul(g1, W1)                    # the first term as it was
+    t2 = addmm(t1, g2, W2)                 # t1 + g2 @ W2 in the matmul's epilogue (beta = alpha = 1)
+    dX = reshape(t2, shape)                # where the add was
+
+so no add kernel runs and no term is written twice. Results round once per accumulation step
+instead of once per matmul and once per add: round(round(m1) + m2) where eager computes
+round(round(m1) + round(m2)), slightly more accurate. Only 2-D matmuls, every term of the add's
+dtype and shape (no broadcast, no type promotion, alpha 1), all on the same side of the
+forward / backward split. `addmm` is Thunder's torch symbol (`thunder.torch.addmm`), which the
+torch executor claims after the fusion passes like any other symbol left in the trace.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = ["accumulate_matmuls"]
+
+
+def _is_matmul(b: Any) -> bool:
+    from thunder.core.prims import OpTags
+
+    return b.sym.name == "matmul" and len(b.flat_proxy_args) == 2 and (
+        b.sym.is_prim and OpTags.MATMUL_OP in (b.sym.tags or ()) or bool(b.subsymbols))
+
+
+def _is_reshape(b: Any) -> bool:
+    return b.sym.name in ("reshape", "view") and len(b.flat_proxy_args) == 1
+
+
+def _is_add(b: Any) -> bool:
+    from thunder.core.proxies import TensorProxy
+
+    if b.sym.name != "add" or len(b.args) != 2 or b.kwargs.get("alpha", None) not in (None, 1):
+        return False
+    out = b.flat_outs[0] if len(b.flat_outs) == 1 else None
+    return (isinstance(out, TensorProxy) and all(isinstance(a, TensorProxy) for a in b.args)
+            and all(a.dtype == out.dtype and tuple(a.shape) == tuple(out.shape) for a in b.args))
+
+
+def _side(b: Any) -> bool:
+    from thunder.core.symbol import BoundSymbolTag
+
+    return BoundSymbolTag.BACKWARD in b.tags
+
+
+class _Trace:
+    def __init__(self, bsyms: Sequence[Any]) -> None:
+        self.bsyms = list(bsyms)
+        self.producer: dict[str, int] = {}
+        self.readers: dict[str, set[int]] = {}
+        for i, b in enumerate(self.bsyms):
+            for p in b.flat_proxy_args:
+                self.readers.setdefault(p.name, set()).add(i)
+            for o in b.flat_proxy_outs:
+                self.producer.setdefault(o.name, i)
+
+    def only_reader(self, name: str, i: int) -> bool:
+        return self.readers.get(name, set()) == {i}
+
+    def terms(self, p: Any, reader: int, side: bool, adds: list, views: list) -> list[int] | None:
+        """The matmuls whose sum `p` is (read by bound symbol `reader`), or None. Fills `adds` and
+        `views` with the bound symbols the rewrite removes."""
+        j = self.producer.get(p.name)
+        if j is None or not self.only_reader(p.name, reader):
+            return None
+        b = self.bsyms[j]
+        if _side(b) != side:
+            return None
+        if _is_add(b):
+            left = self.terms(b.args[0], j, side, adds, views)
+            right = self.terms(b.args[1], j, side, adds, views) if left is not None else None
+            if right is None:
+                return None
+            adds.append(j)
+            return left + right
+        if _is_reshape(b):
+            src = b.flat_proxy_args[0]
+            k = self.producer.get(src.name)
+            if k is None or not _is_matmul(self.bsyms[k]) or not self.only_reader(src.name, j):
+                return None
+            if _side(self.bsyms[k]) != side:
+                return None
+            views.append(j)
+            return [k]
+        if _is_matmul(b):
+            return [j]
+        return None
+
+
+def _matmul_ok(b: Any, like: Any, devices: Sequence[str]) -> bool:
+    a, w = b.flat_proxy_args
+    out = b.flat_outs[0]
+    return (out.device.type in devices and a.ndim == 2 and w.ndim == 2 and out.ndim == 2 and a.dtype == w.dtype == out.dtype == like.dtype
+            and tuple(out.shape) == tuple(like.shape))
+
+
+def accumulate_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
+    """`bsyms` (a trace's top-level bound symbols) with every qualifying sum of matmul results on
+    `devices` accumulated by addmm; returns (new bound symbols, number of adds removed)."""
+    import thunder.torch as ltorch
+    from thunder.core import prims
+
+    tr = _Trace(bsyms)
+    replace: dict[int, Any] = {}
+    drop: set[int] = set()
+    removed = 0
+    for i in reversed(range(len(tr.bsyms))):  # the outermost add of a chain first: it takes the inner ones
+        b = tr.bsyms[i]
+        if i in drop or i in replace or not _is_add(b):
+            continue
+        side = _side(b)
+        adds: list[int] = []
+        views: list[int] = []
+        ts = []
+        for a in b.args:
+            t = tr.terms(a, i, side, adds, views)
+            if t is None:
+                break
+            ts += t
+        else:
+            if len(set(ts)) != len(ts) or any(k in drop or k in replace for k in ts + adds + views):
+                continue
+            ts.sort()
+            first = tr.bsyms[ts[0]].flat_outs[0]
+            if not all(_matmul_ok(tr.bsyms[k], first, devices) for k in ts):
+                continue
+            acc = first
+            for k in ts[1:]:
+                mm = tr.bsyms[k]
+                a, w = mm.flat_proxy_args
+                out = mm.flat_outs[0]  # the matmul's result name now holds the running sum
+                nb = ltorch.addmm.bind(acc, a, w, output=out)
+                nb.tags.update(mm.tags)
+                replace[k] = nb
+                acc = out
+            out = b.flat_outs[0]
+            nb = prims.reshape.bind(acc, tuple(out.shape), output=out)
+            nb.tags.update(b.tags)
+            replace[i] = nb
+            drop.update(adds)
+            drop.update(views)
+            removed += len(adds) + 1
+    if not replace:
+        return list(bsyms), 0
+    out = []
+    for i, b in enumerate(tr.bsyms):
+        if i in drop:
+            continue
+        out.append(replace.get(i, b))
+    return out, removed
