@@ -363,7 +363,8 @@ def test_users_models_fuse(model: str, autocast: bool) -> None:
             assert not names & {"linear", "matmul"}, names
             region = fx.lower_fusion(b)
             ks = codegen.generate(region, codegen.default_key(region))
-            kforge._C.compile_generated(ks.program, ks.source, [l[0] for l in ks.launches], 90)
+            if ks.launches:  # a pass-through region (outputs are inputs) has no source
+                kforge._C.compile_generated(ks.program, ks.source, [l[0] for l in ks.launches], 90)
         # every elementwise prim left at the top level is one the fusion cannot take
         left = [b.sym.name for b in trace.bound_symbols if b.sym.name in ("mul", "add", "exp", "neg", "where", "to")]
         assert not left, left
@@ -382,6 +383,202 @@ def test_fusion_off_by_environment(monkeypatch) -> None:
     assert get_fusion_executor() not in kforge.executors()
     monkeypatch.setenv("KFORGE_FUSION", "FALSE")
     assert get_fusion_executor() not in kforge.executors()
+
+
+
+# ---- CPU: cast round trips, pass-through outputs, movement views, matmul accumulation ------------------
+def _ir_of(fn: Callable, *args):
+    region = _region_of(fn, args)
+    return region, _used_args(region, args)
+
+
+@pytest.mark.parametrize("src,mid", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                     (torch.int32, torch.int64), (torch.bool, torch.float32)], ids=str)
+def test_widening_round_trip_is_the_input(src: torch.dtype, mid: torch.dtype) -> None:
+    """src -> wider -> src is the identity: the output is the region's input, nothing is launched."""
+    from kforge.fusion import codegen, reference
+
+    x = randn(6, 8, dtype=torch.float32, device="cpu")
+    x = (x > 0) if src == torch.bool else (x * 100).to(src)
+    region, args = _ir_of(lambda x: x.to(mid).to(src), x)
+    assert region.output_sources() == [-1], region.output_sources()
+    assert not [v for v in region.values if v.op == "convert" and v in region.outputs]
+    assert codegen.schedule(region).kind == "passthrough"
+    assert not codegen.generate(region, codegen.default_key(region)).launches
+    assert torch.equal(reference.evaluate(region, args)[0], x)
+
+
+@pytest.mark.parametrize("src,mid", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                     (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16),
+                                     (torch.int64, torch.int32), (torch.int64, torch.float32),
+                                     (torch.float32, torch.int64)], ids=str)
+def test_narrowing_round_trip_is_kept(src: torch.dtype, mid: torch.dtype) -> None:
+    """src -> narrower (or another format) -> src rounds: both converts stay and a kernel computes it."""
+    from kforge.fusion import codegen, reference
+
+    x = randn(6, 8, dtype=torch.float32, device="cpu")
+    if (src, mid) == (torch.bfloat16, torch.float16):
+        x = (x * 1e5).to(src)          # beyond fp16's range
+    elif src == torch.int64:
+        x = (x * 1e3).to(src) + 2**33   # beyond int32 / exact only to 2^24 in fp32
+    else:
+        x = (x + 0.3).to(src)          # more mantissa than the narrower type
+    fn = lambda x: x.to(mid).to(src)  # noqa: E731
+    region, args = _ir_of(fn, x)
+    assert region.output_sources() == [0]
+    assert [v.op for v in region.values if v.op == "convert"] == ["convert", "convert"]
+    assert codegen.schedule(region).kind == "pointwise"
+    assert codegen.generate(region, codegen.default_key(region)).launches
+    out = reference.evaluate(region, args)[0]
+    assert torch.equal(out, fn(x)) and not torch.equal(out, x)
+
+
+def test_two_outputs_of_one_value_are_written_once() -> None:
+    """The backward's residual pattern: cast round trips around an add; both outputs are the add,
+    which the kernel computes and writes once; the structural key tells the regions apart."""
+    import kforge
+    from kforge.fusion import codegen, reference
+    from kforge.fusion.executor import structural_key
+
+    def fn(x, y):
+        s = x.float().to(torch.bfloat16) + y
+        w = s.float()
+        return w.to(torch.bfloat16), w.to(torch.bfloat16)
+
+    x, y = (randn(4, 64, dtype=torch.bfloat16, device="cpu", seed=i) for i in range(2))
+    region, args = _ir_of(fn, x, y)
+    assert region.output_sources() == [0, 0]
+    kir = region.for_kernel()
+    assert len(kir.outputs) == 1 and sum(v.op == "convert" and v.dtype == "f32" for v in kir.values) == 2
+    ks = codegen.generate(region, codegen.default_key(region))
+    assert ks.source.count("kf_store") == codegen.generate(kir, codegen.default_key(kir)).source.count("kf_store")
+    kforge._C.compile_generated(ks.program, ks.source, [l[0] for l in ks.launches], 90)
+    outs = reference.evaluate(region, args)
+    ref = fn(x, y)
+    assert torch.equal(outs[0], ref[0]) and torch.equal(outs[1], ref[1])
+    one, _ = _ir_of(lambda x, y: fn(x, y)[0], x, y)
+    assert structural_key(one) != structural_key(region)
+
+
+@pytest.mark.parametrize("case,plan", [
+    ("bhtd_to_btc", [("permute", (0, 2, 1, 3)), ("reshape", (2, 5, 12))]),
+    ("unsqueeze", [("reshape", (2, 1, 3, 4, 5))]),
+    ("slice_transpose_reshape", [("slice", (0, 0, 1, 0), (1, 1, 1, 1), (2, 3, 3, 5)), ("permute", (0, 2, 1, 3)),
+                                 ("reshape", (2, 9, 5))]),
+    ("expand", None), ("transpose_neg", None), ("cast", None)])
+def test_movement_view_plans(case: str, plan) -> None:
+    """Regions that only move elements of one input get a view plan (the launcher returns a view
+    when the run-time strides allow); anything computed, or an expanding broadcast, has none."""
+    from kforge.fusion import ir as fir
+
+    fns = {
+        "bhtd_to_btc": lambda x: x.transpose(1, 2).reshape(2, 5, 12),
+        "unsqueeze": lambda x: x.unsqueeze(1),
+        "slice_transpose_reshape": lambda x: x[:, :, 1:4].transpose(1, 2).reshape(2, 9, 5),
+        "expand": lambda x: x[:, :1].expand(2, 3, 4, 5).transpose(1, 2).reshape(2, 4, 15),
+        "transpose_neg": lambda x: (-x).transpose(1, 2).reshape(2, 5, 12),
+        "cast": lambda x: x.transpose(1, 2).reshape(2, 5, 12).to(torch.float16),
+    }
+    shape = (2, 3, 5, 4) if case == "bhtd_to_btc" else (2, 3, 4, 5)
+    region, _ = _ir_of(fns[case], randn(*shape, device="cpu"))
+    got = fir.view_plan(region)
+    if plan is None:
+        assert got is None, got
+    else:
+        assert got == (0, [tuple(s) for s in plan]), got
+
+
+def _matmul_sum(g1, w1, g2, w2, g3, w3):
+    B, T = 2, g1.shape[0] // 2
+    return (g1 @ w1).reshape(B, T, -1) + (g2 @ w2).reshape(B, T, -1) + (g3 @ w3).reshape(B, T, -1)
+
+
+def _accumulated(fn: Callable, args: tuple):
+    """fn's trace with matmul accumulation applied on CPU, as a callable run by Thunder's torch executor."""
+    import thunder
+    from thunder.core.trace import from_trace
+    from thunder.executors.passes import transform_for_execution
+    from thunder.executors.torchex import ex as torch_ex
+
+    from kforge.fusion.matmul_acc import accumulate_matmuls
+
+    jf = thunder.jit(fn)
+    jf(*args)
+    tr = thunder.last_traces(jf)[0]
+    bsyms, n = accumulate_matmuls(tr.bound_symbols, devices=("cpu",))
+    new = from_trace(tr)
+    new.bound_symbols = bsyms
+    names = [b.sym.name for b in bsyms]
+    return transform_for_execution(new, executors_list=(torch_ex,)).python_callable(), names, n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matmul_sum_accumulates_in_addmm(dtype: torch.dtype) -> None:
+    """reshape(g1 @ W1) + reshape(g2 @ W2) + reshape(g3 @ W3): one matmul, two addmm, no add; the
+    result within the dtype's rounding of a float64 reference and at least as close as eager."""
+    args = tuple(randn(*s, dtype=dtype, device="cpu", seed=i)
+                 for i, s in enumerate([(8, 16), (16, 24), (8, 32), (32, 24), (8, 8), (8, 24)]))
+    run, names, n = _accumulated(_matmul_sum, args)
+    assert n == 2 and names.count("addmm") == 2 and names.count("matmul") == 1 and "add" not in names, names
+    out = _flat(run(*args))[0]
+    ref = _matmul_sum(*(a.double() for a in args))
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_close(out, ref.to(dtype), dtype, "addmm chain")
+    eager_err = (_matmul_sum(*args).double() - ref).abs().max()
+    assert (out.double() - ref).abs().max() <= eager_err * 1.01 + 1e-12
+
+
+def _reused(a, w, b, v):
+    m = a @ w
+    return m + (b @ v), m
+
+
+@pytest.mark.parametrize("case", ["reused", "broadcast", "batched", "scaled", "mixed_dtype"])
+def test_matmul_sum_left_alone(case: str) -> None:
+    """Not rewritten: a matmul result read elsewhere too, a broadcast term, a 3-D matmul, alpha != 1,
+    terms of different dtypes."""
+    a, w, b, v = (randn(*s, device="cpu", seed=i) for i, s in enumerate([(4, 6), (6, 5), (4, 7), (7, 5)]))
+    fns = {
+        "reused": (_reused, (a, w, b, v)),
+        "broadcast": (lambda a, w, b, v: (a @ w) + (b[:1] @ v), (a, w, b, v)),
+        "batched": (lambda a, w, b, v: (a @ w) + (b @ v), (a.expand(3, 4, 6), w, b.expand(3, 4, 7), v)),
+        "scaled": (lambda a, w, b, v: torch.add(a @ w, b @ v, alpha=2), (a, w, b, v)),
+        "mixed_dtype": (lambda a, w, b, v: (a @ w) + (b @ v), (a, w, b.double(), v.double())),
+    }
+    fn, args = fns[case]
+    run, names, n = _accumulated(fn, args)
+    assert n == 0 and "addmm" not in names, names
+    for o, r in zip(_flat(run(*args)), _flat(fn(*args))):
+        assert torch.allclose(o, r)
+
+
+def test_llama_backward_regions_with_addmm(monkeypatch) -> None:
+    """The fake-traced plain Llama: q / k / v and w1 / w3 input gradients are accumulated by addmm
+    (2 + 1 per layer), their add regions are gone, and the cast round trip after the final norm's
+    gradient is a pass-through region (no kernel)."""
+    import kforge
+    from conftest import fake_cuda_trace
+    from kforge.fusion import executor as fx, matmul_acc
+    from kforge.zoo import plain_llama
+
+    def trace(accumulate: bool):
+        if not accumulate:
+            monkeypatch.setattr(fx, "accumulate_matmuls", lambda bsyms: (list(bsyms), 0))
+        else:
+            monkeypatch.setattr(fx, "accumulate_matmuls", matmul_acc.accumulate_matmuls)
+        return fake_cuda_trace(plain_llama.make, jit=kforge.jit, size="micro", batch=2, seq=16)
+
+    before, after = trace(False), trace(True)
+    n_layers = sum(1 for b in after.backward.bound_symbols if b.sym.name == "kforge_swiglu_backward")
+    assert n_layers >= 1
+    assert [b.sym.name for b in before.backward.bound_symbols].count("addmm") == 0
+    assert [b.sym.name for b in after.backward.bound_symbols].count("addmm") == 3 * n_layers
+    fb, fa = _fusions(before.backward), _fusions(after.backward)
+    assert len(fa) == len(fb) - 2 * n_layers, (len(fb), len(fa))
+    assert len(_fusions(after.forward)) == len(_fusions(before.forward))
+    assert any(isinstance(b._call_ctx[b.sym.name], fx._Passthrough) for b in fa)
+    for b in fa:  # no region adds matmul results any more
+        assert not any(s.sym.name == "matmul" for s in b.subsymbols)
 
 
 # ---- GPU: the kernels against eager PyTorch -----------------------------------------------------------
@@ -575,3 +772,60 @@ def test_cuda_graph_transform(model: str) -> None:
     grads = dict(m.named_parameters())
     for name, p in jm.named_parameters():
         assert_close(p.grad, grads[name].grad, torch.float32, name, tol=1e-3)
+
+
+@gpu
+def test_pass_through_outputs_on_gpu() -> None:
+    """A cast round trip returns its input tensor itself; two outputs of one value share one tensor;
+    values against a float64 reference."""
+    def fn(x, y):
+        r = x.float().to(torch.bfloat16)
+        w = (r + y).float()
+        return r, w.to(torch.bfloat16), w.to(torch.bfloat16)
+
+    x, y = (randn(64, 96, dtype=torch.bfloat16, seed=i) for i in range(2))
+    (r, a, b), trace = _run_fused(fn, (x, y))
+    assert r is x or r.data_ptr() == x.data_ptr()
+    assert a.data_ptr() == b.data_ptr()
+    assert_close(a, (x.double() + y.double()).to(torch.bfloat16), torch.bfloat16, "add")
+
+
+@gpu
+@pytest.mark.parametrize("physical", ["token_major", "head_major", "offset"])
+def test_movement_region_view_or_copy(physical: str) -> None:
+    """(B, H, T, D) -> (B, T, H * D): a view of a token-major input (no kernel, storage shared), a
+    copy kernel of a head-major one; the same values either way."""
+    B, H, T, D = 2, 4, 32, 16
+    base = randn(B, T, H, D, dtype=torch.bfloat16)
+    if physical == "token_major":
+        x = base.transpose(1, 2)                   # BTHD in memory, (B, H, T, D) logically
+    elif physical == "head_major":
+        x = base.transpose(1, 2).contiguous()
+    else:
+        big = torch.empty(base.numel() + 8, dtype=base.dtype, device=base.device)
+        big[8:].view(B, T, H, D).copy_(base)
+        x = big[8:].view(B, T, H, D).transpose(1, 2)
+    fn = lambda g: g.transpose(1, 2).reshape(B, T, H * D)  # noqa: E731
+    out, trace = _run_fused(fn, (x,))
+    assert any(b.sym.name.startswith("kforgeFusion") for b in trace.bound_symbols), "nothing was fused"
+    assert torch.equal(out, fn(x).clone()) and torch.equal(out.double(), base.double().reshape(B, T, H * D))
+    shares = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert shares == (physical != "head_major"), physical
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matmul_accumulation_on_gpu(dtype: torch.dtype) -> None:
+    """The addmm chain through thunder.jit with kforge's executors against a float64 reference."""
+    import thunder
+
+    import kforge
+
+    args = tuple(randn(*s, dtype=dtype, seed=i)
+                 for i, s in enumerate([(512, 64), (64, 256), (512, 64), (64, 256), (512, 256), (256, 256)]))
+    jf = thunder.jit(_matmul_sum, executors=kforge.executors())
+    out = jf(*args)
+    names = [b.sym.name for b in thunder.last_traces(jf)[-1].bound_symbols]
+    assert names.count("addmm") == 2, names
+    ref = _matmul_sum(*(a.double() for a in args))
+    assert_close(out, ref.to(dtype), dtype, "addmm chain")
