@@ -261,7 +261,8 @@ class FakeTrace:
 @contextlib.contextmanager
 def as_on_a_gpu():
     """What tracing CUDA models without a GPU needs patched: SDPA's flash check, autocast's CUDA
-    checks, module parameters converted by `.to()` under fake tensors. Restored afterwards."""
+    checks, kforge attention's device check (an sm_90 GPU), module parameters converted by `.to()`
+    under fake tensors. Restored afterwards."""
     import contextlib
     from unittest import mock
 
@@ -273,6 +274,8 @@ def as_on_a_gpu():
                                                   return_value=True, create=True))
             stack.enter_context(mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False))
             stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=True))
+            # kforge's cuDNN attention asks the device for sm_90: answer as a Hopper GPU would.
+            stack.enter_context(mock.patch("kforge.ops.attention._device_problem", return_value=None))
             yield
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(overwrite)

@@ -91,3 +91,142 @@ def test_matches_float64(dtype, is_causal, scale, heads_major) -> None:
     assert_close(out, ref, dtype, "out", tol=tol)
     for name, g, r in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
         assert_close(g, r, dtype, name, tol=tol * 2)
+
+
+def test_gqa_checker(trace_ctx, on_hopper) -> None:
+    """Grouped k / v are accepted when q's heads are n_rep times theirs, declined otherwise."""
+    from kforge.ops.attention import _check_attention as _check_gqa
+
+    q = proxy(2, 6, 128, 64, dtype=torch.bfloat16)
+    kv = proxy(2, 2, 128, 64, dtype=torch.bfloat16)
+    assert _check_gqa(q, kv, kv, 3, True) is None
+    assert "n_rep=2" in _check_gqa(q, kv, kv, 2, True)
+    assert "positive" in _check_gqa(q, kv, kv, 0, True)
+    assert "bf16" in _check_gqa(proxy(2, 6, 128, 64), proxy(2, 2, 128, 64), proxy(2, 2, 128, 64), 3)
+
+
+def _gqa_model(q, k, v, n_rep, spelling):
+    if spelling == "repeat_interleave":
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    else:  # Hugging Face's repeat_kv
+        b, h, t, d = k.shape
+        k = k[:, :, None, :, :].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+        v = v[:, :, None, :, :].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("spelling", ["repeat_interleave", "hf"])
+def test_transform_takes_grouped_heads(spelling, monkeypatch) -> None:
+    """SDPA of two expansions becomes kforge_attention of the unexpanded k and v (forward and
+    backward traces; no repeat_kv left); an expansion also read elsewhere keeps it."""
+    from conftest import fake_cuda_trace
+    from kforge.ops import attention
+
+    import kforge
+
+    monkeypatch.setattr(attention, "_device_problem", lambda q: None)
+
+    def make(device="cuda", other_use=False):
+        q = torch.randn(2, 6, 64, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(2, 2, 64, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(2, 2, 64, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+        if other_use:
+            def fn(q, k, v):
+                ke = k.repeat_interleave(3, dim=1)
+                return F.scaled_dot_product_attention(q, ke, v.repeat_interleave(3, dim=1), is_causal=True) + ke
+        else:
+            def fn(q, k, v):
+                return _gqa_model(q, k, v, 3, spelling)
+        return fn, (q, k, v), {}
+
+    ft = fake_cuda_trace(make, jit=kforge.jit)
+    fwd = {b.sym.name for b in ft.forward.bound_symbols}
+    bwd = {b.sym.name for b in ft.backward.bound_symbols}
+    assert "kforge_attention_forward" in fwd and "kforge_attention_backward" in bwd, (fwd, bwd)
+    assert not any("repeat_kv" in n for n in fwd | bwd), (fwd, bwd)
+    att = next(b for b in ft.forward.bound_symbols if b.sym.name == "kforge_attention_forward")
+    assert tuple(att.args[1].shape) == (2, 2, 64, 32)
+    if spelling == "repeat_interleave":
+        ft = fake_cuda_trace(make, jit=kforge.jit, other_use=True)
+        att = next(b for b in ft.forward.bound_symbols if b.sym.name == "kforge_attention_forward")
+        assert tuple(att.args[1].shape) == (2, 6, 64, 32)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n_rep", [1, 3, 4])
+def test_gqa_matches_float64(dtype, n_rep) -> None:
+    """cuDNN on grouped heads through kforge.jit: output and dq, dk, dv (summed over each group by
+    cuDNN) against float64, with token-major q / k / v as a linear's output gives them; the output
+    keeps q's layout."""
+    import thunder
+
+    import kforge
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("cuDNN attention is claimed from sm_90 on")
+    b, hk, t, d = 2, 2, 133, 64
+    h = hk * n_rep
+
+    def make(heads):
+        return randn(b, t, heads, d, dtype=dtype).transpose(1, 2).detach().requires_grad_()
+
+    q, k, v = make(h), make(hk), make(hk)
+    jf = kforge.jit(lambda q, k, v: _gqa_model(q, k, v, n_rep, "repeat_interleave"))
+    out = jf(q, k, v)
+    names = [s.sym.name for s in thunder.last_traces(jf)[-1].bound_symbols]
+    assert "kforge_attention_forward" in names and not any("repeat_kv" in n for n in names), names
+    assert out.stride() == q.stride()
+    dout = randn(b, t, h, d, dtype=dtype).transpose(1, 2)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = _reference(q64, k64.repeat_interleave(n_rep, 1), v64.repeat_interleave(n_rep, 1), True, None)
+    rq, rk, rv = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert_close(out, ref, dtype, "out", tol=tol)
+    for name, g, r in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        assert_close(g, r, dtype, name, tol=tol * 2 * n_rep ** 0.5)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "not causal", "runtime"])
+def test_transform_turns_a_causal_mask_into_is_causal(mask_kind) -> None:
+    """A causal mask built in the trace (boolean True on and below the diagonal, or additive 0 / -inf)
+    becomes is_causal=True on kforge's attention; a mask that is not causal, or one known only at run
+    time, is reported with its reason and SDPA keeps its mask."""
+    from conftest import fake_cuda_trace
+
+    import kforge
+
+    t = 48
+
+    def make(device="cuda"):
+        q, k, v = (torch.randn(2, 4, t, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        given = torch.ones(t, t, device=device, dtype=torch.bool)
+
+        def fn(q, k, v, given):
+            keep = torch.ones(t, t, device=q.device, dtype=torch.bool).tril()
+            if mask_kind == "additive":
+                mask = torch.zeros(t, t, device=q.device, dtype=q.dtype).masked_fill(~keep, float("-inf"))
+            elif mask_kind == "not causal":
+                mask = keep.triu()  # the diagonal only
+            elif mask_kind == "runtime":
+                mask = given
+            else:
+                mask = keep[None, None].expand(2, 1, t, t)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        return fn, (q, k, v, given), {}
+
+    ft = fake_cuda_trace(make, jit=kforge.jit)
+    fwd = {b.sym.name for b in ft.forward.bound_symbols}
+    rewrites = [r for r in ft.fn.llama_patterns.rewrites if r.match.kind == "attention"]
+    assert len(rewrites) == 1, ft.fn.llama_patterns.rewrites
+    if mask_kind in ("bool", "additive"):
+        assert rewrites[0].applied and rewrites[0].match.kwargs["is_causal"] is True
+        assert "kforge_attention_forward" in fwd, fwd
+    else:
+        assert not rewrites[0].applied
+        why = "not causal" if mask_kind == "not causal" else "not known at trace time"
+        assert why in rewrites[0].reason, rewrites[0].reason
+        assert "kforge_attention_forward" not in fwd, fwd

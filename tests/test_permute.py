@@ -462,3 +462,24 @@ def test_thunder_plumbing_split_views(cpu_reference_launchers):
     _, fwd, bwd = jit_matches_eager(views_like, *cpu_inputs())
     assert "kforge_split_qkv_views" in fwd and "kforge_split_qkv_forward" not in fwd, fwd
     assert "kforge_split_qkv_backward" in bwd, bwd
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merge_heads_backward_is_a_view_of_contiguous_dout(dtype):
+    """The operator's backward returns dout viewed as token-major heads (eager autograd's result, and
+    the layout attention's backward reads dO in); a dout that cannot be viewed so gets the copy
+    kernel. Values equal the inverse merge either way."""
+    from kforge.ops.permute import _merge_heads_backward_launch
+
+    B, T, NH, HS = 2, 33, 3, 64
+    dout = randn(B, T, NH * HS, dtype=dtype)
+    dy = _merge_heads_backward_launch(dout, NH)
+    assert dy.data_ptr() == dout.data_ptr() and dy.shape == (B, NH, T, HS)
+    assert dy.stride() == (T * NH * HS, HS, NH * HS, 1)
+    ref = dout.view(B, T, NH, HS).transpose(1, 2)
+    assert torch.equal(dy, ref)
+    strided = randn(B, T, 2 * NH * HS, dtype=dtype)[..., ::2]
+    dy2 = _merge_heads_backward_launch(strided, NH)
+    assert dy2.is_contiguous() and dy2.data_ptr() != strided.data_ptr()
+    assert torch.equal(dy2, strided.reshape(B, T, NH, HS).transpose(1, 2))

@@ -52,7 +52,9 @@ ZOO_SYMBOLS = {
     "plain_llama": {
         "rms_norm": ("kforge_rmsnorm_forward", "kforge_rmsnorm_backward", 3),
         "rope": ("kforge_rope_forward", "kforge_rope_backward", 1),
-        "repeat_kv": ("kforge_repeat_kv_forward", "kforge_repeat_kv_backward", 2),
+        # GQA: cuDNN attention on the grouped heads (no repeat_kv kernel left)
+        "attention": ("kforge_attention_forward", "kforge_attention_backward", 1),
+        "repeat_kv": ("kforge_repeat_kv_forward", "kforge_repeat_kv_backward", 0),
         "swiglu": ("kforge_swiglu_forward", "kforge_swiglu_backward", 1),
         "merge_heads": ("kforge_merge_heads_forward", "kforge_merge_heads_backward", 1),
         "cross_entropy": ("kforge_cross_entropy_forward", "kforge_cross_entropy_backward", 1),
@@ -61,13 +63,15 @@ ZOO_SYMBOLS = {
         "layer_norm": ("kforge_layernorm_forward", "kforge_layernorm_backward", 3),
         "gelu": ("kforge_gelu_forward", "kforge_gelu_backward", 1),
         "split_qkv": ("kforge_split_qkv_views", "kforge_split_qkv_backward", 1),
+        "attention": ("kforge_attention_forward", "kforge_attention_backward", 1),
         "merge_heads": ("kforge_merge_heads_forward", "kforge_merge_heads_backward", 1),
         "cross_entropy": ("kforge_cross_entropy_f32_forward", "kforge_cross_entropy_backward", 1),
     },
     "hf_llama": {
         "rms_norm": ("kforge_rmsnorm_forward", "kforge_rmsnorm_backward", 3),
         "rope": ("kforge_rope_forward", "kforge_rope_backward", 1),
-        "repeat_kv": ("kforge_repeat_kv_forward", "kforge_repeat_kv_backward", 2),
+        "attention": ("kforge_attention_forward", "kforge_attention_backward", 1),
+        "repeat_kv": ("kforge_repeat_kv_forward", "kforge_repeat_kv_backward", 0),
         "swiglu": ("kforge_swiglu_forward", "kforge_swiglu_backward", 1),
         "merge_heads": ("kforge_merge_heads_forward", "kforge_merge_heads_backward", 1),
         "cross_entropy": ("kforge_cross_entropy_f32_forward", "kforge_cross_entropy_backward", 1),
@@ -75,9 +79,10 @@ ZOO_SYMBOLS = {
 }
 # Pattern kinds each model's trace must have replaced (the other steps are claimed as torch symbols).
 ZOO_PATTERNS = {
-    "plain_llama": {"rope": 1, "repeat_kv": 2, "swiglu": 1, "merge_heads": 1},
+    "plain_llama": {"rope": 1, "repeat_kv": 2, "swiglu": 1, "merge_heads": 1, "attention": 1},
     "nanogpt": {"split_qkv": 1, "merge_heads": 1, "cross_entropy": 1},
-    "hf_llama": {"rms_norm": 3, "rope": 1, "repeat_kv": 2, "swiglu": 1, "merge_heads": 1, "cross_entropy": 1},
+    "hf_llama": {"rms_norm": 3, "rope": 1, "repeat_kv": 2, "swiglu": 1, "merge_heads": 1, "cross_entropy": 1,
+                 "attention": 1},
 }
 SETUPS = {"bf16": dict(dtype=BF16, autocast=False), "autocast": dict(dtype=BF16, autocast=True)}
 
@@ -616,12 +621,14 @@ def test_spelling_is_claimed_forward_and_backward(name):
 def test_autocast_block_rewrites_in_rounds():
     """Under autocast the rotated k is fp32 (bf16 k times fp32 tables) until the cast that SDPA's
     autocast inserts after repeat_interleave: round one replaces the rotation (bf16 out, the
-    repeat_interleave moved after it), round two the now-bf16 repeat_interleave."""
+    repeat_interleave moved after it), round two the now-bf16 repeat_interleave, round three the
+    attention reading both expansions (cuDNN on the grouped heads: no repeat_kv kernel left)."""
     traced = fake_cuda_trace(_case_make(CASES["autocast attention block"]))
     kinds = [r.match.kind for r in traced.fn.llama_patterns.rewrites if r.applied]
-    assert Counter(kinds) == Counter({"rope": 1, "repeat_kv": 2, "merge_heads": 1}), kinds
+    assert Counter(kinds) == Counter({"rope": 1, "repeat_kv": 2, "merge_heads": 1, "attention": 1}), kinds
     fwd, bwd = traced.symbols()
-    assert (fwd["kforge_repeat_kv_forward"], bwd["kforge_repeat_kv_backward"]) == (2, 2)
+    assert (fwd["kforge_repeat_kv_forward"], bwd["kforge_repeat_kv_backward"]) == (0, 0)
+    assert (fwd["kforge_attention_forward"], bwd["kforge_attention_backward"]) == (1, 1)
 
 
 def test_meta_complex_form_traces():

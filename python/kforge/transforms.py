@@ -29,6 +29,10 @@ transforms give the backward too. Spellings found (all forward and backward):
                   triu of ones / full; F.softmax(..., dtype=float32).to(dtype)
   cross_entropy   F.cross_entropy(logits.float().view(-1, V), targets...)         kforge.ops.cross_entropy.
                   (the upcast folded: no fp32 copy of the logits)                 cross_entropy_upcast
+  attention       F.scaled_dot_product_attention(q, k', v'[, mask]): k' and v'      kforge.ops.attention.attention
+                  repeat_kv matches of one n_rep read only there (the grouped      (cuDNN on grouped heads,
+                  heads go in as they are); a causal mask computed in the trace    is_causal)
+                  (Hugging Face's, boolean or additive) becomes is_causal
 
 `find_patterns(trace)` recognises these subgraphs by dataflow (not by position in the trace):
 every op, constant, shape and dtype is checked, and every intermediate must feed only the next step
@@ -91,7 +95,7 @@ __all__ = [
 # The Llama steps of Hugging Face's Dynamo traces (the transform's default kinds, `find_llama_patterns`).
 KINDS = ("rms_norm", "rope", "swiglu", "repeat_kv")
 # The other steps of users' models (GPT-2 / nanoGPT and friends).
-STEP_KINDS = ("split_qkv", "merge_heads", "causal_softmax", "cross_entropy")
+STEP_KINDS = ("split_qkv", "merge_heads", "causal_softmax", "cross_entropy", "attention")
 # Everything: what `jit` and `thunderfx` (so `kforge.jit` / `kforge.compile`) look for.
 ALL_KINDS = KINDS + STEP_KINDS
 # kind -> "module:function" of the plain-PyTorch helper whose kforge operator replaces the pattern.
@@ -104,6 +108,7 @@ HELPERS: dict[str, str] = {
     "merge_heads": "kforge.ops.permute:merge_heads",
     "causal_softmax": "kforge.ops.softmax:causal_softmax",
     "cross_entropy": "kforge.ops.cross_entropy:cross_entropy_upcast",
+    "attention": "kforge.ops.attention:attention",
 }
 
 # Thunder symbol ids (thunder.torch, thunder.core.prims) of the ops the patterns are made of.
@@ -142,6 +147,8 @@ _SOFTMAX = "torch.softmax"
 _MASKED_FILL = "torch.masked_fill"
 _CROSS_ENTROPY = "torch.nn.functional.cross_entropy"
 _DROPOUT = "torch.nn.functional.dropout"
+_SDPA = "torch.nn.functional.scaled_dot_product_attention"
+_KFORGE_REPEAT_KV = "kforge_repeat_kv"  # kforge.ops.gqa's operator, put in by a repeat_kv match
 # Data movement that commutes with a dtype cast (exactly, element for element).
 _MOVES = (_REPEAT_INTERLEAVE, _TRANSPOSE, _PERMUTE, _RESHAPE, _VIEW, _CONTIGUOUS, _UNSQUEEZE, _EXPAND, _FLATTEN)
 
@@ -154,8 +161,9 @@ _MAX_MOVES = 4
 # Largest mask the causal check evaluates at trace time (T x T elements).
 _MAX_MASK = 1 << 26
 # Rounds of matching: a replacement can expose the next pattern (RoPE's fp32 result cast back after
-# repeat_interleave becomes kforge's 16-bit rope, then a 16-bit repeat_interleave for repeat_kv).
-_ROUNDS = 3
+# repeat_interleave becomes kforge's 16-bit rope, then a 16-bit repeat_interleave for repeat_kv, then
+# the attention reading both expansions takes the grouped heads).
+_ROUNDS = 4
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,11 +174,11 @@ class Match:
     args:    the pattern's inputs in the helper's argument order: rms_norm (x, weight, eps), rope (q, k,
              cos, sin), swiglu (gate, up), repeat_kv (x, n_rep), split_qkv (qkv, n_head), merge_heads
              (y,), causal_softmax (att, scale), cross_entropy (logits16, target, weight, size_average,
-             ignore_index, reduce, reduction, label_smoothing).
+             ignore_index, reduce, reduction, label_smoothing), attention (q, k, v, n_rep).
     outputs: the proxies the rest of the trace reads (rope: (q_embed, k_embed); split_qkv: (q, k, v)).
     bsyms:   every top-level bound symbol the match replaces.
     kwargs:  keyword arguments of the helper (rope: interleaved; split_qkv: copy; rms_norm:
-             cast_before_weight=False for litgpt's / F.rms_norm's order).
+             cast_before_weight=False for litgpt's / F.rms_norm's order; attention: is_causal, scale).
     prep:    when set, turns `args` into the helper's arguments inside the trace (a transpose of
              (B, T, H, D) heads, a table reshape, a flatten of the logits).
     post:    when set, turns the helper's outputs (a tuple) into the pattern's (a transpose back, a
@@ -953,6 +961,74 @@ def _match_merge_heads(g: _Graph, tr: BoundSymbol) -> Match | None:
     return Match("merge_heads", (y,), (nxt.output,), tuple(bsyms))
 
 
+# ---- attention: grouped heads, causal masks --------------------------------------------------------------
+def _match_attention(g: _Graph, sdpa: BoundSymbol) -> Match | None:
+    """`F.scaled_dot_product_attention(q, k', v', mask)` where k' and v' are kforge repeat_kv
+    expansions of one n_rep read only here (an earlier round replaced the user's spelling) and / or
+    `mask` is a causal mask computed in the trace from constants (Hugging Face's, boolean or
+    additive): the attention takes the grouped k and v as they are, with is_causal=True for the mask.
+    Neither: no match (kforge claims that SDPA as it is)."""
+    q, rk, rv = (_arg(sdpa, i, name) for i, name in enumerate(("query", "key", "value")))
+    if not all(isinstance(t, TensorProxy) and t.ndim == 4 for t in (q, rk, rv)):
+        return None
+    if _arg(sdpa, 4, "dropout_p", 0.0) != 0.0:
+        return None
+    mask, is_causal, scale = _arg(sdpa, 3, "attn_mask"), _arg(sdpa, 5, "is_causal", False), _arg(sdpa, 6, "scale")
+    if not isinstance(is_causal, bool) or not (scale is None or isinstance(scale, Number)):
+        return None
+    problem = None
+    if mask is not None:
+        if is_causal or not isinstance(mask, TensorProxy):
+            return None
+        problem = _sdpa_mask_problem(g, mask, q.shape[2], rk.shape[2])
+        is_causal = True
+    if any(_spelled_expansion(g, t) for t in (rk, rv)):
+        return None  # the next round, once kforge's repeat_kv stands there: one rewrite for both
+    bsyms: tuple[BoundSymbol, ...] = (sdpa,)
+    k, v, n_rep = rk, rv, 1
+    expansions = [g.producer(t, _KFORGE_REPEAT_KV) for t in (rk, rv)]
+    if all(e is not None for e in expansions) and expansions[0] is not expansions[1]:
+        (k, nk), (v, nv) = ((_arg(e, 0, "x"), _arg(e, 1, "n_rep")) for e in expansions)
+        if nk == nv and _int(nk) and g.closed((*expansions, sdpa), (sdpa.output,)):
+            bsyms, n_rep = (*expansions, sdpa), nk
+        else:
+            k, v = rk, rv
+    if n_rep == 1 and mask is None:
+        return None
+    return Match("attention", (q, k, v, n_rep), (sdpa.output,), bsyms, {"is_causal": is_causal, "scale": scale},
+                 problem=problem)
+
+
+def _spelled_expansion(g: _Graph, t: TensorProxy) -> bool:
+    """`t` is a user's repeat_kv spelling that a repeat_kv match replaces this round."""
+    b = g.producer(t, _REPEAT_INTERLEAVE, _RESHAPE, _VIEW)
+    if b is None:
+        return False
+    if b.sym.id == _REPEAT_INTERLEAVE:
+        m = _guarded(_match_repeat_interleave, g, b)
+    else:
+        expand = g.producer(b.args[0], _EXPAND)
+        m = _guarded(_match_repeat_kv, g, expand) if expand is not None else None
+    return m is not None and m.problem is None
+
+
+def _sdpa_mask_problem(g: _Graph, mask: TensorProxy, t: int, tk: int) -> str | None:
+    """None when SDPA's `mask` is causal: boolean, True (attend) on and below the diagonal, or
+    additive, 0 there and -inf above; else why not (kforge attention then declines the mask)."""
+    if t != tk:
+        return f"query and key lengths differ ({t}, {tk})"
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # real tensors, even under a tracer's fake-tensor mode
+        try:
+            m = _evaluate(g, mask, g.values)
+        except _NotConstant as e:
+            return f"the attention mask is not known at trace time: {e}"
+        if m.dtype == torch.bool:
+            return _causal_mask_problem(~m, t, False, -math.inf)
+        return _causal_mask_problem(m, t, True)
+
+
 # ---- causal softmax -----------------------------------------------------------------------------------
 class _NotConstant(Exception):
     """A value the mask check cannot compute at trace time; the message says why."""
@@ -1198,6 +1274,7 @@ _MATCHERS: dict[Any, tuple[str, Callable]] = {
     _PERMUTE: ("merge_heads", _match_merge_heads),
     _SOFTMAX: ("causal_softmax", _match_causal_softmax),
     _CROSS_ENTROPY: ("cross_entropy", _match_cross_entropy),
+    _SDPA: ("attention", _match_attention),
 }
 _ROTATIONS: dict[Any, Callable] = {_CAT: _match_rope_half, _STACK: _match_rope_pairs,
                                    _VIEW_AS_REAL: _match_rope_complex}

@@ -7,16 +7,32 @@ therefore claims the SDPA call itself and runs torch's cuDNN attention forward a
 path does not take (fp32, an explicit mask, dropout, grouped heads without expansion, head dims past
 128, devices before sm_90) is declined with its reason, and Thunder's sdpa executor takes it (FA2).
 
+Grouped-query attention: users expand k and v to q's head count before SDPA (`repeat_interleave`,
+Hugging Face's `repeat_kv`); cuDNN reads grouped heads natively. `kforge.transforms` rewrites
+`sdpa(q, repeat_kv(k, n), repeat_kv(v, n))` into the helper `attention(q, k, v, n)`, whose operator
+runs cuDNN on the unexpanded k and v: no expansion kernel in the forward, no group sum in the
+backward (cuDNN returns dk and dv per kv head), and k, v saved for backward at their own size. The
+same rewrite turns a causal mask built in the trace (Hugging Face passes one) into is_causal=True,
+which cuDNN takes and an explicit mask it is not given.
+
+Layouts: cuDNN writes the output (and dq) in q's memory layout and dk / dv in k's / v's, so heads that
+arrive token-major ((B, T, H, D) in memory, as a linear's output viewed and transposed) leave
+token-major, and the head merge after attention is a view.
+
 Thunder symbols:
     kforge_attention_forward(q, k, v, is_causal, scale) -> (out, logsumexp, philox_seed, philox_offset)
     kforge_attention_backward(dout, q, k, v, out, logsumexp, philox_seed, philox_offset, is_causal, scale)
-        -> (dq, dk, dv). Saved for backward: q, k, v, out, logsumexp.
+        -> (dq, dk, dv). Saved for backward: q, k, v, out, logsumexp. k and v may have fewer heads
+        than q (a divisor of q's).
+    kforge_attention(q, k, v, n_rep, is_causal, scale) -> out
+        registered with `replaces=attention`; decomposes into repeat_kv + SDPA when declined.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import thunder.torch as ltorch
 from thunder.core import dtypes
 from thunder.core.prims import OpTags
@@ -72,7 +88,8 @@ def _device_problem(q: TensorProxy) -> str | None:
 
 
 def _check(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-           is_causal: bool = False, *, scale: float | None = None, enable_gqa: bool = False) -> str | None:
+           is_causal: bool = False, *, scale: float | None = None, enable_gqa: bool = False,
+           n_rep: int = 1) -> str | None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         problem = tensor_problem(t, name)
         if problem:
@@ -93,8 +110,9 @@ def _check(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: f
     if scale is not None and not isinstance(scale, (int, float)):
         return "scale is not a constant"
     (b, h, t, d), (bk, hk, tk, dk), (bv, hv, tv, dv) = query.shape, key.shape, value.shape
-    if (b, h) != (bk, hk) or (bk, hk, tk) != (bv, hv, tv):
-        return f"grouped or mismatched heads ({tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)})"
+    if (b, h) != (bk, hk * n_rep) or (bk, hk, tk) != (bv, hv, tv):
+        grouped = "grouped" if n_rep == 1 else f"n_rep={n_rep} does not match the"
+        return f"{grouped} heads ({tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)})"
     if d != dk or d != dv:
         return "query, key and value head dims differ"
     if d % 8 or d > MAX_HEAD_DIM:
@@ -118,4 +136,43 @@ def _grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
     return out
 
 
-SPEC = OpSpec("attention", (Claim(ltorch.scaled_dot_product_attention, _check, _execution, _grad),))
+# ---- the helper the pattern rewrite calls: grouped heads, causal flag -------------------------------
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int = 1, is_causal: bool = False,
+              scale: float | None = None) -> torch.Tensor:
+    """SDPA of q (B, H, T, D) over k, v (B, H / n_rep, T, D), kv head j serving q heads j * n_rep ..
+    (j + 1) * n_rep - 1: `F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))`.
+    Plain PyTorch; under `thunder.jit` with kforge, cuDNN attention on the grouped heads as they are."""
+    from .gqa import repeat_kv
+
+    return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=is_causal,
+                                          scale=scale)
+
+
+def _attention_like(q: TensorProxy, k: TensorProxy, v: TensorProxy, n_rep: int = 1, is_causal: bool = False,
+                    scale: float | None = None) -> TensorProxy:
+    # attention in thunder.torch ops: the operator's meta and its decomposition when declined.
+    from .gqa import _repeat_kv_like
+
+    return ltorch.scaled_dot_product_attention(q, _repeat_kv_like(k, n_rep), _repeat_kv_like(v, n_rep), None,
+                                               0.0, is_causal, scale=scale)
+
+
+kforge_attention = operator("attention", like=_attention_like, fn=attention, replaces=attention)
+
+
+def _check_attention(q: Any, k: Any, v: Any, n_rep: Any = 1, is_causal: Any = False, scale: Any = None) -> str | None:
+    if not isinstance(n_rep, int) or isinstance(n_rep, bool) or n_rep < 1:
+        return f"n_rep must be a positive Python int, got {n_rep!r}"
+    return _check(q, k, v, None, 0.0, is_causal, scale=scale, n_rep=n_rep)
+
+
+def _attention_execution(q, k, v, n_rep=1, is_causal=False, scale=None):
+    return attention_forward(q, k, v, is_causal, scale)[0]
+
+
+def _attention_grad(q, k, v, n_rep=1, is_causal=False, scale=None):
+    return _grad(q, k, v, None, 0.0, is_causal, scale=scale)
+
+
+SPEC = OpSpec("attention", (Claim(ltorch.scaled_dot_product_attention, _check, _execution, _grad),
+                            Claim(kforge_attention, _check_attention, _attention_execution, _attention_grad)))

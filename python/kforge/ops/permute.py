@@ -13,7 +13,8 @@
 Both are plain PyTorch helpers for models to call; the operators `kforge_split_qkv` and
 `kforge_merge_heads` are registered with `replaces=` them, so `thunder.jit` with the kforge executor
 swaps in the kernels. Nothing is saved for backward: the backward of each copy is the inverse copy
-(dqkv from dq, dk, dv; dy from d(B, T, C)).
+(dqkv from dq, dk, dv; dy from d(B, T, C)). merge_heads' backward is a view when d(B, T, C) is
+contiguous, as in eager autograd: attention reads dO in its output's token-major layout.
 """
 from __future__ import annotations
 
@@ -102,6 +103,17 @@ def _merge_heads_launch(y: torch.Tensor) -> torch.Tensor:
     return _C.merge_heads_forward(y)
 
 
+def _merge_heads_backward_launch(dout: torch.Tensor, n_head: int) -> torch.Tensor:
+    """dy = dout viewed as (B, n_head, T, HS) heads, token-major in memory, as eager autograd gives
+    it: no kernel. Its consumer is attention's backward, and cuDNN and FlashAttention read dO in the
+    forward output's layout, which is token-major too (their output follows q's layout). The copy
+    kernel runs only for a dout that cannot be viewed so."""
+    B, T, C = dout.shape
+    if dout.is_cuda and dout.is_contiguous() and n_head > 0 and C % n_head == 0:
+        return dout.view(B, T, n_head, C // n_head).transpose(1, 2)
+    return _C.merge_heads_backward(dout, n_head)
+
+
 # (qkv, n_head) -> (q, k, v)
 split_qkv_forward = operator("split_qkv_forward", meta=_split_forward_meta, fn=_C.split_qkv_forward)
 # (qkv, n_head) -> (q, k, v) as strided views of qkv: no kernel
@@ -111,7 +123,7 @@ split_qkv_backward = operator("split_qkv_backward", meta=_split_backward_meta, f
 # (y) -> (B, T, C)
 merge_heads_forward = operator("merge_heads_forward", meta=_merge_forward_meta, fn=_merge_heads_launch)
 # (dout, n_head) -> dy
-merge_heads_backward = operator("merge_heads_backward", meta=_merge_backward_meta, fn=_C.merge_heads_backward)
+merge_heads_backward = operator("merge_heads_backward", meta=_merge_backward_meta, fn=_merge_heads_backward_launch)
 
 split_qkv_op = operator("split_qkv", like=_split_qkv_like, fn=split_qkv, replaces=split_qkv)
 merge_heads_op = operator("merge_heads", like=_merge_heads_like, fn=merge_heads, replaces=merge_heads)
