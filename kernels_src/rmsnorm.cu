@@ -4,6 +4,13 @@
 //   cast_before_weight = 0 (torch F.rms_norm):   y = T(x * rstd * weight)
 // (identical for fp32). weight may be null (no affine weight: w = 1).
 //
+// Fused residual add (RES, a template flag of the forward and the three backward kernels; llm.c's
+// fused residual forward): the forward reads x and residual, writes s = T(x + residual) (fp32 add,
+// one rounding: eager's 16-bit add) and normalises that rounded s, so the add costs one read and one
+// write per element and no launch. The backward takes dres, the gradient of s from its other
+// consumers, and writes dx = T(norm's dx in fp32 + dres), one rounding; x's and residual's gradients
+// are both that dx.
+//
 // Saved for backward: rstd (fp32, one per row). Backward recomputes x_hat = x * rstd from x and
 // rstd; with g = dy * w: dx = rstd * (g - x_hat * mean(g * x_hat)), and dweight = sum over rows of
 // dy * x_hat (x_hat rounded to T first under cast_before_weight, as the forward used it).
@@ -191,20 +198,25 @@ KF_DEVICE void group_barrier() {
 }
 
 // Resident 256-thread blocks per SM the forward kernel is compiled for (at most 65536 / (256 * n)
-// registers per thread): what its K chunks of x need without spilling, and no more.
-constexpr int fwd_min_blocks(int K, bool vec) {
-  return K == 1 || (K == 2 && vec) ? 8 : K == 2 ? 6 : K == 4 ? 5 : 4;
+// registers per thread): what its K chunks of x need without spilling, and no more. RES holds the
+// residual's K chunks too until the add: registers as for 2K chunks.
+constexpr int fwd_min_blocks(int K, bool vec, bool res = false) {
+  return res ? (K == 1 ? 8 : K == 2 ? 5 : K == 4 ? 4 : 2)
+             : K == 1 || (K == 2 && vec) ? 8 : K == 2 ? 6 : K == 4 ? 5 : 4;
 }
 
 // ---- forward ------------------------------------------------------------------------------------
 // Layout: blockDim.y rows per block (one warp per row), or one row per block of blockDim.x <= 256
 // threads; K chunks of x per thread in registers, all loads issued first. One reduction: shuffles,
 // plus one __syncthreads for rows of several warps. Many blocks per SM (<= 64 registers per thread).
-template <typename T, int K, bool VEC>
-__global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC))
+// RES: residual's chunks are loaded with x's; s = T(x + residual) replaces x (stored right away, so
+// only the rounded s waits out the reduction in registers).
+template <typename T, int K, bool VEC, bool RES = false>
+__global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
     rmsnorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ y,
                            float* __restrict__ rstd, long long rows, int D, float inv_d, float eps,
-                           int zero, int cast_before_weight) {
+                           int zero, int cast_before_weight, const T* __restrict__ residual,
+                           T* __restrict__ s) {
   kf_wait_prior_grids();
   using E = Elems<T>;
   constexpr int V = E::V;
@@ -214,11 +226,25 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC))
   const bool live = row < rows;
   const T* xr = x + row * D;
 
-  Chunk xc[K];
+  Chunk xc[K], rc[RES ? K : 1];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int c = threadIdx.x + k * blockDim.x;
     xc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(xr, c, D) : words(0u);
+    if constexpr (RES)
+      rc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(residual + row * D, c, D) : words(0u);
+  }
+  if constexpr (RES) {
+    T* sr = s + row * D;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int c = threadIdx.x + k * blockDim.x;
+      float f[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) f[i] = E::get(xc[k], i) + E::get(rc[k], i);
+      xc[k] = E::put(f);  // zeros stay zeros past the row and the tensor
+      if (live && c < nchunk) store_chunk<T, VEC>(sr, c, D, xc[k]);
+    }
   }
   float ss = 0.0f;
 #pragma unroll
@@ -289,11 +315,12 @@ KF_DEVICE void group_sum(float (&v)[R], float* scratch) {
   for (int j = 0; j < R; ++j) v[j] = warp_sum(v[j]);
 }
 
-// dx of one chunk, and its dweight terms dy * x_hat added to acc (CBW: x_hat rounded to T first, as
-// the forward used it).
-template <typename T, bool VEC, bool CBW>
+// dx of one chunk (RES: plus dres's chunk dc before the one rounding), and its dweight terms
+// dy * x_hat added to acc (CBW: x_hat rounded to T first, as the forward used it).
+template <typename T, bool VEC, bool CBW, bool RES>
 KF_DEVICE void backward_chunk(T* dxr, int c, int D, const Chunk& xc, const Chunk& gc,
-                              const Chunk& wc, float r, float mean_gx, float (&acc)[Elems<T>::V]) {
+                              const Chunk& wc, const Chunk& dc, float r, float mean_gx,
+                              float (&acc)[Elems<T>::V]) {
   using E = Elems<T>;
   constexpr int V = E::V;
   float o[V], xh[V];
@@ -301,6 +328,7 @@ KF_DEVICE void backward_chunk(T* dxr, int c, int D, const Chunk& xc, const Chunk
   for (int i = 0; i < V; ++i) {
     xh[i] = E::get(xc, i) * r;
     o[i] = r * (E::get(gc, i) * E::get(wc, i) - xh[i] * mean_gx);
+    if (RES) o[i] += E::get(dc, i);
   }
   store_chunk<T, VEC>(dxr, c, D, E::put(o));
   if (CBW)
@@ -319,12 +347,14 @@ KF_DEVICE void backward_chunk(T* dxr, int c, int D, const Chunk& xc, const Chunk
 // keeps their weight chunks and their dweight sums in registers. At the end the block adds its
 // groups' sums in order of the group through `fold` (blockDim.y * blockDim.x * V floats of dynamic
 // shared memory) into dw_partial row blockIdx.x (fp32, D wide).
-template <typename T, int K, int R, bool VEC, bool CBW, int MAXT>
+// RES: each dres chunk is loaded where its dx is computed (after the reduction): no registers held
+// through the row's loads (this kernel takes odd sizes and long rows, not the common case).
+template <typename T, int K, int R, bool VEC, bool CBW, int MAXT, bool RES = false>
 __global__ void __launch_bounds__(MAXT, 1)
     rmsnorm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                             const T* __restrict__ weight, const float* __restrict__ rstd,
                             T* __restrict__ dx, float* __restrict__ dw_partial, long long rows, int D,
-                            float inv_d, int zero) {
+                            float inv_d, int zero, const T* __restrict__ dres) {
   kf_wait_prior_grids();
   using E = Elems<T>;
   constexpr int V = E::V;
@@ -391,9 +421,11 @@ __global__ void __launch_bounds__(MAXT, 1)
           opaque(gc[j][k], zero);
           opaque(wc[k], zero);
           const int c = threadIdx.x + k * blockDim.x;
-          if (c < nchunk)
-            backward_chunk<T, VEC, CBW>(dxr, c, D, xc[j][k], gc[j][k], wc[k], r[j], mean_gx,
-                                        acc[k]);
+          if (c < nchunk) {
+            const Chunk dc = RES ? load_chunk<T, VEC, true>(dres + row * D, c, D) : words(0u);
+            backward_chunk<T, VEC, CBW, RES>(dxr, c, D, xc[j][k], gc[j][k], wc[k], dc, r[j],
+                                             mean_gx, acc[k]);
+          }
         }
       }
     }
@@ -459,6 +491,8 @@ __global__ void __launch_bounds__(MAXT, 1)
 // group's 16 slots (zeros past the last warp), one group barrier, then every lane reads slot
 // lane % 16 and four more shuffles (the same sums in the same order in every lane). Two sets of slots,
 // used by alternate rows.
+// RES: the row's dres chunks are loaded as the row starts (in flight through its reduction, held
+// packed) and added to dx before its one rounding.
 KF_DEVICE const char* plus(const char* p, u64 bytes) {
   return reinterpret_cast<const char*>(reinterpret_cast<u64>(p) + bytes);
 }
@@ -502,13 +536,13 @@ KF_DEVICE void rn_row_terms(const Chunk (&xc)[K], const Chunk (&gc)[K],
     }
 }
 
-template <typename T, int K, int P, bool KEEP_G, bool CBW, int MAXT>
+template <typename T, int K, int P, bool KEEP_G, bool CBW, int MAXT, bool RES = false>
 __global__ void __launch_bounds__(MAXT, 1)
     rmsnorm_backward_pipelined_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                       const T* __restrict__ weight, const float* __restrict__ rstd,
                                       T* __restrict__ dx, float* __restrict__ dw_partial,
                                       long long rows, int D, float inv_d, u32 lo_mul, u32 hi_mask,
-                                      int zero) {
+                                      int zero, const T* __restrict__ dres) {
   kf_wait_prior_grids();
   using E = Elems<T>;
   constexpr int V = E::V;
@@ -565,6 +599,7 @@ __global__ void __launch_bounds__(MAXT, 1)
     const char* ng = reinterpret_cast<const char*>(dy + off);  // KEEP_G: dy runs ahead of x
     const char* nr = reinterpret_cast<const char*>(rstd + first);
     char* cd = reinterpret_cast<char*>(dx + off);  // current row's dx
+    const u64 rdelta = reinterpret_cast<u64>(dres) - reinterpret_cast<u64>(dx);  // RES: dres - dx
 
     Chunk bx[P][K], bg[P][K];
     float br[P];
@@ -589,6 +624,12 @@ __global__ void __launch_bounds__(MAXT, 1)
       for (int p = 0; p < P; ++p) {
         const float r = br[p];
         const u32 inc = t + P < n ? step : 0u;  // to row t + P, or stay on the group's last row
+        Chunk dc[RES ? K : 1];
+        if constexpr (RES)
+#pragma unroll
+          for (int k = 0; k < K; ++k)
+            dc[k] = load_chunk<T, true, true>(reinterpret_cast<const T*>(plus(cd, rdelta + koff[k])),
+                                              0, D);
         float g[K][V], dot = 0.0f;
         rn_row_terms<T, K, CBW>(bx[p], bg[p], w, r, g, dot, acc);
         if (KEEP_G) {  // dy's buffer is free: refill it with row t + P
@@ -615,11 +656,13 @@ __global__ void __launch_bounds__(MAXT, 1)
             opaque(bx[p][k], zero);
             if (!KEEP_G) opaque(bg[p][k], zero);
           }
+          if constexpr (RES) opaque(dc[k], zero);
           float o[V];
 #pragma unroll
           for (int i = 0; i < V; ++i) {
             const float gi = KEEP_G ? g[k][i] : reget<T>(bg[p][k], i, lo_mul, hi_mask) * w[k][i];
             o[i] = r * fmaf(a, reget<T>(bx[p][k], i, lo_mul, hi_mask), gi);
+            if constexpr (RES) o[i] += E::get(dc[k], i);
           }
           if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cd + koff[k]), 0, D, E::put(o));
           last |= __float_as_uint(o[V - 1]);
@@ -700,8 +743,11 @@ done:
 // directly when blockDim.y == 1, else added over the groups in order of the group through the ring's
 // shared memory.
 // Only 16-byte accesses (D % V == 0, pointers 16-byte aligned; the launcher checks). Dynamic shared
-// memory: S * (2 * blockDim.y * blockDim.x * K * 16 + nseg * 4) bytes, nseg = blockDim.y *
-// blockDim.x / 32 (blockDim.x >= 32) or blockDim.y (smaller groups).
+// memory: S * (A * blockDim.y * blockDim.x * K * 16 + nseg * 4) bytes, A = 2 (3 with RES), nseg =
+// blockDim.y * blockDim.x / 32 (blockDim.x >= 32) or blockDim.y (smaller groups).
+// RES: a stage also holds the rows of dres, copied and zero-filled as x's and dy's; they are read with
+// them and folded into h = r * g + dres before the stage is requested again (g's registers, none
+// more), so dx = r * a * x + h, rounded once.
 KF_DEVICE u32 rn_smem(const void* p) {
   u32 s;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
@@ -738,12 +784,12 @@ KF_DEVICE void rn_sts_f32(u32 a, float f) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(a), "f"(f) : "memory");
 }
 
-template <typename T, int K, int S, bool CBW, int NT>
+template <typename T, int K, int S, bool CBW, int NT, bool RES = false>
 __global__ void __launch_bounds__(NT, 1)
     rmsnorm_backward_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                  const T* __restrict__ weight, const float* __restrict__ rstd,
                                  T* __restrict__ dx, float* __restrict__ dw_partial, long long rows,
-                                 int D, float inv_d, int zero) {
+                                 int D, float inv_d, int zero, const T* __restrict__ dres) {
   kf_wait_prior_grids();
   using E = Elems<T>;
   constexpr int V = E::V;
@@ -756,8 +802,8 @@ __global__ void __launch_bounds__(NT, 1)
   const int nchunk = D / V;
   const int rowpad = tx * K;  // chunks of a row in a stage
   const u32 kstep = (u32)tx * 16u;  // bytes from one chunk of a thread to its next (row and stage)
-  const u32 stage_bytes = 2u * (u32)(G * rowpad) * 16u;
-  const u32 dyoff = (u32)(G * rowpad) * 16u;  // dy's rows follow x's in a stage
+  const u32 stage_bytes = (RES ? 3u : 2u) * (u32)(G * rowpad) * 16u;
+  const u32 dyoff = (u32)(G * rowpad) * 16u;  // dy's rows follow x's in a stage (RES: then dres's)
   const u32 my = rn_smem(ring) + (u32)(threadIdx.y * rowpad + threadIdx.x) * 16u;
   const int nseg = tx >= 32 ? (tx * G) >> 5 : G;  // rstd slots per stage
   const u32 rslot =
@@ -781,6 +827,7 @@ __global__ void __launch_bounds__(NT, 1)
       for (int s = 0; s < S; ++s) {
         rn_sts0(my + (u32)s * stage_bytes + (u32)k * kstep);
         rn_sts0(my + (u32)s * stage_bytes + dyoff + (u32)k * kstep);
+        if (RES) rn_sts0(my + (u32)s * stage_bytes + 2u * dyoff + (u32)k * kstep);
       }
   }
   const int nw = tx >> 5;
@@ -804,6 +851,7 @@ __global__ void __launch_bounds__(NT, 1)
   const char* lx = reinterpret_cast<const char*>(x + off);  // the row to request next
   const char* lr = reinterpret_cast<const char*>(rstd + row0);
   const u64 gdelta = reinterpret_cast<u64>(dy) - reinterpret_cast<u64>(x);
+  const u64 rdelta = reinterpret_cast<u64>(dres) - reinterpret_cast<u64>(x);  // RES
   char* cdx = reinterpret_cast<char*>(dx + off);  // the row being computed
 
   // Requests row group t into stage s (zeros past the end of the tensor). `dep`: 0, computed from what
@@ -817,6 +865,7 @@ __global__ void __launch_bounds__(NT, 1)
         if (ok[k]) {
           rn_cp16(sa + (u32)k * kstep, lx + k * kstep);
           rn_cp16(sa + dyoff + (u32)k * kstep, plus(lx, gdelta + k * kstep));
+          if (RES) rn_cp16(sa + 2u * dyoff + (u32)k * kstep, plus(lx, rdelta + k * kstep));
         }
       if (leader) rn_cp4(ra, lr);
     } else {
@@ -825,6 +874,7 @@ __global__ void __launch_bounds__(NT, 1)
         if (ok[k]) {
           rn_sts0(sa + (u32)k * kstep);
           rn_sts0(sa + dyoff + (u32)k * kstep);
+          if (RES) rn_sts0(sa + 2u * dyoff + (u32)k * kstep);
         }
       if (leader) rn_sts_f32(ra, 0.0f);
     }
@@ -855,8 +905,20 @@ __global__ void __launch_bounds__(NT, 1)
 
     float g[K][V], dot = 0.0f;
     rn_row_terms<T, K, CBW>(xc, gc, w, r, g, dot, acc);
-    // Stage s is read (dot depends on every word of it): request row group t + S into it.
-    if (t + S < n) request(t + S, s, __float_as_uint(dot) & (u32)zero);
+    u32 dep = __float_as_uint(dot);
+    if constexpr (RES) {
+      Chunk dc[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) dc[k] = rn_lds(sa + 2u * dyoff + (u32)k * kstep);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) g[k][i] = fmaf(r, g[k][i], E::get(dc[k], i));  // h
+        dep |= dc[k].w[0];
+      }
+    }
+    // Stage s is read (dep depends on every word of it): request row group t + S into it.
+    if (t + S < n) request(t + S, s, dep & (u32)zero);
     rn_commit();
 
     if (tx <= 32) {  // one warp or less per row: shuffles within the group
@@ -879,7 +941,8 @@ __global__ void __launch_bounds__(NT, 1)
       for (int k = 0; k < K; ++k) {
         float o[V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) o[i] = r * fmaf(a, E::get(xc[k], i), g[k][i]);
+        for (int i = 0; i < V; ++i)
+          o[i] = RES ? fmaf(r * a, E::get(xc[k], i), g[k][i]) : r * fmaf(a, E::get(xc[k], i), g[k][i]);
         if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cdx + k * kstep), 0, D, E::put(o));
       }
     }

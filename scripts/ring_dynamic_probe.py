@@ -27,7 +27,8 @@ import shutil
 import sys
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "kernels_src"
-HEAD = ("template <typename T, int K, int S, bool CBW, int NT>\n__global__ void __launch_bounds__(NT, 1)\n"
+HEAD = ("template <typename T, int K, int S, bool CBW, int NT, bool RES = false>\n"
+        "__global__ void __launch_bounds__(NT, 1)\n"
         "    rmsnorm_backward_ring_kernel(")
 COUNTERS = "__device__ unsigned long long kf_dyn_next;\n__device__ unsigned kf_dyn_done;\n"
 SETUP = r"""  const long long ngroups = (rows + G - 1) / G;

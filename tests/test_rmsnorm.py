@@ -22,7 +22,7 @@ import kforge
 from kforge import _thunder
 from kforge.ops import rmsnorm as op
 import conftest
-from conftest import DTYPES, assert_close, check_jit_matches_eager, gpu, randn, symbol_names
+from conftest import DTYPES, assert_close, check_jit_matches_eager, gpu, randn, swap_launchers, symbol_names
 
 EPS = 1e-5
 
@@ -343,8 +343,13 @@ def test_thunder_f_rms_norm(dtype):
 
 
 # ---- CPU: checkers, fallback, launcher errors -----------------------------------------------------------
+def _checker(symbol):
+    (claim,) = (c for c in op.SPEC.claims if c.symbol is symbol)
+    return claim.checker
+
+
 def test_helper_checker(trace_ctx):
-    check_helper, check_f = (c.checker for c in op.SPEC.claims)
+    check_helper = _checker(op.kforge_rms_norm)
     x, w = proxy(8, 4096), proxy(4096)
     assert check_helper(x, w, 1e-6) is None
     assert "not CUDA" in check_helper(proxy(8, 4096, device="cpu"), proxy(4096, device="cpu"), 1e-6)
@@ -360,7 +365,7 @@ def test_helper_checker(trace_ctx):
 
 
 def test_f_rms_norm_checker(trace_ctx):
-    _, check_f = (c.checker for c in op.SPEC.claims)
+    check_f = _checker(thunder.torch.rms_norm)
     x = proxy(2, 5, 64)
     assert check_f(x, (64,), proxy(64), 1e-5) is None
     assert check_f(x, [5, 64]) is None
@@ -468,5 +473,502 @@ def test_ring_dynamic_probe_still_patches_and_compiles(tmp_path):
             names = kforge._C.compile_source("rmsnorm", str(d),
                                              ["rmsnorm_backward_ring_kernel<bf16, 4, 3, true, 384>"], 90)
             assert len(names) == 1
+    finally:
+        kforge._C.set_cache(kforge.cache_dir(), kforge._runtime.disk_cache_enabled())
+
+
+# ---- residual add fused into the norm (add_rms_norm) -----------------------------------------------------
+def reference_add(x, residual, weight, eps, dy, ds, nd=1):
+    """float64 (s, y, rstd, dx, dweight) of s = x + residual, y = RMSNorm(s) over the last nd dims, and
+    the gradient of s (of x and of residual) for output gradients dy (of y) and ds (of s; None: 0)."""
+    s = (x + residual).detach()  # eager's rounded add: what the norm reads
+    ry, rrstd, rdx, rdw = reference(s, weight, eps, dy, nd)
+    return s, ry, rrstd, rdx if ds is None else rdx + ds.double(), rdw
+
+
+def check_add(x, residual, weight, dy, ds, cast_before_weight, nd=1, what="", variant=0):
+    """add_rmsnorm_forward and rmsnorm_backward(dresidual=ds) against float64; s bitwise eager's add,
+    y / rstd bitwise the unfused kernel's on s, dweight bitwise the unfused backward's (variant 1)."""
+    dtype = x.dtype
+    what = f"{what} variant {variant} {'hf' if cast_before_weight else 'torch'}"
+    y, rstd, s = kforge._C.add_rmsnorm_forward(x, residual, weight, EPS, nd, cast_before_weight)
+    dx, dw = kforge._C.rmsnorm_backward(dy, s, weight, rstd, nd, cast_before_weight, variant, dresidual=ds)
+    rs, ry, rrstd, rdx, rdw = reference_add(x, residual, weight, EPS, dy, ds, nd)
+    assert s.dtype == y.dtype == dx.dtype == dtype and rstd.dtype == torch.float32
+    assert s.shape == y.shape == dx.shape == x.shape and s.is_contiguous()
+    assert torch.equal(s, rs), f"s is not eager's x + residual bit for bit ({what})"
+    y0, rstd0 = kforge._C.rmsnorm_forward(rs, weight, EPS, nd, cast_before_weight)
+    assert torch.equal(y, y0) and torch.equal(rstd, rstd0), f"y / rstd differ from the norm of s ({what})"
+    assert_close(y, ry, dtype, f"y {what}")
+    assert_close(rstd, rrstd, torch.float32, f"rstd {what}")
+    g = dy.double() * (1.0 if weight is None else weight.double())
+    rows_shape = (*x.shape[: x.ndim - nd], *([1] * nd))
+    terms = (g * rrstd.reshape(rows_shape)).norm().item() + (0.0 if ds is None else ds.double().norm().item())
+    assert_close(dx, rdx, dtype, f"dx {what}", scale=terms)
+    if weight is None:
+        assert dw is None
+        return
+    assert dw.dtype == dtype
+    if cast_before_weight and dtype != torch.float32:  # x_hat rounded to T first: see check()
+        xhat_t = (s.float() * rstd.reshape(rows_shape)).to(dtype).double()
+        rdw = (dy.double() * xhat_t).sum(tuple(range(x.ndim - nd)))
+    assert_close(dw, rdw, dtype, f"dweight {what}")
+    if variant == 1 and (ds is None or ds.data_ptr() % 16 == 0):
+        # The same kernel with and without dres (variant 1 never takes the ring, whose stages with
+        # dres may not fit where those without do): the dweight path is unchanged, bit for bit.
+        _, dw0 = kforge._C.rmsnorm_backward(dy, s, weight, rstd, nd, cast_before_weight, variant)
+        assert torch.equal(dw, dw0), f"dweight differs from the unfused backward's ({what})"
+
+
+def check_add_random(shape, dtype, cast_before_weight, variant, ds=True, weight=True):
+    x, r = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
+    w = randn(shape[-1], dtype=dtype, scale=0.5) + 1 if weight else None
+    dy = randn(*shape, dtype=dtype)
+    check_add(x, r, w, dy, randn(*shape, dtype=dtype) if ds else None, cast_before_weight,
+              what=str(shape), variant=variant)
+
+
+# Every forward K (1, 2, 4, 8; one warp per row and one block per row), element-wise and 16-byte, and
+# every backward kernel (ring with 4 and 2 chunks per thread, groups below a warp, chunks past the row;
+# pipelined under variant 1; rmsnorm_backward_kernel for odd sizes and rows of > 1024 chunks): the
+# SHAPES above, plus the Llama widths 768..8192 (SmolLM 576, 960; Llama 3 2048 / 3072 / 4096 / 8192;
+# 5120) over odd row counts.
+RES_SHAPES = SHAPES + [(7, 576), (9, 960), (33, 3072), (3, 5120), (129, 2048), (5, 8), (3, 1, 16), (11, 24)]
+
+
+@gpu
+@variants
+@pytest.mark.parametrize("cast_before_weight", [True, False], ids=["hf", "torch"])
+@pytest.mark.parametrize("shape", RES_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_add_forward_backward(dtype, shape, cast_before_weight, variant):
+    check_add_random(shape, dtype, cast_before_weight, variant)
+
+
+@gpu
+@variants
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_add_without_dresidual_or_weight(dtype, variant):
+    # dresidual=None is the unfused backward bit for bit; no weight (dweight None) with and without it.
+    for shape in [(17, 768), (5, 4100), (3, 8192), (2, 6, 64)]:
+        x, r, dy = (randn(*shape, dtype=dtype) for _ in range(3))
+        w = randn(shape[-1], dtype=dtype, scale=0.5) + 1
+        _, rstd, s = kforge._C.add_rmsnorm_forward(x, r, w, EPS)
+        a = kforge._C.rmsnorm_backward(dy, s, w, rstd, variant=variant, dresidual=None)
+        b = kforge._C.rmsnorm_backward(dy, s, w, rstd, variant=variant)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        check_add_random(shape, dtype, True, variant, ds=False)
+        check_add_random(shape, dtype, False, variant, weight=False)
+        check_add_random(shape, dtype, True, variant, weight=False)
+
+
+@gpu
+@variants
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_add_multidim_rows(dtype, variant):
+    x, r, dy, ds = (randn(6, 5, 32, dtype=dtype) for _ in range(4))
+    check_add(x, r, randn(5, 32, dtype=dtype), dy, ds, False, nd=2, what="normalized (5, 32)", variant=variant)
+    check_add(x, r, None, dy, ds, True, nd=3, what="normalized (6, 5, 32)", variant=variant)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("D", [8, 768, 2048, 4096, 8192], ids=lambda d: f"D{d}")
+def test_add_ring_and_pipelined_rows(D, dtype):
+    # The persistent backward grids with a third array per row (dres): row counts from 1 to several
+    # times the grid (partial last row groups, blocks with fewer row groups than stages), both kernels.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows in sorted({1, 3, sms - 1, sms + 1, 3 * sms + 1, 5 * sms * 2 + 7, 9 * sms * 3 + 2}):
+        if rows * D > 6_000_000:
+            continue
+        x, r, dy, ds = (randn(rows, D, dtype=dtype) for _ in range(4))
+        w = randn(D, dtype=dtype, scale=0.5) + 1
+        for variant in VARIANTS:
+            check_add(x, r, w, dy, ds, True, what=f"{rows}x{D}", variant=variant)
+
+
+@gpu
+@variants
+@pytest.mark.parametrize("D", [64, 768, 2048, 4096], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_add_misaligned_and_strided(dtype, D, variant):
+    # One misaligned tensor sends the call to the element-wise kernels: residual alone (forward), dres
+    # alone (backward), x; a transposed residual / dres / x is copied by the launcher.
+    rows = 37
+    w = randn(D, dtype=dtype, scale=0.5) + 1
+
+    def off(t):  # the same values one element into a fresh buffer: 2- or 4-byte aligned only
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        buf[1:].copy_(t.reshape(-1))
+        return buf[1:].view(t.shape)
+
+    x, r, dy, ds = (randn(rows, D, dtype=dtype) for _ in range(4))
+    for xs, rs_, dss in [(x, off(r), ds), (x, r, off(ds)), (off(x), r, ds),
+                         (x, r.t().contiguous().t(), ds), (x, r, ds.t().contiguous().t())]:
+        assert xs.data_ptr() % 16 or rs_.data_ptr() % 16 or dss.data_ptr() % 16 or not rs_.is_contiguous() \
+            or not dss.is_contiguous()
+        check_add(xs, rs_, w, dy, dss, True, what=f"D={D}", variant=variant)
+        check_add(xs, rs_, w, dy, dss, False, what=f"D={D}", variant=variant)
+    xt, rt = randn(D, 6, dtype=dtype).t(), randn(D, 6, dtype=dtype).t()
+    check_add(xt, rt, w, randn(6, D, dtype=dtype), randn(6, D, dtype=dtype), True, what="transposed",
+              variant=variant)
+
+
+@gpu
+@variants
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_add_longest_rows_and_llama_size(dtype, variant):
+    D = op.MAX_ROW_BYTES // torch.tensor([], dtype=dtype).element_size()
+    check_add_random((3, D), dtype, True, variant)
+    check_add_random((8192, 4096), dtype, True, variant)
+    check_add_random((2048, 8192), dtype, False, variant)
+
+
+@gpu
+@variants
+def test_add_is_deterministic_on_streams_and_graphs(variant):
+    # Same bits every run, on a side stream right after other work, and replayed from a CUDA graph.
+    x, r, dy, ds = (randn(3000, 4096, dtype=torch.bfloat16) for _ in range(4))
+    w = randn(4096, dtype=torch.bfloat16, scale=0.5) + 1
+
+    def step():
+        y, rstd, s = kforge._C.add_rmsnorm_forward(x, r, w, EPS)
+        return (y, rstd, s, *kforge._C.rmsnorm_backward(dy, s, w, rstd, variant=variant, dresidual=ds))
+
+    first = step()
+    assert all(all(torch.equal(a, b) for a, b in zip(first, step())) for _ in range(2))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.mul_(1.0)  # a kernel right before the launch on the same stream
+        on_side = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    ds.mul_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(first, on_side))
+    assert all(torch.equal(a, b) for a, b in zip(first[:3], captured[:3]))
+    assert not torch.equal(first[3], captured[3])  # dx saw the new ds
+    check_add(x, r, w, dy, ds, True, what="after replay", variant=variant)
+    torch.testing.assert_close(captured[3], kforge._C.rmsnorm_backward(dy, first[2], w, first[1],
+                                                                       variant=variant, dresidual=ds)[0],
+                               rtol=0, atol=0)
+
+
+@gpu
+def test_add_argument_errors():
+    x, r, w = randn(4, 64), randn(4, 64), randn(64)
+    with pytest.raises(kforge.KforgeError, match="residual and x sizes differ"):
+        kforge._C.add_rmsnorm_forward(x, r[:3], w, EPS)
+    with pytest.raises(kforge.KforgeError, match="residual has dtype"):
+        kforge._C.add_rmsnorm_forward(x, r.bfloat16(), w, EPS)
+    y, rstd, s = kforge._C.add_rmsnorm_forward(x, r, w, EPS)
+    with pytest.raises(kforge.KforgeError, match="dresidual and x sizes differ"):
+        kforge._C.rmsnorm_backward(y, s, w, rstd, dresidual=randn(4, 32))
+    with pytest.raises(kforge.KforgeError, match="dresidual has dtype"):
+        kforge._C.rmsnorm_backward(y, s, w, rstd, dresidual=y.half())
+
+
+try:
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError:  # pragma: no cover
+    given = None
+
+
+if given is not None:
+    @gpu
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(rows=st.integers(1, 300), D=st.one_of(st.integers(1, 160), st.sampled_from([760, 768, 776, 1016, 1024,
+                                                                                         1032, 2040, 2048, 2056,
+                                                                                         4088, 4096, 4104, 8184,
+                                                                                         8192])),
+           dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), cbw=st.booleans(),
+           variant=st.sampled_from(VARIANTS), with_ds=st.booleans(), with_w=st.booleans(),
+           seed=st.integers(0, 2**31 - 1))
+    def test_add_generated(rows, D, dtype, cbw, variant, with_ds, with_w, seed):
+        # Widths around the vector width (4 / 8 elements) and the layout switch points (K = 1..8,
+        # warp / block per row, 512 / 1024 chunks), row counts around the grids.
+        if D > op.MAX_ROW_BYTES // torch.tensor([], dtype=dtype).element_size():
+            D //= 2
+        x, r, dy, ds = (randn(rows, D, dtype=dtype, seed=seed + i) for i in range(4))
+        w = randn(D, dtype=dtype, scale=0.5, seed=seed + 4) + 1 if with_w else None
+        check_add(x, r, w, dy, ds if with_ds else None, cbw, what=f"{rows}x{D}", variant=variant)
+
+
+# ---- add_rms_norm under thunder.jit (GPU) -----------------------------------------------------------------
+class _TwoNorms(torch.nn.Module):
+    """The two residual adds of a Llama block, attention and MLP stood in for by cheap ops: s of the
+    first add_rms_norm is read again by the second (so its gradient is the norm's plus the next add's)."""
+
+    def __init__(self, D, dtype, device, cast_before_weight):
+        super().__init__()
+        self.cbw = cast_before_weight
+        self.w1 = torch.nn.Parameter(randn(D, dtype=dtype, device=device, scale=0.5) + 1)
+        self.w2 = torch.nn.Parameter(randn(D, dtype=dtype, device=device, scale=0.5) + 1)
+
+    def forward(self, x, attn):
+        h, y = op.add_rms_norm(x, attn, self.w1, EPS, cast_before_weight=self.cbw)
+        out, y2 = op.add_rms_norm(h, y.sin(), self.w2, EPS, cast_before_weight=self.cbw)
+        return out, y2
+
+
+def _float64_grads(module, args, outs_grads):
+    ref = _TwoNorms(args[0].shape[-1], torch.float64, args[0].device, module.cbw)
+    ref.load_state_dict({k: v.double() for k, v in module.state_dict().items()})
+    rargs = [a.detach().double().requires_grad_() for a in args]
+    routs = ref(*rargs)
+    torch.autograd.backward(routs, [g.double() for g in outs_grads])
+    return routs, [a.grad for a in rargs], [ref.w1.grad, ref.w2.grad]
+
+
+@gpu
+@pytest.mark.parametrize("cast_before_weight", [True, False], ids=["hf", "torch"])
+@pytest.mark.parametrize("shape", [(2, 7, 768), (3, 5, 2048), (1, 9, 4096)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_thunder_add_rms_norm_module(dtype, shape, cast_before_weight):
+    module = _TwoNorms(shape[-1], dtype, "cuda", cast_before_weight)
+    args = [randn(*shape, dtype=dtype).requires_grad_(), randn(*shape, dtype=dtype).requires_grad_()]
+    jm = thunder.jit(module, executors=[kforge.executor])
+    outs = jm(*args)
+    grads = [randn(*o.shape, dtype=dtype) for o in outs]
+    torch.autograd.backward(outs, grads)
+    fwd = symbol_names(thunder.last_traces(jm)[-1])
+    bwd = symbol_names(thunder.last_backward_traces(jm)[-1])
+    assert "kforge_add_rmsnorm_forward" in fwd and "kforge_add_rmsnorm_backward" in bwd
+    assert "add" not in fwd and "kforge_rmsnorm_forward" not in fwd  # the adds went into the kernels
+    routs, rgrads, rwgrads = _float64_grads(module, args, grads)
+    # Each output / gradient is a few roundings of the dtype from float64 (the 16-bit weight gradient
+    # of the HF order rounds x_hat as eager does): within twice the file's tolerance.
+    tol = 2 * conftest.REL_TOL[dtype]
+    for o, r, name in zip(outs, routs, ["out", "y2"]):
+        assert_close(o, r, dtype, name, tol=tol)
+    for a, r, name in zip(args, rgrads, ["grad x", "grad attn"]):
+        assert_close(a.grad, r, dtype, name, tol=tol)
+    for p, r, name in zip((module.w1, module.w2), rwgrads, ["grad w1", "grad w2"]):
+        assert_close(p.grad, r, dtype, name, tol=tol)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thunder_add_rms_norm_s_unused(dtype):
+    # Only y is used: s gets no gradient of its own, dx is the norm's alone (x and residual alike).
+    x = randn(4, 9, 1024, dtype=dtype).requires_grad_()
+    r = randn(4, 9, 1024, dtype=dtype).requires_grad_()
+    w = (randn(1024, dtype=dtype, scale=0.5) + 1).requires_grad_()
+    check_jit_matches_eager(lambda x, r, w: op.add_rms_norm(x, r, w, EPS)[1] * 2, [x, r, w], dtype,
+                            "kforge_add_rmsnorm_forward", "kforge_add_rmsnorm_backward")
+    check_jit_matches_eager(lambda x, r, w: op.add_rms_norm(x, r, w, EPS, cast_before_weight=False),
+                            [x, r, w], dtype, "kforge_add_rmsnorm_forward", "kforge_add_rmsnorm_backward")
+
+
+# ---- add_rms_norm on CPU: checker, fallback, the claim's wiring, launcher errors, NVRTC ---------------------
+def test_add_checker(trace_ctx):
+    check = _checker(op.kforge_add_rms_norm)
+    x, r, w = proxy(8, 4096), proxy(8, 4096), proxy(4096)
+    assert check(x, r, w, 1e-6) is None
+    assert check(x, r, w, 1e-6, cast_before_weight=False) is None
+    assert check(x, r, None, 1e-5) is None
+    assert check(proxy(3, 5, 768, dtype=torch.float16), proxy(3, 5, 768, dtype=torch.float16),
+                 proxy(768, dtype=torch.float16), 1e-6) is None
+    f32 = functools.partial(proxy, dtype=torch.float32)
+    assert check(f32(2, 8192), f32(2, 8192), f32(8192), 1e-6) is None
+    declines = {
+        "not CUDA": check(proxy(8, 64, device="cpu"), proxy(8, 64, device="cpu"), proxy(64, device="cpu"), 1e-6),
+        "float64": check(proxy(8, 16, dtype=torch.float64), proxy(8, 16, dtype=torch.float64), None, 1e-6),
+        "residual shape (1, 4096) differs": check(x, proxy(1, 4096), w, 1e-6),
+        "residual shape (4096,) differs": check(x, proxy(4096), w, 1e-6),
+        "residual dtype": check(x, f32(8, 4096), w, 1e-6),
+        "residual is on": check(x, proxy(8, 4096, device="cuda:1"), w, 1e-6),
+        "residual is float": check(x, 1.0, w, 1e-6),
+        "weight dtype": check(x, r, f32(4096), 1e-6),
+        "weight shape": check(x, r, proxy(4095), 1e-6),
+        "eps is None": check(x, r, w, None),
+        "eps must be a Python number": check(x, r, w, True),
+        "cast_before_weight must be a bool": check(x, r, w, 1e-6, cast_before_weight=1),
+        "longer than": check(proxy(2, 16392), proxy(2, 16392), proxy(16392), 1e-6),
+        "longer than the kernels take (8192": check(f32(2, 8196), f32(2, 8196), f32(8196), 1e-6),
+        "empty": check(proxy(0, 4096), proxy(0, 4096), w, 1e-6),
+        "x is 0-d": check(proxy(()), proxy(()), None, 1e-6),
+    }
+    for want, got in declines.items():
+        assert got is not None and want in got, (want, got)
+
+
+def test_add_helper_semantics():
+    # s is eager's add; y is rms_norm of s (HF order) or F.rms_norm of s (torch order), bit for bit.
+    x, r = torch.randn(5, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    w = (torch.randn(64) * 3).bfloat16()
+    s, y = op.add_rms_norm(x, r, w, EPS)
+    assert torch.equal(s, x + r) and torch.equal(y, op.rms_norm(x + r, w, EPS))
+    s, y = op.add_rms_norm(x, r, w, EPS, cast_before_weight=False)
+    assert torch.equal(s, x + r) and torch.equal(y, F.rms_norm(x + r, (64,), w, EPS))
+    assert not torch.equal(y, op.rms_norm(x + r, w, EPS))  # the two orders round differently
+    _, y = op.add_rms_norm(x, r, None, EPS)
+    xf = (x + r).float()
+    assert torch.equal(y, (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).bfloat16())
+
+
+def _jit_add_cpu(fn, *args):
+    """thunder.jit(fn) with kforge on CPU tensors: outputs and gradients equal eager's, no kforge rmsnorm
+    kernel in the traces; returns the declines."""
+    _thunder.reset_declines()
+    jargs = [a.detach().clone().requires_grad_() for a in args]
+    rargs = [a.detach().clone().requires_grad_() for a in args]
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    out, ref = jf(*jargs), fn(*rargs)
+    gs = [torch.randn_like(o) for o in ref]
+    torch.autograd.backward(out, gs)
+    torch.autograd.backward(ref, gs)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+    for j, r in zip(jargs, rargs):
+        torch.testing.assert_close(j.grad, r.grad)
+    names = symbol_names(thunder.last_traces(jf)[-1]) | symbol_names(thunder.last_backward_traces(jf)[-1])
+    assert not any(n.startswith(("kforge_rmsnorm", "kforge_add_rmsnorm")) for n in names)
+    return _thunder.declines()
+
+
+@pytest.mark.parametrize("cast_before_weight", [True, False], ids=["hf", "torch"])
+def test_add_cpu_fallback(cast_before_weight):
+    # Declined (CPU tensors): Thunder differentiates the decomposition; both orders match eager.
+    x, r, w = torch.randn(3, 7, 40), torch.randn(3, 7, 40), torch.randn(40)
+    declines = _jit_add_cpu(lambda x, r, w: op.add_rms_norm(x, r, w, 1e-6, cast_before_weight=cast_before_weight),
+                            x, r, w)
+    assert any("not CUDA" in reason for reason in declines["kforge_add_rms_norm"])
+
+
+def test_add_cpu_fallback_without_grad():
+    x, r, w = torch.randn(3, 7, 40), torch.randn(3, 7, 40), torch.randn(40)
+    for cbw in (True, False):
+        jf = thunder.jit(lambda x, r, w: op.add_rms_norm(x, r, w, 1e-6, cast_before_weight=cbw),
+                         executors=[kforge.executor])
+        with torch.no_grad():
+            for a, b in zip(jf(x, r, w), op.add_rms_norm(x, r, w, 1e-6, cast_before_weight=cbw)):
+                torch.testing.assert_close(a, b)
+
+
+def _torch_add_forward(x, residual, weight, eps, nd, cast_before_weight):
+    """add_rmsnorm_forward's results in torch (CPU stand-in for the kernel): (y, rstd, s)."""
+    s = x + residual
+    rstd = torch.rsqrt(s.double().pow(2).mean(-1) + eps).float()
+    _, y = op.add_rms_norm(x, residual, weight, eps, cast_before_weight=cast_before_weight)
+    return y, rstd.reshape(-1), s
+
+
+def _torch_add_backward(seen):
+    def backward(dy, ds, s, weight, rstd, nd, cast_before_weight):
+        seen.append(ds is None)
+        with torch.enable_grad():  # Thunder runs the backward under no_grad
+            s_ = s.detach().double().requires_grad_()
+            w_ = None if weight is None else weight.detach().double().requires_grad_()
+            y = s_ * torch.rsqrt(s_.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 if w_ is None else w_)
+            grads = torch.autograd.grad(y, [s_] + ([] if w_ is None else [w_]), dy.double())
+        dx = grads[0] + (0 if ds is None else ds.double())
+        return dx.to(s.dtype), None if w_ is None else grads[1].to(weight.dtype)
+    return backward
+
+
+@pytest.fixture
+def add_reference_launchers(monkeypatch):
+    seen = []
+    swap_launchers(monkeypatch, op, {op.add_rmsnorm_forward: _torch_add_forward,
+                                     op.add_rmsnorm_backward: _torch_add_backward(seen)})
+    return seen
+
+
+@pytest.mark.parametrize("cast_before_weight", [True, False], ids=["hf", "torch"])
+def test_add_claim_wiring_with_reference_launchers(add_reference_launchers, cast_before_weight):
+    # The claim's metas, execution and grad transforms run for real on CPU (the kernels swapped for
+    # torch): the forward saves s, weight, rstd; the backward gives x and residual the same gradient,
+    # the norm's plus s's own from its other consumer (the second add_rms_norm reads s).
+    D = 24
+
+    def fn(x, attn, w1, w2):
+        h, y = op.add_rms_norm(x, attn, w1, 1e-6, cast_before_weight=cast_before_weight)
+        out, y2 = op.add_rms_norm(h, y.sin(), w2, 1e-6, cast_before_weight=cast_before_weight)
+        return out, y2
+
+    # fp32: the HF helper computes in fp32 whatever the input dtype; the stand-ins in float64.
+    args = [torch.randn(3, 5, D), torch.randn(3, 5, D), torch.randn(D) + 1, torch.randn(D) + 1]
+    jargs = [a.clone().requires_grad_() for a in args]
+    rargs = [a.clone().requires_grad_() for a in args]
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    out, ref = jf(*jargs), fn(*rargs)
+    gs = [torch.randn_like(o) for o in ref]
+    torch.autograd.backward(out, gs)
+    torch.autograd.backward(ref, gs)
+    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
+    assert "kforge_add_rmsnorm_forward" in symbol_names(fwd)
+    assert "kforge_add_rmsnorm_backward" in symbol_names(bwd)
+    assert "add" not in symbol_names(fwd)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+    for j, r in zip(jargs, rargs):
+        torch.testing.assert_close(j.grad, r.grad)
+    # The first norm's s is read by the second add: its gradient arrives (not None). The second's s
+    # is an output: its gradient is the output's.
+    assert add_reference_launchers == [False, False]
+    # Saved for backward: s, weight and rstd, never x or residual.
+    saved = {p.name for p in fwd.output[1][0] if hasattr(p, "name")}
+    assert not {a.name for a in fwd.args[:2]} & saved, saved
+    assert {"w1", "w2"} <= saved
+
+
+def test_add_claim_wiring_s_unused(add_reference_launchers):
+    # Only y is used: s gets no gradient of its own (Thunder 0.2.6 passes zeros; None is taken too);
+    # dx is then the norm's alone.
+    x, r, w = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16)
+    jargs = [a.clone().requires_grad_() for a in (x, r, w)]
+    rargs = [a.clone().requires_grad_() for a in (x, r, w)]
+    fn = lambda x, r, w: op.add_rms_norm(x, r, w, 1e-6)[1].cos()  # noqa: E731
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    jf(*jargs).sum().backward()
+    fn(*rargs).sum().backward()
+    assert "kforge_add_rmsnorm_backward" in symbol_names(thunder.last_backward_traces(jf)[-1])
+    assert len(add_reference_launchers) == 1
+    for j, rr in zip(jargs, rargs):
+        torch.testing.assert_close(j.grad, rr.grad)
+
+
+def test_add_launcher_rejects_cpu_tensors():
+    with pytest.raises(kforge.KforgeError, match="add_rmsnorm_forward: x must be a CUDA tensor"):
+        kforge._C.add_rmsnorm_forward(torch.randn(2, 8), torch.randn(2, 8), torch.randn(8), EPS)
+    with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
+        kforge._C.rmsnorm_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2),
+                                   dresidual=torch.randn(2, 8))
+
+
+# Every kernel family instantiated with the fused residual (RES), per the launcher's tables.
+RES_FAMILIES = {"rmsnorm_forward_kernel": 4 * 2 * 3, "rmsnorm_backward_kernel": 6 + 12 * 2,
+                "rmsnorm_backward_pipelined_kernel": 2 + 4 * 2, "rmsnorm_backward_ring_kernel": 2 * (1 + 2 * 2)}
+
+
+def _res_expressions():
+    exprs = kforge._C.name_expressions("rmsnorm")
+    return [e for e in exprs if e.endswith(", true>") and e.count(",") >= 3
+            and not (e.startswith("rmsnorm_forward_kernel") and e.count(",") == 2)
+            and (not e.startswith(("rmsnorm_backward_kernel", "rmsnorm_backward_pipelined")) or e.count(",") == 6)
+            and (not e.startswith("rmsnorm_backward_ring") or e.count(",") == 5)]
+
+
+def test_residual_kernels_are_instantiated():
+    exprs = _res_expressions()
+    for family, n in RES_FAMILIES.items():
+        got = [e for e in exprs if e.startswith(family + "<")]
+        assert len(got) == n, (family, got)
+    assert len(exprs) == sum(RES_FAMILIES.values())
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_residual_kernels_compile(arch, tmp_path):
+    # NVRTC on CPU: every RES instantiation of the launcher's tables compiles for sm_80 and sm_90.
+    exprs = _res_expressions()
+    kforge._C.set_cache(str(tmp_path), False)
+    try:
+        names = kforge._C.compile_source("rmsnorm", kforge._runtime.kernel_dir(), exprs, arch)
+        assert len(names) == len(exprs) and len(set(names)) == len(exprs)
     finally:
         kforge._C.set_cache(kforge.cache_dir(), kforge._runtime.disk_cache_enabled())

@@ -1,7 +1,10 @@
 """RMSNorm (Llama) on kforge's rmsnorm kernels (kernels_src/rmsnorm.cu).
 
-Model helper (plain PyTorch; `thunder.jit` swaps it for kforge when kforge is an executor):
+Model helpers (plain PyTorch; `thunder.jit` swaps them for kforge when kforge is an executor):
     rms_norm(x, weight, eps=1e-6)      Hugging Face LlamaRMSNorm semantics
+    add_rms_norm(x, residual, weight, eps=1e-6, *, cast_before_weight=True) -> (s, y)
+        a Llama block's residual add and the RMSNorm after it: s = x + residual, y = RMSNorm(s);
+        cast_before_weight=True is LlamaRMSNorm's order (rms_norm above), False F.rms_norm's.
 
 Thunder symbols:
     kforge_rms_norm(x, weight, eps=1e-6) -> y
@@ -14,9 +17,18 @@ Thunder symbols:
         kforge._C.rmsnorm_backward also takes variant= (0, the default; 1, for tests, never the
         shared-memory ring kernel: the kernels for inputs the ring does not take); the operators
         use the default.
+    kforge_add_rms_norm(x, residual, weight, eps=1e-6, *, cast_before_weight=True) -> (s, y)
+        registered with `replaces=add_rms_norm`; decomposes into thunder.torch ops when declined.
+    kforge_add_rmsnorm_forward(x, residual, weight, eps, normalized_ndim, cast_before_weight)
+        -> (y, rstd, s): kforge._C.add_rmsnorm_forward, the add fused into the forward kernel (s is
+        eager's `x + residual`, bit for bit, and is what gets normalised).
+    kforge_add_rmsnorm_backward(dy, ds, s, weight, rstd, normalized_ndim, cast_before_weight)
+        -> (dx, dweight): kforge._C.rmsnorm_backward(..., dresidual=ds): dx = the norm's input
+        gradient + ds, rounded once; it is the gradient of both x and residual. ds may be None.
 
-Claims: `kforge_rms_norm` (the helper) and `thunder.torch.rms_norm` (F.rms_norm), forward and
-backward. Saved for backward: x, weight, rstd.
+Claims: `kforge_rms_norm` (the helper), `thunder.torch.rms_norm` (F.rms_norm) and
+`kforge_add_rms_norm` (the add helper), forward and backward. Saved for backward: x, weight, rstd
+(the add: s, weight, rstd; x and residual are not kept).
 
 `nn.RMSNorm` under Thunder's Dynamo path: Dynamo inlines `F.rms_norm` (a Python wrapper) into
 `torch.rms_norm`, which lightning-thunder 0.2.6 does not map; its splitter then hands the norm (and
@@ -32,6 +44,7 @@ from numbers import Number
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import thunder.torch as ltorch
 from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
@@ -62,7 +75,35 @@ def _rms_norm_like(x: TensorProxy, weight: TensorProxy, eps: float = 1e-6) -> Te
     hidden = ltorch.to(x, dtypes.float32)
     variance = ltorch.mean(ltorch.pow(hidden, 2), -1, keepdim=True)
     hidden = hidden * ltorch.rsqrt(variance + eps)
-    return weight * ltorch.to(hidden, x.dtype)
+    hidden = ltorch.to(hidden, x.dtype)
+    return hidden if weight is None else weight * hidden
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                 eps: float = 1e-6, *, cast_before_weight: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Llama block's residual add and the RMSNorm after it: returns (s, y), s = x + residual and
+    y = RMSNorm(s) over the last dim. cast_before_weight=True: Hugging Face LlamaRMSNorm's order (fp32
+    statistics, cast back to s's dtype, then the weight); False: torch F.rms_norm / nn.RMSNorm's
+    (the weight, then the cast). weight may be None.
+
+    Under `thunder.jit(..., executors=[kforge.executor, ...])` calls to this function become
+    `kforge_add_rms_norm` (one kernel for the add and the norm, and one for both their backwards)."""
+    s = x + residual
+    if not cast_before_weight:
+        return s, F.rms_norm(s, (s.shape[-1],), weight, eps)
+    hidden = s.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    hidden = hidden.to(s.dtype)
+    return s, hidden if weight is None else weight * hidden
+
+
+def _add_rms_norm_like(x: TensorProxy, residual: TensorProxy, weight: TensorProxy | None,
+                       eps: float = 1e-6, *, cast_before_weight: bool = True):
+    # add_rms_norm in thunder.torch ops: kforge_add_rms_norm's meta and its decomposition.
+    s = ltorch.add(x, residual)
+    if not cast_before_weight:
+        return s, ltorch.rms_norm(s, (s.shape[-1],), weight, eps)
+    return s, _rms_norm_like(s, weight, eps)
 
 
 # ---- kernel operators --------------------------------------------------------------------------------
@@ -75,11 +116,29 @@ def _backward_meta(dy, x, weight, rstd, normalized_ndim, cast_before_weight):
     return TensorProxy(like=x), None if weight is None else TensorProxy(like=weight)
 
 
+def _add_forward_meta(x, residual, weight, eps, normalized_ndim, cast_before_weight):
+    y, rstd = _forward_meta(x, weight, eps, normalized_ndim, cast_before_weight)
+    return y, rstd, TensorProxy(like=x)
+
+
+def _add_backward_meta(dy, ds, s, weight, rstd, normalized_ndim, cast_before_weight):
+    return _backward_meta(dy, s, weight, rstd, normalized_ndim, cast_before_weight)
+
+
+def _add_backward(dy, ds, s, weight, rstd, normalized_ndim, cast_before_weight):
+    # ds None: s has no other consumer (Thunder gave no gradient for it); then dx is the norm's alone.
+    return _C.rmsnorm_backward(dy, s, weight, rstd, normalized_ndim, cast_before_weight, dresidual=ds)
+
+
 rmsnorm_forward = operator("rmsnorm_forward", meta=_forward_meta, fn=_C.rmsnorm_forward)
 rmsnorm_backward = operator("rmsnorm_backward", meta=_backward_meta, fn=_C.rmsnorm_backward)
+add_rmsnorm_forward = operator("add_rmsnorm_forward", meta=_add_forward_meta, fn=_C.add_rmsnorm_forward)
+add_rmsnorm_backward = operator("add_rmsnorm_backward", meta=_add_backward_meta, fn=_add_backward)
 # fn: what a declined call runs when no gradient is needed (with one, thunder differentiates the
 # decomposition instead).
 kforge_rms_norm = operator("rms_norm", like=_rms_norm_like, fn=rms_norm, replaces=rms_norm)
+kforge_add_rms_norm = operator("add_rms_norm", like=_add_rms_norm_like, fn=add_rms_norm,
+                               replaces=add_rms_norm)
 
 
 def _map_torch_rms_norm() -> None:
@@ -132,6 +191,25 @@ def _check_rms_norm(x: Any, weight: Any, eps: float = 1e-6) -> str | None:
         or (None if x.ndim >= 1 else "x is 0-d")
         or _weight_problem(x, weight, (x.shape[-1],))
         or (_eps_problem(eps) if eps is not None else "eps is None")
+        or _row_problem(x, (x.shape[-1],))
+    )
+
+
+def _check_add_rms_norm(x: Any, residual: Any, weight: Any, eps: Any = 1e-6, *,
+                        cast_before_weight: Any = True) -> str | None:
+    problem = tensor_problem(x, "x") or (None if x.ndim >= 1 else "x is 0-d")
+    if problem:
+        return problem
+    if not isinstance(residual, TensorProxy):
+        return f"residual is {type(residual).__name__}, not a tensor"
+    if tuple(residual.shape) != tuple(x.shape):
+        return f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)} (no broadcasting)"
+    return (
+        same_dtype_device(x, residual, "residual")
+        or (None if weight is None else _weight_problem(x, weight, (x.shape[-1],)))
+        or (_eps_problem(eps) if eps is not None else "eps is None")
+        or (None if isinstance(cast_before_weight, bool)
+            else f"cast_before_weight must be a bool, got {type(cast_before_weight).__name__}")
         or _row_problem(x, (x.shape[-1],))
     )
 
@@ -189,7 +267,24 @@ def _f_rms_norm_grad(a, normalized_shape, weight=None, eps=None):
     return y
 
 
-_claims = [Claim(kforge_rms_norm, _check_rms_norm, _rms_norm_execution, _rms_norm_grad)]
+def _add_rms_norm_execution(x, residual, weight, eps=1e-6, *, cast_before_weight=True):
+    y, _, s = add_rmsnorm_forward(x, residual, weight, float(eps), 1, cast_before_weight)
+    return s, y
+
+
+def _add_rms_norm_grad(x, residual, weight, eps=1e-6, *, cast_before_weight=True):
+    y, rstd, s = add_rmsnorm_forward(x, residual, weight, float(eps), 1, cast_before_weight)
+    dx, dweight = add_rmsnorm_backward(get_grad(y), get_grad(s), s, weight, rstd, 1, cast_before_weight)
+    # s = x + residual: both get s's gradient, the norm's dx plus what s's other consumers sent.
+    put_grad(x, dx)
+    put_grad(residual, dx)
+    if weight is not None:
+        put_grad(weight, dweight)
+    return s, y
+
+
+_claims = [Claim(kforge_rms_norm, _check_rms_norm, _rms_norm_execution, _rms_norm_grad),
+           Claim(kforge_add_rms_norm, _check_add_rms_norm, _add_rms_norm_execution, _add_rms_norm_grad)]
 if hasattr(ltorch, "rms_norm"):  # thunder registers it when torch has F.rms_norm
     _claims.append(Claim(ltorch.rms_norm, _check_f_rms_norm, _f_rms_norm_execution, _f_rms_norm_grad))
 SPEC = OpSpec("rmsnorm", tuple(_claims))
@@ -197,7 +292,8 @@ SPEC = OpSpec("rmsnorm", tuple(_claims))
 
 # ---- benchmarks ---------------------------------------------------------------------------------------
 def bench_cases(dtype: torch.dtype, quick: bool) -> list:
-    """RMSNorm forward and backward at 8192 tokens x 4096 (Llama 3 8B), and 8192 x 768 unless quick."""
+    """RMSNorm forward and backward at 8192 tokens x 4096 (Llama 3 8B), and 8192 x 768 and the fused
+    residual add (add_rms_norm) at 8192 x 4096 unless quick."""
     from ..bench.cases import BenchCase
 
     eps = 1e-6
@@ -225,5 +321,30 @@ def bench_cases(dtype: torch.dtype, quick: bool) -> list:
             kforge=lambda x, w, dy, rstd, *_: _C.rmsnorm_backward(dy, x, w, rstd),
             eager=lambda x, w, dy, rstd, xr, wr, y: torch.autograd.grad(y, (xr, wr), dy, retain_graph=True),
             bytes=3 * rows * hidden * es + 2 * hidden * es + rows * 4,
+            compile_ok=False))
+    if not quick:  # the residual add fused in: one more read and one more write per element each way
+        rows, hidden = 8192, 4096
+        es = torch.tensor([], dtype=dtype).element_size()
+
+        def make_add():
+            x, r, ds, dy = (torch.randn(rows, hidden, device="cuda", dtype=dtype) for _ in range(4))
+            w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+            _, rstd, s = _C.add_rmsnorm_forward(x, r, w, eps)
+            xr, rr, wr = (t.detach().requires_grad_() for t in (x, r, w))
+            out = add_rms_norm(xr, rr, wr, eps)  # eager graph, for the eager backward
+            return x, r, w, dy, ds, rstd, s, xr, rr, wr, out
+
+        shape = f"{rows}x{hidden}+residual"
+        cases.append(BenchCase(
+            "rmsnorm", "fwd", shape, make_add,
+            kforge=lambda x, r, w, *_: _C.add_rmsnorm_forward(x, r, w, eps),
+            eager=lambda x, r, w, *_: add_rms_norm(x, r, w, eps),
+            bytes=4 * rows * hidden * es + hidden * es + rows * 4))
+        cases.append(BenchCase(
+            "rmsnorm", "bwd", shape, make_add,
+            kforge=lambda x, r, w, dy, ds, rstd, s, *_: _C.rmsnorm_backward(dy, s, w, rstd, dresidual=ds),
+            eager=lambda x, r, w, dy, ds, rstd, s, xr, rr, wr, out: torch.autograd.grad(
+                out, (xr, rr, wr), (ds, dy), retain_graph=True),
+            bytes=4 * rows * hidden * es + 2 * hidden * es + rows * 4,
             compile_ok=False))
     return cases
