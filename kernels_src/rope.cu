@@ -1,6 +1,8 @@
 // rope: rotary position embedding of q (B, Hq, T, D) and k (B, Hkv, T, D) in one launch, from cos/sin
-// tables; outputs are contiguous (B, H, T, D). Nothing is saved for backward but the tables: backward
-// is the transposed rotation (rotation by -theta) of the output gradients, by the same kernel.
+// tables. Inputs and outputs are read and written at any (b, h, t) strides with a dense last dim: the
+// launcher gives each output its input's layout where that is token-major ((B, T, H, D) in memory),
+// else contiguous (B, H, T, D). Nothing is saved for backward but the tables: backward is the
+// transposed rotation (rotation by -theta) of the output gradients, by the same kernel.
 //
 // Two layouts of a head row x (D elements, D even), with c / s the token's cos / sin table row:
 // - rotate_half (HF, GPT-NeoX, litgpt): out = x * c + rotate_half(x) * s, rotate_half(x) =
@@ -64,15 +66,16 @@ struct HeadRow {
   const T* src;
   T* dst;
 };
+// qs* / ks*: the (b, h, t) strides of q / k, qo* / ko*: those of q_out / k_out (elements).
 template <typename T>
 KF_DEVICE HeadRow<T> head_row(int hh, const T* q, const T* k, T* q_out, T* k_out, long long b,
-                              long long t, int Tn, int Hq, int Hkv, int D, long long qsb,
-                              long long qsh, long long qst, long long ksb, long long ksh,
-                              long long kst) {
-  if (hh < Hq)
-    return {q + b * qsb + hh * qsh + t * qst, q_out + ((b * Hq + hh) * Tn + t) * D};
+                              long long t, int Hq, long long qsb, long long qsh, long long qst,
+                              long long ksb, long long ksh, long long kst, long long qob,
+                              long long qoh, long long qot, long long kob, long long koh,
+                              long long kot) {
+  if (hh < Hq) return {q + b * qsb + hh * qsh + t * qst, q_out + b * qob + hh * qoh + t * qot};
   const int h = hh - Hq;
-  return {k + b * ksb + h * ksh + t * kst, k_out + ((b * Hkv + h) * Tn + t) * D};
+  return {k + b * ksb + h * ksh + t * kst, k_out + b * kob + h * koh + t * kot};
 }
 
 // W elements of a head row, kept packed in registers until used: one 16-byte access when W is a
@@ -104,9 +107,11 @@ constexpr int kHeadsInFlight = 4;
 // rotate_half layout, chunks of W elements from each half (W = V when `vec`, else 1).
 template <int W, typename T, typename C>
 KF_DEVICE void rope_half_token(const T* q, const T* k, T* q_out, T* k_out, const C* cr, const C* sr,
-                               bool bad, long long b, long long t, int Tn, int Hq, int Hkv, int D,
+                               bool bad, long long b, long long t, int Hq, int Hkv, int D,
                                long long qsb, long long qsh, long long qst, long long ksb,
-                               long long ksh, long long kst, int inverse, int tvec) {
+                               long long ksh, long long kst, long long qob, long long qoh,
+                               long long qot, long long kob, long long koh, long long kot,
+                               int inverse, int tvec) {
   constexpr int U = kHeadsInFlight;
   const int H = Hq + Hkv, half = D / 2, nchunk = half / W;
   for (int c = threadIdx.x; c < nchunk; c += blockDim.x) {
@@ -131,8 +136,8 @@ KF_DEVICE void rope_half_token(const T* q, const T* k, T* q_out, T* k_out, const
       for (int u = 0; u < U; ++u) {
         const int hh = h0 + u * blockDim.y;
         if (hh < H) {
-          const HeadRow<T> r = head_row(hh, q, k, q_out, k_out, b, t, Tn, Hq, Hkv, D, qsb, qsh, qst,
-                                        ksb, ksh, kst);
+          const HeadRow<T> r = head_row(hh, q, k, q_out, k_out, b, t, Hq, qsb, qsh, qst, ksb, ksh,
+                                        kst, qob, qoh, qot, kob, koh, kot);
           lo[u] = load_part<W>(r.src + i0);
           hi[u] = load_part<W>(r.src + half + i0);
         }
@@ -148,8 +153,8 @@ KF_DEVICE void rope_half_token(const T* q, const T* k, T* q_out, T* k_out, const
             olo.set(j, a * c_lo[j] - bb * s_lo[j]);
             ohi.set(j, bb * c_hi[j] + a * s_hi[j]);
           }
-          const HeadRow<T> r = head_row(hh, q, k, q_out, k_out, b, t, Tn, Hq, Hkv, D, qsb, qsh, qst,
-                                        ksb, ksh, kst);
+          const HeadRow<T> r = head_row(hh, q, k, q_out, k_out, b, t, Hq, qsb, qsh, qst, ksb, ksh,
+                                        kst, qob, qoh, qot, kob, koh, kot);
           store_part<W>(r.dst + i0, olo);
           store_part<W>(r.dst + half + i0, ohi);
         }
@@ -161,9 +166,11 @@ KF_DEVICE void rope_half_token(const T* q, const T* k, T* q_out, T* k_out, const
 // Interleaved layout, chunks of W elements = W / 2 pairs (W = V when `vec`, else 2).
 template <int W, typename T, typename C>
 KF_DEVICE void rope_pairs_token(const T* q, const T* k, T* q_out, T* k_out, const C* cr, const C* sr,
-                                bool bad, long long b, long long t, int Tn, int Hq, int Hkv, int D,
+                                bool bad, long long b, long long t, int Hq, int Hkv, int D,
                                 long long qsb, long long qsh, long long qst, long long ksb,
-                                long long ksh, long long kst, int inverse, int tvec) {
+                                long long ksh, long long kst, long long qob, long long qoh,
+                                long long qot, long long kob, long long koh, long long kot,
+                                int inverse, int tvec) {
   constexpr int P = W / 2, U = kHeadsInFlight;
   const int H = Hq + Hkv, nchunk = D / W;
   for (int c = threadIdx.x; c < nchunk; c += blockDim.x) {
@@ -182,8 +189,8 @@ KF_DEVICE void rope_pairs_token(const T* q, const T* k, T* q_out, T* k_out, cons
       for (int u = 0; u < U; ++u) {
         const int hh = h0 + u * blockDim.y;
         if (hh < H)
-          x[u] = load_part<W>(head_row(hh, q, k, q_out, k_out, b, t, Tn, Hq, Hkv, D, qsb, qsh, qst,
-                                       ksb, ksh, kst).src + i0);
+          x[u] = load_part<W>(head_row(hh, q, k, q_out, k_out, b, t, Hq, qsb, qsh, qst, ksb, ksh, kst,
+                                       qob, qoh, qot, kob, koh, kot).src + i0);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -196,8 +203,8 @@ KF_DEVICE void rope_pairs_token(const T* q, const T* k, T* q_out, T* k_out, cons
             out.set(2 * p, x0 * cs[p] - x1 * sn[p]);
             out.set(2 * p + 1, x0 * sn[p] + x1 * cs[p]);
           }
-          store_part<W>(head_row(hh, q, k, q_out, k_out, b, t, Tn, Hq, Hkv, D, qsb, qsh, qst, ksb,
-                                 ksh, kst).dst + i0, out);
+          store_part<W>(head_row(hh, q, k, q_out, k_out, b, t, Hq, qsb, qsh, qst, ksb, ksh, kst, qob,
+                                 qoh, qot, kob, koh, kot).dst + i0, out);
         }
       }
     }
@@ -223,8 +230,9 @@ template <typename T, typename C>
 KF_DEVICE void rope_body(const T* q, const T* k, T* q_out, T* k_out, const C* cos, const C* sin,
                          const long long* pos, int Tn, int Hq, int Hkv, int D, long long qsb,
                          long long qsh, long long qst, long long ksb, long long ksh, long long kst,
-                         int tab_batched, long long n_pos, long long pos_sb, int interleaved,
-                         int inverse, int vec, int tvec) {
+                         long long qob, long long qoh, long long qot, long long kob, long long koh,
+                         long long kot, int tab_batched, long long n_pos, long long pos_sb,
+                         int interleaved, int inverse, int vec, int tvec) {
   constexpr int V = Pack128<T>::size;
   const long long tok = blockIdx.x;
   const long long b = tok / Tn, t = tok - b * Tn;
@@ -235,33 +243,35 @@ KF_DEVICE void rope_body(const T* q, const T* k, T* q_out, T* k_out, const C* co
   const C* sr = sin + trow * Dc;
   if (interleaved) {
     if (vec)
-      rope_pairs_token<V>(q, k, q_out, k_out, cr, sr, bad, b, t, Tn, Hq, Hkv, D, qsb, qsh, qst, ksb,
-                          ksh, kst, inverse, tvec);
+      rope_pairs_token<V>(q, k, q_out, k_out, cr, sr, bad, b, t, Hq, Hkv, D, qsb, qsh, qst, ksb, ksh,
+                          kst, qob, qoh, qot, kob, koh, kot, inverse, tvec);
     else
-      rope_pairs_token<2>(q, k, q_out, k_out, cr, sr, bad, b, t, Tn, Hq, Hkv, D, qsb, qsh, qst, ksb,
-                          ksh, kst, inverse, 0);
+      rope_pairs_token<2>(q, k, q_out, k_out, cr, sr, bad, b, t, Hq, Hkv, D, qsb, qsh, qst, ksb, ksh,
+                          kst, qob, qoh, qot, kob, koh, kot, inverse, 0);
   } else {
     if (vec)
-      rope_half_token<V>(q, k, q_out, k_out, cr, sr, bad, b, t, Tn, Hq, Hkv, D, qsb, qsh, qst, ksb,
-                         ksh, kst, inverse, tvec);
+      rope_half_token<V>(q, k, q_out, k_out, cr, sr, bad, b, t, Hq, Hkv, D, qsb, qsh, qst, ksb, ksh,
+                         kst, qob, qoh, qot, kob, koh, kot, inverse, tvec);
     else
-      rope_half_token<1>(q, k, q_out, k_out, cr, sr, bad, b, t, Tn, Hq, Hkv, D, qsb, qsh, qst, ksb,
-                         ksh, kst, inverse, 0);
+      rope_half_token<1>(q, k, q_out, k_out, cr, sr, bad, b, t, Hq, Hkv, D, qsb, qsh, qst, ksb, ksh,
+                         kst, qob, qoh, qot, kob, koh, kot, inverse, 0);
   }
 }
 
-// Tables stored as T.
+// Tables stored as T. qs* / ks*: input strides, qo* / ko*: output strides, over (b, h, t).
 template <typename T>
 __global__ void rope_kernel(const T* __restrict__ q, const T* __restrict__ k, T* __restrict__ q_out,
                             T* __restrict__ k_out, const T* __restrict__ cos,
                             const T* __restrict__ sin, const long long* __restrict__ pos, int Tn,
                             int Hq, int Hkv, int D, long long qsb, long long qsh, long long qst,
-                            long long ksb, long long ksh, long long kst, int tab_batched,
-                            long long n_pos, long long pos_sb, int interleaved, int inverse, int vec,
-                            int tvec) {
+                            long long ksb, long long ksh, long long kst, long long qob,
+                            long long qoh, long long qot, long long kob, long long koh,
+                            long long kot, int tab_batched, long long n_pos, long long pos_sb,
+                            int interleaved, int inverse, int vec, int tvec) {
   kf_wait_prior_grids();
   rope_body<T, T>(q, k, q_out, k_out, cos, sin, pos, Tn, Hq, Hkv, D, qsb, qsh, qst, ksb, ksh, kst,
-                  tab_batched, n_pos, pos_sb, interleaved, inverse, vec, tvec);
+                  qob, qoh, qot, kob, koh, kot, tab_batched, n_pos, pos_sb, interleaved, inverse,
+                  vec, tvec);
 }
 
 // Tables stored as fp32 (bf16 / fp16 q and k).
@@ -271,12 +281,14 @@ __global__ void rope_f32tab_kernel(const T* __restrict__ q, const T* __restrict_
                                    const float* __restrict__ cos, const float* __restrict__ sin,
                                    const long long* __restrict__ pos, int Tn, int Hq, int Hkv, int D,
                                    long long qsb, long long qsh, long long qst, long long ksb,
-                                   long long ksh, long long kst, int tab_batched, long long n_pos,
-                                   long long pos_sb, int interleaved, int inverse, int vec,
-                                   int tvec) {
+                                   long long ksh, long long kst, long long qob, long long qoh,
+                                   long long qot, long long kob, long long koh, long long kot,
+                                   int tab_batched, long long n_pos, long long pos_sb,
+                                   int interleaved, int inverse, int vec, int tvec) {
   kf_wait_prior_grids();
   rope_body<T, float>(q, k, q_out, k_out, cos, sin, pos, Tn, Hq, Hkv, D, qsb, qsh, qst, ksb, ksh,
-                      kst, tab_batched, n_pos, pos_sb, interleaved, inverse, vec, tvec);
+                      kst, qob, qoh, qot, kob, koh, kot, tab_batched, n_pos, pos_sb, interleaved,
+                      inverse, vec, tvec);
 }
 
 // ---- tiled kernel (16-byte aligned rows and tables) ---------------------------------------------
@@ -331,7 +343,8 @@ template <typename T> KF_DEVICE void st16(T* p, const uint4& v) { *reinterpret_c
 // is elements [cV, cV + V) of the first half *and* the same of the second half, so one thread holds
 // both members of its rotated pairs; interleaved: elements [cV, cV + V), V / 2 pairs), threadIdx.y
 // over a tile of by consecutive tokens. blockIdx.y is a group of U consecutive heads of q (groups
-// 0 .. gq - 1) or of k (the rest), never both, so a group has one base pointer and one head stride;
+// 0 .. gq - 1) or of k (the rest), never both, so a group has one base pointer and one head stride
+// per side (input and output);
 // blockIdx.x walks the token tiles with a grid stride (the launcher gives each block one tile). Per (token, chunk) a thread issues the 16-byte loads of its U
 // heads (2U for rotate_half) and of its token's table chunk (once for the U heads) back to back, and
 // only then converts and rotates, table element outer and head inner, results written over their
@@ -344,8 +357,9 @@ KF_DEVICE void rope_tile_body(const T* __restrict__ q, const T* __restrict__ k, 
                               const C* __restrict__ sin, const long long* __restrict__ pos, int ntok,
                               int Tn, int Hq, int Hkv, int D, long long qsb, long long qsh,
                               long long qst, long long ksb, long long ksh, long long kst,
-                              int tab_batched, long long n_pos, long long pos_sb, int inverse,
-                              int ntiles, int gq) {
+                              long long qob, long long qoh, long long qot, long long kob,
+                              long long koh, long long kot, int tab_batched, long long n_pos,
+                              long long pos_sb, int inverse, int ntiles, int gq) {
   constexpr int V = Pack128<T>::size, E = 4 / (int)sizeof(T);
   const int half = D / 2, Dc = IL ? half : D;
   const bool isq = (int)blockIdx.y < gq;
@@ -355,14 +369,14 @@ KF_DEVICE void rope_tile_body(const T* __restrict__ q, const T* __restrict__ k, 
   const T* src0 = isq ? q : k;
   T* dst0 = isq ? q_out : k_out;
   const long long sb = isq ? qsb : ksb, sh = isq ? qsh : ksh, st = isq ? qst : kst;
-  const long long dsh = (long long)Tn * D;
+  const long long ob = isq ? qob : kob, oh = isq ? qoh : koh, ot = isq ? qot : kot;
   const float qnan = __int_as_float(0x7fffffff);
   for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
     const int tok = tile * (int)blockDim.y + (int)threadIdx.y;
     if (tok >= ntok) break;  // later tiles only hold later tokens
     const int b = tok / Tn, t = tok - b * Tn;
     const T* src = src0 + b * sb + t * st + h0 * sh;
-    T* dst = dst0 + (((long long)b * Hn + h0) * Tn + t) * D;
+    T* dst = dst0 + b * ob + t * ot + h0 * oh;
     const int i0 = threadIdx.x * V;  // blockDim.x is the row's chunk count
     // 1. the data loads of the U heads (pointers stepped per head: no per-head 64-bit products)
     uint4 x0[U], x1[U];  // rotate_half: first / second half chunks; interleaved: x0 only
@@ -429,7 +443,7 @@ KF_DEVICE void rope_tile_body(const T* __restrict__ q, const T* __restrict__ k, 
           st16(o, x0[u]);
           st16(o + half, x1[u]);
         }
-        o += dsh;
+        o += oh;
       }
     } else {
       constexpr int P = V / 2;
@@ -457,7 +471,7 @@ KF_DEVICE void rope_tile_body(const T* __restrict__ q, const T* __restrict__ k, 
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (u <= last) st16(o, x0[u]);
-        o += dsh;
+        o += oh;
       }
     }
   }
@@ -472,11 +486,13 @@ __global__ void __launch_bounds__(256, 2)
                      T* __restrict__ k_out, const T* __restrict__ cos, const T* __restrict__ sin,
                      const long long* __restrict__ pos, int ntok, int Tn, int Hq, int Hkv, int D,
                      long long qsb, long long qsh, long long qst, long long ksb, long long ksh,
-                     long long kst, int tab_batched, long long n_pos, long long pos_sb, int inverse,
-                     int ntiles, int gq) {
+                     long long kst, long long qob, long long qoh, long long qot, long long kob,
+                     long long koh, long long kot, int tab_batched, long long n_pos,
+                     long long pos_sb, int inverse, int ntiles, int gq) {
   kf_wait_prior_grids();
   rope_tile_body<T, T, U, IL>(q, k, q_out, k_out, cos, sin, pos, ntok, Tn, Hq, Hkv, D, qsb, qsh, qst,
-                              ksb, ksh, kst, tab_batched, n_pos, pos_sb, inverse, ntiles, gq);
+                              ksb, ksh, kst, qob, qoh, qot, kob, koh, kot, tab_batched, n_pos,
+                              pos_sb, inverse, ntiles, gq);
 }
 
 // Tables stored as fp32 (bf16 / fp16 q and k).
@@ -487,10 +503,11 @@ __global__ void __launch_bounds__(256, 2)
                             const float* __restrict__ sin, const long long* __restrict__ pos,
                             int ntok, int Tn, int Hq, int Hkv, int D, long long qsb, long long qsh,
                             long long qst, long long ksb, long long ksh, long long kst,
-                            int tab_batched, long long n_pos, long long pos_sb, int inverse,
-                            int ntiles, int gq) {
+                            long long qob, long long qoh, long long qot, long long kob,
+                            long long koh, long long kot, int tab_batched, long long n_pos,
+                            long long pos_sb, int inverse, int ntiles, int gq) {
   kf_wait_prior_grids();
   rope_tile_body<T, float, U, IL>(q, k, q_out, k_out, cos, sin, pos, ntok, Tn, Hq, Hkv, D, qsb, qsh,
-                                  qst, ksb, ksh, kst, tab_batched, n_pos, pos_sb, inverse, ntiles,
-                                  gq);
+                                  qst, ksb, ksh, kst, qob, qoh, qot, kob, koh, kot, tab_batched,
+                                  n_pos, pos_sb, inverse, ntiles, gq);
 }

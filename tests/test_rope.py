@@ -3,8 +3,9 @@
 GPU: forward and backward (dq, dk) against a float64 reference (complex multiplication for the
 interleaved layout), every table layout, position_ids, GQA head counts, odd / strided / misaligned
 inputs, invalid positions, both kernels (tiled, and per-token for unaligned rows / tables and odd
-D / 2), thunder.jit traces. CPU: checker declines, thunder.jit fallback, helper
-semantics (HF and Meta references), launcher errors.
+D / 2), thunder.jit traces; output layouts (token-major in, token-major out; anything else,
+contiguous), on a side stream and in a CUDA graph. CPU: checker declines, thunder.jit fallback,
+helper semantics (HF and Meta references), launcher errors, NVRTC compiles for sm_80 / sm_90.
 """
 from __future__ import annotations
 
@@ -58,18 +59,67 @@ def tables(kind, B, T, D, interleaved, dtype, device="cuda"):
     return (amp * ang.cos()).to(device, dtype), (amp * ang.sin()).to(device, dtype), pos
 
 
+def token_major(B, H, T, D, dtype=torch.float32):
+    """Random (B, H, T, D) laid out (B, T, H, D) in memory, as x.view(B, T, H, D).transpose(1, 2) of
+    a linear's output leaves a Llama's q and k."""
+    return randn(B, T, H, D, dtype=dtype).transpose(1, 2)
+
+
+def token_major_strides(B, H, T, D):
+    return (T * H * D, D, H * D, 1)
+
+
+def contiguous_strides(B, H, T, D):
+    return (H * T * D, T * D, D, 1)
+
+
+def out_strides(x):
+    """The strides rope gives the output for input x (B, H, T, D): x's when x is token-major and not
+    also contiguous (T or H of 1), else contiguous (B, H, T, D)'s (a strided last dim, a slice of a
+    fused projection or any other permutation included)."""
+    if not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
+        return token_major_strides(*x.shape)
+    return contiguous_strides(*x.shape)
+
+
+def laid_out_as(x, ref):
+    """A copy of x with ref's strides."""
+    return torch.empty_strided(ref.shape, ref.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
+def assert_layout(out, x, what):
+    """out has the layout rope promises for input x, and fills its whole allocation, every element
+    written (outputs start NaN-poisoned; the inputs and tables of these tests are finite)."""
+    want = out_strides(x)
+    assert out.stride() == want, f"{what}: strides {out.stride()}, want {want} for input {x.stride()}"
+    nbytes = out.untyped_storage().nbytes()
+    assert out.storage_offset() == 0 and nbytes == out.numel() * out.element_size(), what
+    assert torch.isfinite(out.as_strided((out.numel(),), (1,))).all(), f"{what}: unwritten elements"
+
+
 # The tiled kernel takes 16-byte aligned rows and table rows; the per-token kernel the rest.
-def check(q, k, cos, sin, interleaved, pos, what=""):
+# grads="outputs": output gradients in q_rot's / k_rot's layout (what attention's backward hands
+# back); "contiguous": contiguous whatever the outputs' layout.
+def check(q, k, cos, sin, interleaved, pos, what="", grads="outputs"):
     dtype = q.dtype
+    q_in, k_in = q.clone(), k.clone()
     q_rot, k_rot = kforge._C.rope_forward(q, k, cos, sin, pos, interleaved)
     q64 = q.detach().double().requires_grad_()
     k64 = k.detach().double().requires_grad_()
     rq, rk = reference(q64, cos, sin, interleaved, pos), reference(k64, cos, sin, interleaved, pos)
-    assert q_rot.dtype == dtype and q_rot.shape == q.shape and q_rot.is_contiguous()
+    assert q_rot.dtype == dtype and q_rot.shape == q.shape and k_rot.shape == k.shape
+    assert_layout(q_rot, q, f"q_rot {what}")
+    assert_layout(k_rot, k, f"k_rot {what}")
+    assert torch.equal(q, q_in) and torch.equal(k, k_in), f"{what}: inputs modified"
     assert_close(q_rot, rq, dtype, f"q_rot {what}")
     assert_close(k_rot, rk, dtype, f"k_rot {what}")
     gq, gk = randn(*q.shape, dtype=dtype), randn(*k.shape, dtype=dtype)
+    if grads == "outputs":
+        gq, gk = laid_out_as(gq, q_rot), laid_out_as(gk, k_rot)
     dq, dk = kforge._C.rope_backward(gq, gk, cos, sin, pos, interleaved)
+    assert dq.dtype == dtype and dq.shape == q.shape and dk.shape == k.shape
+    assert_layout(dq, gq, f"dq {what}")
+    assert_layout(dk, gk, f"dk {what}")
     torch.autograd.backward((rq, rk), (gq.double(), gk.double()))
     assert_close(dq, q64.grad, dtype, f"dq {what}")
     assert_close(dk, k64.grad, dtype, f"dk {what}")
@@ -150,17 +200,128 @@ def test_strided_and_misaligned_inputs(dtype, interleaved):
     check(q, k, cbuf, sin, interleaved, pos.int(), "int32 ids, misaligned cos")
 
 
+# (B, Hq, Hkv, T, D, table layout) for token-major q and k: tiled kernel with partial head groups
+# and odd T (tiles crossing batch rows), D 96; D / 2 odd (D 6, 10): the per-token element-wise
+# kernel. With T or H of 1 token-major is also contiguous, and the output contiguous (k of 1 head,
+# T 1).
+TOKEN_MAJOR_CASES = [
+    (2, 8, 2, 17, 128, "bt"),
+    (3, 6, 1, 33, 64, "pos"),
+    (2, 12, 3, 7, 96, "1t"),
+    (2, 2, 1, 5, 6, "pos1"),
+    (1, 3, 1, 9, 10, "posT"),
+    (2, 4, 2, 1, 64, "t"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("table_dtype", ["same", "float32"])
+@pytest.mark.parametrize("case", TOKEN_MAJOR_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_token_major_outputs_stay_token_major(dtype, interleaved, case, table_dtype):
+    B, Hq, Hkv, T, D, kind = case
+    cos, sin, pos = tables(kind, B, T, D, interleaved, dtype if table_dtype == "same" else torch.float32)
+    q, k = token_major(B, Hq, T, D, dtype), token_major(B, Hkv, T, D, dtype)
+    # check() asserts the layouts: forward in q's / k's, backward in the output gradients'.
+    check(q, k, cos, sin, interleaved, pos, f"token-major {case}")
+    check(q, k, cos, sin, interleaved, pos, f"token-major {case}, contiguous grads", grads="contiguous")
+    q_rot, k_rot = kforge._C.rope_forward(q, k, cos, sin, pos, interleaved)
+    dq, dk = kforge._C.rope_backward(q_rot, k_rot, cos, sin, pos, interleaved)
+    for out, H in ((q_rot, Hq), (dq, Hq), (k_rot, Hkv), (dk, Hkv)):
+        want = (token_major_strides if T > 1 and H > 1 else contiguous_strides)(B, H, T, D)
+        assert out.stride() == want, f"strides {out.stride()}, want {want}"
+    # The head merge is a view, as it is of attention's output then.
+    assert q_rot.transpose(1, 2).view(B, T, Hq * D).data_ptr() == q_rot.data_ptr()
+    # Each output follows its own input: token-major q with contiguous k, and the reverse.
+    kc = k.contiguous()
+    check(q, kc, cos, sin, interleaved, pos, f"token-major q, contiguous k {case}")
+    check(q.contiguous(), k, cos, sin, interleaved, pos, f"contiguous q, token-major k {case}")
+
+
+@gpu
+@each_dtype_layout
+def test_token_major_with_misaligned_tables(dtype, interleaved):
+    # Token-major rows, tables off 16-byte boundaries: the per-token kernel's 16-byte row path with
+    # element-wise table loads; fp32 tables on 16-bit q too.
+    B, Hq, Hkv, T, D = 2, 8, 2, 11, 64
+    for table_dtype in {dtype, torch.float32}:
+        cos, sin, pos = tables("pos", B, T, D, interleaved, table_dtype)
+        cbuf = torch.cat((cos.new_zeros(1), cos.flatten()))[1:].view(cos.shape)
+        q, k = token_major(B, Hq, T, D, dtype), token_major(B, Hkv, T, D, dtype)
+        check(q, k, cbuf, sin, interleaved, pos, f"misaligned cos, {table_dtype} tables")
+
+
+@gpu
+@each_dtype_layout
+def test_other_layouts_give_contiguous_outputs(dtype, interleaved):
+    B, Hq, Hkv, T, D = 2, 4, 2, 9, 64
+    cos, sin, pos = tables("bt", B, T, D, interleaved, dtype)
+    # q, k, v split from a fused (B, T, (Hq + 2 Hkv) D) projection: token-major but not dense.
+    qkv = randn(B, T, Hq + 2 * Hkv, D, dtype=dtype).transpose(1, 2)
+    q, k = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv]
+    check(q, k, cos, sin, interleaved, None, "fused qkv slices")
+    # Every other token of a longer sequence: not dense.
+    q = token_major(B, Hq, 2 * T, D, dtype)[:, :, ::2]
+    k = token_major(B, Hkv, T + 3, D, dtype)[:, :, 1:T + 1]
+    check(q, k, cos, sin, interleaved, None, "token slices")
+    # Dense, but heads outermost ((H, B, T, D) in memory): not token-major.
+    q = randn(Hq, B, T, D, dtype=dtype).permute(1, 0, 2, 3)
+    k = randn(Hkv, B, T, D, dtype=dtype).permute(1, 0, 2, 3)
+    check(q, k, cos, sin, interleaved, None, "heads outermost")
+    for x in (q, k):
+        assert kforge._C.rope_forward(x, x, cos, sin, None, interleaved)[0].is_contiguous()
+    # Contiguous in, contiguous out (the other tests check it for every case too).
+    q, k = randn(B, Hq, T, D, dtype=dtype), randn(B, Hkv, T, D, dtype=dtype)
+    for out in kforge._C.rope_forward(q, k, cos, sin, None, interleaved):
+        assert out.is_contiguous()
+
+
+@gpu
+@pytest.mark.parametrize("D, interleaved", [(128, False), (10, True)], ids=["tiled", "per-token"])
+def test_token_major_side_stream_and_cuda_graph_capture(D, interleaved):
+    """Token-major outputs on a side stream and from a replayed CUDA graph: same layout, and the
+    values of a plain launch (the rotation is linear, so -q rotates to exactly -rope(q))."""
+    B, Hq, Hkv, T, dtype = 2, 8, 2, 9, torch.bfloat16
+    cos, sin, pos = tables("pos", B, T, D, interleaved, dtype)
+    q, k = token_major(B, Hq, T, D, dtype), token_major(B, Hkv, T, D, dtype)
+    fq, fk = kforge._C.rope_forward(q, k, cos, sin, pos, interleaved)  # loaded before capture
+    bq, bk = kforge._C.rope_backward(fq, fk, cos, sin, pos, interleaved)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = q * 2  # a kernel right before rope's on the same stream
+        side = kforge._C.rope_forward(y, k, cos, sin, pos, interleaved)
+        side_bwd = kforge._C.rope_backward(*side, cos, sin, pos, interleaved)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cq, ck = kforge._C.rope_forward(q, k, cos, sin, pos, interleaved)
+        dq, dk = kforge._C.rope_backward(cq, ck, cos, sin, pos, interleaved)
+    q.mul_(-1)  # replay must see the new values
+    graph.replay()
+    torch.cuda.synchronize()
+    for out, H in ((cq, Hq), (ck, Hkv), (dq, Hq), (dk, Hkv), (side[0], Hq), (side_bwd[0], Hq)):
+        assert out.stride() == token_major_strides(B, H, T, D)
+    assert torch.equal(cq, -fq) and torch.equal(ck, fk)
+    assert torch.equal(dq, -bq) and torch.equal(dk, bk)
+    assert_close(side[0], 2 * fq.double(), dtype, "side stream q_rot")
+    assert_close(side_bwd[0], 2 * bq.double(), dtype, "side stream dq")
+
+
 @gpu
 @each_dtype_layout
 def test_invalid_positions_give_nan_rows(dtype, interleaved):
     B, Hq, Hkv, T, D = 1, 2, 1, 4, 16
     cos, sin, _ = tables("t", 1, 8, D, interleaved, torch.float32)  # 8 positions
     pos = torch.tensor([[0, 8, -1, 7]], device="cuda")
-    q, k = randn(B, Hq, T, D, dtype=dtype), randn(B, Hkv, T, D, dtype=dtype)
     bad = torch.tensor([False, True, True, False], device="cuda")
-    for fn in (kforge._C.rope_forward, kforge._C.rope_backward):
-        for out in fn(q, k, cos, sin, pos, interleaved):
-            assert torch.isnan(out[:, :, bad]).all() and torch.isfinite(out[:, :, ~bad]).all()
+    contiguous = randn(B, Hq, T, D, dtype=dtype), randn(B, Hkv, T, D, dtype=dtype)
+    for q, k in (contiguous, (token_major(B, Hq, T, D, dtype), token_major(B, Hkv, T, D, dtype))):
+        for fn in (kforge._C.rope_forward, kforge._C.rope_backward):
+            for x, out in zip((q, k), fn(q, k, cos, sin, pos, interleaved)):
+                assert out.stride() == out_strides(x)
+                assert torch.isnan(out[:, :, bad]).all() and torch.isfinite(out[:, :, ~bad]).all()
 
 
 @gpu
@@ -210,6 +371,47 @@ def test_thunder_jit(dtype, interleaved, kind):
     q = randn(B, T, Hq, D, dtype=dtype).transpose(1, 2).requires_grad_()
     k = randn(B, Hkv, T, D, dtype=dtype).requires_grad_()
     check_jit_matches_eager(fn, [q, k], dtype, "kforge_rope_forward", "kforge_rope_backward", ["q", "k", "dq", "dk"])
+
+
+@gpu
+@pytest.mark.parametrize("table_dtype", ["same", "float32"])
+@pytest.mark.parametrize("kind", ["1t", "pos"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_thunder_jit_token_major(dtype, interleaved, kind, table_dtype):
+    """Through thunder.jit and its autograd: token-major q / k give token-major q_rot / k_rot, and
+    token-major output gradients (as attention's backward returns them) give token-major dq / dk,
+    seen by hooks on q and k before accumulation."""
+    B, Hq, Hkv, T, D = 2, 8, 2, 13, 64
+    cos, sin, pos = tables(kind, B, T, D, interleaved, dtype if table_dtype == "same" else torch.float32)
+    q = token_major(B, Hq, T, D, dtype).requires_grad_()
+    k = token_major(B, Hkv, T, D, dtype).requires_grad_()
+    grads = {}
+    q.register_hook(lambda g: grads.__setitem__("dq", g))
+    k.register_hook(lambda g: grads.__setitem__("dk", g))
+
+    def fn(q, k):
+        return op.apply_rope(q, k, cos, sin, interleaved, pos)
+
+    jf = thunder.jit(fn, executors=[kforge.executor])
+    q_rot, k_rot = jf(q, k)
+    gq, gk = token_major(B, Hq, T, D, dtype), token_major(B, Hkv, T, D, dtype)
+    torch.autograd.backward((q_rot, k_rot), (gq, gk))
+    assert "kforge_rope_forward" in symbol_names(thunder.last_traces(jf)[-1])
+    assert "kforge_rope_backward" in symbol_names(thunder.last_backward_traces(jf)[-1])
+    for t, H, what in ((q_rot, Hq, "q_rot"), (k_rot, Hkv, "k_rot"), (grads["dq"], Hq, "dq"),
+                       (grads["dk"], Hkv, "dk")):
+        assert t.stride() == token_major_strides(B, H, T, D), f"{what}: strides {t.stride()}"
+    q64 = q.detach().double().requires_grad_()
+    k64 = k.detach().double().requires_grad_()
+    rq, rk = reference(q64, cos, sin, interleaved, pos), reference(k64, cos, sin, interleaved, pos)
+    torch.autograd.backward((rq, rk), (gq.double(), gk.double()))
+    assert_close(q_rot, rq, dtype, "q_rot")
+    assert_close(k_rot, rk, dtype, "k_rot")
+    assert_close(grads["dq"], q64.grad, dtype, "dq")
+    assert_close(grads["dk"], k64.grad, dtype, "dk")
+    assert_close(q.grad, q64.grad, dtype, "q.grad")
+    assert_close(k.grad, k64.grad, dtype, "k.grad")
 
 
 # ---- CPU: checker, fallback, helper semantics, launcher errors ------------------------------------------
@@ -308,6 +510,23 @@ def test_helper_interleaved_is_meta():
     oq, ok = op.apply_rope(q, k, freqs_cis.real, freqs_cis.imag, interleaved=True)
     torch.testing.assert_close(oq, meta(q))
     torch.testing.assert_close(ok, meta(k))
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_kernels_compile(arch, tmp_path):
+    # Every rope kernel (tiled and per-token, tables of q's dtype and fp32) through NVRTC, from an
+    # empty cache so that nothing is read back from an earlier compile.
+    kforge._C.set_cache(str(tmp_path), True)
+    kforge._C.clear_memory_cache()
+    try:
+        lowered = kforge._C.compile("rope", arch)
+    finally:
+        kforge._C.set_cache(kforge.cache_dir(), kforge._runtime.disk_cache_enabled())
+        kforge._C.clear_memory_cache()
+    exprs = kforge._C.name_expressions("rope")
+    assert len(lowered) == len(exprs) and all(lowered), (exprs, lowered)
+    assert {e.split("<")[0] for e in exprs} == {"rope_kernel", "rope_f32tab_kernel", "rope_tile_kernel",
+                                                "rope_tile_f32tab_kernel"}
 
 
 def test_launcher_rejects_cpu_tensors():

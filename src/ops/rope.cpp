@@ -39,6 +39,25 @@ at::Tensor head_rows(const at::Tensor& t, const at::Tensor* ref, const char* op,
   return t.stride(3) == 1 ? t : t.contiguous();
 }
 
+// x (B, H, T, D) is token-major: (B, T, H, D) contiguous in memory, viewed as (B, H, T, D), as a
+// Llama's q / k are (a linear's output split into heads by a transpose). Size-1 dims: any stride.
+bool token_major(const at::Tensor& x) {
+  const int64_t H = x.size(1), T = x.size(2), D = x.size(3);
+  return x.stride(3) == 1 && (H == 1 || x.stride(1) == D) && (T == 1 || x.stride(2) == H * D) &&
+         (x.size(0) == 1 || x.stride(0) == T * H * D);
+}
+
+// The output for q / k (or their gradients): in x's layout when x is token-major, else contiguous
+// (B, H, T, D). cuDNN attention returns O, dQ and dK in q's layout, so with a token-major rope
+// output the head merge of O and the transposes of dQ / dK into the projections' weight gradients
+// are views rather than copies.
+at::Tensor rows_out(const at::Tensor& x) {
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  if (!x.is_contiguous() && token_major(x))
+    return new_output({B, T, H, D}, x.options()).transpose(1, 2);
+  return new_output({B, H, T, D}, x.options());
+}
+
 std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q_, const at::Tensor& k_,
                                         const at::Tensor& cos_, const at::Tensor& sin_,
                                         const std::optional<at::Tensor>& position_ids,
@@ -97,19 +116,24 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q_, const at::Tensor& 
   }
 
   LaunchOn on(q);
-  at::Tensor q_out = new_output({B, Hq, T, D}, q.options());
-  at::Tensor k_out = new_output({B, Hkv, T, D}, k.options());
+  at::Tensor q_out = rows_out(q);
+  at::Tensor k_out = rows_out(k);
   if (B * T == 0 || (Hq + Hkv) == 0) return {q_out, k_out};
 
-  // 16-byte chunks need every head row (and, for rotate_half, its second half) to start aligned.
+  // 16-byte chunks need every head row (and, for rotate_half, its second half) to start aligned, in
+  // the inputs and in the outputs.
   const int64_t V = 16 / q.element_size();
-  bool vec = multiple(interleaved ? D : D / 2, V) && aligned16(q) && aligned16(k);
-  for (int d = 0; d < 3; ++d) vec = vec && multiple(q.stride(d), V) && multiple(k.stride(d), V);
+  bool vec = multiple(interleaved ? D : D / 2, V) && aligned16(q) && aligned16(k) &&
+             aligned16(q_out) && aligned16(k_out);
+  for (int d = 0; d < 3; ++d)
+    vec = vec && multiple(q.stride(d), V) && multiple(k.stride(d), V) &&
+          multiple(q_out.stride(d), V) && multiple(k_out.stride(d), V);
   const bool f32tab = cos.scalar_type() != q.scalar_type();
   const int tvec = vec && aligned16(cos) && aligned16(sin) && multiple(Dc * cos.element_size(), 16);
 
   const int64_t H = Hq + Hkv;
   const DType dt = dtype_of(q, op);
+  auto stride = [](const at::Tensor& x, int d) { return static_cast<long long>(x.stride(d)); };
   void* pos_ptr = position_ids ? pos.data_ptr() : nullptr;
 
   // Tiled kernel: 16-byte aligned rows and table rows, a row's chunks within one block (at most
@@ -128,10 +152,10 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q_, const at::Tensor& 
                   Dim3(static_cast<unsigned>(bx), static_cast<unsigned>(by)), 0, q.data_ptr(),
                   k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                   pos_ptr, static_cast<int>(ntok), static_cast<int>(T), static_cast<int>(Hq),
-                  static_cast<int>(Hkv), static_cast<int>(D), static_cast<long long>(q.stride(0)),
-                  static_cast<long long>(q.stride(1)), static_cast<long long>(q.stride(2)),
-                  static_cast<long long>(k.stride(0)), static_cast<long long>(k.stride(1)),
-                  static_cast<long long>(k.stride(2)), tab_batched, static_cast<long long>(n_pos),
+                  static_cast<int>(Hkv), static_cast<int>(D), stride(q, 0), stride(q, 1),
+                  stride(q, 2), stride(k, 0), stride(k, 1), stride(k, 2), stride(q_out, 0),
+                  stride(q_out, 1), stride(q_out, 2), stride(k_out, 0), stride(k_out, 1),
+                  stride(k_out, 2), tab_batched, static_cast<long long>(n_pos),
                   static_cast<long long>(pos_sb), int(inverse), static_cast<int>(ntiles),
                   static_cast<int>(gq));
     return {q_out, k_out};
@@ -151,10 +175,10 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q_, const at::Tensor& 
                 Dim3(tx, static_cast<unsigned>(ty)), 0, q.data_ptr(), k.data_ptr(),
                 q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_ptr,
                 static_cast<int>(T), static_cast<int>(Hq), static_cast<int>(Hkv),
-                static_cast<int>(D), static_cast<long long>(q.stride(0)),
-                static_cast<long long>(q.stride(1)), static_cast<long long>(q.stride(2)),
-                static_cast<long long>(k.stride(0)), static_cast<long long>(k.stride(1)),
-                static_cast<long long>(k.stride(2)), tab_batched, static_cast<long long>(n_pos),
+                static_cast<int>(D), stride(q, 0), stride(q, 1), stride(q, 2), stride(k, 0),
+                stride(k, 1), stride(k, 2), stride(q_out, 0), stride(q_out, 1), stride(q_out, 2),
+                stride(k_out, 0), stride(k_out, 1), stride(k_out, 2), tab_batched,
+                static_cast<long long>(n_pos),
                 static_cast<long long>(pos_sb), int(interleaved), int(inverse), int(vec), tvec);
   return {q_out, k_out};
 }
@@ -177,14 +201,16 @@ std::tuple<at::Tensor, at::Tensor> rope_backward(const at::Tensor& dq_out, const
 
 KFORGE_BIND_OP(rope) {
   m.def("rope_forward", &rope_forward,
-        "Rotary embedding of q (B, Hq, T, D) and k (B, Hkv, T, D) in one launch; returns "
-        "contiguous (q_rot, k_rot). rotate_half (interleaved=False): cos / sin have D entries per "
-        "row; interleaved pairs: D / 2. Rows: (B or 1, T, Dc) or (T, Dc) tables, or a (P, Dc) table "
+        "Rotary embedding of q (B, Hq, T, D) and k (B, Hkv, T, D) in one launch; returns (q_rot, "
+        "k_rot), each in its input's layout when that is token-major ((B, T, H, D) in memory, e.g. "
+        "x.view(B, T, H, D).transpose(1, 2)), else contiguous. rotate_half (interleaved=False): "
+        "cos / sin have D entries per row; interleaved pairs: D / 2. Rows: (B or 1, T, Dc) or (T, Dc) tables, or a (P, Dc) table "
         "indexed by position_ids (T,) / (1, T) / (B, T).",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("position_ids") = pybind11::none(), pybind11::arg("interleaved") = false);
   m.def("rope_backward", &rope_backward,
-        "Gradients (dq, dk) of rope_forward from (dq_rot, dk_rot): the transposed rotation.",
+        "Gradients (dq, dk) of rope_forward from (dq_rot, dk_rot): the transposed rotation; each in "
+        "its input's layout when that is token-major, else contiguous.",
         pybind11::arg("dq_rot"), pybind11::arg("dk_rot"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("position_ids") = pybind11::none(), pybind11::arg("interleaved") = false);
 }

@@ -19,8 +19,13 @@ Thunder symbols:
     kforge_rope_forward(q, k, cos, sin, position_ids, interleaved) -> (q_rot, k_rot)
     kforge_rope_backward(dq_rot, dk_rot, cos, sin, position_ids, interleaved) -> (dq, dk)
         the kernel (kforge._C.rope_forward / rope_backward); backward is the transposed rotation
-        (rotation by -theta). Outputs are contiguous. Saved for backward: cos, sin, position_ids.
-No gradient flows to cos / sin: the checker declines tables that require grad.
+        (rotation by -theta). Saved for backward: cos, sin, position_ids.
+Each output takes its input's layout when that is token-major ((B, T, H, D) in memory, as
+`x.view(B, T, H, D).transpose(1, 2)` of a linear's output leaves q and k), else it is contiguous
+(B, H, T, D): cuDNN attention then returns O, dQ and dK token-major too, so the head merge and the
+transposes before the weight-gradient matmuls are views. Thunder proxies carry no strides, so the
+metas and the checker assume no layout. No gradient flows to cos / sin: the checker declines tables
+that require grad.
 """
 from __future__ import annotations
 
