@@ -33,6 +33,8 @@ transforms give the backward too. Spellings found (all forward and backward):
                   repeat_kv matches of one n_rep read only there (the grouped      (cuDNN on grouped heads,
                   heads go in as they are); a causal mask computed in the trace    is_causal)
                   (Hugging Face's, boolean or additive) becomes is_causal
+  add_rms_norm    s = x + residual, then F.rms_norm / nn.RMSNorm (or a replaced     kforge.ops.rmsnorm.add_rms_norm
+                  rms_norm spelling) of s; s may be read elsewhere                 (one kernel each way)
 
 `find_patterns(trace)` recognises these subgraphs by dataflow (not by position in the trace):
 every op, constant, shape and dtype is checked, and every intermediate must feed only the next step
@@ -95,7 +97,7 @@ __all__ = [
 # The Llama steps of Hugging Face's Dynamo traces (the transform's default kinds, `find_llama_patterns`).
 KINDS = ("rms_norm", "rope", "swiglu", "repeat_kv")
 # The other steps of users' models (GPT-2 / nanoGPT and friends).
-STEP_KINDS = ("split_qkv", "merge_heads", "causal_softmax", "cross_entropy", "attention")
+STEP_KINDS = ("split_qkv", "merge_heads", "causal_softmax", "cross_entropy", "attention", "add_rms_norm")
 # Everything: what `jit` and `thunderfx` (so `kforge.jit` / `kforge.compile`) look for.
 ALL_KINDS = KINDS + STEP_KINDS
 # kind -> "module:function" of the plain-PyTorch helper whose kforge operator replaces the pattern.
@@ -109,6 +111,7 @@ HELPERS: dict[str, str] = {
     "causal_softmax": "kforge.ops.softmax:causal_softmax",
     "cross_entropy": "kforge.ops.cross_entropy:cross_entropy_upcast",
     "attention": "kforge.ops.attention:attention",
+    "add_rms_norm": "kforge.ops.rmsnorm:add_rms_norm",
 }
 
 # Thunder symbol ids (thunder.torch, thunder.core.prims) of the ops the patterns are made of.
@@ -148,6 +151,8 @@ _MASKED_FILL = "torch.masked_fill"
 _CROSS_ENTROPY = "torch.nn.functional.cross_entropy"
 _DROPOUT = "torch.nn.functional.dropout"
 _SDPA = "torch.nn.functional.scaled_dot_product_attention"
+_RMS_NORM = "torch.rms_norm"
+_KFORGE_RMS_NORM = "kforge_rms_norm"  # kforge.ops.rmsnorm's operator, put in by an rms_norm match
 _KFORGE_REPEAT_KV = "kforge_repeat_kv"  # kforge.ops.gqa's operator, put in by a repeat_kv match
 # Data movement that commutes with a dtype cast (exactly, element for element).
 _MOVES = (_REPEAT_INTERLEAVE, _TRANSPOSE, _PERMUTE, _RESHAPE, _VIEW, _CONTIGUOUS, _UNSQUEEZE, _EXPAND, _FLATTEN)
@@ -174,11 +179,14 @@ class Match:
     args:    the pattern's inputs in the helper's argument order: rms_norm (x, weight, eps), rope (q, k,
              cos, sin), swiglu (gate, up), repeat_kv (x, n_rep), split_qkv (qkv, n_head), merge_heads
              (y,), causal_softmax (att, scale), cross_entropy (logits16, target, weight, size_average,
-             ignore_index, reduce, reduction, label_smoothing), attention (q, k, v, n_rep).
-    outputs: the proxies the rest of the trace reads (rope: (q_embed, k_embed); split_qkv: (q, k, v)).
+             ignore_index, reduce, reduction, label_smoothing), attention (q, k, v, n_rep), add_rms_norm (x, residual,
+             weight, eps).
+    outputs: the proxies the rest of the trace reads (rope: (q_embed, k_embed); split_qkv: (q, k, v);
+             add_rms_norm: (s, y)).
     bsyms:   every top-level bound symbol the match replaces.
     kwargs:  keyword arguments of the helper (rope: interleaved; split_qkv: copy; rms_norm:
-             cast_before_weight=False for litgpt's / F.rms_norm's order; attention: is_causal, scale).
+             cast_before_weight=False for litgpt's / F.rms_norm's order; attention: is_causal, scale;
+             add_rms_norm: cast_before_weight).
     prep:    when set, turns `args` into the helper's arguments inside the trace (a transpose of
              (B, T, H, D) heads, a table reshape, a flatten of the logits).
     post:    when set, turns the helper's outputs (a tuple) into the pattern's (a transpose back, a
@@ -961,6 +969,40 @@ def _match_merge_heads(g: _Graph, tr: BoundSymbol) -> Match | None:
     return Match("merge_heads", (y,), (nxt.output,), tuple(bsyms))
 
 
+# ---- the residual add before an RMSNorm ---------------------------------------------------------------------
+def _match_add_rms_norm(g: _Graph, add: BoundSymbol) -> Match | None:
+    """`s = x + residual` (same shape and dtype, alpha 1) normalised by `F.rms_norm` / `nn.RMSNorm`
+    over the last dim, or by kforge's rms_norm (an earlier round's replacement of Hugging Face's
+    spelling): one kernel writes s and the norm, and the backward adds s's other gradient in the
+    norm's backward. s may be read elsewhere too (the next residual add)."""
+    x, r = add.args[0], add.args[1]
+    if not (isinstance(x, TensorProxy) and isinstance(r, TensorProxy)) or _arg(add, 2, "alpha", 1) != 1:
+        return None
+    if _shape(x) != _shape(r) or x.dtype != r.dtype or x.ndim < 2:
+        return None
+    s = add.output
+    norms = [b for b in g.consumers(s) if b.sym.id in (_RMS_NORM, _KFORGE_RMS_NORM) and b.args[0] is s]
+    if len(norms) != 1:
+        return None
+    norm = norms[0]
+    if norm.sym.id == _RMS_NORM:
+        shape, w, eps = _arg(norm, 1, "normalized_shape"), _arg(norm, 2, "weight"), _arg(norm, 3, "eps")
+        if not (isinstance(shape, (tuple, list)) and len(shape) == 1 and shape[0] == s.shape[-1]):
+            return None
+        # thunder.torch.rms_norm's eps=None is fp32's epsilon (bf16 / fp16 are computed in fp32)
+        eps = float(torch.finfo(torch.float32).eps) if eps is None else eps
+        cast_before_weight = False
+    else:
+        w, eps, cast_before_weight = _arg(norm, 1, "weight"), _arg(norm, 2, "eps", 1e-6), True
+    if not isinstance(eps, Number):
+        return None
+    bsyms = (add, norm)
+    if not g.closed(bsyms, (s, norm.output)):
+        return None
+    return Match("add_rms_norm", (x, r, w, eps), (s, norm.output), bsyms,
+                 {"cast_before_weight": cast_before_weight})
+
+
 # ---- attention: grouped heads, causal masks --------------------------------------------------------------
 def _match_attention(g: _Graph, sdpa: BoundSymbol) -> Match | None:
     """`F.scaled_dot_product_attention(q, k', v', mask)` where k' and v' are kforge repeat_kv
@@ -1275,6 +1317,7 @@ _MATCHERS: dict[Any, tuple[str, Callable]] = {
     _SOFTMAX: ("causal_softmax", _match_causal_softmax),
     _CROSS_ENTROPY: ("cross_entropy", _match_cross_entropy),
     _SDPA: ("attention", _match_attention),
+    _ADD: ("add_rms_norm", _match_add_rms_norm),
 }
 _ROTATIONS: dict[Any, Callable] = {_CAT: _match_rope_half, _STACK: _match_rope_pairs,
                                    _VIEW_AS_REAL: _match_rope_complex}
@@ -1494,8 +1537,9 @@ class LlamaPatternTransform(Transform):
         # then, and every reader of an output must come after it.
         outs = {o.name for o in m.outputs}
         where = max(g.position[id(b)] for b in m.bsyms if any(o.name in outs for o in b.flat_proxy_outs))
+        inside = {id(b) for b in m.bsyms}  # an output may feed the pattern's own later ops (add_rms_norm's s)
         for o in m.outputs:
-            if any(g.position[id(u)] <= where for u in g.consumers(o)):
+            if any(g.position[id(u)] <= where for u in g.consumers(o) if id(u) not in inside):
                 return "an output is read before the pattern ends"
         try:
             fn = self._replacement(m.kind)
