@@ -512,6 +512,9 @@ def _accumulated(fn: Callable, args: tuple):
     return transform_for_execution(new, executors_list=(torch_ex,)).python_callable(), names, n
 
 
+ACC = "kforge_matmul_accumulate"  # c.addmm_(a, w): the sum's accumulation in cuBLAS
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_matmul_sum_accumulates_in_addmm(dtype: torch.dtype) -> None:
     """reshape(g1 @ W1) + reshape(g2 @ W2) + reshape(g3 @ W3): one matmul, two addmm, no add; the
@@ -519,7 +522,7 @@ def test_matmul_sum_accumulates_in_addmm(dtype: torch.dtype) -> None:
     args = tuple(randn(*s, dtype=dtype, device="cpu", seed=i)
                  for i, s in enumerate([(8, 16), (16, 24), (8, 32), (32, 24), (8, 8), (8, 24)]))
     run, names, n = _accumulated(_matmul_sum, args)
-    assert n == 2 and names.count("addmm") == 2 and names.count("matmul") == 1 and "add" not in names, names
+    assert n == 2 and names.count(ACC) == 2 and names.count("matmul") == 1 and "add" not in names, names
     out = _flat(run(*args))[0]
     ref = _matmul_sum(*(a.double() for a in args))
     assert out.dtype == dtype and out.shape == ref.shape
@@ -547,15 +550,14 @@ def test_matmul_sum_left_alone(case: str) -> None:
     }
     fn, args = fns[case]
     run, names, n = _accumulated(fn, args)
-    assert n == 0 and "addmm" not in names, names
+    assert n == 0 and ACC not in names, names
     for o, r in zip(_flat(run(*args)), _flat(fn(*args))):
         assert torch.allclose(o, r)
 
 
 def test_llama_backward_regions_with_addmm(monkeypatch) -> None:
-    """The fake-traced plain Llama: q / k / v and w1 / w3 input gradients are accumulated by addmm
-    (2 + 1 per layer), their add regions are gone, and the cast round trip after the final norm's
-    gradient is a pass-through region (no kernel)."""
+    """The fake-traced plain Llama: q / k / v and w1 / w3 input gradients are accumulated by cuBLAS
+    (2 + 1 per layer) and their add regions are gone."""
     import kforge
     from conftest import fake_cuda_trace
     from kforge.fusion import executor as fx, matmul_acc
@@ -571,12 +573,11 @@ def test_llama_backward_regions_with_addmm(monkeypatch) -> None:
     before, after = trace(False), trace(True)
     n_layers = sum(1 for b in after.backward.bound_symbols if b.sym.name == "kforge_swiglu_backward")
     assert n_layers >= 1
-    assert [b.sym.name for b in before.backward.bound_symbols].count("addmm") == 0
-    assert [b.sym.name for b in after.backward.bound_symbols].count("addmm") == 3 * n_layers
+    assert [b.sym.name for b in before.backward.bound_symbols].count(ACC) == 0
+    assert [b.sym.name for b in after.backward.bound_symbols].count(ACC) == 3 * n_layers
     fb, fa = _fusions(before.backward), _fusions(after.backward)
     assert len(fa) == len(fb) - 2 * n_layers, (len(fb), len(fa))
     assert len(_fusions(after.forward)) == len(_fusions(before.forward))
-    assert any(isinstance(b._call_ctx[b.sym.name], fx._Passthrough) for b in fa)
     for b in fa:  # no region adds matmul results any more
         assert not any(s.sym.name == "matmul" for s in b.subsymbols)
 
@@ -826,6 +827,6 @@ def test_matmul_accumulation_on_gpu(dtype: torch.dtype) -> None:
     jf = thunder.jit(_matmul_sum, executors=kforge.executors())
     out = jf(*args)
     names = [b.sym.name for b in thunder.last_traces(jf)[-1].bound_symbols]
-    assert names.count("addmm") == 2, names
+    assert names.count(ACC) == 2, names
     ref = _matmul_sum(*(a.double() for a in args))
     assert_close(out, ref.to(dtype), dtype, "addmm chain")

@@ -5,21 +5,39 @@ w1 and w3) sums their input gradients: `dX = reshape(g1 @ W1) + reshape(g2 @ W2)
 every matmul result is read only by that sum (through reshapes), the fusion pass rewrites it as
 
     t1 = matmul(g1, W1)                    # the first term as it was
-    t2 = addmm(t1, g2, W2)                 # t1 + g2 @ W2 in the matmul's epilogue (beta = alpha = 1)
+    t2 = kforge_matmul_accumulate(t1, g2, W2)   # t1 += g2 @ W2 in the matmul's epilogue (beta = 1)
     dX = reshape(t2, shape)                # where the add was
 
 so no add kernel runs and no term is written twice. Results round once per accumulation step
 instead of once per matmul and once per add: round(round(m1) + m2) where eager computes
 round(round(m1) + round(m2)), slightly more accurate. Only 2-D matmuls, every term of the add's
 dtype and shape (no broadcast, no type promotion, alpha 1), all on the same side of the
-forward / backward split. `addmm` is Thunder's torch symbol (`thunder.torch.addmm`), which the
-torch executor claims after the fusion passes like any other symbol left in the trace.
+forward / backward split. The accumulation is kforge's operator `kforge_matmul_accumulate`,
+`t1.addmm_(g2, W2)` in place: t1 is a fresh matmul result read only by the sum, and an
+out-of-place addmm would first copy it to its output (a device-to-device copy per term).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 __all__ = ["accumulate_matmuls"]
+
+
+@functools.cache
+def _accumulate_op() -> Any:
+    """kforge_matmul_accumulate(c, a, w) -> c += a @ w (in place; returns c)."""
+    from thunder.core.proxies import TensorProxy
+
+    from .._thunder import operator
+
+    def meta(c: TensorProxy, a: TensorProxy, w: TensorProxy) -> TensorProxy:
+        return TensorProxy(like=c)
+
+    def fn(c: Any, a: Any, w: Any) -> Any:
+        return c.addmm_(a, w)
+
+    return operator("matmul_accumulate", meta=meta, fn=fn)
 
 
 def _is_matmul(b: Any) -> bool:
@@ -102,8 +120,7 @@ def _matmul_ok(b: Any, like: Any, devices: Sequence[str]) -> bool:
 
 def accumulate_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
     """`bsyms` (a trace's top-level bound symbols) with every qualifying sum of matmul results on
-    `devices` accumulated by addmm; returns (new bound symbols, number of adds removed)."""
-    import thunder.torch as ltorch
+    `devices` accumulated in place by cuBLAS; returns (new bound symbols, number of adds removed)."""
     from thunder.core import prims
 
     tr = _Trace(bsyms)
@@ -135,7 +152,7 @@ def accumulate_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",))
                 mm = tr.bsyms[k]
                 a, w = mm.flat_proxy_args
                 out = mm.flat_outs[0]  # the matmul's result name now holds the running sum
-                nb = ltorch.addmm.bind(acc, a, w, output=out)
+                nb = _accumulate_op().bind(acc, a, w, output=out)
                 nb.tags.update(mm.tags)
                 replace[k] = nb
                 acc = out
