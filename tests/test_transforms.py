@@ -107,6 +107,10 @@ def _fp32_logits(trace, n_rows: int) -> list:
     return out
 
 
+def _names(names) -> tuple:
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
 def check_every_step_claimed(model: str, traced, n_rows: int, autocast: bool) -> None:
     fwd, bwd = traced.symbols()
 
@@ -188,7 +192,7 @@ def test_nn_rmsnorm_stays_in_thunder_on_the_dynamo_path():
     for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
     kinds = {r.match.kind for r in compiled.llama_patterns.rewrites}
-    assert kinds == {"rope", "repeat_kv", "swiglu", "merge_heads"}, kinds
+    assert kinds - {"add_rms_norm"} == {"rope", "repeat_kv", "swiglu", "merge_heads"}, kinds
 
 
 # ---- Thunder's Dynamo path under autocast, and the split points ----------------------------------------
@@ -943,10 +947,14 @@ def test_users_models_tie_out_on_gpu(model, setup, route):
     for t in btraces:
         bwd += symbol_counts(t)
     found = {r.match.kind for r in rewrites}
-    for step, (f, b, _) in ZOO_SYMBOLS[model].items():
-        if model == "hf_llama" and step == "repeat_kv" and step not in found:
-            continue  # transformers may hand GQA to SDPA itself (enable_gqa) when there is no mask
-        assert fwd[f] and bwd[b], (step, dict(fwd), dict(bwd))
+    for step, (f, b, n) in ZOO_SYMBOLS[model].items():
+        if model == "hf_llama" and step in ("repeat_kv", "attention") and "attention" not in found:
+            # transformers' mask reaches Thunder as a graph input (made in another piece): SDPA keeps
+            # it and the expansion stays (or transformers hands GQA to SDPA itself without a mask)
+            continue
+        if n == 0:
+            continue
+        assert sum(fwd[x] for x in _names(f)) and sum(bwd[x] for x in _names(b)), (step, dict(fwd), dict(bwd))
     if route == "dynamo":
         # Autocast cuts the graph nowhere (no dtype-mismatch split reasons), and no activation crosses a
         # cut into Inductor in another layout (what does cross is transformers' int64 mask input).

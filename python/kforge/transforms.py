@@ -1023,6 +1023,8 @@ def _match_attention(g: _Graph, sdpa: BoundSymbol) -> Match | None:
         if is_causal or not isinstance(mask, TensorProxy):
             return None
         problem = _sdpa_mask_problem(g, mask, q.shape[2], rk.shape[2])
+        if problem is _UNKNOWN_MASK:
+            return None  # a mask made at run time (an input of this graph): plain SDPA with a mask
         is_causal = True
     if any(_spelled_expansion(g, t) for t in (rk, rv)):
         return None  # the next round, once kforge's repeat_kv stands there: one rewrite for both
@@ -1054,9 +1056,13 @@ def _spelled_expansion(g: _Graph, t: TensorProxy) -> bool:
     return m is not None and m.problem is None
 
 
+_UNKNOWN_MASK = "the attention mask is not known at trace time"
+
+
 def _sdpa_mask_problem(g: _Graph, mask: TensorProxy, t: int, tk: int) -> str | None:
     """None when SDPA's `mask` is causal: boolean, True (attend) on and below the diagonal, or
-    additive, 0 there and -inf above; else why not (kforge attention then declines the mask)."""
+    additive, 0 there and -inf above; else why not (kforge attention then declines the mask), or
+    _UNKNOWN_MASK when the trace does not compute it from constants."""
     if t != tk:
         return f"query and key lengths differ ({t}, {tk})"
     from torch.utils._python_dispatch import _disable_current_modes
@@ -1064,8 +1070,8 @@ def _sdpa_mask_problem(g: _Graph, mask: TensorProxy, t: int, tk: int) -> str | N
     with _disable_current_modes():  # real tensors, even under a tracer's fake-tensor mode
         try:
             m = _evaluate(g, mask, g.values)
-        except _NotConstant as e:
-            return f"the attention mask is not known at trace time: {e}"
+        except _NotConstant:
+            return _UNKNOWN_MASK
         if m.dtype == torch.bool:
             return _causal_mask_problem(~m, t, False, -math.inf)
         return _causal_mask_problem(m, t, True)
