@@ -122,7 +122,8 @@ def test_unmarked_buffer_with_nan_padding_gives_finite_gradients():
 
 
 def test_checker_and_filter():
-    (claim,) = op.SPEC.claims
+    claim, prims_claim = op.SPEC.claims  # thunder.torch.linear and prims.linear (autocast's), one checker
+    assert (prims_claim.checker, prims_claim.applies) == (claim.checker, claim.applies)
     with tracectx(TraceCtx()):
         x, w = proxy(8192, 768), proxy(50257, 768)
         assert claim.applies(x, w) and claim.checker(x, w) is None
@@ -223,3 +224,21 @@ def test_fp32_and_aligned_layers_stay_with_torch():
         jf = thunder.jit(fn, executors=[kforge.executor])
         torch.testing.assert_close(jf(x, w), fn(x, w))
         assert "kforge_linear_forward" not in symbol_names(thunder.last_traces(jf)[-1])
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+def test_claimed_under_autocast(autocast):
+    """Thunder's autocast writes an fp32 layer's linear as prims.linear on the bf16 casts: kforge
+    claims it there too (forward and backward), as it claims thunder.torch.linear of bf16 weights."""
+    from conftest import fake_cuda_trace
+
+    def make(device="cuda"):
+        layer = torch.nn.Linear(64, 1030, bias=False, device=device,
+                                dtype=torch.float32 if autocast else torch.bfloat16)
+        x = torch.randn(4, 64, device=device, dtype=torch.float32 if autocast else torch.bfloat16)
+        return layer, (x,), {"autocast": torch.bfloat16 if autocast else None}
+
+    traced = fake_cuda_trace(make, jit=kforge.jit)
+    fwd = [b.sym.name for b in traced.forward.bound_symbols]
+    bwd = [b.sym.name for b in traced.backward.bound_symbols]
+    assert "kforge_linear_forward" in fwd and "kforge_linear_backward" in bwd, (fwd, bwd)

@@ -15,7 +15,7 @@ whose padding kforge's cross-entropy backward zeroed), then dx = g_pad @ w_pad a
 x)[:out_features], both aligned GEMMs. The padded weight is rebuilt in the backward (0.05 ms)
 rather than saved (77 MB at GPT-2's size). No kernels of kforge's own: cuBLAS through torch.
 
-Claims `thunder.torch.linear` only where it pays: bf16 / fp16 CUDA tensors of one dtype,
+Claims `thunder.torch.linear` (and `prims.linear`, what Thunder's autocast writes) only where it pays: bf16 / fp16 CUDA tensors of one dtype,
 out_features >= 1024 and not a multiple of 8, in_features a multiple of 8 (else padding the output
 alone does not give aligned GEMMs). fp32 is declined: its cuBLAS kernels do not depend on alignment
 (same 12.5 ms at 50257 and 50304).
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import thunder.torch as ltorch
+from thunder.core import prims
 from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grad
@@ -162,4 +163,8 @@ def _grad(a: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> Te
     return out
 
 
-SPEC = OpSpec("linear", (Claim(ltorch.linear, _checker, _execution, _grad, applies=_applies),))
+# Under torch.autocast, Thunder's autocast rule writes the cast weight's linear as `prims.linear`
+# (not thunder.torch.linear): the same signature and semantics, claimed the same way, else the
+# autocast lm_head runs unpadded (GPT-2 124M: three ~5 ms GEMMs per step instead of ~1 ms ones).
+SPEC = OpSpec("linear", (Claim(ltorch.linear, _checker, _execution, _grad, applies=_applies),
+                         Claim(prims.linear, _checker, _execution, _grad, applies=_applies)))
