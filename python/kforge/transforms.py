@@ -1628,22 +1628,38 @@ def _autocast_compile_data(device: str, dtype: torch.dtype):
         thunder.common.CompileData = base
 
 
+# Ops Thunder 0.2.6 runs only through its automatic torch fallback, which the splitter hands to
+# Inductor (thunder.dynamo.utils.auto_register_ops). transformers' attention mask is built from
+# position ids with two of them (packed-sequence detection: diff, then new_ones for the causal
+# base): cut there, Thunder gets the mask as a run-time input of a later piece, and attention cannot
+# see that it is causal (an explicit mask: no cuDNN). Tiny index tensors: kept in Thunder.
+_FALLBACKS_KEPT = ("diff", "new_ones")
+
+
+def _kept_fallback(node: Any) -> bool:
+    if node.op == "call_method":
+        return node.target in _FALLBACKS_KEPT
+    return node.op == "call_function" and node.target in tuple(getattr(torch, n, None) for n in _FALLBACKS_KEPT)
+
+
 @contextlib.contextmanager
-def _splitter_applies_autocast():
-    """While Thunder's splitter runs under torch.autocast: a node its check rejects is checked again
-    with the autocast applied, and kept in Thunder when that passes (Dynamo compiles one frame at a
-    time; the splitter's module global is restored afterwards)."""
+def _splitter_patches():
+    """While Thunder's splitter runs: the mask builders in _FALLBACKS_KEPT stay in Thunder, and under
+    torch.autocast a node its check rejects is checked again with the autocast applied, and kept in
+    Thunder when that passes (Dynamo compiles one frame at a time; the splitter's module global is
+    restored afterwards)."""
     import thunder.dynamo.splitter as splitter
 
     ambient = _ambient_autocast()
     original = splitter.is_node_supported_by_thunder
-    if ambient is None:
-        yield
-        return
 
     def is_node_supported_by_thunder(node: Any, thunder_options: dict) -> tuple[bool, Any]:
         ok, reason = original(node, thunder_options)
         if ok:
+            return ok, reason
+        if _kept_fallback(node):
+            return True, None
+        if ambient is None:
             return ok, reason
         with _autocast_compile_data(*ambient):
             ok_autocast, _ = original(node, thunder_options)
@@ -1802,7 +1818,7 @@ def _compiler_class():
                 self.layout_boundaries: list[LayoutBoundary] = []
 
             def __call__(self, gm: torch.fx.GraphModule, sample_args: list):
-                with _splitter_applies_autocast():
+                with _splitter_patches():
                     split = super().__call__(gm, sample_args)
                 self.layout_boundaries += _guard_layouts(split)
                 return split
