@@ -559,7 +559,9 @@ def test_second_process_plumbing_on_cpu(factories):
 @gpu
 def test_models_on_gpu_records_timings(tmp_path):
     rec = tmp_path / "records.jsonl"
-    rc, out, err = run_module("models", "nanogpt", "plain-llama", "--size", "tiny", "--batch", "2", "--seq", "128",
+    # one model: fresh kernel caches per row and a second process, under a parallel suite, stay well
+    # inside the timeout (the rows' assertions are about nanogpt)
+    rc, out, err = run_module("models", "nanogpt", "--size", "tiny", "--batch", "2", "--seq", "128",
                               "--steps", "3", "--warmup", "2", "--setup", "bf16",
                               "--backends", "eager,torch.compile,kforge", "--second-process", "--record", str(rec))
     assert rc == 0, err[-4000:]

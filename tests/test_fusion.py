@@ -659,9 +659,13 @@ def test_reduction_schedules(rows: int, cols: int, dims: tuple, dtype: torch.dty
     out, trace = _run_fused(fn, (x, y))
     p64 = x.double() * y.double()
     s, m, (v, mu) = out
-    assert_close(s, p64.sum(dims).float(), torch.float32, "sum", tol=1e-5)
+    # A sum of zero-mean products cancels: fp32's rounding is relative to the terms, not the sum
+    # (a million of them sum to ~1e3 from ~6e5 of magnitude), so measure against sum |p|.
+    terms = p64.abs().sum(dims)
+    count = p64.numel() // terms.numel()
+    assert_close(s, p64.sum(dims).float(), torch.float32, "sum", tol=2e-6, scale=terms.norm().item())
     assert torch.equal(m, (x.float() * y.float()).amax(dims)), "amax"
-    assert_close(mu, p64.mean(dims).float(), torch.float32, "mean", tol=1e-5)
+    assert_close(mu, p64.mean(dims).float(), torch.float32, "mean", tol=2e-6, scale=terms.norm().item() / count)
     assert_close(v, p64.var(dims, correction=0).float(), torch.float32, "var", tol=1e-4)
     # deterministic: the same bits again
     again = _run_fused(fn, (x, y))[0]

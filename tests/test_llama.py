@@ -257,8 +257,11 @@ def test_hf_route_finds_every_llama_step(hf_cpu_route):
     _, _, compiled, _, _ = hf_cpu_route
     rewrites = compiled.llama_patterns.rewrites
     _check_hf_matches([r.match for r in rewrites if r.match.kind in kt.KINDS], n_layer=4)
-    # thunderfx looks for every step of kforge.transforms.ALL_KINDS: HF's attention merge too.
-    assert [r.match.kind for r in rewrites if r.match.kind not in kt.KINDS] == ["merge_heads"] * 4
+    # thunderfx looks for every step of kforge.transforms.ALL_KINDS: HF's attention merge and its eager
+    # attention's causal softmax (the mask is built in the one Thunder graph). (No add_rms_norm: that
+    # needs the RMSNorm spelling replaced first, which kforge declines on CPU tensors.)
+    others = Counter(r.match.kind for r in rewrites if r.match.kind not in kt.KINDS)
+    assert others == Counter({"merge_heads": 4, "causal_softmax": 4}), others
     # On CPU tensors kforge declines each one, so each keeps its original ops.
     for r in rewrites:
         assert not r.applied and "not CUDA" in r.reason, r
@@ -608,7 +611,11 @@ def test_hf_llama_dynamo_tieout_and_training(attn, dtype):
 
         # Every Llama step of every layer was found and handed to kforge ...
         rewrites = compiled.llama_patterns.rewrites
-        assert [r.reason for r in rewrites] == [None] * len(rewrites), [r.reason for r in rewrites if r.reason]
+        # cuDNN attention takes bf16 / fp16 only: an fp32 model's attention is declined (and reported)
+        declined = [r for r in rewrites if r.reason and not (r.match.kind == "attention" and dtype == torch.float32
+                                                           and "bf16 / fp16 only" in r.reason)]
+        assert not declined, [r.reason for r in declined]
+        rewrites = [r for r in rewrites if r.applied]
         kinds = Counter(r.match.kind for r in rewrites)
         L = LlamaConfig.preset("hf-test").n_layer
         assert (kinds["rms_norm"], kinds["rope"], kinds["swiglu"]) == (2 * L + 1, L, L), kinds
