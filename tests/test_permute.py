@@ -386,6 +386,35 @@ def test_helpers_are_the_head_split_and_merge():
     torch.testing.assert_close(merge_heads(q), qkv[..., :NH * HS], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shape,n_head,message", [
+    ((2, 4, 32), 4, r"last dim 32 is not 3 \* n_head \* head_size \(n_head=4\); qkv must be \(B, T, 3C\)"),
+    ((4, 36), 2, r"qkv has shape \(4, 36\), not \(B, T, 3C\); its last dim must be 3 \* n_head \* head_size"),
+    ((2, 3, 4, 36), 2, r"qkv has shape \(2, 3, 4, 36\), not \(B, T, 3C\)"),
+    ((2, 4, 36), 0, "n_head=0 is not a positive int"),
+    ((2, 4, 36), -2, "n_head=-2 is not a positive int"),
+    ((2, 4, 36), 2.0, "n_head=2.0 is not a positive int"),
+    ((2, 4, 36), True, "n_head=True is not a positive int"),
+])
+def test_split_qkv_rejects_bad_inputs(shape, n_head, message):
+    """A clear ValueError from the helper and from its Thunder definition (what runs when kforge
+    declines), instead of "too many values to unpack" or a reshape error."""
+    qkv = torch.randn(shape)
+    with pytest.raises(ValueError, match="split_qkv: " + message):
+        split_qkv(qkv, n_head)
+    with pytest.raises(ValueError, match="split_qkv: " + message):
+        thunder.jit(lambda t: split_qkv(t, n_head), executors=[kforge.executor])(qkv)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4), (2, 3, 4, 5, 6), (8,)])
+def test_merge_heads_rejects_non_4d(shape):
+    y = torch.randn(shape)
+    message = r"merge_heads: y has shape .* not \(B, NH, T, HS\)"
+    with pytest.raises(ValueError, match=message):
+        merge_heads(y)
+    with pytest.raises(ValueError, match=message):
+        thunder.jit(merge_heads, executors=[kforge.executor])(y)
+
+
 def test_bindings_take_no_variant():
     """One kernel choice per input (the launcher's); no A/B `variant` keyword."""
     for name in ("split_qkv_forward", "split_qkv_backward", "merge_heads_forward", "merge_heads_backward"):

@@ -382,6 +382,20 @@ def test_causal_softmax_helper_is_causal_softmax():
         assert (y[..., i, i + 1:] == 0).all()
 
 
+@pytest.mark.parametrize("shape", [(8,), (4, 8), (2, 3, 5, 6), ()])
+def test_causal_softmax_rejects_non_square_scores(shape):
+    """The helper, its Thunder definition (what runs when kforge declines) and the checker agree: a
+    1-D att used to broadcast against the (T, T) mask into a (T, T) result."""
+    att = torch.randn(shape)
+    with pytest.raises(ValueError, match=r"causal_softmax: att shape .* is not \(\.\.\., T, T\)"):
+        causal_softmax(att, 1.0)
+    if att.ndim:  # thunder.jit cannot trace a 0-d softmax input either way
+        with pytest.raises(ValueError, match="causal_softmax: att shape"):
+            thunder.jit(lambda a: causal_softmax(a, 1.0), executors=[kforge.executor])(att)
+    with tracectx(TraceCtx()):
+        assert "is not (..., T, T)" in sm._causal_checker(proxy(shape), 1.0)
+
+
 def test_launchers_reject_cpu_tensors():
     x = randn(4, 8, device="cpu")
     with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 import thunder.torch as ltorch
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import NumberProxy, TensorProxy
 from thunder.core.transforms import get_grad, put_grad
 
 from .. import _C
@@ -30,11 +30,46 @@ from .._thunder import Claim, OpSpec, operator, tensor_problem
 _INT_MAX = 2**31 - 1
 
 
+def _split_problem(shape: tuple, n_head: object) -> str | None:
+    # One rule for the helper, its Thunder definition and the checker.
+    if len(shape) != 3:
+        return f"qkv has shape {tuple(shape)}, not (B, T, 3C)"
+    if not isinstance(n_head, int) or isinstance(n_head, bool) or n_head <= 0:
+        return f"n_head={n_head!r} is not a positive int"
+    if shape[2] % (3 * n_head):
+        return f"last dim {shape[2]} is not 3 * n_head * head_size (n_head={n_head})"
+    return None
+
+
+def _check_split(shape: tuple, n_head: object) -> None:
+    if (p := _split_problem(shape, n_head)) is not None:
+        if p.startswith("qkv"):
+            p += "; its last dim must be 3 * n_head * head_size"
+        elif p.startswith("last dim"):
+            p += "; qkv must be (B, T, 3C) with C = n_head * head_size"
+        raise ValueError(f"split_qkv: {p}")
+
+
+def _merge_problem(shape: tuple) -> str | None:
+    if len(shape) != 4:
+        return f"y has shape {tuple(shape)}, not (B, NH, T, HS)"
+    return None
+
+
+def _check_merge(shape: tuple) -> None:
+    if (p := _merge_problem(shape)) is not None:
+        raise ValueError(f"merge_heads: {p} (a 4-D tensor of attention heads)")
+
+
 def split_qkv(qkv: torch.Tensor, n_head: int, *, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused QKV projection (B, T, 3C) into q, k, v of shape (B, n_head, T, C // n_head).
     Plain PyTorch (views); under `thunder.jit` with the kforge executor, one copy kernel that returns
     contiguous tensors, or with `copy=False` the same strided views (for consumers that take them,
-    like scaled_dot_product_attention) and the copy kernel only in the backward."""
+    like scaled_dot_product_attention) and the copy kernel only in the backward.
+
+    Raises ValueError unless qkv is 3-D with a last dim of 3 * n_head * head_size and n_head is a
+    positive int."""
+    _check_split(tuple(qkv.shape), n_head)
     B, T, C3 = qkv.shape
     C = C3 // 3
     q, k, v = qkv.split(C, dim=2)
@@ -44,14 +79,21 @@ def split_qkv(qkv: torch.Tensor, n_head: int, *, copy: bool = True) -> tuple[tor
 
 def merge_heads(y: torch.Tensor) -> torch.Tensor:
     """Merge attention heads (B, NH, T, HS) back into (B, T, NH * HS). Plain PyTorch; under
-    `thunder.jit` with the kforge executor, one copy kernel."""
+    `thunder.jit` with the kforge executor, one copy kernel. Raises ValueError unless y is 4-D."""
+    _check_merge(tuple(y.shape))
     B, NH, T, HS = y.shape
     return y.transpose(1, 2).contiguous().view(B, T, NH * HS)
+
+
+def _value(x: object) -> object:
+    return x.value if isinstance(x, NumberProxy) else x
 
 
 # The helpers in Thunder's torch language: what the operators decompose into when kforge declines
 # them, so other executors and autodiff can still run them.
 def _split_qkv_like(qkv: TensorProxy, n_head: int, *, copy: bool = True) -> tuple[TensorProxy, TensorProxy, TensorProxy]:
+    # Numbers may arrive as proxies (a float n_head does): check the values they were traced with.
+    _check_split(tuple(map(_value, qkv.shape)), _value(n_head))
     B, T, C3 = qkv.shape
     C = C3 // 3
     return tuple(
@@ -61,6 +103,7 @@ def _split_qkv_like(qkv: TensorProxy, n_head: int, *, copy: bool = True) -> tupl
 
 
 def _merge_heads_like(y: TensorProxy) -> TensorProxy:
+    _check_merge(tuple(y.shape))  # only the rank matters: sizes may stay proxies
     B, NH, T, HS = y.shape
     return ltorch.reshape(ltorch.contiguous(ltorch.transpose(y, 1, 2)), (B, T, NH * HS))
 
@@ -139,21 +182,17 @@ def _sizes_problem(B: int, T: int, row: int) -> str | None:
 def _split_checker(qkv: TensorProxy, n_head: int, *, copy: bool = True) -> str | None:
     if (p := tensor_problem(qkv, "qkv")) is not None:
         return p
-    if qkv.ndim != 3:
-        return f"qkv has shape {tuple(qkv.shape)}, not (B, T, 3C)"
-    if not isinstance(n_head, int) or isinstance(n_head, bool) or n_head <= 0:
-        return f"n_head={n_head!r} is not a positive int"
+    if (p := _split_problem(tuple(qkv.shape), n_head)) is not None:
+        return p
     B, T, C3 = qkv.shape
-    if C3 % (3 * n_head):
-        return f"last dim {C3} is not 3 * n_head * head_size (n_head={n_head})"
     return _sizes_problem(B, T, C3)
 
 
 def _merge_checker(y: TensorProxy) -> str | None:
     if (p := tensor_problem(y, "y")) is not None:
         return p
-    if y.ndim != 4:
-        return f"y has shape {tuple(y.shape)}, not (B, NH, T, HS)"
+    if (p := _merge_problem(tuple(y.shape))) is not None:
+        return p
     B, NH, T, HS = y.shape
     return _sizes_problem(B, T, NH * HS)
 

@@ -30,10 +30,27 @@ from .._thunder import Claim, OpSpec, operator, tensor_problem
 _INT_MAX = 2**31 - 1
 
 
+def _causal_shape_problem(shape: tuple) -> str | None:
+    # One rule for the helper, its Thunder definition and the checker: the mask is (T, T), so
+    # anything else would broadcast into a wrong shape (a 1-D att of T gives (T, T)) or fail deep
+    # inside torch.
+    if len(shape) < 2 or shape[-1] != shape[-2]:
+        return f"att shape {tuple(shape)} is not (..., T, T)"
+    return None
+
+
+def _check_causal_shape(shape: tuple) -> None:
+    if (p := _causal_shape_problem(shape)) is not None:
+        raise ValueError(f"causal_softmax: {p}: att must be at least 2-D with equal last two dims")
+
+
 def causal_softmax(att: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(scale * att) over the last dim of (..., T, T) attention scores, row i keeping its
     first i + 1 entries (the rest are exactly 0). Plain PyTorch, for models to call; under
-    `thunder.jit` with the kforge executor it runs as one fused kernel, forward and backward."""
+    `thunder.jit` with the kforge executor it runs as one fused kernel, forward and backward.
+
+    Raises ValueError when att is not at least 2-D with equal last two dims."""
+    _check_causal_shape(tuple(att.shape))
     T = att.size(-1)
     mask = torch.ones(T, T, dtype=torch.bool, device=att.device).triu(1)
     return (att * scale).masked_fill(mask, float("-inf")).softmax(dim=-1)
@@ -41,7 +58,9 @@ def causal_softmax(att: torch.Tensor, scale: float) -> torch.Tensor:
 
 def _causal_softmax_like(att: TensorProxy, scale: float) -> TensorProxy:
     # causal_softmax in Thunder's torch language: what the operator decomposes into when kforge
-    # declines it (CPU tensors, ...), so other executors and autodiff can still run it.
+    # declines it (CPU tensors, ...), so other executors and autodiff can still run it. Sizes may
+    # arrive as proxies: check the values they were traced with.
+    _check_causal_shape(tuple(d.value if isinstance(d, NumberProxy) else d for d in att.shape))
     T = att.shape[-1]
     mask = ltorch.triu(ltorch.ones(T, T, device=att.device, dtype=dtypes.bool8), 1)
     return ltorch.softmax(ltorch.masked_fill(ltorch.mul(att, scale), mask, -float("inf")), -1)
@@ -102,8 +121,8 @@ def _softmax_checker(a: TensorProxy, dim: int, *, dtype=None) -> str | None:
 def _causal_checker(att: TensorProxy, scale: float) -> str | None:
     if (p := tensor_problem(att, "att")) is not None:
         return p
-    if att.ndim < 2 or att.shape[-1] != att.shape[-2]:
-        return f"att shape {tuple(att.shape)} is not (..., T, T)"
+    if (p := _causal_shape_problem(tuple(att.shape))) is not None:
+        return p
     if isinstance(scale, bool) or not isinstance(scale, (int, float, NumberProxy)):
         return f"scale is a {type(scale).__name__}, not a real number"
     return _rows_problem(att)
