@@ -286,6 +286,21 @@ def test_compile_all_reports_every_kernel(fresh_cache):
     assert all(ms == 0 for ms in again.values())  # second time: all from cache
 
 
+
+@pytest.mark.parametrize("arch,message", [
+    (75, "kforge.compile_all: sm_75 is not supported; sm_80 is the minimum architecture kforge supports"),
+    (0, "sm_80 is the minimum architecture"),
+    ("90", "arch must be an int"),
+    (True, "arch must be an int"),
+])
+def test_compile_all_rejects_unsupported_archs_up_front(arch, message, fresh_cache):
+    """A clear ValueError before any compile, not ptxas's log of sm_80 instructions on sm_75."""
+    with pytest.raises(ValueError) as e:
+        kforge.compile_all(arch)
+    assert message in str(e.value)
+    assert kforge.cache_info()["nvrtc_compiles"] == 0
+    assert kforge.MIN_ARCH == 80
+
 # ---- GPU: launch, streams, graphs, warm start ---------------------------------------------------------
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

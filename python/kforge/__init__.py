@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch  # noqa: F401  (loads LibTorch before the extension)
 
 from . import _C
-from ._runtime import KforgeCacheWarning, cache_dir, configure as _configure, kernel_dir
+from ._runtime import MIN_ARCH, KforgeCacheWarning, cache_dir, kernel_dir
+from ._runtime import check_arch as _check_arch, configure as _configure
 
 _configure(_C)
 
@@ -30,6 +31,7 @@ __all__ = [
     "thunderfx",
     "kernel_dir",
     "cache_dir",
+    "MIN_ARCH",
 ]
 __version__ = "0.1.0"
 
@@ -47,9 +49,11 @@ def kernel_names() -> list[str]:
 
 def compile_all(arch: int | None = None) -> dict[str, float]:
     """Compile every shipped kernel for `sm_<arch>` (default: the current GPU's, else 90); no GPU is
-    needed. Returns {kernel name: compile ms (0 when it came from a cache)}."""
+    needed. Returns {kernel name: compile ms (0 when it came from a cache)}. Raises ValueError for
+    an arch below `MIN_ARCH` (80), before any compile."""
     if arch is None:
         arch = _C.device_arch(torch.cuda.current_device()) if torch.cuda.is_available() else 90
+    arch = _check_arch(arch, "kforge.compile_all")
     before = {(e["name"], e["arch"]) for e in cache_info()["entries"]}
     for name in kernel_names():
         _C.compile(name, arch)

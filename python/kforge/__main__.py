@@ -4,7 +4,8 @@
             claimed symbols, the tie-out and ms/step against eager
   inspect   which kforge symbols a model's traces hold, and what kforge declined and why
   tieout    eager vs Thunder + kforge: outputs, loss and every parameter gradient against tolerance
-            (exit status 1 when anything is out of tolerance)
+            (exit status 0 when all are within tolerance, 1 when anything is out of tolerance; on
+            CPU tensors no kforge kernel runs and the summary says so: "PASS (torch fallback only)")
   profile   kernel time per category / region / op of a training step (GPU)
   bench     python -m kforge.bench (ops, gpt2, llama, launch); arguments are passed through
 
@@ -93,6 +94,37 @@ def _device(name: str | None):
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _check_device_arg(name: str | None, verb: str) -> None:
+    """UsageError unless --device names cpu or a visible CUDA GPU: checked before any model is built,
+    so a bad device is one line, not a torch traceback from deep inside model construction."""
+    import torch
+
+    if name is None:
+        return
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {name!r} is not a device; use cuda, cuda:N or cpu") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise UsageError(f"--device {name}: kforge runs on cuda or cpu")
+    if not torch.cuda.is_available():
+        hint = "kforge profile needs one" if verb == "profile" else "use --device cpu (or leave --device out)"
+        raise UsageError(f"--device {name}: no CUDA GPU is visible; {hint}")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+
+
+def _check_arch_arg(arch: int, given: bool) -> None:
+    """UsageError for an architecture kforge cannot compile for (--arch, or the GPU's own)."""
+    from ._runtime import MIN_ARCH
+
+    if arch < MIN_ARCH:
+        what = f"--arch {arch}" if given else f"this GPU is sm_{arch}"
+        raise UsageError(f"{what}: sm_{MIN_ARCH} is the minimum architecture kforge supports")
 
 
 def _load_factory(spec: str) -> Callable:
@@ -342,7 +374,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import kforge
 
     gpu = torch.cuda.is_available()
-    arch = args.arch or (kforge._C.device_arch(torch.cuda.current_device()) if gpu else 90)
+    given = args.arch is not None
+    arch = args.arch if given else (kforge._C.device_arch(torch.cuda.current_device()) if gpu else 90)
+    _check_arch_arg(arch, given)
     if not gpu:
         print("No CUDA GPU is visible. kforge compiles its kernels without one (NVRTC, below); running\n"
               "them, and the GPT-2 part of this demo, needs an NVIDIA GPU (sm_80 or newer).\n")
@@ -421,7 +455,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True, metavar="{demo,inspect,tieout,profile,bench}")
 
     d = sub.add_parser("demo", help="compile every kernel; on a GPU run GPT-2 with kforge (tie-out, symbols, ms/step)")
-    d.add_argument("--arch", type=int, help="sm_XY to compile for (default: the GPU's, else 90)")
+    d.add_argument("--arch", type=int, help="sm_XY to compile for, 80 or newer (default: the GPU's, else 90)")
     d.add_argument("--fresh", action="store_true", help="bypass the kernel caches: every kernel through NVRTC")
     d.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="timing dtype (default bf16)")
     d.add_argument("--layers", type=int, default=4, help="GPT-2 layers for the timing (default 4, width 768)")
@@ -436,7 +470,14 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--save-dir", metavar="DIR", help="write the final traces there")
     i.add_argument("--no-grad", action="store_true", help="forward only (inference traces)")
 
-    t = sub.add_parser("tieout", help="eager vs Thunder + kforge; exit 1 when out of tolerance")
+    t = sub.add_parser(
+        "tieout", help="eager vs Thunder + kforge; exit 1 when out of tolerance",
+        description="Eager vs Thunder + kforge: outputs, loss and every parameter gradient against tolerance.",
+        epilog="exit status: 0 every tensor within tolerance; 1 any tensor out of tolerance; 2 a usage error "
+               "(bad arguments, --device cuda without a GPU). A pass where kforge claimed nothing (CPU "
+               "tensors: kforge's kernels need CUDA) still exits 0, and its summary says "
+               "\"PASS (torch fallback only: no kforge kernel ran ...)\": it tested Thunder's fallbacks, "
+               "not kforge.")
     _add_model_args(t)
     t.add_argument("--rel-tol", type=float, help="override the relative tolerance of every dtype")
     t.add_argument("--elem-tol", type=float, help="override the element tolerance of every dtype")
@@ -473,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.batch < 1 or (args.seq is not None and args.seq < 1):
             sp.error(f"{args.verb}: --batch and --seq must be positive")
     try:
+        if args.verb == "demo" and args.arch is not None:
+            _check_arch_arg(args.arch, True)  # before the imports and the banner
+        _check_device_arg(getattr(args, "device", None), args.verb)
         return {"demo": cmd_demo, "inspect": cmd_inspect, "tieout": cmd_tieout, "profile": cmd_profile}[args.verb](args)
     except UsageError as e:
         print(f"python -m kforge {args.verb}: error: {e}", file=sys.stderr)

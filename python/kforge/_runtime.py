@@ -12,6 +12,20 @@ class KforgeCacheWarning(RuntimeWarning):
     """A kernel cache file was unusable (truncated, corrupted) and has been recompiled."""
 
 
+# The kernels use sm_80 PTX (cvt.rn.bf16.f32 for bf16 stores): older targets fail in ptxas.
+MIN_ARCH = 80
+
+
+def check_arch(arch: object, who: str) -> int:
+    """`arch` as an int when kforge can compile for sm_<arch>, else ValueError naming `who`."""
+    if isinstance(arch, bool) or not isinstance(arch, int):
+        raise ValueError(f"{who}: arch must be an int such as {MIN_ARCH} (sm_{MIN_ARCH}), got {arch!r}")
+    if arch < MIN_ARCH:
+        raise ValueError(f"{who}: sm_{arch} is not supported; sm_{MIN_ARCH} is the minimum architecture "
+                         f"kforge supports")
+    return arch
+
+
 def kernel_dir() -> str:
     """Directory holding the kernel sources (`<name>.cu`, headers)."""
     env = os.environ.get("KFORGE_KERNEL_DIR")

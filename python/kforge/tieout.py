@@ -97,7 +97,9 @@ class TieoutReport:
     compiled: the compiled callable that ran (a ThunderModule for mode="jit", the torch.compile'd
     module for mode="dynamo"); backend: the ThunderCompiler for mode="dynamo", else None.
     kforge_symbols: how often each kforge symbol appears in the final forward and backward traces of
-    that run; empty means kforge claimed nothing and the tie-out only tested Thunder's fallbacks.
+    that run; empty means kforge claimed nothing and the tie-out only tested Thunder's fallbacks
+    (the summary then says "PASS (torch fallback only: ...)" rather than a bare PASS).
+    devices: the device types of the eager run's outputs (e.g. {"cpu"}).
     """
 
     rows: list[TieoutRow]
@@ -106,6 +108,7 @@ class TieoutReport:
     kforge_symbols: Counter = field(default_factory=Counter)
     compiled: Any = field(default=None, repr=False)
     backend: Any = field(default=None, repr=False)
+    devices: frozenset = field(default_factory=frozenset)
 
     @property
     def ok(self) -> bool:
@@ -141,6 +144,10 @@ class TieoutReport:
         """One line: pass/fail, counts, mode, and how many kforge symbols ran."""
         n_sym = sum(self.kforge_symbols.values())
         verdict = "PASS" if self.ok else f"FAIL ({len(self.failures)} of {len(self.rows)} rows out of tolerance)"
+        if self.ok and not n_sym:
+            # A bare PASS would read as "kforge's kernels are right" when none of them ran.
+            where = " on CPU tensors" if self.devices == {"cpu"} else ""
+            verdict = f"PASS (torch fallback only: no kforge kernel ran{where})"
         return (f"tie-out {verdict}: {len(self.rows)} tensors compared, mode={self.mode}, "
                 f"{n_sym} kforge symbol(s) in the traces ({len(self.kforge_symbols)} distinct)")
 
@@ -435,7 +442,8 @@ def tieout(
         symbols += symbol_counts(fwd) + symbol_counts(bwd)
     used = default_executors() if executors is None else executors
     names = tuple(getattr(e, "name", str(e)) for e in used)
-    return TieoutReport(rows, mode, names, symbols, compiled, backend)
+    devices = frozenset(t.device.type for _, t in out_e)
+    return TieoutReport(rows, mode, names, symbols, compiled, backend, devices)
 
 
 # ---- training curves -------------------------------------------------------------------------------
