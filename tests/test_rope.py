@@ -155,11 +155,19 @@ def each_dtype_layout(test):
     return pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])(test)
 
 
+def each_case(cases):
+    """Parametrizes a test over (dtype incl. fp16) x layout x `cases` x table dtype (same / float32)."""
+    def wrap(test):
+        test = pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)(test)
+        test = pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])(test)
+        test = pytest.mark.parametrize("case", cases, ids=lambda c: "-".join(map(str, c)))(test)
+        return pytest.mark.parametrize("table_dtype", ["same", "float32"])(test)
+
+    return wrap
+
+
 @gpu
-@pytest.mark.parametrize("table_dtype", ["same", "float32"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
-@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@each_case(CASES)
 def test_forward_backward(dtype, interleaved, case, table_dtype):
     check_random(case, dtype, interleaved, str(case),
                  table_dtype=dtype if table_dtype == "same" else torch.float32)
@@ -215,10 +223,7 @@ TOKEN_MAJOR_CASES = [
 
 
 @gpu
-@pytest.mark.parametrize("table_dtype", ["same", "float32"])
-@pytest.mark.parametrize("case", TOKEN_MAJOR_CASES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
-@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@each_case(TOKEN_MAJOR_CASES)
 def test_token_major_outputs_stay_token_major(dtype, interleaved, case, table_dtype):
     B, Hq, Hkv, T, D, kind = case
     cos, sin, pos = tables(kind, B, T, D, interleaved, dtype if table_dtype == "same" else torch.float32)

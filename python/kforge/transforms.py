@@ -989,8 +989,9 @@ def _match_add_rms_norm(g: _Graph, add: BoundSymbol) -> Match | None:
         shape, w, eps = _arg(norm, 1, "normalized_shape"), _arg(norm, 2, "weight"), _arg(norm, 3, "eps")
         if not (isinstance(shape, (tuple, list)) and len(shape) == 1 and shape[0] == s.shape[-1]):
             return None
-        # thunder.torch.rms_norm's eps=None is fp32's epsilon (bf16 / fp16 are computed in fp32)
-        eps = float(torch.finfo(torch.float32).eps) if eps is None else eps
+        from .ops.rmsnorm import _f_eps  # thunder.torch.rms_norm's eps=None, as kforge's claim reads it
+
+        eps = _f_eps(eps)
         cast_before_weight = False
     else:
         w, eps, cast_before_weight = _arg(norm, 1, "weight"), _arg(norm, 2, "eps", 1e-6), True

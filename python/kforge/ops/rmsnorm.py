@@ -57,7 +57,7 @@ from .._thunder import Claim, OpSpec, operator, same_dtype_device, tensor_proble
 MAX_ROW_BYTES = 2048 * 16
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
     """Hugging Face `LlamaRMSNorm.forward`: statistics in fp32, the normalised x cast back to x's dtype
     *before* the weight multiplies it; the result dtype is torch's promotion of weight and x.
 
@@ -67,7 +67,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     hidden = x.to(torch.float32)
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + eps)
-    return weight * hidden.to(input_dtype)
+    hidden = hidden.to(input_dtype)
+    return hidden if weight is None else weight * hidden
 
 
 def _rms_norm_like(x: TensorProxy, weight: TensorProxy, eps: float = 1e-6) -> TensorProxy:
@@ -91,10 +92,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     s = x + residual
     if not cast_before_weight:
         return s, F.rms_norm(s, (s.shape[-1],), weight, eps)
-    hidden = s.to(torch.float32)
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    hidden = hidden.to(s.dtype)
-    return s, hidden if weight is None else weight * hidden
+    return s, rms_norm(s, weight, eps)
 
 
 def _add_rms_norm_like(x: TensorProxy, residual: TensorProxy, weight: TensorProxy | None,
