@@ -1867,9 +1867,11 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     from thunder.dynamo.compiler import ThunderFXCompiledObject
     from thunder.dynamo.utils import get_torch_compile_kwargs
 
+    from .fusion.zero_cotangents import ZeroCotangents
+
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    kwargs["transforms"] = [patterns, *transforms]
+    kwargs["transforms"] = [patterns, *transforms, ZeroCotangents()]
     compile_kwargs = get_torch_compile_kwargs(**kwargs)
     backend = _compiler_class()(**{k: v for k, v in kwargs.items() if k not in compile_kwargs})
     compiled = ThunderFXCompiledObject(backend, torch.compile(model, backend=backend, **compile_kwargs))
@@ -1884,8 +1886,10 @@ def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterabl
     rather than through kforge's helpers. The transform is `fn.llama_patterns`."""
     import thunder
 
+    from .fusion.zero_cotangents import ZeroCotangents
+
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    jfn = thunder.jit(fn, transforms=[patterns, *transforms], **kwargs)
+    jfn = thunder.jit(fn, transforms=[patterns, *transforms, ZeroCotangents()], **kwargs)
     jfn.llama_patterns = patterns
     return jfn

@@ -24,10 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from numbers import Number
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 __all__ = ["Unsupported", "Value", "RegionIR", "lower", "format_ir", "DTYPE_BYTES", "torch_dtype", "ir_dtype",
-           "UNARY", "BINARY", "TERNARY", "VIEW_OPS", "REDUCE_KINDS", "numel", "lossless", "view_plan"]
+           "UNARY", "BINARY", "TERNARY", "VIEW_OPS", "REDUCE_KINDS", "numel", "lossless", "view_plan", "fold_zeros"]
 
 
 class Unsupported(Exception):
@@ -214,12 +214,17 @@ def _number_dtype(x: Number) -> str:
 
 
 class _Lowerer:
-    def __init__(self, inputs: Sequence[Any]):
+    def __init__(self, inputs: Sequence[Any], zeros: Collection[int] = ()):
         from thunder.core.proxies import NumberProxy, TensorProxy
 
         self.b = _Builder()
         self.args: list[Value] = []
-        for p in inputs:
+        for i, p in enumerate(inputs):
+            if i in zeros:
+                if not isinstance(p, TensorProxy):
+                    raise Unsupported(f"argument {i} taken as zero is not a tensor")
+                self.b.env[p.name] = self.b.add("full", _shape(p), ir_dtype(p.dtype), attrs={"value": 0}, name=p.name)
+                continue
             if isinstance(p, TensorProxy):
                 v = self.b.add("input", _shape(p), ir_dtype(p.dtype), attrs={"index": len(self.args)}, name=p.name)
             elif isinstance(p, NumberProxy):
@@ -535,12 +540,15 @@ def supported_prim_ids() -> set:
     return set(_HANDLERS)
 
 
-def lower(bsyms: Iterable[Any], inputs: Sequence[Any], outputs: Sequence[Any]) -> RegionIR:
+def lower(bsyms: Iterable[Any], inputs: Sequence[Any], outputs: Sequence[Any], *,
+          zeros: Collection[int] = ()) -> RegionIR:
     """Lower a region: `bsyms` in topological order, `inputs` the proxies it reads (tensors and number
-    proxies, in call order), `outputs` the proxies it returns."""
+    proxies, in call order), `outputs` the proxies it returns. The tensor inputs at positions `zeros`
+    are taken as all zeros: they leave the call signature, and `fold_zeros` simplifies what they
+    reach (a gradient that was never materialized)."""
     if not _HANDLERS:
         _HANDLERS.update(_build_handlers())
-    L = _Lowerer(inputs)
+    L = _Lowerer(inputs, zeros)
     for b in bsyms:
         L.bsym(b)
     outs = []
@@ -551,7 +559,68 @@ def lower(bsyms: Iterable[Any], inputs: Sequence[Any], outputs: Sequence[Any]) -
         if v.op == "scalar":
             raise Unsupported(f"output {p.name} is a number")
         outs.append(v)
-    return prune(RegionIR(L.args, L.b.values, outs))
+    ir = prune(RegionIR(L.args, L.b.values, outs))
+    return fold_zeros(ir) if zeros else ir
+
+
+def _is_zero(a: Any) -> bool:
+    return isinstance(a, Value) and a.op == "full" and not a.args and a.attrs.get("value") == 0
+
+
+def fold_zeros(ir: RegionIR) -> RegionIR:
+    """`ir` with all-zero values propagated: x + 0 -> x, x - 0 -> x, 0 - x -> -x, x * 0 and 0 / x -> 0;
+    casts, views, pads with 0, reductions and selections of zeros -> zeros. What eager autograd gets
+    by never running a gradient that does not exist, so 0 * inf folds to 0 as it does there."""
+    rep: dict[int, Value] = {}
+    next_id = max((v.id for v in ir.values), default=-1) + 1
+    values: list[Value] = []
+
+    def new(op: str, like: Value, args: tuple = (), attrs: dict | None = None) -> Value:
+        nonlocal next_id
+        v = Value(next_id, op, like.shape, like.dtype, args, dict(attrs or {}), like.name)
+        next_id += 1
+        values.append(v)
+        return v
+
+    def same(a: Any, v: Value) -> bool:  # `a` can stand for `v` as it is
+        return isinstance(a, Value) and a.op != "scalar" and a.shape == v.shape and a.dtype == v.dtype
+
+    for v in ir.values:
+        v.args = tuple(rep.get(a.id, a) if isinstance(a, Value) else a for a in v.args)
+        a = v.args
+        z = [_is_zero(x) for x in a]
+        r: Value | None = None
+        if v.op in ("convert", "neg", "reshape", "transpose", "squeeze", "slice", "flip", "broadcast_in_dim",
+                    "copy") and z[0]:
+            r = new("full", v, attrs={"value": 0})
+        elif v.op == "pad" and z[0] and v.attrs.get("value") == 0:
+            r = new("full", v, attrs={"value": 0})
+        elif v.op == "reduce" and z[0]:
+            r = new("full", v, attrs={"value": 0})
+        elif v.op in ("cat",) and all(z):
+            r = new("full", v, attrs={"value": 0})
+        elif v.op == "add" and any(z):
+            r = (new("full", v, attrs={"value": 0}) if all(z) else
+                 a[0] if z[1] and same(a[0], v) else a[1] if z[0] and same(a[1], v) else None)
+        elif v.op == "sub" and any(z):
+            r = (new("full", v, attrs={"value": 0}) if all(z) else
+                 a[0] if z[1] and same(a[0], v) else new("neg", v, (a[1],)) if z[0] and same(a[1], v) else None)
+        elif v.op == "mul" and any(z) or v.op == "div" and z[0]:
+            r = new("full", v, attrs={"value": 0})
+        elif v.op == "where" and z[1] and z[2]:
+            r = new("full", v, attrs={"value": 0})
+        elif v.op == "convert" and isinstance(a[0], Value):
+            src = a[0]  # a round trip exposed by a fold (x + 0 between the casts): its source
+            if src.dtype == v.dtype:
+                r = src
+            elif src.op == "convert" and src.args[0].dtype == v.dtype and lossless(v.dtype, src.dtype):
+                r = src.args[0]
+        if r is None:
+            values.append(v)
+        else:
+            rep[v.id] = r
+    outs = [rep.get(o.id, o) for o in ir.outputs]
+    return prune(RegionIR(ir.args, values, outs))
 
 
 def prune(ir: RegionIR) -> RegionIR:
