@@ -512,6 +512,8 @@ def _laid_out(t: torch.Tensor, layout: str, off: int) -> torch.Tensor:
 
 
 @gpu
+@pytest.mark.sanitize
+@pytest.mark.sanitize_race
 @settings(max_examples=40)
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        rows=st.sampled_from([1, 2, 3, 5, 37]), layout=st.sampled_from(_LAYOUTS), off=st.integers(1, 7))
@@ -527,6 +529,8 @@ def test_softmax_property_matches_float64(data, dtype, rows, layout, off):
 
 
 @gpu
+@pytest.mark.sanitize
+@pytest.mark.sanitize_race
 @settings(max_examples=30)
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        lead=st.sampled_from([(1,), (2,), (1, 3)]), scale=st.floats(1e-3, 4.0), layout=st.sampled_from(_LAYOUTS),
