@@ -23,6 +23,28 @@ gpu = pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def pytest_configure(config):
     config.addinivalue_line("markers", "bigmem: needs 10+ GiB of GPU memory (tensors past 2^31 elements)")
     config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
+    # scripts/sanitize.sh runs `-m sanitize` under compute-sanitizer (10-100x slower kernels): small
+    # odd shapes that still reach every kernel layout; `sanitize_race` is the smaller racecheck subset.
+    config.addinivalue_line("markers", "sanitize: small-shape test selected for the compute-sanitizer runs")
+    config.addinivalue_line("markers", "sanitize_race: the subset of `sanitize` small enough for racecheck")
+
+
+# Hypothesis: the default profile is derandomized and keeps no example database, so every run (CI,
+# the GPU machine) draws the same examples and a failure reproduces; HYPOTHESIS_PROFILE=explore
+# draws fresh random examples (and more of them) when hunting for new failures.
+try:
+    from hypothesis import HealthCheck, settings as _hyp_settings
+
+    # function_scoped_fixture: the autouse fixtures below (poisoned outputs, cached GPU memory) are
+    # the same for every example, so sharing them across the examples of one test is intended.
+    _hyp_settings.register_profile("kforge", derandomize=True, database=None, deadline=None,
+                                   print_blob=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                           HealthCheck.too_slow])
+    _hyp_settings.register_profile("explore", parent=_hyp_settings.get_profile("kforge"),
+                                   derandomize=False)
+    _hyp_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kforge"))
+except ImportError:  # hypothesis is in requirements.txt; the tests that use it import it themselves
+    pass
 
 
 def pytest_collection_modifyitems(config, items):

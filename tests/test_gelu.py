@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 import thunder
 from thunder.core.trace import TraceCtx, tracectx
@@ -330,3 +332,25 @@ def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers, appr
     ref = fn(x)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(dx, torch.autograd.grad(ref, (x,), dout)[0])
+
+
+# ---- property-based (hypothesis) ----------------------------------------------------------------
+# Element counts around the vector width (16-byte packs of V = 4 / 8, two per thread, 256-thread
+# blocks: 2 * 256 * V elements a block) and 1; offsets 1..7 elements make the misaligned inputs that
+# take the scalar grid-stride kernel.
+@gpu
+@pytest.mark.sanitize
+@settings(max_examples=40)
+@given(n=st.one_of(st.integers(1, 40), st.sampled_from([4, 8, 2048, 4096, 8192]).flatmap(lambda e: st.integers(e - 3, e + 3))),
+       lead=st.sampled_from([(), (3,), (2, 5)]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       approximate=st.sampled_from(["tanh", "none"]), off=st.integers(0, 7), seed=st.integers(0, 2**31 - 1),
+       scale=st.sampled_from([0.5, 3.0, 12.0]))
+def test_property_matches_float64(n, lead, dtype, approximate, off, seed, scale):
+    """Generated sizes, shapes, dtypes, both approximations, misaligned views and input scales (the
+    tails): forward and backward within the file's tolerances of float64."""
+    shape = (*lead, n)
+    x = randn(*shape, dtype=dtype, scale=scale, seed=seed)
+    dout = randn(*shape, dtype=dtype, seed=seed + 1)
+    if off:
+        x = torch.empty(x.numel() + off, dtype=dtype, device="cuda")[off:].view(shape).copy_(x)
+    check_against_reference(x, dout, dtype, approximate)

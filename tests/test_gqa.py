@@ -10,6 +10,8 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import thunder
 from thunder.core.trace import TraceCtx, tracectx
 
@@ -189,3 +191,20 @@ def test_launcher_rejects_cpu_tensors():
         kforge._C.repeat_kv_forward(torch.randn(1, 2, 3, 4), 2)
     with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
         kforge._C.repeat_kv_backward(torch.randn(1, 4, 3, 4), 2)
+
+
+# ---- property-based (hypothesis) ----------------------------------------------------------------
+@gpu
+@pytest.mark.sanitize
+@settings(max_examples=30)
+@given(B=st.integers(1, 3), H=st.integers(1, 5), T=st.sampled_from([1, 2, 7, 33, 257]),
+       D=st.one_of(st.integers(1, 12), st.sampled_from([64, 128]).flatmap(lambda e: st.integers(e - 2, e + 2))),
+       n_rep=st.integers(1, 6), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       token_major=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_property_matches_reference(B, H, T, D, n_rep, dtype, token_major, seed):
+    """Generated (B, Hkv, T, D) (D around the 16-byte packs, odd), n_rep, dtypes and token-major views
+    (a transposed (B, T, Hkv, D) buffer, read in place): forward exact, backward against float64."""
+    x = randn(B, H, T, D, dtype=dtype, seed=seed)
+    if token_major:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    check(x, n_rep, f"{(B, H, T, D)} n_rep={n_rep}", reps=(0, 1))

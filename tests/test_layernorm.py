@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import thunder
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
@@ -413,3 +415,85 @@ def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers, affi
     torch.testing.assert_close(out, ref)
     for g, r in zip(grads, torch.autograd.grad(ref, params, dout)):
         torch.testing.assert_close(g, r)
+
+
+# ---- property-based (hypothesis) ----------------------------------------------------------------
+# Row lengths around the launcher's switch points (src/ops/layernorm.cpp): the GROUP / WARP / RING
+# limit 1024, 16-bit WARP forward 2048, BLOCK FITS 4096 (scalar: 512 threads x 8), 16-byte units (C a
+# multiple of 4 / 8) or scalars, and small odd rows.
+_LN_C = st.one_of(st.integers(1, 40), st.sampled_from([128, 256, 512, 1024, 2048, 4096]).flatmap(
+    lambda e: st.integers(e - 3, e + 3)))
+
+
+@gpu
+@pytest.mark.sanitize
+@pytest.mark.sanitize_race
+@settings(max_examples=30)
+@given(C=_LN_C, rows=st.sampled_from([1, 3, 33, 200]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       affine=st.sampled_from(AFFINE), variant=st.sampled_from([0, 1]), eps=st.sampled_from([1e-5, 1e-3, 0.0]),
+       seed=st.integers(0, 2**31 - 1), strided=st.booleans())
+def test_property_matches_float64(C, rows, dtype, affine, variant, eps, seed, strided):
+    """Generated rows, dtypes, affine parameters, layouts (variant), eps and strided inputs: forward
+    (out, mean, rstd) and backward (dx, dweight, dbias) within the file's tolerances of float64."""
+    x = (randn(rows, C, seed=seed) * 2 + 0.3).to(dtype)  # seeded: a failing example reproduces
+    w = (1 + 0.5 * randn(C, seed=seed + 1)).to(dtype) if "weight" in affine else None
+    b = (0.5 * randn(C, seed=seed + 2)).to(dtype) if "bias" in affine else None
+    dout = randn(rows, C, dtype=dtype, seed=seed + 3)
+    if strided:  # a view with padded rows: the launcher copies it; the reference reads the same values
+        x = torch.empty(rows, C + 5, dtype=dtype, device="cuda")[:, :C].copy_(x)
+    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, eps, variant=variant)
+    dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = None if w is None else w.double().requires_grad_(True)
+    b64 = None if b is None else b.double().requires_grad_(True)
+    ref = F.layer_norm(x64, (C,), w64, b64, eps)
+    ref.backward(dout.double())
+    r_rstd = (x64.detach().var(-1, unbiased=False) + eps).rsqrt()
+    assert_close(out, ref.detach(), dtype, "out")
+    assert_close(mean, x64.detach().mean(-1), torch.float32, "mean")
+    if eps > 0 or C > 1:  # C = 1, eps = 0: rstd is inf (both sides), nothing to compare relatively
+        assert_close(rstd, r_rstd, torch.float32, "rstd")
+        g = dout.double() * (1.0 if w is None else w.double())
+        assert_close(dx, x64.grad, dtype, "dx", scale=(g * r_rstd.unsqueeze(-1)).norm().item())
+        if w is not None:
+            assert_close(dw, w64.grad, dtype, "dweight")
+    if b is not None:
+        assert_close(db, b64.grad, dtype, "dbias")
+
+
+_ANY_DTYPE = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+
+
+@settings(max_examples=150)
+@given(shape=st.lists(st.one_of(st.integers(0, 9), st.sampled_from([2**30, 2**30 + 1])), min_size=0, max_size=3).map(tuple),
+       dtype=_ANY_DTYPE, device=st.sampled_from(["cuda", "cpu"]), ns=st.integers(-1, 2),
+       w=st.sampled_from(["none", "ok", "short", "2d", "dtype", "cpu"]), b=st.sampled_from(["none", "ok", "short"]),
+       eps=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.just("1e-5"), st.just(True)))
+def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, ns, w, b, eps):
+    """Generated proxies and arguments: whatever the checker accepts, the launcher's checks
+    (layernorm_forward: CUDA, float dtype, >= 1 dim, C in [1, 2^30], weight / bias (C,) of x's dtype
+    and device, eps >= 0) pass, and the normalised shape is the last dim. Fails if a rule goes
+    (this found eps < 0: accepted, then the launcher raised)."""
+    C = shape[-1] if shape else 1
+    normalized = shape[len(shape) - ns:] if 0 < ns <= len(shape) else (C + 1,) if ns == -1 else ()
+
+    def param(kind):
+        return {"none": None, "ok": proxy(C, dtype=dtype, device=device), "short": proxy(C + 1, dtype=dtype, device=device),
+                "2d": proxy(1, C, dtype=dtype, device=device), "dtype": proxy(C, dtype=torch.float64, device=device),
+                "cpu": proxy(C, dtype=dtype, device="cpu")}[kind]
+
+    with tracectx(TraceCtx()):
+        a = proxy(shape, dtype=dtype, device=device)
+        if ln._checker(a, normalized, param(w), param(b), eps) is None:
+            assert device == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+            assert len(shape) >= 1 and 1 <= C <= 2**30
+            assert tuple(normalized) == (C,)
+            assert w in ("none", "ok") and b in ("none", "ok")
+            assert isinstance(eps, float) and eps >= 0
+
+
+def test_checker_declines_negative_eps():
+    with tracectx(TraceCtx()):
+        assert "eps=-1e-05 is not a number >= 0" in ln._checker(proxy(4, 8), (8,), None, None, -1e-5)
+        assert "is not a number" in ln._checker(proxy(4, 8), (8,), None, None, float("nan"))
+        assert ln._checker(proxy(4, 8), (8,), None, None, 0.0) is None

@@ -15,6 +15,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 import thunder
 
@@ -972,3 +974,30 @@ def test_residual_kernels_compile(arch, tmp_path):
         assert len(names) == len(exprs) and len(set(names)) == len(exprs)
     finally:
         kforge._C.set_cache(kforge.cache_dir(), kforge._runtime.disk_cache_enabled())
+
+
+# ---- property-based (hypothesis) ----------------------------------------------------------------
+# Row lengths D around the launcher's switch points (src/ops/rmsnorm.cpp): 16-byte chunks (D a multiple
+# of V = 4 fp32 / 8 16-bit) or not, the ring's limit of 1024 chunks, the longest rows (2048 chunks),
+# small odd rows.
+def _rms_D(V: int):
+    return st.one_of(st.integers(1, 40), st.sampled_from([32 * V, 256 * V, 1024 * V, 2048 * V]).flatmap(
+        lambda e: st.integers(e - 3, e)), st.sampled_from([1024 * V + 1, 1024 * V + V]))
+
+
+@gpu
+@pytest.mark.sanitize
+@pytest.mark.sanitize_race
+@settings(max_examples=30)
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       rows=st.sampled_from([1, 3, 37, 300]), cast_before_weight=st.booleans(), variant=st.sampled_from([0, 1]),
+       weight=st.booleans(), strided=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_property_matches_float64(data, dtype, rows, cast_before_weight, variant, weight, strided, seed):
+    """Generated rows (lengths around every switch point), dtypes, weight or none, both casts, both
+    variants and strided inputs: check() (forward y, rstd; backward dx, dweight against float64)."""
+    D = data.draw(_rms_D(16 // torch.tensor([], dtype=dtype).element_size()), label="D")
+    x = randn(rows, D, dtype=dtype, seed=seed)
+    if strided:  # padded rows: the launcher copies the view
+        x = torch.empty(rows, D + 3, dtype=dtype, device="cuda")[:, :D].copy_(x)
+    w = randn(D, dtype=dtype, scale=0.5, seed=seed + 1) + 1 if weight else None
+    check(x, w, randn(rows, D, dtype=dtype, seed=seed + 2), cast_before_weight, what=f"({rows}, {D})", variant=variant)

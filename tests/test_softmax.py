@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import thunder
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
@@ -483,3 +485,178 @@ def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):
     ref = fn(x)
     torch.testing.assert_close(y, ref)
     torch.testing.assert_close(dx, torch.autograd.grad(ref, (x,), dy)[0])
+
+
+# ---- property-based (hypothesis) ----------------------------------------------------------------
+# Row lengths around every switch point of src/ops/softmax.cpp's plan(): warp rows of 1, 2, 4, 8 packs
+# a lane (32, 64, 128, 256 packs), block rows up to 2048 packs, streamed beyond; 16-bit rows of 33..128
+# packs on 16-byte boundaries take the persistent warps (forward). V = 4 (fp32) or 8 (16-bit).
+def _row_lengths(V: int):
+    edges = [32 * V, 64 * V, 128 * V, 256 * V, 2048 * V, 33 * 8, 128 * 8]
+    return st.one_of(st.integers(1, 70), st.sampled_from(edges).flatmap(lambda e: st.integers(e - 3, e + 3)))
+
+
+_LAYOUTS = ["contiguous", "offset", "padded_rows"]
+
+
+def _laid_out(t: torch.Tensor, layout: str, off: int) -> torch.Tensor:
+    """t's values as a contiguous tensor, one `off` elements off a 16-byte boundary (another row phase
+    than the launcher's fresh outputs: the element-wise stream path), or a view with padded rows
+    (non-contiguous: the launcher copies it)."""
+    if layout == "offset":
+        return torch.empty(t.numel() + off, dtype=t.dtype, device=t.device)[off:].view(t.shape).copy_(t)
+    if layout == "padded_rows":
+        big = torch.full((*t.shape[:-1], t.shape[-1] + off + 1), float("nan"), dtype=t.dtype, device=t.device)
+        return big[..., : t.shape[-1]].copy_(t)
+    return t
+
+
+@gpu
+@pytest.mark.sanitize
+@pytest.mark.sanitize_race
+@settings(max_examples=40)
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       rows=st.sampled_from([1, 2, 3, 5, 37]), layout=st.sampled_from(_LAYOUTS), off=st.integers(1, 7))
+def test_softmax_property_matches_float64(data, dtype, rows, layout, off):
+    """Generated rows (length 1, odd, around every layout switch), layouts and dtypes: forward and
+    backward within the file's tolerances of float64. Fails on any wrong element of any layout."""
+    C = data.draw(_row_lengths(16 // torch.tensor([], dtype=dtype).element_size()), label="C")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    x = randn(rows, C, dtype=dtype, scale=3.0, seed=seed)
+    dy = randn(rows, C, dtype=dtype, seed=seed + 1)
+    y_in = ref_forward(randn(rows, C, dtype=dtype, scale=2.0, seed=seed + 2)).to(dtype)
+    check_plain(_laid_out(x, layout, off), _laid_out(dy, layout, off), _laid_out(y_in, layout, off), dtype)
+
+
+@gpu
+@pytest.mark.sanitize
+@pytest.mark.sanitize_race
+@settings(max_examples=30)
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       lead=st.sampled_from([(1,), (2,), (1, 3)]), scale=st.floats(1e-3, 4.0), layout=st.sampled_from(_LAYOUTS),
+       off=st.integers(1, 7))
+def test_causal_softmax_property_matches_float64(data, dtype, lead, scale, layout, off):
+    """Generated (..., T, T) scores, scales and layouts: exact zeros above the diagonal and float64
+    agreement, forward and backward."""
+    V = 16 // torch.tensor([], dtype=dtype).element_size()
+    # Warp rows (32V packs), block rows (256V) and 2049 (fp32: a block row of 513 packs); the streamed
+    # causal rows (T > 2048V) are the fixed CAUSAL_SHAPES' 8193 (T^2 elements: too big to generate).
+    T = data.draw(st.one_of(st.integers(1, 40), st.sampled_from([32 * V, 256 * V, 2049]).flatmap(
+        lambda e: st.integers(e - 2, e + 2))), label="T")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    shape = (*lead, T, T)
+    preatt = randn(*shape, dtype=dtype, scale=8.0, seed=seed)
+    dy = randn(*shape, dtype=dtype, seed=seed + 1)
+    y_in = ref_forward(randn(*shape, dtype=dtype, scale=2.0, seed=seed + 2), True, scale).to(dtype)
+    check_causal(_laid_out(preatt, layout, off), _laid_out(dy, layout, off), _laid_out(y_in, layout, off),
+                 scale, dtype)
+
+
+# What the launchers (src/ops/softmax.cpp: input(), checked_rows(), dtype_of()) run without raising,
+# for the checker properties below.
+def _launcher_takes(shape, dtype, device, causal) -> bool:
+    if device != "cuda" or dtype not in (torch.float32, torch.bfloat16, torch.float16) or len(shape) == 0:
+        return False
+    if causal and (len(shape) < 2 or shape[-1] != shape[-2]):
+        return False
+    C, numel = shape[-1], math.prod(shape)
+    return C <= 2**31 - 1 and (C == 0 or numel // C < 2**31 - 1)
+
+
+_ANY_DTYPE = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.bool])
+_DIM_SIZES = st.one_of(st.integers(0, 9), st.sampled_from([2**31 - 2, 2**31 - 1, 2**31, 2**33]))
+
+
+@settings(max_examples=150)
+@given(shape=st.lists(_DIM_SIZES, min_size=0, max_size=4).map(tuple), dtype=_ANY_DTYPE,
+       device=st.sampled_from(["cuda", "cpu"]), dim=st.integers(-5, 4),
+       want=st.sampled_from([None, torch.float32, torch.bfloat16]))
+def test_softmax_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, dim, want):
+    """Generated proxies (any rank, empty and 2^31-sized dims, unsupported dtypes, CPU): whatever the
+    checker accepts the launcher runs, over the last dim and in the input dtype (the claim's meaning).
+    Fails when a checker rule is dropped or loosened past the launcher's checks."""
+    with tracectx(TraceCtx()):
+        a = proxy(shape, dtype=dtype, device=device)
+        if sm._softmax_checker(a, dim, dtype=want) is None:
+            assert _launcher_takes(shape, dtype, device, causal=False), (shape, dtype, device)
+            assert len(shape) == 0 or dim in (-1, len(shape) - 1)
+            assert want is None or want == dtype
+
+
+@settings(max_examples=150)
+@given(shape=st.lists(_DIM_SIZES, min_size=0, max_size=4).map(tuple), dtype=_ANY_DTYPE,
+       device=st.sampled_from(["cuda", "cpu"]), scale=st.one_of(st.floats(allow_nan=False), st.integers(-3, 3),
+                                                                  st.just("0.5"), st.just(True)))
+def test_causal_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, scale):
+    with tracectx(TraceCtx()):
+        a = proxy(shape, dtype=dtype, device=device)
+        if sm._causal_checker(a, scale) is None:
+            assert _launcher_takes(shape, dtype, device, causal=True), (shape, dtype, device)
+            assert isinstance(scale, (int, float)) and not isinstance(scale, bool)
+
+
+# ---- faults: nothing outside the rows is read (issue 20: memcheck on an H100 at T = 8193) -----------
+def _exact_cuda_buffer(nbytes: int):
+    """(tensor of nbytes uint8, free) from a cuMemAlloc of exactly nbytes, outside PyTorch's caching
+    allocator: under compute-sanitizer memcheck a read one byte past its end is an error (inside a
+    caching-allocator segment it would go unseen)."""
+    import ctypes
+
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # the primary context is current on this thread from here on
+    cu = ctypes.CDLL("libcuda.so.1")
+    ptr = ctypes.c_uint64(0)
+    assert cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(nbytes)) == 0, "cuMemAlloc failed"
+
+    class _Cai:
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr.value, False),
+                                    "version": 3, "strides": None}
+
+    def free():
+        torch.cuda.synchronize()
+        cu.cuMemFree_v2(ctypes.c_uint64(ptr.value))
+
+    return torch.as_tensor(_Cai(), device="cuda"), free
+
+
+def _at_allocation_end(t: torch.Tensor, lead: int, keep: list):
+    """A copy of t ending exactly where its allocation ends, after `lead` NaN elements (a read before
+    the first row uses NaN: the outputs turn NaN; a read past the last row is out of bounds)."""
+    es = t.element_size()
+    raw, free = _exact_cuda_buffer((lead + t.numel()) * es)
+    keep.append(free)
+    buf = raw.view(t.dtype)
+    buf[:lead] = float("nan")
+    return buf[lead:].view(t.shape).copy_(t)
+
+
+@gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("lead", [0, 1, 3])
+@pytest.mark.parametrize("T", [7, 1000, 2049, 8193])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_causal_softmax_reads_only_its_rows(dtype, T, lead):
+    """Scores, y and dy that end exactly where their cuMemAlloc ends, with NaN in front and above the
+    diagonal, 2 batches as in the issue's failing test: outputs finite, exactly 0 above the diagonal,
+    float64 agreement. lead = 1, 3 moves every row off its 16-byte phase relative to the launcher's
+    outputs (the element-wise stream path) and puts NaN right before row 0. Under compute-sanitizer
+    memcheck (scripts/sanitize.sh) a read past the last row is reported; without it, a read before
+    the first row or of a masked entry that is used fails the value checks."""
+    scale, keep = 0.37, []
+    mask = causal_mask(T, "cuda")
+    try:
+        preatt = _at_allocation_end(randn(2, T, T, dtype=dtype, scale=4.0).masked_fill(mask, float("nan")), lead, keep)
+        dy = _at_allocation_end(randn(2, T, T, dtype=dtype).masked_fill(mask, float("nan")), lead, keep)
+        y_in = _at_allocation_end(probs(2, T, T, dtype=dtype, causal=True, scale=scale).masked_fill(mask, float("nan")),
+                                  lead, keep)
+        y = kforge._C.causal_softmax_forward(preatt, scale)
+        dx = kforge._C.causal_softmax_backward(dy, y_in, scale)
+        torch.cuda.synchronize()
+        assert torch.isfinite(y).all() and torch.isfinite(dx).all()
+        assert (y[:, mask] == 0).all() and (dx[:, mask] == 0).all()
+        assert_close(y, ref_forward(preatt.masked_fill(mask, 0.0), True, scale), dtype, "y")
+        assert_close(dx, ref_backward(dy.masked_fill(mask, 0.0), y_in.masked_fill(mask, 0.0), True, scale),
+                     dtype, "dx")
+    finally:
+        for free in keep:
+            free()

@@ -10,6 +10,8 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 import thunder
 from thunder.core.trace import TraceCtx, tracectx
@@ -152,3 +154,22 @@ def test_launcher_rejects_cpu_tensors():
         kforge._C.swiglu_forward(torch.randn(4), torch.randn(4))
     with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
         kforge._C.swiglu_backward(torch.randn(4), torch.randn(4), torch.randn(4))
+
+
+# ---- property-based (hypothesis) ----------------------------------------------------------------
+@gpu
+@pytest.mark.sanitize
+@settings(max_examples=30)
+@given(n=st.one_of(st.integers(1, 40), st.sampled_from([4, 8, 2048, 4096, 11008]).flatmap(lambda e: st.integers(e - 3, e + 3))),
+       rows=st.sampled_from([1, 2, 7]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       layout=st.sampled_from(["contiguous", "offset", "transposed"]), seed=st.integers(0, 2**31 - 1))
+def test_property_matches_float64(n, rows, dtype, layout, seed):
+    """Generated sizes around the 16-byte packs, dtypes, misaligned (offset) and transposed views:
+    check() (out, d_gate, d_up against float64)."""
+    gate, up = randn(rows, n, dtype=dtype, scale=3.0, seed=seed), randn(rows, n, dtype=dtype, seed=seed + 1)
+    dout = randn(rows, n, dtype=dtype, seed=seed + 2)
+    if layout == "offset":
+        gate = torch.empty(gate.numel() + 1, dtype=dtype, device="cuda")[1:].view(rows, n).copy_(gate)
+    elif layout == "transposed":
+        up = up.t().contiguous().t()
+    check(gate, up, dout, f"({rows}, {n}) {layout}")

@@ -19,17 +19,33 @@ from typing import Any
 
 import torch
 import thunder.torch as ltorch
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import NumberProxy, TensorProxy
 from thunder.core.transforms import get_grad, put_grad
 
 from .. import _C
 from .._thunder import Claim, OpSpec, operator, tensor_problem
 
 
+def _check_args(shape: tuple, n_rep: object) -> None:
+    # One rule for the helper and its Thunder definition: a 3-D x failed with "not enough values to
+    # unpack" and n_rep = 0 returned (B, 0, T, D) without a word.
+    if isinstance(n_rep, bool) or not isinstance(n_rep, int) or n_rep < 1:
+        raise ValueError(f"repeat_kv: n_rep must be a positive int, got {n_rep!r}")
+    if len(shape) != 4:
+        raise ValueError(f"repeat_kv: x has shape {tuple(shape)}, not (B, Hkv, T, D) (a 4-D tensor of kv heads)")
+
+
+def _value(x: object) -> object:
+    return x.value if isinstance(x, NumberProxy) else x
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """Hugging Face `repeat_kv`: (B, Hkv, T, D) -> (B, Hkv * n_rep, T, D), the same as
     `torch.repeat_interleave(x, n_rep, dim=1)`. Under `thunder.jit(..., executors=[kforge.executor,
-    ...])` calls to this function become `kforge_repeat_kv`."""
+    ...])` calls to this function become `kforge_repeat_kv`.
+
+    Raises ValueError unless x is 4-D and n_rep a positive int."""
+    _check_args(tuple(x.shape), n_rep)
     if n_rep == 1:
         return x
     b, h, t, d = x.shape
@@ -38,6 +54,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def _repeat_kv_like(x: TensorProxy, n_rep: int) -> TensorProxy:
     # repeat_kv written in thunder.torch ops: kforge_repeat_kv's meta and its decomposition.
+    _check_args(tuple(x.shape), _value(n_rep))
     if n_rep == 1:
         return x
     b, h, t, d = x.shape

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import thunder.torch as ltorch
 from thunder.core import dtypes
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import NumberProxy, TensorProxy
 from thunder.core.transforms import get_grad, put_grad
 
 from .. import _C
@@ -73,6 +73,10 @@ def _checker(a: Any, normalized_shape: Sequence[int], weight: Any = None, bias: 
     for p, name in ((weight, "weight"), (bias, "bias")):
         if (problem := _param_problem(p, a, name)) is not None:
             return problem
+    # The launcher raises on eps < 0 (and a NaN eps is no eps): decline those so torch runs them.
+    e = eps.value if isinstance(eps, NumberProxy) else eps
+    if isinstance(e, bool) or not isinstance(e, (int, float)) or not e >= 0:
+        return f"eps={e!r} is not a number >= 0"
     return None
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import thunder.torch as ltorch
 from thunder.core import dtypes
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import NumberProxy, TensorProxy
 from thunder.core.transforms import get_grad, put_grad
 
 from .. import _C
@@ -55,6 +55,20 @@ def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
 
 
+def _check_heads(q_shape: tuple, k_shape: tuple) -> None:
+    # One rule for the helper and its Thunder definition: a 3-D q was rotated over the wrong dims and
+    # an odd D rotated 3 + 4 halves of 7 without an error.
+    for name, shape in (("q", q_shape), ("k", k_shape)):
+        if len(shape) != 4:
+            raise ValueError(f"apply_rope: {name} has shape {tuple(shape)}, not (B, H, T, D)")
+    if q_shape[-1] % 2 or q_shape[-1] != k_shape[-1]:
+        raise ValueError(f"apply_rope: head dims of q {tuple(q_shape)} and k {tuple(k_shape)} must be equal and even")
+
+
+def _values(shape) -> tuple:
+    return tuple(d.value if isinstance(d, NumberProxy) else d for d in shape)
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                interleaved: bool = False,
                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +76,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     dtype. See the module docstring for the cos / sin layouts of the two modes.
 
     Under `thunder.jit(..., executors=[kforge.executor, ...])` calls to this function become
-    `kforge_apply_rope` (one kforge launch for q and k, or this computation when declined)."""
+    `kforge_apply_rope` (one kforge launch for q and k, or this computation when declined).
+
+    Raises ValueError unless q and k are 4-D with one even head dim D."""
+    _check_heads(tuple(q.shape), tuple(k.shape))
     if position_ids is not None:
         cos, sin = cos[position_ids], sin[position_ids]
     if cos.ndim == 3:  # (B or 1, T, Dc): broadcast over heads
@@ -75,6 +92,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 # apply_rope written in thunder.torch ops: kforge_apply_rope's meta and its decomposition.
 def _rope_like(q, k, cos, sin, interleaved=False, position_ids=None):
+    _check_heads(_values(q.shape), _values(k.shape))
     if position_ids is not None:
         cos, sin = cos[position_ids], sin[position_ids]
     if cos.ndim == 3:
