@@ -30,6 +30,13 @@ def _bias_grad(g):
     return g.float().sum(0).to(g.dtype)
 
 
+def _residual_bias_grad(a, b):
+    """A GPT-2 backward under autocast: the fp32 residual gradient, its bf16 copy and the bias sum."""
+    s = a + b
+    h = s.to(torch.bfloat16)
+    return s, h, h.float().sum((0, 1))
+
+
 def _sum_sq_rows(x):
     return (x.float() * x.float()).sum(-1)
 
@@ -84,6 +91,9 @@ def bench_cases(dtype: torch.dtype, quick: bool) -> list:
     add("silu_mul", f"{rows}x{ffn}", _silu_mul, lambda: (rnd(rows, ffn), rnd(rows, ffn)), 3 * rows * ffn * es)
     add("add", f"{rows}x768", _add, lambda: (rnd(rows, 768), rnd(rows, 768)), 3 * rows * 768 * es)
     add("bias_grad", f"{rows}x3072", _bias_grad, lambda: (rnd(rows, 3072),), (rows + 1) * 3072 * es, "reduce")
+    if dtype == torch.float32:
+        add("residual_bias_grad", "8x1024x768", _residual_bias_grad, lambda: (rnd(8, 1024, 768), rnd(8, 1024, 768)),
+            8 * 1024 * 768 * (4 * 3 + 2) + 768 * 4, "reduce")
     add("sum_sq_rows", f"{rows}x4096", _sum_sq_rows, lambda: (rnd(rows, 4096),), rows * 4096 * es + rows * 4, "reduce")
     add("heads_to_tokens", f"{b}x{h}x{t}x{d}", _heads_to_tokens, lambda: (rnd(b, h, t, d),), 2 * n * es)
     return cases
