@@ -10,7 +10,7 @@ Prints, per call: the spread of the blocks' loop ends, the epilogues of the last
 a histogram of the loop ends; at the end, whether the same SMs are slow in every call (the correlation
 over SMs of the loop ends of different calls: near 1 if an SM's pace is a property of the SM, near 0
 if it changes from call to call).
-GPU only: python scripts/ring_timeline.py [kernel source dir to patch, default kernels_src]
+GPU only: python dev/ring_timeline.py [kernel source dir to patch, default kernels_src]
 """
 import atexit
 import os

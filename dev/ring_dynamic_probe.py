@@ -1,7 +1,7 @@
 """Does the RMSNorm ring backward lose time to its static schedule? A timing probe.
 
 The ring kernel gives each block a fixed set of row groups (blockIdx.x, + gridDim.x, ...), and its
-blocks finish them at very different times (scripts/ring_timeline.py: 32 to 52 us at 8192 x 4096
+blocks finish them at very different times (dev/ring_timeline.py: 32 to 52 us at 8192 x 4096
 bf16, the same SMs fast in every call). This writes two patched copies of kernels_src whose ring
 kernel runs the same restructured loop, differing only in where the row groups come from:
 
@@ -13,11 +13,11 @@ kernel runs the same restructured loop, differing only in where the row groups c
 
 Time them on the GPU machine against the default (no rebuild: the kernel cache is keyed by source):
 
-  python scripts/ring_dynamic_probe.py /tmp/probe [A, default 3]
+  python dev/ring_dynamic_probe.py /tmp/probe [A, default 3]
   python scripts/ab.py rmsnorm:bwd
   KFORGE_KERNEL_DIR=/tmp/probe/dynamic python scripts/ab.py rmsnorm:bwd
   KFORGE_KERNEL_DIR=/tmp/probe/static python scripts/ab.py rmsnorm:bwd
-  python scripts/ring_timeline.py /tmp/probe/dynamic
+  python dev/ring_timeline.py /tmp/probe/dynamic
 
 The patched loop assumes row groups of more than one warp (blockDim.x > 32), as the bench cases
 have (8192 x 4096, fp32 and bf16); do not run the test suite against it.
