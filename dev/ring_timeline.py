@@ -21,9 +21,9 @@ import tempfile
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "kernels_src"
 PATCHES = [  # (anchor in rmsnorm_backward_ring_kernel, replacement)
-    ("  kf_wait_prior_grids();\n  using E = Elems<T>;",
+    ("  kf_wait_prior_grids();\n  using E = Vec16<T>;",
      "  kf_wait_prior_grids();\n  unsigned long long ts0, ts1, ts2 = 0, ts3;\n"
-     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts0));\n  using E = Elems<T>;"),
+     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts0));\n  using E = Vec16<T>;"),
     ("  if (dw_partial == nullptr) return;",
      "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts1));\n"
      "  if (dw_partial == nullptr) return;"),

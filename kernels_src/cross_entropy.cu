@@ -25,22 +25,8 @@
 
 #define CE_NAN __int_as_float(0x7fffffff)
 
-// The 16-byte-aligned middle of one row: a scalar head up to the first 16-byte boundary (rows
-// start anywhere when V * sizeof(T) is not a multiple of 16), whole packs, then a scalar tail.
-struct RowSplit {
-  long long head;    // elements [0, head) are scalar
-  long long npacks;  // packs start at element head
-  long long tail;    // elements [tail, V) are scalar
-};
-template <typename T>
-KF_DEVICE RowSplit split_row(const T* row, long long V) {
-  constexpr int P = Pack128<T>::size;
-  long long head = (long long)((16 - ((u64)row & 15)) & 15) / (long long)sizeof(T);
-  if (head > V) head = V;
-  const long long npacks = (V - head) / P;
-  return {head, npacks, head + npacks * P};
-}
-
+// Rows start anywhere when V * sizeof(T) is not a multiple of 16: split_row (common.cuh) gives a
+// row's scalar head up to the first 16-byte boundary, its whole packs, then its scalar tail.
 template <bool Stream, typename T>
 KF_DEVICE Pack128<T> load_pack(const T* p) {
   if constexpr (Stream) return load128cs(p);
@@ -77,8 +63,8 @@ KF_DEVICE void online_rescale(float new_max, float& m, float& s) {
 template <bool Stream, typename T>
 KF_DEVICE void thread_max_sumexp(const T* __restrict__ x, long long V, float& m, float& s) {
   constexpr int P = Pack128<T>::size;
-  const RowSplit r = split_row(x, V);
-  for_each_pack<Stream>(x + r.head, r.npacks, [&](const Pack128<T>& a, long long) {
+  const RowSplit<long long> r = split_row(x, V);
+  for_each_pack<Stream>(x + r.head, r.npk, [&](const Pack128<T>& a, long long) {
     float pm = a.f(0);
 #pragma unroll
     for (int k = 1; k < P; ++k) pm = fmaxf(pm, a.f(k));
@@ -88,9 +74,9 @@ KF_DEVICE void thread_max_sumexp(const T* __restrict__ x, long long V, float& m,
     for (int k = 0; k < P; ++k) s += __expf(a.f(k) - ms);
   });
   // Head and tail hold fewer than 2 * P elements: at most one each for the first threads.
-  const long long nscalar = r.head + (V - r.tail);
+  const long long nscalar = r.head + r.tail;
   for (long long j = threadIdx.x; j < nscalar; j += blockDim.x) {
-    const float v = to_float(x[j < r.head ? j : r.tail + (j - r.head)]);
+    const float v = to_float(x[j < r.head ? j : (V - r.tail) + (j - r.head)]);
     online_rescale(v, m, s);
     s += __expf(v - (m == -KF_INF ? 0.0f : m));
   }
@@ -102,14 +88,14 @@ template <bool Stream, typename T>
 KF_DEVICE void write_row_grad(const T* __restrict__ x, T* __restrict__ dx, long long V, long long t,
                               float L, float scale, bool zero, int vec) {
   constexpr int P = Pack128<T>::size;
-  RowSplit r = vec ? split_row(x, V) : RowSplit{V, 0, V};
+  RowSplit<long long> r = vec ? split_row(x, V) : RowSplit<long long>{V, 0, 0};
   if (zero) {
     Pack128<T> z;
 #pragma unroll
     for (int k = 0; k < P; ++k) z.set(k, 0.0f);
-    for (long long p = threadIdx.x; p < r.npacks; p += blockDim.x) store128(dx + r.head + p * P, z);
+    for (long long p = threadIdx.x; p < r.npk; p += blockDim.x) store128(dx + r.head + p * P, z);
   } else {
-    for_each_pack<Stream>(x + r.head, r.npacks, [&](const Pack128<T>& a, long long p) {
+    for_each_pack<Stream>(x + r.head, r.npk, [&](const Pack128<T>& a, long long p) {
       const long long d = t - (r.head + p * P);  // position of the target in this pack, if there
       const int dk = (d >= 0 && d < P) ? (int)d : -1;
       Pack128<T> o;
@@ -118,9 +104,9 @@ KF_DEVICE void write_row_grad(const T* __restrict__ x, T* __restrict__ dx, long 
       store128(dx + r.head + p * P, o);
     });
   }
-  const long long nscalar = r.head + (V - r.tail);
+  const long long nscalar = r.head + r.tail;
   for (long long j = threadIdx.x; j < nscalar; j += blockDim.x) {
-    const long long c = j < r.head ? j : r.tail + (j - r.head);
+    const long long c = j < r.head ? j : (V - r.tail) + (j - r.head);
     dx[c] = from_float<T>(zero ? 0.0f : (__expf(to_float(x[c]) - L) - (c == t ? 1.0f : 0.0f)) * scale);
   }
 }
@@ -204,47 +190,6 @@ KF_DEVICE float ce_ex2(float x) {
   return r;
 }
 
-// A pack as floats (bf16: by 32-bit word, no byte permutes), and floats to a pack (16-bit types
-// convert two at a time).
-template <typename T>
-KF_DEVICE void ce_unpack(const Pack128<T>& p, float (&f)[Pack128<T>::size]) {
-#pragma unroll
-  for (int i = 0; i < Pack128<T>::size; ++i) f[i] = p.f(i);
-}
-template <>
-KF_DEVICE void ce_unpack<bf16>(const Pack128<bf16>& p, float (&f)[8]) {
-  const u32* w = reinterpret_cast<const u32*>(&p);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    f[2 * j] = __uint_as_float(w[j] << 16);
-    f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-  }
-}
-// Floats to a pack; 16-bit types convert two at a time.
-KF_DEVICE u32 ce_cvt2(bf16*, float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-KF_DEVICE u32 ce_cvt2(half*, float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-template <typename T>
-KF_DEVICE Pack128<T> ce_pack(const float (&f)[Pack128<T>::size]) {
-  Pack128<T> r;
-  if constexpr (sizeof(T) == 2) {
-    u32* w = reinterpret_cast<u32*>(&r);
-#pragma unroll
-    for (int j = 0; j < Pack128<T>::size / 2; ++j) w[j] = ce_cvt2((T*)nullptr, f[2 * j], f[2 * j + 1]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < Pack128<T>::size; ++i) r.set(i, f[i]);
-  }
-  return r;
-}
-
 // This thread's packs p = u * CE_BWD_THREADS + tid < np of the chunk starting at xc. Vec: 16-byte
 // loads; else P elements one by one (no alignment needed).
 template <bool Vec, int U, typename T>
@@ -296,7 +241,7 @@ KF_DEVICE void ce_store_chunk(T* __restrict__ dc, int np, const Pack128<T> (&a)[
     const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
     if (p < np) {
       float e[P];
-      ce_unpack(a[u], e);
+      unpack128(a[u], e);
 #pragma unroll
       for (int k = 0; k < P; ++k) e[k] = ce_ex2(fmaf(e[k], CE_LOG2E, -l2)) * s;
       const int dk = tl - p * P;  // in [0, P) only in the one pack of the row holding the target
@@ -305,7 +250,7 @@ KF_DEVICE void ce_store_chunk(T* __restrict__ dc, int np, const Pack128<T> (&a)[
         for (int k = 0; k < P; ++k)
           if (k == dk) e[k] -= s;
       }
-      ce_store_pack<Vec>(dc + p * P, ce_pack<T>(e));
+      ce_store_pack<Vec>(dc + p * P, pack128<T>(e));
     }
   }
 }
@@ -316,8 +261,8 @@ struct CeChunk {
   int np;
 };
 template <typename T>
-KF_DEVICE CeChunk ce_chunk(const RowSplit& rs, long long chunk, int chunk_packs) {
-  const long long left = rs.npacks - chunk * chunk_packs;  // packs from the chunk's start on
+KF_DEVICE CeChunk ce_chunk(const RowSplit<long long>& rs, long long chunk, int chunk_packs) {
+  const long long left = rs.npk - chunk * chunk_packs;  // packs from the chunk's start on
   return {rs.head + chunk * chunk_packs * Pack128<T>::size,
           (int)(left < chunk_packs ? (left > 0 ? left : 0) : chunk_packs)};
 }
@@ -328,10 +273,10 @@ struct CeScalar {
   long long c;
   bool on;
 };
-KF_DEVICE CeScalar ce_scalar(const RowSplit& rs, long long V, long long chunk) {
+KF_DEVICE CeScalar ce_scalar(const RowSplit<long long>& rs, long long V, long long chunk) {
   const long long tid = threadIdx.x;
-  const long long nscalar = chunk == 0 ? rs.head + (V - rs.tail) : 0;
-  return {tid < rs.head ? tid : rs.tail + (tid - rs.head), tid < nscalar};
+  const long long nscalar = chunk == 0 ? rs.head + rs.tail : 0;
+  return {tid < rs.head ? tid : (V - rs.tail) + (tid - rs.head), tid < nscalar};
 }
 
 // dloss of a row (s) and its exponent offset (l2 = lse * log2e, NaN for an out-of-range target).
@@ -346,11 +291,10 @@ KF_DEVICE CeRowScale ce_row_scale(long long t, float L, float g, float nv, bool 
   return {bad ? CE_NAN : L * CE_LOG2E, zero ? 0.0f : (mean ? g / nv : g), zero};
 }
 
-// The raw inputs of a row. Their loads take row + ce_opaque_zero(): 0 in every thread, but not
+// The raw inputs of a row. Their loads take row + kf_opaque_zero(): 0 in every thread, but not
 // known to the compiler to be the same in all of them, so the loaded values stay in per-thread
 // registers. As block-uniform values the compiler moved them into uniform registers right after
 // their loads, which waited for those loads before the pack loads were issued.
-KF_DEVICE long long ce_opaque_zero() { return threadIdx.x >= blockDim.x; }
 struct CeRowIn {
   long long t;
   float lse, g;
@@ -380,7 +324,7 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
   const long long row = row32;
   const T* xr = logits + row * ld;
   T* dr = dlogits + row * ld;
-  const RowSplit rs = Vec ? split_row(xr, V) : RowSplit{0, V / P, (V / P) * P};
+  const RowSplit<long long> rs = Vec ? split_row(xr, V) : RowSplit<long long>{0, V / P, V - (V / P) * P};
   const CeChunk ck = ce_chunk<T>(rs, chunk, chunk_packs);
 
   // All loads first: the packs, the scalar head / tail element, then the row's inputs.
@@ -388,7 +332,7 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
   ce_load_chunk<Vec>(xr + ck.first, ck.np, a);
   const CeScalar sc = ce_scalar(rs, V, chunk);
   const float xs = sc.on ? to_float(xr[sc.c]) : 0.0f;
-  const CeRowIn in = ce_row_in(row + ce_opaque_zero(), grad, grad_stride, targets, lse);
+  const CeRowIn in = ce_row_in(row + kf_opaque_zero(), grad, grad_stride, targets, lse);
   const long long t = in.t;
   const float nv = n_valid ? *n_valid : 1.0f;
 

@@ -41,91 +41,9 @@ constexpr int kMaxRowsPerBlock = 16;
 // (<= 128 registers each); the others at 1024. The launcher respects both.
 #define KF_LN_BOUNDS __launch_bounds__(FITS ? 512 : 1024)
 
-// A unit is what a thread moves in one access: 16 bytes as four 32-bit words (VEC; two bf16 / half
-// per word, so a unit costs 4 registers whatever T is, and stays packed until its elements are
-// used), or one element. f(i): element i as fp32; from(y): a unit from V floats (round to nearest).
-template <typename T> struct Vec16;
-template <> struct __align__(16) Vec16<float> {
-  static constexpr int size = 4;
-  u32 w[4];
-  KF_DEVICE float f(int i) const { return __uint_as_float(w[i]); }
-  static KF_DEVICE Vec16 from(const float (&y)[4]) {
-    Vec16 r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r.w[i] = __float_as_uint(y[i]);
-    return r;
-  }
-  static KF_DEVICE Vec16 fill(float v) { return from({v, v, v, v}); }
-};
-template <> struct __align__(16) Vec16<bf16> {
-  static constexpr int size = 8;
-  u32 w[4];
-  KF_DEVICE float f(int i) const {
-    return __uint_as_float(i & 1 ? w[i >> 1] & 0xffff0000u : w[i >> 1] << 16);
-  }
-  static KF_DEVICE Vec16 from(const float (&y)[8]) {
-    Vec16 r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r.w[i]) : "f"(y[2 * i + 1]), "f"(y[2 * i]));
-    return r;
-  }
-  static KF_DEVICE Vec16 fill(float v) { return from({v, v, v, v, v, v, v, v}); }
-};
-template <> struct __align__(16) Vec16<half> {
-  static constexpr int size = 8;
-  u32 w[4];
-  KF_DEVICE float f(int i) const {
-    float v;
-    if (i & 1)
-      asm("{.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.f32.f16 %0, hi;}" : "=f"(v) : "r"(w[i >> 1]));
-    else
-      asm("{.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.f32.f16 %0, lo;}" : "=f"(v) : "r"(w[i >> 1]));
-    return v;
-  }
-  static KF_DEVICE Vec16 from(const float (&y)[8]) {
-    Vec16 r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r.w[i]) : "f"(y[2 * i + 1]), "f"(y[2 * i]));
-    return r;
-  }
-  static KF_DEVICE Vec16 fill(float v) { return from({v, v, v, v, v, v, v, v}); }
-};
-template <typename T>
-struct Elem1 {
-  static constexpr int size = 1;
-  T v;
-  KF_DEVICE float f(int) const { return to_float(v); }
-  static KF_DEVICE Elem1 from(const float (&y)[1]) { return Elem1{from_float<T>(y[0])}; }
-  static KF_DEVICE Elem1 fill(float v) { return Elem1{from_float<T>(v)}; }
-};
-template <bool VEC, typename T> struct UnitOf { using type = Elem1<T>; };
-template <typename T> struct UnitOf<true, T> { using type = Vec16<T>; };
-template <typename T, bool VEC> using Unit = typename UnitOf<VEC, T>::type;
-
-template <typename T> KF_DEVICE void set_words(Vec16<T>& r, int4 v) {
-  r.w[0] = (u32)v.x, r.w[1] = (u32)v.y, r.w[2] = (u32)v.z, r.w[3] = (u32)v.w;
-}
-template <typename T> KF_DEVICE void load_unit(Vec16<T>& r, const T* p) {
-  set_words(r, *reinterpret_cast<const int4*>(p));
-}
-template <typename T> KF_DEVICE void load_unit(Elem1<T>& r, const T* p) { r.v = *p; }
-// Last read of data that is not needed again soon (evict-first for the 16-byte path).
-template <typename T> KF_DEVICE void load_unit_last(Vec16<T>& r, const T* p) {
-  set_words(r, __ldcs(reinterpret_cast<const int4*>(p)));
-}
-template <typename T> KF_DEVICE void load_unit_last(Elem1<T>& r, const T* p) { r.v = *p; }
-template <typename T> KF_DEVICE void store_unit(T* p, const Vec16<T>& r) {
-  *reinterpret_cast<int4*>(p) = make_int4((int)r.w[0], (int)r.w[1], (int)r.w[2], (int)r.w[3]);
-}
-template <typename T> KF_DEVICE void store_unit(T* p, const Elem1<T>& r) { *p = r.v; }
-// The same, marked evict-first (not read again by this kernel). The ring backward's dx measured
-// 0.3 us faster so (bf16, 8192 x 768): its stream then leaves more of L2 to the partial rows the
-// parameter-gradient kernel reads next.
-template <typename T> KF_DEVICE void store_unit_last(T* p, const Vec16<T>& r) {
-  __stcs(reinterpret_cast<int4*>(p), make_int4((int)r.w[0], (int)r.w[1], (int)r.w[2], (int)r.w[3]));
-}
+// Units (common.cuh): Unit<T, VEC> is Vec16<T> (16 bytes as four words) or Elem1<T> (one element).
+// The ring backward stores dx evict-first (store_unit_last): 0.3 us faster so (bf16, 8192 x 768),
+// its stream then leaves more of L2 to the partial rows the parameter-gradient kernel reads next.
 
 // Sum of (a, b) over the blockDim.x threads sharing this row (threadIdx.y). Every one of them gets
 // the same bits: warp butterflies, then the per-warp sums added in warp order. Contains
@@ -185,29 +103,8 @@ struct LnWarpCfg {
   static constexpr int bwd_warps = ln_bwd_warps(VEC, P, (int)sizeof(T));
 };
 
-// Makes the compiler forget what a unit holds (one xor with `zero`, a kernel argument that is 0 at
-// run time but unknown to the compiler): fp32 values converted from it before must be converted
-// again after, instead of being kept live across the reductions in between (twice the registers of
-// the packed 16-bit units). An empty asm is not enough: ptxas sees through it.
-template <typename T> KF_DEVICE void opaque(Vec16<T>& r, u32 zero) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm("xor.b32 %0, %0, %1;" : "+r"(r.w[i]) : "r"(zero));
-}
-KF_DEVICE void opaque(Elem1<float>& r, u32 zero) {
-  u32 b = __float_as_uint(r.v);
-  asm("xor.b32 %0, %0, %1;" : "+r"(b) : "r"(zero));
-  r.v = __uint_as_float(b);
-}
-KF_DEVICE void opaque(Elem1<bf16>& r, u32 zero) {
-  asm("xor.b16 %0, %0, %1;" : "+h"(r.v.bits) : "h"((u16)zero));
-}
-KF_DEVICE void opaque(Elem1<half>& r, u32 zero) {
-  asm("xor.b16 %0, %0, %1;" : "+h"(r.v.bits) : "h"((u16)zero));
-}
-// `zero` (still 0) made to depend on v: an opaque() with it cannot be scheduled before v is known,
-// e.g. before a warp reduction has finished (ptxas would otherwise convert early and keep the fp32
-// values live across the shuffles).
-KF_DEVICE u32 after(float v, u32 zero) { return __float_as_uint(v) & zero; }
+// opaque() / after() (common.cuh) keep fp32 values converted from packed units from living across
+// the reductions: converted again after them instead (half the registers).
 template <int P, typename U> KF_DEVICE void opaque_row(U (&r)[P], int lane, int units, u32 zero) {
 #pragma unroll
   for (int k = 0; k < P; ++k)
@@ -565,10 +462,6 @@ constexpr int ln_group_bwd_warps(bool vec) { return vec ? 24 : 20; }
 constexpr int kGroupFwdWarps = 12;
 constexpr int kGroupFwdBlocks = 3;
 
-KF_DEVICE void group_barrier(int group, int threads) {
-  asm volatile("bar.sync %0, %1;" : : "r"(group + 1), "r"(threads) : "memory");
-}
-
 // Warp sums of v[0..n) (n a power of two <= 32) by halving butterflies: at offset 16 a lane keeps
 // one half of its values (the lower half if its bit 4 is clear), adds the partner's copy of that half
 // and sends the other half; then offset 8 with the remaining half, ... After log2 n steps a lane holds
@@ -619,7 +512,7 @@ KF_DEVICE void group_sum_n(float (&v)[n], float* red, int first, int nw, int gro
   if (nw == 1) {  // the same for the whole group
     __syncwarp();
   } else {
-    group_barrier(group, 32 * nw);
+    named_barrier(group + 1, 32 * nw);
   }
   const float* r = red + first * n;
 #pragma unroll
@@ -1152,23 +1045,6 @@ __global__ void __launch_bounds__(1024)
 // the ring's shared memory into partial[blockIdx.x] = [dweight | dbias] (2C floats; partial is
 // nullptr when neither is needed). Every sum has a fixed order: the result is reproducible. Needs
 // N < 2^31.
-KF_DEVICE u32 ln_smem_u32(const void* p) {
-  u32 s;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
-  return s;
-}
-// `after`: an unused operand that orders the copy after the instructions computing it (the reads
-// of the slot it overwrites).
-KF_DEVICE void ln_cp_async16(u32 saddr, const void* gmem, float after) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem), "f"(after)
-               : "memory");
-}
-KF_DEVICE void ln_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int n> KF_DEVICE void ln_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory");
-}
-KF_DEVICE void ln_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 // src/ops/layernorm.cpp mirrors these: row slots a group (S), the launch bound (768 threads: 80
 // registers) and the row-sum scratch (>= max(NW, 4) G for every block the launcher makes with
 // NW > 1: NW <= 4, G <= 12).
@@ -1202,7 +1078,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   const int iters = q + (rem > 0 ? 1 : 0);  // the same for the whole block (barriers)
   const bool has = tx < units;
   float4* const mine = ring16 + (i64)ty * S * 2 * units + tx;  // slot s: below
-  const u32 smine = ln_smem_u32(mine);
+  const u32 smine = smem_u32(mine);
   // Byte offsets from mine: slot s at s * slot_bytes, its dout unit dout_bytes further.
   const u32 slot_bytes = 2u * units * 16u, dout_bytes = units * 16u;
   const T* xn = x + (i64)r0 * C + tx * V;  // row i + S of the range (the next refill)
@@ -1212,14 +1088,14 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   auto refill = [&](u32 so, int i2, const T* xr, const T* gr, float after) {
     if (i2 < n && has) {
       const u32 a = smine + so;
-      ln_cp_async16(a, xr, after);
-      ln_cp_async16(a + dout_bytes, gr, after);
+      cp_async16_after(a, xr, after);
+      cp_async16_after(a + dout_bytes, gr, after);
     }
   };
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     refill(s * slot_bytes, s, xn, gn, 0.0f);
-    ln_cp_async_commit();
+    cp_async_commit();
     xn += C;
     gn += C;
   }
@@ -1263,7 +1139,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
     const float mu = __shfl_sync(0xffffffffu, mc, i & 31);
     const float rs = __shfl_sync(0xffffffffu, rc, i & 31);
     const bool live = i < n && has;
-    ln_cp_async_wait<S - 1>();  // row i's group has landed (this thread's chunks)
+    cp_async_wait<S - 1>();  // row i's group has landed (this thread's chunks)
     const float4* const cur =
         reinterpret_cast<const float4*>(reinterpret_cast<const char*>(mine) + so);
 
@@ -1285,7 +1161,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       }
       refill(so, i + S, xn, gn, s2);  // the slot has been read: row i + S into it
     }
-    ln_cp_async_commit();
+    cp_async_commit();
 
     // Row sums over the group: lanes 0..15 end with sum gw, 16..31 with sum gw xhat.
     {
@@ -1331,7 +1207,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   }
 
   if (!partial) return;  // the same for the whole block
-  ln_cp_async_wait_all();
+  cp_async_wait_all();
   __syncthreads();  // every group is done with its slots
   // Fold: group y's float4 f of thread t at ring16[(4 y + f) tpr + t]; f = 0, 1: dweight columns
   // 4f..4f+3 of the thread, 2, 3: dbias.
