@@ -22,6 +22,7 @@
 // transform it is not, and scaling a saved unit-gradient later costs the same read+write pass as the
 // backward kernel, so the executor uses forward + backward and the fused variant is a launcher only.
 #include "common.cuh"
+#include "launch_params.cuh"
 
 #define CE_NAN __int_as_float(0x7fffffff)
 
@@ -169,7 +170,7 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
 
 // ---- backward: a streaming elementwise kernel ------------------------------------------------------
 // Work items are (row, chunk) pairs, w = row * chunks_per_row + chunk. A chunk is `chunk_packs`
-// (<= CE_BWD_THREADS * U) consecutive 16-byte packs of the row's aligned middle; thread tid moves
+// (<= kBwdThreads * U) consecutive 16-byte packs of the row's aligned middle; thread tid moves
 // packs tid, tid + 256, ... (U of them at most) and issues all of its loads before the first use.
 // Chunk 0 also does the row's scalar head and tail (< 2 packs' worth, one element per thread).
 // Math: dx = exp2(x * log2e - lse * log2e) * s, minus s at the target.
@@ -179,9 +180,8 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
 // them waits for another, so a block's life is one memory latency plus its arithmetic. Ignored rows
 // read their logits too (rare; this keeps the loads independent of the target) and write exact
 // zeros (selected, so a NaN logit there does not leak).
-#define CE_BWD_THREADS 256
-#define CE_BWD_UNROLL_VEC 4    // 16-byte packs per thread (64 bytes in flight)
-#define CE_BWD_UNROLL_SCALAR 2  // element-wise "packs" (P loads each) per thread
+// Block size and packs per thread: kBwdThreads, kBwdUnrollVec / kBwdUnrollScalar (launch_params.cuh).
+using namespace kf_cross_entropy;
 #define CE_LOG2E 1.4426950408889634f
 
 KF_DEVICE float ce_ex2(float x) {
@@ -190,14 +190,14 @@ KF_DEVICE float ce_ex2(float x) {
   return r;
 }
 
-// This thread's packs p = u * CE_BWD_THREADS + tid < np of the chunk starting at xc. Vec: 16-byte
+// This thread's packs p = u * kBwdThreads + tid < np of the chunk starting at xc. Vec: 16-byte
 // loads; else P elements one by one (no alignment needed).
 template <bool Vec, int U, typename T>
 KF_DEVICE void ce_load_chunk(const T* __restrict__ xc, int np, Pack128<T> (&a)[U]) {
   constexpr int P = Pack128<T>::size;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
+    const int p = u * kBwdThreads + (int)threadIdx.x;
     if (p < np) {
       if constexpr (Vec) {
         a[u] = load128(xc + p * P);
@@ -231,14 +231,14 @@ KF_DEVICE void ce_store_chunk(T* __restrict__ dc, int np, const Pack128<T> (&a)[
     for (int k = 0; k < P; ++k) z.set(k, 0.0f);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
+      const int p = u * kBwdThreads + (int)threadIdx.x;
       if (p < np) ce_store_pack<Vec>(dc + p * P, z);
     }
     return;
   }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
+    const int p = u * kBwdThreads + (int)threadIdx.x;
     if (p < np) {
       float e[P];
       unpack128(a[u], e);
@@ -310,7 +310,7 @@ KF_DEVICE CeRowIn ce_row_in(long long row, const T* __restrict__ grad, long long
 // address modulo 16 (16-byte packs with default caching between a scalar head and tail per row);
 // else every "pack" is P elements moved one by one.
 template <typename T, bool Vec>
-__global__ void __launch_bounds__(CE_BWD_THREADS, 6)
+__global__ void __launch_bounds__(kBwdThreads, 6)
     cross_entropy_backward_kernel(const T* __restrict__ grad, long long grad_stride,
                                        const float* __restrict__ n_valid, const T* __restrict__ logits,
                                        const i64* __restrict__ targets, const float* __restrict__ lse,
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
                                        long long ignore_index, int chunks_per_row, int chunk_packs) {
   kf_wait_prior_grids();
   constexpr int P = Pack128<T>::size;
-  constexpr int U = Vec ? CE_BWD_UNROLL_VEC : CE_BWD_UNROLL_SCALAR;
+  constexpr int U = Vec ? kBwdUnrollVec : kBwdUnrollScalar;
   const u32 row32 = blockIdx.x / (u32)chunks_per_row;  // the one division
   const long long chunk = (long long)(blockIdx.x - row32 * (u32)chunks_per_row);
   const long long row = row32;
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
     const float e = r.zero ? 0.0f : ce_ex2(fmaf(xs, CE_LOG2E, -r.l2)) * r.s;
     dr[sc.c] = from_float<T>(sc.c == t ? e - r.s : e);
   }
-  if (chunk == chunks_per_row - 1) zero_row_padding(dr, V, ld, CE_BWD_THREADS);
+  if (chunk == chunks_per_row - 1) zero_row_padding(dr, V, ld, kBwdThreads);
 }
 
 KF_DEVICE long long block_sum_ll(long long x, long long* scratch) {

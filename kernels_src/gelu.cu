@@ -17,6 +17,7 @@
 // - gelu_{forward,backward}_scalar_kernel (any pointer misaligned): grid-stride loop over elements
 //   with 64-bit indices.
 #include "common.cuh"
+#include "launch_params.cuh"
 
 constexpr float kGeluS = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluC = 0.044715f;
@@ -186,13 +187,10 @@ template <int P> KF_DEVICE bool gelu_gate(const int4 (&g)[P], const int4 (&a)[P]
   return (t & (u32)((unsigned long long)n >> 62)) != 0;
 }
 
-// Packs per thread and threads per block of gelu_{forward,backward}_kernel (kPacksPerThread and
-// kThreads in src/ops/gelu.cpp). The __launch_bounds__ minimum of 8 resident blocks per SM caps the
-// registers at 32 (full occupancy) without spilling in both modes (nvcc --resource-usage, sm_80 and
-// sm_90).
-constexpr int kGeluP = 2;
-constexpr int kGeluB = 256;
-constexpr int kGeluMinBlocks = 8;
+// Packs per thread, threads per block and the launch bound's resident blocks of
+// gelu_{forward,backward}_kernel: launch_params.cuh (kGeluP, kGeluB, kGeluMinBlocks), shared with
+// src/ops/gelu.cpp (registers capped at 32 without spilling: nvcc --resource-usage, sm_80 / sm_90).
+using namespace kf_gelu;
 
 // Block b: packs [b P B, (b + 1) P B), thread t takes packs t + k B (k < P); the block with
 // (b + 1) P B > packs (always the last one) is bounds-checked and writes the scalar tail.

@@ -31,12 +31,11 @@
 //   registers and x / dout are read from DRAM once; otherwise (very long rows) the later passes
 //   re-read them, mostly from L2.
 #include "common.cuh"
+#include "launch_params.cuh"
 
-// Elements one thread keeps in registers per row on the FITS path. src/ops/layernorm.cpp sizes
-// blocks with the same constant.
-constexpr int kRegElems = 8;
-// Most rows one block works on at once (blockDim.y); sizes the reduction scratch.
-constexpr int kMaxRowsPerBlock = 16;
+// Block shapes, launch bounds and per-instantiation limits (kRegElems, kMaxRowsPerBlock, the WARP /
+// GROUP / RING numbers): launch_params.cuh, shared with src/ops/layernorm.cpp.
+using namespace kf_layernorm;
 // Largest block per path: FITS kernels hold more registers, so they are capped at 512 threads
 // (<= 128 registers each); the others at 1024. The launcher respects both.
 #define KF_LN_BOUNDS __launch_bounds__(FITS ? 512 : 1024)
@@ -80,25 +79,12 @@ KF_DEVICE float row_sum(float a, float (*red)[kMaxRowsPerBlock][32]) {
 // - backward: a warp takes BR consecutive rows at once (x and dout units within 48 registers, at
 //   most 4) and keeps its weight units in registers; its dweight / dbias column sums live in its
 //   own slice of shared memory (not registers), so bwd_warps warps per SM (one block per SM) fit.
-// src/ops/layernorm.cpp mirrors all of this (ln_warp_cfg).
-constexpr int kFwdWarps = 4;
-constexpr int ln_clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
-// Resident forward blocks per SM (kFwdWarps warps each) and backward warps per SM (one block) per
-// instantiation: the most that compile without spills (ptxas, sm_80 / sm_90). Registers are split
-// over the SM's 4 quarters, so n warps per quarter get at most 16384 / (32 n) registers each: 5 / 7
-// / 8 / 9 / 12 blocks -> 102 / 72 / 64 / 56 / 40 registers; 12 / 16 / 20 / 24 warps -> 168 / 128 /
-// 96 / 80.
-constexpr int ln_fwd_blocks(bool vec, int P) {
-  return vec ? (P == 2 ? 7 : P == 4 ? 12 : P == 6 ? 9 : 8) : 5;
-}
-constexpr int ln_bwd_warps(bool vec, int P, int elem_size) {
-  return vec ? (P == 4 && elem_size == 4 ? 24 : P == 8 || (P <= 3 && elem_size == 2) ? 16 : 20) : 12;
-}
+// FR, BR, fwd_blocks and bwd_warps per instantiation: launch_params.cuh (ln_fwd_rows, ...).
 template <typename T, bool VEC, int P>
 struct LnWarpCfg {
-  static constexpr int R = P * (((int)sizeof(Unit<T, VEC>) + 3) / 4);
-  static constexpr int FR = ln_clamp(24 / R, 1, 4);
-  static constexpr int BR = ln_clamp(48 / (2 * R), 1, 4);
+  static_assert(ln_unit_regs(VEC) == ((int)sizeof(Unit<T, VEC>) + 3) / 4, "registers a unit");
+  static constexpr int FR = ln_fwd_rows(VEC, P);
+  static constexpr int BR = ln_bwd_rows(VEC, P);
   static constexpr int fwd_blocks = ln_fwd_blocks(VEC, P);
   static constexpr int bwd_warps = ln_bwd_warps(VEC, P, (int)sizeof(T));
 };
@@ -449,18 +435,14 @@ __global__ void __launch_bounds__(32 * LnWarpCfg<T, VEC, P>::bwd_warps, 1)
 // warp order, so every thread of the group gets the same bits. The scratch is double-buffered: one
 // barrier per reduction (a warp can only overwrite a buffer after every warp of its group has passed
 // the next barrier, i.e. finished reading it).
-constexpr int kGroupCols = 8;      // columns per thread
 constexpr int kMaxBlockWarps = 32;  // 1024 threads
-// Launch bounds (src/ops/layernorm.cpp uses the same numbers). Backward: one block per SM
+// Launch bounds (launch_params.cuh: kGroupCols columns a thread). Backward: one block per SM
 // (persistent; the block folds its groups' column sums into one partial row) of at most
 // ln_group_bwd_warps warps: 24 (80 registers) for fp32 16-byte units, 20 (96) for scalars
 // (registers are split over the SM's 4 quarters, so n warps per quarter get at most 16384 / (32 n)
 // each), the most that compile without spills (ptxas, sm_80 / sm_90). Forward: blocks of at most
 // kGroupFwdWarps warps, kGroupFwdBlocks of them resident per SM (56 registers; the launcher caps the
 // grid there, groups loop beyond).
-constexpr int ln_group_bwd_warps(bool vec) { return vec ? 24 : 20; }
-constexpr int kGroupFwdWarps = 12;
-constexpr int kGroupFwdBlocks = 3;
 
 // Warp sums of v[0..n) (n a power of two <= 32) by halving butterflies: at offset 16 a lane keeps
 // one half of its values (the lower half if its bit 4 is clear), adds the partner's copy of that half
@@ -1045,12 +1027,8 @@ __global__ void __launch_bounds__(1024)
 // the ring's shared memory into partial[blockIdx.x] = [dweight | dbias] (2C floats; partial is
 // nullptr when neither is needed). Every sum has a fixed order: the result is reproducible. Needs
 // N < 2^31.
-// src/ops/layernorm.cpp mirrors these: row slots a group (S), the launch bound (768 threads: 80
-// registers) and the row-sum scratch (>= max(NW, 4) G for every block the launcher makes with
-// NW > 1: NW <= 4, G <= 12).
-constexpr int kRingSlots = 4;
-constexpr int kRingThreads = 768;
-constexpr int kLnRingRed = 64;
+// Row slots a group (S), the launch bound and the row-sum scratch: launch_params.cuh (kRingSlots,
+// kRingThreads, kLnRingRed).
 
 template <typename T>
 __global__ void __launch_bounds__(kRingThreads, 1)
@@ -1241,7 +1219,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
 // tile of [dweight | dbias], threadIdx.y the partial rows y, y + kPgY, ... (kPgLoads 16-byte loads
 // issued before they are added; a warp reads 8 rows of 64 contiguous bytes); then the kPgY
 // per-thread sums of each column in order, four at a time, and those in order.
-constexpr int kPgX = 4, kPgY = 64, kPgLoads = 4;
+constexpr int kPgLoads = 4;  // kPgX, kPgY: launch_params.cuh
 template <typename T>
 __global__ void __launch_bounds__(kPgX * kPgY)
     layernorm_param_grad_vec_kernel(const float* __restrict__ partial, T* __restrict__ dweight,
