@@ -7,8 +7,9 @@
 // contiguous 512-byte span of a row; threadIdx.y strides over the rows of the chunk blockIdx.y, four
 // rows' loads in flight per thread. The 8 row slots are then added in slot order in shared memory.
 #include "common.cuh"
+#include "launch_params.cuh"
 
-constexpr int kColsumRows = 8;  // blockDim.y; src/ops/colsum.cpp launches (32, kColsumRows)
+using kf_colsum::kColsumRows;  // blockDim.y; shared with src/ops/colsum.cpp
 
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(32 * kColsumRows)

@@ -8,7 +8,12 @@
 // - Template on the storage type T (float, bf16, half); instantiated from the C++ launcher through
 //   NVRTC name expressions, e.g. "gelu_forward_kernel<bf16>".
 // - Index with size_t / long long wherever an offset can exceed 2^31 elements.
-// - Pack128<T> moves 16 bytes per access; scalar tails handle sizes that are not a multiple of it.
+// - 16-byte accesses: Pack128<T> (16 bytes as T elements) for element-wise kernels, Vec16<T> (the
+//   same 16 bytes as four 32-bit words) for kernels that hold rows in registers; scalar tails handle
+//   sizes that are not a multiple of them.
+// - Every primitive a kernel shares with another lives here (words of packed 16-bit values, the
+//   16-byte units, splitting a row around 16-byte boundaries, opaque zeros, cp.async); a kernel
+//   file holds its op's math and layouts only.
 #pragma once
 
 #define KF_DEVICE __device__ __forceinline__
@@ -65,7 +70,96 @@ template <> KF_DEVICE half from_float<half>(float x) {
   return r;
 }
 
-// ---- 16-byte packed vector ----------------------------------------------------------------------
+// ---- 32-bit words of packed elements ------------------------------------------------------------
+// Word<T>: a 32-bit word as kElems elements of T (one float, or two bf16 / half with element 0 in
+// the low half). Kernels that keep 16-bit data packed convert word by word: bf16 unpacks with one
+// shift (low half) or mask (high half) per element, and two results round in one cvt (sm_80+).
+//   get(w, e): element e as fp32;  unpack(w, f): all kElems elements (widen(w, lo, hi): both of two);  pack(f) / pack2(lo, hi): a
+//   word from kElems floats, rounded to nearest even as from_float<T>;  round(a, b): a and b
+//   rounded to T and read back (two elements: one cvt);  kOne: a word of ones.
+template <typename T> struct Word;
+template <> struct Word<float> {
+  static constexpr int kElems = 1;
+  static constexpr u32 kOne = 0x3f800000u;
+  KF_DEVICE static float get(u32 w, int) { return __uint_as_float(w); }
+  KF_DEVICE static void unpack(u32 w, float* f) { f[0] = __uint_as_float(w); }
+  KF_DEVICE static u32 pack2(float lo, float) { return __float_as_uint(lo); }
+  KF_DEVICE static u32 pack(const float* f) { return __float_as_uint(f[0]); }
+  KF_DEVICE static void round(float&, float&) {}
+};
+template <> struct Word<bf16> {
+  static constexpr int kElems = 2;
+  static constexpr u32 kOne = 0x3f803f80u;
+  KF_DEVICE static float get(u32 w, int e) { return __uint_as_float(e ? w & 0xffff0000u : w << 16); }
+  KF_DEVICE static void widen(u32 w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+  }
+  KF_DEVICE static void unpack(u32 w, float* f) { widen(w, f[0], f[1]); }
+  KF_DEVICE static u32 pack2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  KF_DEVICE static u32 pack(const float* f) { return pack2(f[0], f[1]); }
+  KF_DEVICE static void round(float& a, float& b) {
+    const u32 r = pack2(a, b);
+    a = __uint_as_float(r << 16);
+    b = __uint_as_float(r & 0xffff0000u);
+  }
+};
+template <> struct Word<half> {
+  static constexpr int kElems = 2;
+  static constexpr u32 kOne = 0x3c003c00u;
+  KF_DEVICE static float get(u32 w, int e) {
+    float f;
+    if (e)
+      asm("{.reg .f16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, hi;}" : "=f"(f) : "r"(w));
+    else
+      asm("{.reg .f16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo;}" : "=f"(f) : "r"(w));
+    return f;
+  }
+  KF_DEVICE static void widen(u32 w, float& lo, float& hi) {
+    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\t"
+        "cvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;\n\t}"
+        : "=f"(lo), "=f"(hi)
+        : "r"(w));
+  }
+  KF_DEVICE static void unpack(u32 w, float* f) { widen(w, f[0], f[1]); }
+  KF_DEVICE static u32 pack2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  KF_DEVICE static u32 pack(const float* f) { return pack2(f[0], f[1]); }
+  KF_DEVICE static void round(float& a, float& b) {
+    const u32 r = pack2(a, b);
+    a = get(r, 0);
+    b = get(r, 1);
+  }
+};
+
+// Word i of a raw 16-byte vector (int4 / uint4, as loaded), and setting it.
+KF_DEVICE u32 word_of(const int4& v, int i) {
+  return (u32)(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);
+}
+KF_DEVICE u32 word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+KF_DEVICE void set_word(int4& v, int i, u32 w) {
+  if (i == 0) v.x = (int)w;
+  else if (i == 1) v.y = (int)w;
+  else if (i == 2) v.z = (int)w;
+  else v.w = (int)w;
+}
+KF_DEVICE void set_word(uint4& v, int i, u32 w) {
+  if (i == 0) v.x = w;
+  else if (i == 1) v.y = w;
+  else if (i == 2) v.z = w;
+  else v.w = w;
+}
+
+// ---- 16-byte packed vector (elements) ----------------------------------------------------------
 // Pack128<T> holds 16 bytes of T (4 floats or 8 bf16/half). Loads/stores must be 16-byte aligned;
 // launchers check base pointer alignment and row strides before choosing a vectorised kernel.
 template <typename T>
@@ -95,6 +189,208 @@ template <typename T> KF_DEVICE void store128(T* p, const Pack128<T>& x) {
 // Streaming store for outputs no later kernel of this op re-reads soon.
 template <typename T> KF_DEVICE void store128cs(T* p, const Pack128<T>& x) {
   __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&x));
+}
+
+// A pack's elements as floats, and floats back to a pack; 16-bit types by 32-bit word (bf16: a
+// shift or a mask per element, no byte permutes; two results per cvt).
+template <typename T>
+KF_DEVICE void unpack128(const Pack128<T>& p, float (&f)[Pack128<T>::size]) {
+  if constexpr (sizeof(T) == 2) {
+    const u32* w = reinterpret_cast<const u32*>(&p);
+#pragma unroll
+    for (int j = 0; j < Pack128<T>::size / 2; ++j) {
+      T lo, hi;
+      lo.bits = (u16)(w[j] & 0xffffu);
+      hi.bits = (u16)(w[j] >> 16);
+      f[2 * j] = to_float(lo);
+      f[2 * j + 1] = to_float(hi);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < Pack128<T>::size; ++i) f[i] = p.f(i);
+  }
+}
+template <>
+KF_DEVICE void unpack128<bf16>(const Pack128<bf16>& p, float (&f)[8]) {
+  const u32* w = reinterpret_cast<const u32*>(&p);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) Word<bf16>::unpack(w[j], &f[2 * j]);
+}
+template <typename T>
+KF_DEVICE Pack128<T> pack128(const float (&f)[Pack128<T>::size]) {
+  Pack128<T> r;
+  if constexpr (sizeof(T) == 2) {
+    u32* w = reinterpret_cast<u32*>(&r);
+#pragma unroll
+    for (int j = 0; j < Pack128<T>::size / 2; ++j) w[j] = Word<T>::pack2(f[2 * j], f[2 * j + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < Pack128<T>::size; ++i) r.set(i, f[i]);
+  }
+  return r;
+}
+
+// ---- 16-byte unit as words, and one-element unit -------------------------------------------------
+// What a thread moves in one access when it keeps rows in registers: Vec16<T> is 16 bytes as four
+// 32-bit words (two bf16 / half per word, so a unit costs 4 registers whatever T is, and stays packed
+// until its elements are used; 16-bit values unpacked one per register would cost twice as many);
+// Elem1<T> is one element (misaligned rows, or a row length that is not a multiple of the pack).
+// Both: size (elements), f(i) (element i as fp32), from(y) (a unit from `size` floats, rounded to
+// nearest even), fill(v). Unit<T, VEC> picks one.
+template <typename T>
+struct __align__(16) Vec16 {
+  static constexpr int size = 4 * Word<T>::kElems;
+  u32 w[4];
+  KF_DEVICE float f(int i) const {
+    if constexpr (size == 4) return __uint_as_float(w[i]);
+    else return Word<T>::get(w[i >> 1], i & 1);
+  }
+  static KF_DEVICE Vec16 from(const float (&y)[size]) {
+    Vec16 r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.w[i] = Word<T>::pack(&y[i * Word<T>::kElems]);
+    return r;
+  }
+  static KF_DEVICE Vec16 fill(float v) {
+    if constexpr (size == 4) return from({v, v, v, v});
+    else return from({v, v, v, v, v, v, v, v});
+  }
+  static KF_DEVICE Vec16 words(u32 x) { return Vec16{{x, x, x, x}}; }  // every word x
+};
+template <typename T>
+struct Elem1 {
+  static constexpr int size = 1;
+  T v;
+  KF_DEVICE float f(int) const { return to_float(v); }
+  static KF_DEVICE Elem1 from(const float (&y)[1]) { return Elem1{from_float<T>(y[0])}; }
+  static KF_DEVICE Elem1 fill(float v) { return Elem1{from_float<T>(v)}; }
+};
+template <bool VEC, typename T> struct UnitOf { using type = Elem1<T>; };
+template <typename T> struct UnitOf<true, T> { using type = Vec16<T>; };
+template <typename T, bool VEC> using Unit = typename UnitOf<VEC, T>::type;
+
+template <typename T> KF_DEVICE void set_words(Vec16<T>& r, int4 v) {
+  r.w[0] = (u32)v.x, r.w[1] = (u32)v.y, r.w[2] = (u32)v.z, r.w[3] = (u32)v.w;
+}
+KF_DEVICE int4 int4_of(const u32 (&w)[4]) { return make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]); }
+template <typename T> KF_DEVICE void load_unit(Vec16<T>& r, const T* p) {
+  set_words(r, *reinterpret_cast<const int4*>(p));
+}
+template <typename T> KF_DEVICE void load_unit(Elem1<T>& r, const T* p) { r.v = *p; }
+// Last read of data that is not needed again soon (evict-first for the 16-byte unit).
+template <typename T> KF_DEVICE void load_unit_last(Vec16<T>& r, const T* p) {
+  set_words(r, __ldcs(reinterpret_cast<const int4*>(p)));
+}
+template <typename T> KF_DEVICE void load_unit_last(Elem1<T>& r, const T* p) { r.v = *p; }
+template <typename T> KF_DEVICE void store_unit(T* p, const Vec16<T>& r) {
+  *reinterpret_cast<int4*>(p) = int4_of(r.w);
+}
+template <typename T> KF_DEVICE void store_unit(T* p, const Elem1<T>& r) { *p = r.v; }
+// The same, marked evict-first (not read again by this kernel).
+template <typename T> KF_DEVICE void store_unit_last(T* p, const Vec16<T>& r) {
+  __stcs(reinterpret_cast<int4*>(p), int4_of(r.w));
+}
+
+// ---- opaque zeros ---------------------------------------------------------------------------------
+// A value that is 0 at run time but unknown to the compiler: `zero`, a kernel argument the launcher
+// passes as 0, or kf_opaque_zero() (0 in every thread, but not known to be the same in all of them,
+// so values loaded with it stay in per-thread registers rather than moving to uniform registers
+// right after their loads, which made later loads wait for them).
+// opaque(unit, zero) xors a unit's bits with it: the compiler must forget what the unit holds, so fp32
+// values converted from it before are converted again after instead of being kept live across the
+// reductions in between (twice the registers of packed 16-bit units), nor hoisted out of a row loop.
+// An empty asm is not enough: ptxas sees through it. after(v, zero) is `zero` made to depend on v: an
+// opaque() with it cannot be scheduled before v is known (e.g. before a warp reduction finishes).
+KF_DEVICE long long kf_opaque_zero() { return threadIdx.x >= blockDim.x; }
+template <typename T> KF_DEVICE void opaque(Vec16<T>& r, u32 zero) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm("xor.b32 %0, %0, %1;" : "+r"(r.w[i]) : "r"(zero));
+}
+KF_DEVICE void opaque(Elem1<float>& r, u32 zero) {
+  u32 b = __float_as_uint(r.v);
+  asm("xor.b32 %0, %0, %1;" : "+r"(b) : "r"(zero));
+  r.v = __uint_as_float(b);
+}
+KF_DEVICE void opaque(Elem1<bf16>& r, u32 zero) {
+  asm("xor.b16 %0, %0, %1;" : "+h"(r.v.bits) : "h"((u16)zero));
+}
+KF_DEVICE void opaque(Elem1<half>& r, u32 zero) {
+  asm("xor.b16 %0, %0, %1;" : "+h"(r.v.bits) : "h"((u16)zero));
+}
+KF_DEVICE u32 after(float v, u32 zero) { return __float_as_uint(v) & zero; }
+
+// ---- rows around 16-byte boundaries ----------------------------------------------------------------
+// A row of n elements starting anywhere (C = 50257 rows do not start 16-byte aligned): `head` leading
+// scalars up to the first 16-byte boundary, `npk` whole packs, `tail` trailing scalars. With vec = 0
+// (rows whose pointers do not share an alignment) there is no head: packs are then moved element-wise.
+template <typename I> struct RowSplit {
+  I head, npk, tail;
+};
+template <typename T, typename I>
+KF_DEVICE RowSplit<I> split_row(const T* row, I n, int vec = 1) {
+  constexpr int V = Pack128<T>::size;
+  RowSplit<I> s;
+  s.head = 0;
+  if (vec) {
+    const int mis = (int)((reinterpret_cast<u64>(row) & 15) / sizeof(T));
+    s.head = min(n, (I)((V - mis) % V));
+  }
+  s.npk = (n - s.head) / V;
+  s.tail = n - s.head - s.npk * V;
+  return s;
+}
+
+// ---- named barriers -------------------------------------------------------------------------------
+// Barrier `id` (1..15; 0 is __syncthreads) of `threads` threads (a multiple of 32): groups of warps
+// of one block (a row's threads) synchronise among themselves while the block's other groups run on.
+KF_DEVICE void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- shared memory and cp.async (sm_80+) ------------------------------------------------------------
+// Rings of row slots in shared memory filled by cp.async: each thread copies exactly the chunks it
+// later reads itself, so its own cp.async.wait_group is all the synchronisation a ring needs.
+KF_DEVICE u32 smem_u32(const void* p) {  // shared-memory address of a generic pointer
+  u32 s;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+  return s;
+}
+// 16 bytes, bypassing L1 (.cg). cp_async16_after: `after`, an unused operand, orders the copy after
+// the instructions computing it (the reads of the slot it overwrites).
+KF_DEVICE void cp_async16(u32 saddr, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem) : "memory");
+}
+KF_DEVICE void cp_async16_after(u32 saddr, const void* gmem, float after) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem), "f"(after)
+               : "memory");
+}
+KF_DEVICE void cp_async4(u32 saddr, const void* gmem) {  // 4 bytes (through L1: .ca)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(saddr), "l"(gmem) : "memory");
+}
+KF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> KF_DEVICE void cp_async_wait() {  // at most N of this thread's groups pending
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+KF_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// Shared-memory accesses by address (volatile: ordered against the cp.async waits).
+template <typename T> KF_DEVICE Vec16<T> lds16(u32 a) {
+  Vec16<T> c;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(c.w[0]), "=r"(c.w[1]), "=r"(c.w[2]), "=r"(c.w[3])
+               : "r"(a)
+               : "memory");
+  return c;
+}
+KF_DEVICE void sts16_zero(u32 a) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(a), "r"(0u) : "memory");
+}
+KF_DEVICE float lds_f32(u32 a) {
+  float f;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(f) : "r"(a) : "memory");
+  return f;
+}
+KF_DEVICE void sts_f32(u32 a, float f) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(a), "f"(f) : "memory");
 }
 
 // ---- reductions ---------------------------------------------------------------------------------

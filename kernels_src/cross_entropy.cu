@@ -22,25 +22,12 @@
 // transform it is not, and scaling a saved unit-gradient later costs the same read+write pass as the
 // backward kernel, so the executor uses forward + backward and the fused variant is a launcher only.
 #include "common.cuh"
+#include "launch_params.cuh"
 
 #define CE_NAN __int_as_float(0x7fffffff)
 
-// The 16-byte-aligned middle of one row: a scalar head up to the first 16-byte boundary (rows
-// start anywhere when V * sizeof(T) is not a multiple of 16), whole packs, then a scalar tail.
-struct RowSplit {
-  long long head;    // elements [0, head) are scalar
-  long long npacks;  // packs start at element head
-  long long tail;    // elements [tail, V) are scalar
-};
-template <typename T>
-KF_DEVICE RowSplit split_row(const T* row, long long V) {
-  constexpr int P = Pack128<T>::size;
-  long long head = (long long)((16 - ((u64)row & 15)) & 15) / (long long)sizeof(T);
-  if (head > V) head = V;
-  const long long npacks = (V - head) / P;
-  return {head, npacks, head + npacks * P};
-}
-
+// Rows start anywhere when V * sizeof(T) is not a multiple of 16: split_row (common.cuh) gives a
+// row's scalar head up to the first 16-byte boundary, its whole packs, then its scalar tail.
 template <bool Stream, typename T>
 KF_DEVICE Pack128<T> load_pack(const T* p) {
   if constexpr (Stream) return load128cs(p);
@@ -77,8 +64,8 @@ KF_DEVICE void online_rescale(float new_max, float& m, float& s) {
 template <bool Stream, typename T>
 KF_DEVICE void thread_max_sumexp(const T* __restrict__ x, long long V, float& m, float& s) {
   constexpr int P = Pack128<T>::size;
-  const RowSplit r = split_row(x, V);
-  for_each_pack<Stream>(x + r.head, r.npacks, [&](const Pack128<T>& a, long long) {
+  const RowSplit<long long> r = split_row(x, V);
+  for_each_pack<Stream>(x + r.head, r.npk, [&](const Pack128<T>& a, long long) {
     float pm = a.f(0);
 #pragma unroll
     for (int k = 1; k < P; ++k) pm = fmaxf(pm, a.f(k));
@@ -88,9 +75,9 @@ KF_DEVICE void thread_max_sumexp(const T* __restrict__ x, long long V, float& m,
     for (int k = 0; k < P; ++k) s += __expf(a.f(k) - ms);
   });
   // Head and tail hold fewer than 2 * P elements: at most one each for the first threads.
-  const long long nscalar = r.head + (V - r.tail);
+  const long long nscalar = r.head + r.tail;
   for (long long j = threadIdx.x; j < nscalar; j += blockDim.x) {
-    const float v = to_float(x[j < r.head ? j : r.tail + (j - r.head)]);
+    const float v = to_float(x[j < r.head ? j : (V - r.tail) + (j - r.head)]);
     online_rescale(v, m, s);
     s += __expf(v - (m == -KF_INF ? 0.0f : m));
   }
@@ -102,14 +89,14 @@ template <bool Stream, typename T>
 KF_DEVICE void write_row_grad(const T* __restrict__ x, T* __restrict__ dx, long long V, long long t,
                               float L, float scale, bool zero, int vec) {
   constexpr int P = Pack128<T>::size;
-  RowSplit r = vec ? split_row(x, V) : RowSplit{V, 0, V};
+  RowSplit<long long> r = vec ? split_row(x, V) : RowSplit<long long>{V, 0, 0};
   if (zero) {
     Pack128<T> z;
 #pragma unroll
     for (int k = 0; k < P; ++k) z.set(k, 0.0f);
-    for (long long p = threadIdx.x; p < r.npacks; p += blockDim.x) store128(dx + r.head + p * P, z);
+    for (long long p = threadIdx.x; p < r.npk; p += blockDim.x) store128(dx + r.head + p * P, z);
   } else {
-    for_each_pack<Stream>(x + r.head, r.npacks, [&](const Pack128<T>& a, long long p) {
+    for_each_pack<Stream>(x + r.head, r.npk, [&](const Pack128<T>& a, long long p) {
       const long long d = t - (r.head + p * P);  // position of the target in this pack, if there
       const int dk = (d >= 0 && d < P) ? (int)d : -1;
       Pack128<T> o;
@@ -118,9 +105,9 @@ KF_DEVICE void write_row_grad(const T* __restrict__ x, T* __restrict__ dx, long 
       store128(dx + r.head + p * P, o);
     });
   }
-  const long long nscalar = r.head + (V - r.tail);
+  const long long nscalar = r.head + r.tail;
   for (long long j = threadIdx.x; j < nscalar; j += blockDim.x) {
-    const long long c = j < r.head ? j : r.tail + (j - r.head);
+    const long long c = j < r.head ? j : (V - r.tail) + (j - r.head);
     dx[c] = from_float<T>(zero ? 0.0f : (__expf(to_float(x[c]) - L) - (c == t ? 1.0f : 0.0f)) * scale);
   }
 }
@@ -183,7 +170,7 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
 
 // ---- backward: a streaming elementwise kernel ------------------------------------------------------
 // Work items are (row, chunk) pairs, w = row * chunks_per_row + chunk. A chunk is `chunk_packs`
-// (<= CE_BWD_THREADS * U) consecutive 16-byte packs of the row's aligned middle; thread tid moves
+// (<= kBwdThreads * U) consecutive 16-byte packs of the row's aligned middle; thread tid moves
 // packs tid, tid + 256, ... (U of them at most) and issues all of its loads before the first use.
 // Chunk 0 also does the row's scalar head and tail (< 2 packs' worth, one element per thread).
 // Math: dx = exp2(x * log2e - lse * log2e) * s, minus s at the target.
@@ -193,9 +180,8 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
 // them waits for another, so a block's life is one memory latency plus its arithmetic. Ignored rows
 // read their logits too (rare; this keeps the loads independent of the target) and write exact
 // zeros (selected, so a NaN logit there does not leak).
-#define CE_BWD_THREADS 256
-#define CE_BWD_UNROLL_VEC 4    // 16-byte packs per thread (64 bytes in flight)
-#define CE_BWD_UNROLL_SCALAR 2  // element-wise "packs" (P loads each) per thread
+// Block size and packs per thread: kBwdThreads, kBwdUnrollVec / kBwdUnrollScalar (launch_params.cuh).
+using namespace kf_cross_entropy;
 #define CE_LOG2E 1.4426950408889634f
 
 KF_DEVICE float ce_ex2(float x) {
@@ -204,55 +190,14 @@ KF_DEVICE float ce_ex2(float x) {
   return r;
 }
 
-// A pack as floats (bf16: by 32-bit word, no byte permutes), and floats to a pack (16-bit types
-// convert two at a time).
-template <typename T>
-KF_DEVICE void ce_unpack(const Pack128<T>& p, float (&f)[Pack128<T>::size]) {
-#pragma unroll
-  for (int i = 0; i < Pack128<T>::size; ++i) f[i] = p.f(i);
-}
-template <>
-KF_DEVICE void ce_unpack<bf16>(const Pack128<bf16>& p, float (&f)[8]) {
-  const u32* w = reinterpret_cast<const u32*>(&p);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    f[2 * j] = __uint_as_float(w[j] << 16);
-    f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-  }
-}
-// Floats to a pack; 16-bit types convert two at a time.
-KF_DEVICE u32 ce_cvt2(bf16*, float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-KF_DEVICE u32 ce_cvt2(half*, float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-template <typename T>
-KF_DEVICE Pack128<T> ce_pack(const float (&f)[Pack128<T>::size]) {
-  Pack128<T> r;
-  if constexpr (sizeof(T) == 2) {
-    u32* w = reinterpret_cast<u32*>(&r);
-#pragma unroll
-    for (int j = 0; j < Pack128<T>::size / 2; ++j) w[j] = ce_cvt2((T*)nullptr, f[2 * j], f[2 * j + 1]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < Pack128<T>::size; ++i) r.set(i, f[i]);
-  }
-  return r;
-}
-
-// This thread's packs p = u * CE_BWD_THREADS + tid < np of the chunk starting at xc. Vec: 16-byte
+// This thread's packs p = u * kBwdThreads + tid < np of the chunk starting at xc. Vec: 16-byte
 // loads; else P elements one by one (no alignment needed).
 template <bool Vec, int U, typename T>
 KF_DEVICE void ce_load_chunk(const T* __restrict__ xc, int np, Pack128<T> (&a)[U]) {
   constexpr int P = Pack128<T>::size;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
+    const int p = u * kBwdThreads + (int)threadIdx.x;
     if (p < np) {
       if constexpr (Vec) {
         a[u] = load128(xc + p * P);
@@ -286,17 +231,17 @@ KF_DEVICE void ce_store_chunk(T* __restrict__ dc, int np, const Pack128<T> (&a)[
     for (int k = 0; k < P; ++k) z.set(k, 0.0f);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
+      const int p = u * kBwdThreads + (int)threadIdx.x;
       if (p < np) ce_store_pack<Vec>(dc + p * P, z);
     }
     return;
   }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int p = u * CE_BWD_THREADS + (int)threadIdx.x;
+    const int p = u * kBwdThreads + (int)threadIdx.x;
     if (p < np) {
       float e[P];
-      ce_unpack(a[u], e);
+      unpack128(a[u], e);
 #pragma unroll
       for (int k = 0; k < P; ++k) e[k] = ce_ex2(fmaf(e[k], CE_LOG2E, -l2)) * s;
       const int dk = tl - p * P;  // in [0, P) only in the one pack of the row holding the target
@@ -305,7 +250,7 @@ KF_DEVICE void ce_store_chunk(T* __restrict__ dc, int np, const Pack128<T> (&a)[
         for (int k = 0; k < P; ++k)
           if (k == dk) e[k] -= s;
       }
-      ce_store_pack<Vec>(dc + p * P, ce_pack<T>(e));
+      ce_store_pack<Vec>(dc + p * P, pack128<T>(e));
     }
   }
 }
@@ -316,8 +261,8 @@ struct CeChunk {
   int np;
 };
 template <typename T>
-KF_DEVICE CeChunk ce_chunk(const RowSplit& rs, long long chunk, int chunk_packs) {
-  const long long left = rs.npacks - chunk * chunk_packs;  // packs from the chunk's start on
+KF_DEVICE CeChunk ce_chunk(const RowSplit<long long>& rs, long long chunk, int chunk_packs) {
+  const long long left = rs.npk - chunk * chunk_packs;  // packs from the chunk's start on
   return {rs.head + chunk * chunk_packs * Pack128<T>::size,
           (int)(left < chunk_packs ? (left > 0 ? left : 0) : chunk_packs)};
 }
@@ -328,10 +273,10 @@ struct CeScalar {
   long long c;
   bool on;
 };
-KF_DEVICE CeScalar ce_scalar(const RowSplit& rs, long long V, long long chunk) {
+KF_DEVICE CeScalar ce_scalar(const RowSplit<long long>& rs, long long V, long long chunk) {
   const long long tid = threadIdx.x;
-  const long long nscalar = chunk == 0 ? rs.head + (V - rs.tail) : 0;
-  return {tid < rs.head ? tid : rs.tail + (tid - rs.head), tid < nscalar};
+  const long long nscalar = chunk == 0 ? rs.head + rs.tail : 0;
+  return {tid < rs.head ? tid : (V - rs.tail) + (tid - rs.head), tid < nscalar};
 }
 
 // dloss of a row (s) and its exponent offset (l2 = lse * log2e, NaN for an out-of-range target).
@@ -346,11 +291,10 @@ KF_DEVICE CeRowScale ce_row_scale(long long t, float L, float g, float nv, bool 
   return {bad ? CE_NAN : L * CE_LOG2E, zero ? 0.0f : (mean ? g / nv : g), zero};
 }
 
-// The raw inputs of a row. Their loads take row + ce_opaque_zero(): 0 in every thread, but not
+// The raw inputs of a row. Their loads take row + kf_opaque_zero(): 0 in every thread, but not
 // known to the compiler to be the same in all of them, so the loaded values stay in per-thread
 // registers. As block-uniform values the compiler moved them into uniform registers right after
 // their loads, which waited for those loads before the pack loads were issued.
-KF_DEVICE long long ce_opaque_zero() { return threadIdx.x >= blockDim.x; }
 struct CeRowIn {
   long long t;
   float lse, g;
@@ -366,7 +310,7 @@ KF_DEVICE CeRowIn ce_row_in(long long row, const T* __restrict__ grad, long long
 // address modulo 16 (16-byte packs with default caching between a scalar head and tail per row);
 // else every "pack" is P elements moved one by one.
 template <typename T, bool Vec>
-__global__ void __launch_bounds__(CE_BWD_THREADS, 6)
+__global__ void __launch_bounds__(kBwdThreads, 6)
     cross_entropy_backward_kernel(const T* __restrict__ grad, long long grad_stride,
                                        const float* __restrict__ n_valid, const T* __restrict__ logits,
                                        const i64* __restrict__ targets, const float* __restrict__ lse,
@@ -374,13 +318,13 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
                                        long long ignore_index, int chunks_per_row, int chunk_packs) {
   kf_wait_prior_grids();
   constexpr int P = Pack128<T>::size;
-  constexpr int U = Vec ? CE_BWD_UNROLL_VEC : CE_BWD_UNROLL_SCALAR;
+  constexpr int U = Vec ? kBwdUnrollVec : kBwdUnrollScalar;
   const u32 row32 = blockIdx.x / (u32)chunks_per_row;  // the one division
   const long long chunk = (long long)(blockIdx.x - row32 * (u32)chunks_per_row);
   const long long row = row32;
   const T* xr = logits + row * ld;
   T* dr = dlogits + row * ld;
-  const RowSplit rs = Vec ? split_row(xr, V) : RowSplit{0, V / P, (V / P) * P};
+  const RowSplit<long long> rs = Vec ? split_row(xr, V) : RowSplit<long long>{0, V / P, V - (V / P) * P};
   const CeChunk ck = ce_chunk<T>(rs, chunk, chunk_packs);
 
   // All loads first: the packs, the scalar head / tail element, then the row's inputs.
@@ -388,7 +332,7 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
   ce_load_chunk<Vec>(xr + ck.first, ck.np, a);
   const CeScalar sc = ce_scalar(rs, V, chunk);
   const float xs = sc.on ? to_float(xr[sc.c]) : 0.0f;
-  const CeRowIn in = ce_row_in(row + ce_opaque_zero(), grad, grad_stride, targets, lse);
+  const CeRowIn in = ce_row_in(row + kf_opaque_zero(), grad, grad_stride, targets, lse);
   const long long t = in.t;
   const float nv = n_valid ? *n_valid : 1.0f;
 
@@ -400,7 +344,7 @@ __global__ void __launch_bounds__(CE_BWD_THREADS, 6)
     const float e = r.zero ? 0.0f : ce_ex2(fmaf(xs, CE_LOG2E, -r.l2)) * r.s;
     dr[sc.c] = from_float<T>(sc.c == t ? e - r.s : e);
   }
-  if (chunk == chunks_per_row - 1) zero_row_padding(dr, V, ld, CE_BWD_THREADS);
+  if (chunk == chunks_per_row - 1) zero_row_padding(dr, V, ld, kBwdThreads);
 }
 
 KF_DEVICE long long block_sum_ll(long long x, long long* scratch) {

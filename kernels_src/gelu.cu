@@ -17,6 +17,7 @@
 // - gelu_{forward,backward}_scalar_kernel (any pointer misaligned): grid-stride loop over elements
 //   with 64-bit indices.
 #include "common.cuh"
+#include "launch_params.cuh"
 
 constexpr float kGeluS = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluC = 0.044715f;
@@ -129,56 +130,14 @@ template <bool Erf> KF_DEVICE float gelu_dact_fast(float x) {
 }
 
 // A 16-byte pack kept as its four raw 32-bit words from the load until the math uses them, and
-// unpacked / packed there word by word: bf16 takes one SHF (low half) or LOP3 (high half) per
-// element, where Pack128<bf16>::f compiled to PRMT + SHF for the high half; two results per cvt.
-template <typename T> struct GeluWord;
-template <> struct GeluWord<float> {
-  static constexpr int kElems = 1;
-  KF_DEVICE static void unpack(u32 w, float* f) { f[0] = __uint_as_float(w); }
-  KF_DEVICE static u32 pack(const float* f) { return __float_as_uint(f[0]); }
-};
-template <> struct GeluWord<bf16> {
-  static constexpr int kElems = 2;  // element 0 in the low half (little endian)
-  KF_DEVICE static void unpack(u32 w, float* f) {
-    f[0] = __uint_as_float(w << 16);
-    f[1] = __uint_as_float(w & 0xffff0000u);
-  }
-  KF_DEVICE static u32 pack(const float* f) {  // round to nearest even, as from_float<bf16>
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f[1]), "f"(f[0]));
-    return r;
-  }
-};
-template <> struct GeluWord<half> {
-  static constexpr int kElems = 2;
-  KF_DEVICE static void unpack(u32 w, float* f) {
-    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\t"
-        "cvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;\n\t}"
-        : "=f"(f[0]), "=f"(f[1])
-        : "r"(w));
-  }
-  KF_DEVICE static u32 pack(const float* f) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f[1]), "f"(f[0]));
-    return r;
-  }
-};
-
+// unpacked / packed there word by word (Word<T>, common.cuh): bf16 takes one SHF (low half) or LOP3
+// (high half) per element, where Pack128<bf16>::f compiled to PRMT + SHF for the high half.
 KF_DEVICE int4 gelu_ld(const void* p) { return __ldcs(reinterpret_cast<const int4*>(p)); }
 KF_DEVICE void gelu_st(void* p, int4 v) { __stcs(reinterpret_cast<int4*>(p), v); }
-KF_DEVICE u32 word(const int4& v, int i) {
-  return (u32)(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);
-}
-KF_DEVICE void set_word(int4& v, int i, u32 w) {
-  if (i == 0) v.x = (int)w;
-  else if (i == 1) v.y = (int)w;
-  else if (i == 2) v.z = (int)w;
-  else v.w = (int)w;
-}
 
 // One 32-bit word of a pack (1 float or 2 16-bit elements) in, one out.
 template <typename T, bool Erf> KF_DEVICE u32 gelu_forward_word(u32 w) {
-  typedef GeluWord<T> W;
+  typedef Word<T> W;
   float f[W::kElems];
   W::unpack(w, f);
 #pragma unroll
@@ -186,7 +145,7 @@ template <typename T, bool Erf> KF_DEVICE u32 gelu_forward_word(u32 w) {
   return W::pack(f);
 }
 template <typename T, bool Erf> KF_DEVICE u32 gelu_backward_word(u32 g, u32 w) {
-  typedef GeluWord<T> W;
+  typedef Word<T> W;
   float f[W::kElems], d[W::kElems];
   W::unpack(w, f);
   W::unpack(g, d);
@@ -198,13 +157,13 @@ template <typename T, bool Erf> KF_DEVICE u32 gelu_backward_word(u32 g, u32 w) {
 template <typename T, bool Erf> KF_DEVICE int4 gelu_forward_pack(int4 a) {
   int4 r;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) set_word(r, i, gelu_forward_word<T, Erf>(word(a, i)));
+  for (int i = 0; i < 4; ++i) set_word(r, i, gelu_forward_word<T, Erf>(word_of(a, i)));
   return r;
 }
 template <typename T, bool Erf> KF_DEVICE int4 gelu_backward_pack(int4 g, int4 a) {
   int4 r;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) set_word(r, i, gelu_backward_word<T, Erf>(word(g, i), word(a, i)));
+  for (int i = 0; i < 4; ++i) set_word(r, i, gelu_backward_word<T, Erf>(word_of(g, i), word_of(a, i)));
   return r;
 }
 
@@ -228,13 +187,10 @@ template <int P> KF_DEVICE bool gelu_gate(const int4 (&g)[P], const int4 (&a)[P]
   return (t & (u32)((unsigned long long)n >> 62)) != 0;
 }
 
-// Packs per thread and threads per block of gelu_{forward,backward}_kernel (kPacksPerThread and
-// kThreads in src/ops/gelu.cpp). The __launch_bounds__ minimum of 8 resident blocks per SM caps the
-// registers at 32 (full occupancy) without spilling in both modes (nvcc --resource-usage, sm_80 and
-// sm_90).
-constexpr int kGeluP = 2;
-constexpr int kGeluB = 256;
-constexpr int kGeluMinBlocks = 8;
+// Packs per thread, threads per block and the launch bound's resident blocks of
+// gelu_{forward,backward}_kernel: launch_params.cuh (kGeluP, kGeluB, kGeluMinBlocks), shared with
+// src/ops/gelu.cpp (registers capped at 32 without spilling: nvcc --resource-usage, sm_80 / sm_90).
+using namespace kf_gelu;
 
 // Block b: packs [b P B, (b + 1) P B), thread t takes packs t + k B (k < P); the block with
 // (b + 1) P B > packs (always the last one) is bounds-checked and writes the scalar tail.

@@ -31,101 +31,18 @@
 //   registers and x / dout are read from DRAM once; otherwise (very long rows) the later passes
 //   re-read them, mostly from L2.
 #include "common.cuh"
+#include "launch_params.cuh"
 
-// Elements one thread keeps in registers per row on the FITS path. src/ops/layernorm.cpp sizes
-// blocks with the same constant.
-constexpr int kRegElems = 8;
-// Most rows one block works on at once (blockDim.y); sizes the reduction scratch.
-constexpr int kMaxRowsPerBlock = 16;
+// Block shapes, launch bounds and per-instantiation limits (kRegElems, kMaxRowsPerBlock, the WARP /
+// GROUP / RING numbers): launch_params.cuh, shared with src/ops/layernorm.cpp.
+using namespace kf_layernorm;
 // Largest block per path: FITS kernels hold more registers, so they are capped at 512 threads
 // (<= 128 registers each); the others at 1024. The launcher respects both.
 #define KF_LN_BOUNDS __launch_bounds__(FITS ? 512 : 1024)
 
-// A unit is what a thread moves in one access: 16 bytes as four 32-bit words (VEC; two bf16 / half
-// per word, so a unit costs 4 registers whatever T is, and stays packed until its elements are
-// used), or one element. f(i): element i as fp32; from(y): a unit from V floats (round to nearest).
-template <typename T> struct Vec16;
-template <> struct __align__(16) Vec16<float> {
-  static constexpr int size = 4;
-  u32 w[4];
-  KF_DEVICE float f(int i) const { return __uint_as_float(w[i]); }
-  static KF_DEVICE Vec16 from(const float (&y)[4]) {
-    Vec16 r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r.w[i] = __float_as_uint(y[i]);
-    return r;
-  }
-  static KF_DEVICE Vec16 fill(float v) { return from({v, v, v, v}); }
-};
-template <> struct __align__(16) Vec16<bf16> {
-  static constexpr int size = 8;
-  u32 w[4];
-  KF_DEVICE float f(int i) const {
-    return __uint_as_float(i & 1 ? w[i >> 1] & 0xffff0000u : w[i >> 1] << 16);
-  }
-  static KF_DEVICE Vec16 from(const float (&y)[8]) {
-    Vec16 r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r.w[i]) : "f"(y[2 * i + 1]), "f"(y[2 * i]));
-    return r;
-  }
-  static KF_DEVICE Vec16 fill(float v) { return from({v, v, v, v, v, v, v, v}); }
-};
-template <> struct __align__(16) Vec16<half> {
-  static constexpr int size = 8;
-  u32 w[4];
-  KF_DEVICE float f(int i) const {
-    float v;
-    if (i & 1)
-      asm("{.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.f32.f16 %0, hi;}" : "=f"(v) : "r"(w[i >> 1]));
-    else
-      asm("{.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.f32.f16 %0, lo;}" : "=f"(v) : "r"(w[i >> 1]));
-    return v;
-  }
-  static KF_DEVICE Vec16 from(const float (&y)[8]) {
-    Vec16 r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r.w[i]) : "f"(y[2 * i + 1]), "f"(y[2 * i]));
-    return r;
-  }
-  static KF_DEVICE Vec16 fill(float v) { return from({v, v, v, v, v, v, v, v}); }
-};
-template <typename T>
-struct Elem1 {
-  static constexpr int size = 1;
-  T v;
-  KF_DEVICE float f(int) const { return to_float(v); }
-  static KF_DEVICE Elem1 from(const float (&y)[1]) { return Elem1{from_float<T>(y[0])}; }
-  static KF_DEVICE Elem1 fill(float v) { return Elem1{from_float<T>(v)}; }
-};
-template <bool VEC, typename T> struct UnitOf { using type = Elem1<T>; };
-template <typename T> struct UnitOf<true, T> { using type = Vec16<T>; };
-template <typename T, bool VEC> using Unit = typename UnitOf<VEC, T>::type;
-
-template <typename T> KF_DEVICE void set_words(Vec16<T>& r, int4 v) {
-  r.w[0] = (u32)v.x, r.w[1] = (u32)v.y, r.w[2] = (u32)v.z, r.w[3] = (u32)v.w;
-}
-template <typename T> KF_DEVICE void load_unit(Vec16<T>& r, const T* p) {
-  set_words(r, *reinterpret_cast<const int4*>(p));
-}
-template <typename T> KF_DEVICE void load_unit(Elem1<T>& r, const T* p) { r.v = *p; }
-// Last read of data that is not needed again soon (evict-first for the 16-byte path).
-template <typename T> KF_DEVICE void load_unit_last(Vec16<T>& r, const T* p) {
-  set_words(r, __ldcs(reinterpret_cast<const int4*>(p)));
-}
-template <typename T> KF_DEVICE void load_unit_last(Elem1<T>& r, const T* p) { r.v = *p; }
-template <typename T> KF_DEVICE void store_unit(T* p, const Vec16<T>& r) {
-  *reinterpret_cast<int4*>(p) = make_int4((int)r.w[0], (int)r.w[1], (int)r.w[2], (int)r.w[3]);
-}
-template <typename T> KF_DEVICE void store_unit(T* p, const Elem1<T>& r) { *p = r.v; }
-// The same, marked evict-first (not read again by this kernel). The ring backward's dx measured
-// 0.3 us faster so (bf16, 8192 x 768): its stream then leaves more of L2 to the partial rows the
-// parameter-gradient kernel reads next.
-template <typename T> KF_DEVICE void store_unit_last(T* p, const Vec16<T>& r) {
-  __stcs(reinterpret_cast<int4*>(p), make_int4((int)r.w[0], (int)r.w[1], (int)r.w[2], (int)r.w[3]));
-}
+// Units (common.cuh): Unit<T, VEC> is Vec16<T> (16 bytes as four words) or Elem1<T> (one element).
+// The ring backward stores dx evict-first (store_unit_last): 0.3 us faster so (bf16, 8192 x 768),
+// its stream then leaves more of L2 to the partial rows the parameter-gradient kernel reads next.
 
 // Sum of (a, b) over the blockDim.x threads sharing this row (threadIdx.y). Every one of them gets
 // the same bits: warp butterflies, then the per-warp sums added in warp order. Contains
@@ -162,52 +79,18 @@ KF_DEVICE float row_sum(float a, float (*red)[kMaxRowsPerBlock][32]) {
 // - backward: a warp takes BR consecutive rows at once (x and dout units within 48 registers, at
 //   most 4) and keeps its weight units in registers; its dweight / dbias column sums live in its
 //   own slice of shared memory (not registers), so bwd_warps warps per SM (one block per SM) fit.
-// src/ops/layernorm.cpp mirrors all of this (ln_warp_cfg).
-constexpr int kFwdWarps = 4;
-constexpr int ln_clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
-// Resident forward blocks per SM (kFwdWarps warps each) and backward warps per SM (one block) per
-// instantiation: the most that compile without spills (ptxas, sm_80 / sm_90). Registers are split
-// over the SM's 4 quarters, so n warps per quarter get at most 16384 / (32 n) registers each: 5 / 7
-// / 8 / 9 / 12 blocks -> 102 / 72 / 64 / 56 / 40 registers; 12 / 16 / 20 / 24 warps -> 168 / 128 /
-// 96 / 80.
-constexpr int ln_fwd_blocks(bool vec, int P) {
-  return vec ? (P == 2 ? 7 : P == 4 ? 12 : P == 6 ? 9 : 8) : 5;
-}
-constexpr int ln_bwd_warps(bool vec, int P, int elem_size) {
-  return vec ? (P == 4 && elem_size == 4 ? 24 : P == 8 || (P <= 3 && elem_size == 2) ? 16 : 20) : 12;
-}
+// FR, BR, fwd_blocks and bwd_warps per instantiation: launch_params.cuh (ln_fwd_rows, ...).
 template <typename T, bool VEC, int P>
 struct LnWarpCfg {
-  static constexpr int R = P * (((int)sizeof(Unit<T, VEC>) + 3) / 4);
-  static constexpr int FR = ln_clamp(24 / R, 1, 4);
-  static constexpr int BR = ln_clamp(48 / (2 * R), 1, 4);
+  static_assert(ln_unit_regs(VEC) == ((int)sizeof(Unit<T, VEC>) + 3) / 4, "registers a unit");
+  static constexpr int FR = ln_fwd_rows(VEC, P);
+  static constexpr int BR = ln_bwd_rows(VEC, P);
   static constexpr int fwd_blocks = ln_fwd_blocks(VEC, P);
   static constexpr int bwd_warps = ln_bwd_warps(VEC, P, (int)sizeof(T));
 };
 
-// Makes the compiler forget what a unit holds (one xor with `zero`, a kernel argument that is 0 at
-// run time but unknown to the compiler): fp32 values converted from it before must be converted
-// again after, instead of being kept live across the reductions in between (twice the registers of
-// the packed 16-bit units). An empty asm is not enough: ptxas sees through it.
-template <typename T> KF_DEVICE void opaque(Vec16<T>& r, u32 zero) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm("xor.b32 %0, %0, %1;" : "+r"(r.w[i]) : "r"(zero));
-}
-KF_DEVICE void opaque(Elem1<float>& r, u32 zero) {
-  u32 b = __float_as_uint(r.v);
-  asm("xor.b32 %0, %0, %1;" : "+r"(b) : "r"(zero));
-  r.v = __uint_as_float(b);
-}
-KF_DEVICE void opaque(Elem1<bf16>& r, u32 zero) {
-  asm("xor.b16 %0, %0, %1;" : "+h"(r.v.bits) : "h"((u16)zero));
-}
-KF_DEVICE void opaque(Elem1<half>& r, u32 zero) {
-  asm("xor.b16 %0, %0, %1;" : "+h"(r.v.bits) : "h"((u16)zero));
-}
-// `zero` (still 0) made to depend on v: an opaque() with it cannot be scheduled before v is known,
-// e.g. before a warp reduction has finished (ptxas would otherwise convert early and keep the fp32
-// values live across the shuffles).
-KF_DEVICE u32 after(float v, u32 zero) { return __float_as_uint(v) & zero; }
+// opaque() / after() (common.cuh) keep fp32 values converted from packed units from living across
+// the reductions: converted again after them instead (half the registers).
 template <int P, typename U> KF_DEVICE void opaque_row(U (&r)[P], int lane, int units, u32 zero) {
 #pragma unroll
   for (int k = 0; k < P; ++k)
@@ -552,22 +435,14 @@ __global__ void __launch_bounds__(32 * LnWarpCfg<T, VEC, P>::bwd_warps, 1)
 // warp order, so every thread of the group gets the same bits. The scratch is double-buffered: one
 // barrier per reduction (a warp can only overwrite a buffer after every warp of its group has passed
 // the next barrier, i.e. finished reading it).
-constexpr int kGroupCols = 8;      // columns per thread
 constexpr int kMaxBlockWarps = 32;  // 1024 threads
-// Launch bounds (src/ops/layernorm.cpp uses the same numbers). Backward: one block per SM
+// Launch bounds (launch_params.cuh: kGroupCols columns a thread). Backward: one block per SM
 // (persistent; the block folds its groups' column sums into one partial row) of at most
 // ln_group_bwd_warps warps: 24 (80 registers) for fp32 16-byte units, 20 (96) for scalars
 // (registers are split over the SM's 4 quarters, so n warps per quarter get at most 16384 / (32 n)
 // each), the most that compile without spills (ptxas, sm_80 / sm_90). Forward: blocks of at most
 // kGroupFwdWarps warps, kGroupFwdBlocks of them resident per SM (56 registers; the launcher caps the
 // grid there, groups loop beyond).
-constexpr int ln_group_bwd_warps(bool vec) { return vec ? 24 : 20; }
-constexpr int kGroupFwdWarps = 12;
-constexpr int kGroupFwdBlocks = 3;
-
-KF_DEVICE void group_barrier(int group, int threads) {
-  asm volatile("bar.sync %0, %1;" : : "r"(group + 1), "r"(threads) : "memory");
-}
 
 // Warp sums of v[0..n) (n a power of two <= 32) by halving butterflies: at offset 16 a lane keeps
 // one half of its values (the lower half if its bit 4 is clear), adds the partner's copy of that half
@@ -619,7 +494,7 @@ KF_DEVICE void group_sum_n(float (&v)[n], float* red, int first, int nw, int gro
   if (nw == 1) {  // the same for the whole group
     __syncwarp();
   } else {
-    group_barrier(group, 32 * nw);
+    named_barrier(group + 1, 32 * nw);
   }
   const float* r = red + first * n;
 #pragma unroll
@@ -1152,29 +1027,8 @@ __global__ void __launch_bounds__(1024)
 // the ring's shared memory into partial[blockIdx.x] = [dweight | dbias] (2C floats; partial is
 // nullptr when neither is needed). Every sum has a fixed order: the result is reproducible. Needs
 // N < 2^31.
-KF_DEVICE u32 ln_smem_u32(const void* p) {
-  u32 s;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
-  return s;
-}
-// `after`: an unused operand that orders the copy after the instructions computing it (the reads
-// of the slot it overwrites).
-KF_DEVICE void ln_cp_async16(u32 saddr, const void* gmem, float after) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem), "f"(after)
-               : "memory");
-}
-KF_DEVICE void ln_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int n> KF_DEVICE void ln_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory");
-}
-KF_DEVICE void ln_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// src/ops/layernorm.cpp mirrors these: row slots a group (S), the launch bound (768 threads: 80
-// registers) and the row-sum scratch (>= max(NW, 4) G for every block the launcher makes with
-// NW > 1: NW <= 4, G <= 12).
-constexpr int kRingSlots = 4;
-constexpr int kRingThreads = 768;
-constexpr int kLnRingRed = 64;
+// Row slots a group (S), the launch bound and the row-sum scratch: launch_params.cuh (kRingSlots,
+// kRingThreads, kLnRingRed).
 
 template <typename T>
 __global__ void __launch_bounds__(kRingThreads, 1)
@@ -1202,7 +1056,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   const int iters = q + (rem > 0 ? 1 : 0);  // the same for the whole block (barriers)
   const bool has = tx < units;
   float4* const mine = ring16 + (i64)ty * S * 2 * units + tx;  // slot s: below
-  const u32 smine = ln_smem_u32(mine);
+  const u32 smine = smem_u32(mine);
   // Byte offsets from mine: slot s at s * slot_bytes, its dout unit dout_bytes further.
   const u32 slot_bytes = 2u * units * 16u, dout_bytes = units * 16u;
   const T* xn = x + (i64)r0 * C + tx * V;  // row i + S of the range (the next refill)
@@ -1212,14 +1066,14 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   auto refill = [&](u32 so, int i2, const T* xr, const T* gr, float after) {
     if (i2 < n && has) {
       const u32 a = smine + so;
-      ln_cp_async16(a, xr, after);
-      ln_cp_async16(a + dout_bytes, gr, after);
+      cp_async16_after(a, xr, after);
+      cp_async16_after(a + dout_bytes, gr, after);
     }
   };
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     refill(s * slot_bytes, s, xn, gn, 0.0f);
-    ln_cp_async_commit();
+    cp_async_commit();
     xn += C;
     gn += C;
   }
@@ -1263,7 +1117,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
     const float mu = __shfl_sync(0xffffffffu, mc, i & 31);
     const float rs = __shfl_sync(0xffffffffu, rc, i & 31);
     const bool live = i < n && has;
-    ln_cp_async_wait<S - 1>();  // row i's group has landed (this thread's chunks)
+    cp_async_wait<S - 1>();  // row i's group has landed (this thread's chunks)
     const float4* const cur =
         reinterpret_cast<const float4*>(reinterpret_cast<const char*>(mine) + so);
 
@@ -1285,7 +1139,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       }
       refill(so, i + S, xn, gn, s2);  // the slot has been read: row i + S into it
     }
-    ln_cp_async_commit();
+    cp_async_commit();
 
     // Row sums over the group: lanes 0..15 end with sum gw, 16..31 with sum gw xhat.
     {
@@ -1331,7 +1185,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   }
 
   if (!partial) return;  // the same for the whole block
-  ln_cp_async_wait_all();
+  cp_async_wait_all();
   __syncthreads();  // every group is done with its slots
   // Fold: group y's float4 f of thread t at ring16[(4 y + f) tpr + t]; f = 0, 1: dweight columns
   // 4f..4f+3 of the thread, 2, 3: dbias.
@@ -1365,7 +1219,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
 // tile of [dweight | dbias], threadIdx.y the partial rows y, y + kPgY, ... (kPgLoads 16-byte loads
 // issued before they are added; a warp reads 8 rows of 64 contiguous bytes); then the kPgY
 // per-thread sums of each column in order, four at a time, and those in order.
-constexpr int kPgX = 4, kPgY = 64, kPgLoads = 4;
+constexpr int kPgLoads = 4;  // kPgX, kPgY: launch_params.cuh
 template <typename T>
 __global__ void __launch_bounds__(kPgX * kPgY)
     layernorm_param_grad_vec_kernel(const float* __restrict__ partial, T* __restrict__ dweight,

@@ -36,89 +36,9 @@
 #include "common.cuh"
 
 // ---- chunks in registers ------------------------------------------------------------------------
-// 16 bytes as four 32-bit words (two bf16/half per word): a chunk costs four registers whatever T is
-// (16-bit values unpacked one per register would cost twice as many).
-struct __align__(16) Chunk {
-  u32 w[4];
-};
-
-// Per type: V elements per chunk; get(c, i): element i as fp32; put(f): chunk from V floats (rn);
-// round(a, b): a and b rounded to T and read back; kOne: a word of ones.
-template <typename T>
-struct Elems;
-template <>
-struct Elems<float> {
-  static constexpr int V = 4;
-  static constexpr u32 kOne = 0x3f800000u;
-  static KF_DEVICE float get(const Chunk& c, int i) { return __uint_as_float(c.w[i]); }
-  static KF_DEVICE Chunk put(const float (&f)[4]) {
-    Chunk c;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c.w[i] = __float_as_uint(f[i]);
-    return c;
-  }
-  static KF_DEVICE void round(float&, float&) {}
-};
-template <>
-struct Elems<bf16> {
-  static constexpr int V = 8;
-  static constexpr u32 kOne = 0x3f803f80u;
-  static KF_DEVICE float get(const Chunk& c, int i) {
-    const u32 w = c.w[i >> 1];
-    return __uint_as_float(i & 1 ? w & 0xffff0000u : w << 16);
-  }
-  static KF_DEVICE u32 pair(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-  static KF_DEVICE Chunk put(const float (&f)[8]) {
-    Chunk c;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c.w[i] = pair(f[2 * i], f[2 * i + 1]);
-    return c;
-  }
-  static KF_DEVICE void round(float& a, float& b) {
-    const u32 r = pair(a, b);
-    a = __uint_as_float(r << 16);
-    b = __uint_as_float(r & 0xffff0000u);
-  }
-};
-template <>
-struct Elems<half> {
-  static constexpr int V = 8;
-  static constexpr u32 kOne = 0x3c003c00u;
-  static KF_DEVICE float get(const Chunk& c, int i) {
-    float f;
-    if (i & 1)
-      asm("{.reg .f16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, hi;}"
-          : "=f"(f)
-          : "r"(c.w[i >> 1]));
-    else
-      asm("{.reg .f16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo;}"
-          : "=f"(f)
-          : "r"(c.w[i >> 1]));
-    return f;
-  }
-  static KF_DEVICE u32 pair(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-  static KF_DEVICE Chunk put(const float (&f)[8]) {
-    Chunk c;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c.w[i] = pair(f[2 * i], f[2 * i + 1]);
-    return c;
-  }
-  static KF_DEVICE void round(float& a, float& b) {
-    const Chunk c = {{pair(a, b), 0u, 0u, 0u}};
-    a = get(c, 0);
-    b = get(c, 1);
-  }
-};
-
-KF_DEVICE Chunk words(u32 w) { return Chunk{{w, w, w, w}}; }
+// A chunk is a Vec16<T> (common.cuh): 16 bytes as four 32-bit words, so it costs four registers
+// whatever T is (16-bit values unpacked one per register would cost twice as many). Word<T> gives
+// the per-word conversions (kOne: a word of ones, round: a pair rounded to T and read back).
 
 // Bits of one element (16-bit types in the low half) and back.
 KF_DEVICE u32 bits_of(float v) { return __float_as_uint(v); }
@@ -135,11 +55,11 @@ KF_DEVICE T of_bits(u32 b) {
   }
 }
 
-// Chunk c of a row; STREAMING: evict-first (data read once). Not VEC: element-wise, zeros past D.
+// Vec16<T> c of a row; STREAMING: evict-first (data read once). Not VEC: element-wise, zeros past D.
 template <typename T, bool VEC, bool STREAMING>
-KF_DEVICE Chunk load_chunk(const T* row, int c, int D) {
-  constexpr int V = Elems<T>::V;
-  Chunk r;
+KF_DEVICE Vec16<T> load_chunk(const T* row, int c, int D) {
+  constexpr int V = Vec16<T>::size;
+  Vec16<T> r;
   if constexpr (VEC) {
     const int4* p = reinterpret_cast<const int4*>(row + c * V);
     const int4 v = STREAMING ? __ldcs(p) : *p;
@@ -160,8 +80,8 @@ KF_DEVICE Chunk load_chunk(const T* row, int c, int D) {
 }
 
 template <typename T, bool VEC>
-KF_DEVICE void store_chunk(T* row, int c, int D, const Chunk& p) {
-  constexpr int V = Elems<T>::V;
+KF_DEVICE void store_chunk(T* row, int c, int D, const Vec16<T>& p) {
+  constexpr int V = Vec16<T>::size;
   if constexpr (VEC) {
     int4 v;
     v.x = (int)p.w[0], v.y = (int)p.w[1], v.z = (int)p.w[2], v.w = (int)p.w[3];
@@ -176,26 +96,13 @@ KF_DEVICE void store_chunk(T* row, int c, int D, const Chunk& p) {
 
 // Weight chunk (default caching: every row reads it), or ones when there is no weight.
 template <typename T, bool VEC>
-KF_DEVICE Chunk weight_chunk(const T* weight, int c, int D) {
-  return weight ? load_chunk<T, VEC, false>(weight, c, D) : words(Elems<T>::kOne);
+KF_DEVICE Vec16<T> weight_chunk(const T* weight, int c, int D) {
+  return weight ? load_chunk<T, VEC, false>(weight, c, D) : Vec16<T>::words(Word<T>::kOne);
 }
 
-// Makes the compiler forget what a chunk holds: fp32 values unpacked from it before this point are
-// not kept alive to be reused after it (nor hoisted out of the row loop), so a row waits out the
-// reduction in registers as packed words rather than as twice as many floats. `zero` is 0 at run time
-// (a kernel argument) but unknown to the compiler: ptxas sees through a no-op such as an empty asm,
-// and then keeps, or spills, the unpacked values. Also applied to fp32 chunks, where it keeps ptxas
-// from spilling at 128 registers too (one xor per word).
-KF_DEVICE void opaque(Chunk& p, u32 zero) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm("xor.b32 %0, %0, %1;" : "+r"(p.w[i]) : "r"(zero));
-}
-
-// Barrier of the blockDim.x threads of one row group (bar.sync id 1 + threadIdx.y): the groups of a
-// block run independently; barrier 0 (__syncthreads) is left for the whole block.
-KF_DEVICE void group_barrier() {
-  asm volatile("bar.sync %0, %1;" ::"r"(1 + (int)threadIdx.y), "r"((int)blockDim.x) : "memory");
-}
+// opaque(chunk, zero) (common.cuh) makes the compiler forget what a chunk holds, so a row waits out
+// the reduction in registers as packed words rather than as twice as many floats (and fp32 chunks do
+// not spill at 128 registers either).
 
 // Resident 256-thread blocks per SM the forward kernel is compiled for (at most 65536 / (256 * n)
 // registers per thread): what its K chunks of x need without spilling, and no more. RES holds the
@@ -218,21 +125,21 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
                            int zero, int cast_before_weight, const T* __restrict__ residual,
                            T* __restrict__ s) {
   kf_wait_prior_grids();
-  using E = Elems<T>;
-  constexpr int V = E::V;
+  using E = Vec16<T>;
+  constexpr int V = E::size;
   __shared__ float scratch[16];  // one per warp of the block (<= 256 threads), 8 spare
   const int nchunk = (D + V - 1) / V;
   const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
   const bool live = row < rows;
   const T* xr = x + row * D;
 
-  Chunk xc[K], rc[RES ? K : 1];
+  Vec16<T> xc[K], rc[RES ? K : 1];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int c = threadIdx.x + k * blockDim.x;
-    xc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(xr, c, D) : words(0u);
+    xc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(xr, c, D) : Vec16<T>::words(0u);
     if constexpr (RES)
-      rc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(residual + row * D, c, D) : words(0u);
+      rc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(residual + row * D, c, D) : Vec16<T>::words(0u);
   }
   if constexpr (RES) {
     T* sr = s + row * D;
@@ -241,8 +148,8 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
       const int c = threadIdx.x + k * blockDim.x;
       float f[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) f[i] = E::get(xc[k], i) + E::get(rc[k], i);
-      xc[k] = E::put(f);  // zeros stay zeros past the row and the tensor
+      for (int i = 0; i < V; ++i) f[i] = xc[k].f(i) + rc[k].f(i);
+      xc[k] = E::from(f);  // zeros stay zeros past the row and the tensor
       if (live && c < nchunk) store_chunk<T, VEC>(sr, c, D, xc[k]);
     }
   }
@@ -250,7 +157,7 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
 #pragma unroll
   for (int k = 0; k < K; ++k)
 #pragma unroll
-    for (int i = 0; i < V; ++i) ss += E::get(xc[k], i) * E::get(xc[k], i);
+    for (int i = 0; i < V; ++i) ss += xc[k].f(i) * xc[k].f(i);
 
   ss = warp_sum(ss);
   if (blockDim.x > 32) {  // rows of several warps: one exchange through shared memory
@@ -272,24 +179,24 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
   T* yr = y + row * D;
   const bool cbw = cast_before_weight && sizeof(T) < 4;
   const int tx = blockDim.x;
-  Chunk wnext = (int)threadIdx.x < nchunk ? weight_chunk<T, VEC>(weight, threadIdx.x, D) : words(0u);
+  Vec16<T> wnext = (int)threadIdx.x < nchunk ? weight_chunk<T, VEC>(weight, threadIdx.x, D) : Vec16<T>::words(0u);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     opaque(xc[k], zero);
     const int c = threadIdx.x + k * tx;
-    const Chunk wc = wnext;
+    const Vec16<T> wc = wnext;
     if (k + 1 < K && c + tx < nchunk) wnext = weight_chunk<T, VEC>(weight, c + tx, D);
     if (c < nchunk) {
       float o[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) o[i] = E::get(xc[k], i) * r;
+      for (int i = 0; i < V; ++i) o[i] = xc[k].f(i) * r;
       if (cbw) {  // y = w * T(x * rstd)
 #pragma unroll
-        for (int i = 0; i < V; i += 2) E::round(o[i], o[i + 1]);
+        for (int i = 0; i < V; i += 2) Word<T>::round(o[i], o[i + 1]);
       }
 #pragma unroll
-      for (int i = 0; i < V; ++i) o[i] *= E::get(wc, i);
-      store_chunk<T, VEC>(yr, c, D, E::put(o));
+      for (int i = 0; i < V; ++i) o[i] *= wc.f(i);
+      store_chunk<T, VEC>(yr, c, D, E::from(o));
     }
   }
 }
@@ -308,7 +215,7 @@ KF_DEVICE void group_sum(float (&v)[R], float* scratch) {
   if (lane == 0)
 #pragma unroll
     for (int j = 0; j < R; ++j) s[j * 32 + (threadIdx.x >> 5)] = v[j];
-  group_barrier();
+  named_barrier(1 + (int)threadIdx.y, (int)blockDim.x);  // the row group's threads
 #pragma unroll
   for (int j = 0; j < R; ++j) v[j] = lane < nw ? s[j * 32 + lane] : 0.0f;
 #pragma unroll
@@ -318,31 +225,31 @@ KF_DEVICE void group_sum(float (&v)[R], float* scratch) {
 // dx of one chunk (RES: plus dres's chunk dc before the one rounding), and its dweight terms
 // dy * x_hat added to acc (CBW: x_hat rounded to T first, as the forward used it).
 template <typename T, bool VEC, bool CBW, bool RES>
-KF_DEVICE void backward_chunk(T* dxr, int c, int D, const Chunk& xc, const Chunk& gc,
-                              const Chunk& wc, const Chunk& dc, float r, float mean_gx,
-                              float (&acc)[Elems<T>::V]) {
-  using E = Elems<T>;
-  constexpr int V = E::V;
+KF_DEVICE void backward_chunk(T* dxr, int c, int D, const Vec16<T>& xc, const Vec16<T>& gc,
+                              const Vec16<T>& wc, const Vec16<T>& dc, float r, float mean_gx,
+                              float (&acc)[Vec16<T>::size]) {
+  using E = Vec16<T>;
+  constexpr int V = E::size;
   float o[V], xh[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) {
-    xh[i] = E::get(xc, i) * r;
-    o[i] = r * (E::get(gc, i) * E::get(wc, i) - xh[i] * mean_gx);
-    if (RES) o[i] += E::get(dc, i);
+    xh[i] = xc.f(i) * r;
+    o[i] = r * (gc.f(i) * wc.f(i) - xh[i] * mean_gx);
+    if (RES) o[i] += dc.f(i);
   }
-  store_chunk<T, VEC>(dxr, c, D, E::put(o));
+  store_chunk<T, VEC>(dxr, c, D, E::from(o));
   if (CBW)
 #pragma unroll
-    for (int i = 0; i < V; i += 2) E::round(xh[i], xh[i + 1]);
+    for (int i = 0; i < V; i += 2) Word<T>::round(xh[i], xh[i + 1]);
 #pragma unroll
-  for (int i = 0; i < V; ++i) acc[i] += E::get(gc, i) * xh[i];
+  for (int i = 0; i < V; ++i) acc[i] += gc.f(i) * xh[i];
 }
 
 // CBW: cast_before_weight (16-bit T; the launcher instantiates fp32 with false only).
 // Layout: persistent grid of one block (<= MAXT threads) per SM. The block is blockDim.y row groups
 // of blockDim.x threads; a group works on R rows at a time (base .. base + R - 1, then R rows further
 // by the grid-wide stride), each thread holding K chunks of x and dy of each, all loads issued before
-// the reduction. Groups synchronise only among themselves (group_barrier), so one group's loads
+// the reduction. Groups synchronise only among themselves (named_barrier 1 + threadIdx.y), so one group's loads
 // overlap another's reduction and stores. A thread owns the same columns in every row it visits: it
 // keeps their weight chunks and their dweight sums in registers. At the end the block adds its
 // groups' sums in order of the group through `fold` (blockDim.y * blockDim.x * V floats of dynamic
@@ -356,17 +263,17 @@ __global__ void __launch_bounds__(MAXT, 1)
                             T* __restrict__ dx, float* __restrict__ dw_partial, long long rows, int D,
                             float inv_d, int zero, const T* __restrict__ dres) {
   kf_wait_prior_grids();
-  using E = Elems<T>;
-  constexpr int V = E::V;
+  using E = Vec16<T>;
+  constexpr int V = E::size;
   __shared__ float scratch[2][MAXT / 64 * 32 * R];  // [buffer][group][value][warp]
   extern __shared__ float fold[];
   const int nchunk = (D + V - 1) / V;
 
-  Chunk wc[K];
+  Vec16<T> wc[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int c = threadIdx.x + k * blockDim.x;
-    wc[k] = c < nchunk ? weight_chunk<T, VEC>(weight, c, D) : words(0u);
+    wc[k] = c < nchunk ? weight_chunk<T, VEC>(weight, c, D) : Vec16<T>::words(0u);
   }
   float acc[K][V];
 #pragma unroll
@@ -379,7 +286,7 @@ __global__ void __launch_bounds__(MAXT, 1)
   int buf = 0;
   for (long long base = ((long long)blockIdx.x * blockDim.y + threadIdx.y) * R; base < rows;
        base += step) {
-    Chunk xc[R][K], gc[R][K];
+    Vec16<T> xc[R][K], gc[R][K];
     float r[R], dot[R];
 #pragma unroll
     for (int k = 0; k < K; ++k) opaque(wc[k], zero);
@@ -392,8 +299,8 @@ __global__ void __launch_bounds__(MAXT, 1)
       for (int k = 0; k < K; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
         const bool ok = live && c < nchunk;
-        xc[j][k] = ok ? load_chunk<T, VEC, true>(x + row * D, c, D) : words(0u);
-        gc[j][k] = ok ? load_chunk<T, VEC, true>(dy + row * D, c, D) : words(0u);
+        xc[j][k] = ok ? load_chunk<T, VEC, true>(x + row * D, c, D) : Vec16<T>::words(0u);
+        gc[j][k] = ok ? load_chunk<T, VEC, true>(dy + row * D, c, D) : Vec16<T>::words(0u);
       }
     }
     // dot = sum(dy * w * x); mean(g * x_hat) = dot * rstd / D.
@@ -404,7 +311,7 @@ __global__ void __launch_bounds__(MAXT, 1)
       for (int k = 0; k < K; ++k)
 #pragma unroll
         for (int i = 0; i < V; ++i)
-          dot[j] += E::get(gc[j][k], i) * E::get(wc[k], i) * E::get(xc[j][k], i);
+          dot[j] += gc[j][k].f(i) * wc[k].f(i) * xc[j][k].f(i);
     }
     group_sum<R>(dot, scratch[buf]);
     buf ^= 1;
@@ -422,7 +329,7 @@ __global__ void __launch_bounds__(MAXT, 1)
           opaque(wc[k], zero);
           const int c = threadIdx.x + k * blockDim.x;
           if (c < nchunk) {
-            const Chunk dc = RES ? load_chunk<T, VEC, true>(dres + row * D, c, D) : words(0u);
+            const Vec16<T> dc = RES ? load_chunk<T, VEC, true>(dres + row * D, c, D) : Vec16<T>::words(0u);
             backward_chunk<T, VEC, CBW, RES>(dxr, c, D, xc[j][k], gc[j][k], wc[k], dc, r[j],
                                              mean_gx, acc[k]);
           }
@@ -498,14 +405,14 @@ KF_DEVICE const char* plus(const char* p, u64 bytes) {
 }
 
 template <typename T>
-KF_DEVICE float reget(const Chunk& c, int i, u32 lo_mul, u32 hi_mask) {
+KF_DEVICE float reget(const Vec16<T>& c, int i, u32 lo_mul, u32 hi_mask) {
   if constexpr (sizeof(T) == 4) {
     return __uint_as_float(c.w[i]);
-  } else if constexpr (Elems<T>::kOne == Elems<bf16>::kOne) {
+  } else if constexpr (Word<T>::kOne == Word<bf16>::kOne) {
     const u32 w = c.w[i >> 1];
     return __uint_as_float(i & 1 ? w & hi_mask : w * lo_mul);
   } else {
-    return Elems<T>::get(c, i);  // the chunk went through opaque() first
+    return c.f(i);  // the chunk went through opaque() first
   }
 }
 
@@ -513,24 +420,24 @@ KF_DEVICE float reget(const Chunk& c, int i, u32 lo_mul, u32 hi_mask) {
 // dot += g * x, dweight sums acc += dy * x_hat with x_hat = x * r (CBW: rounded to T first, as the
 // forward used it for the weight); a pair of elements at a time (CBW rounds pairs).
 template <typename T, int K, bool CBW>
-KF_DEVICE void rn_row_terms(const Chunk (&xc)[K], const Chunk (&gc)[K],
-                            const float (&w)[K][Elems<T>::V], float r, float (&g)[K][Elems<T>::V],
-                            float& dot, float (&acc)[K][Elems<T>::V]) {
-  using E = Elems<T>;
+KF_DEVICE void rn_row_terms(const Vec16<T> (&xc)[K], const Vec16<T> (&gc)[K],
+                            const float (&w)[K][Vec16<T>::size], float r, float (&g)[K][Vec16<T>::size],
+                            float& dot, float (&acc)[K][Vec16<T>::size]) {
+  using E = Vec16<T>;
 #pragma unroll
   for (int k = 0; k < K; ++k)
 #pragma unroll
-    for (int i = 0; i < E::V; i += 2) {
+    for (int i = 0; i < E::size; i += 2) {
       float d[2], xr[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const float xv = E::get(xc[k], i + j);
-        d[j] = E::get(gc[k], i + j);
+        const float xv = xc[k].f(i + j);
+        d[j] = gc[k].f(i + j);
         g[k][i + j] = d[j] * w[k][i + j];
         dot = fmaf(g[k][i + j], xv, dot);
         xr[j] = xv * r;
       }
-      if (CBW) E::round(xr[0], xr[1]);
+      if (CBW) Word<T>::round(xr[0], xr[1]);
 #pragma unroll
       for (int j = 0; j < 2; ++j) acc[k][i + j] = fmaf(d[j], xr[j], acc[k][i + j]);
     }
@@ -544,9 +451,9 @@ __global__ void __launch_bounds__(MAXT, 1)
                                       long long rows, int D, float inv_d, u32 lo_mul, u32 hi_mask,
                                       int zero, const T* __restrict__ dres) {
   kf_wait_prior_grids();
-  using E = Elems<T>;
-  constexpr int V = E::V;
-  constexpr bool kHalf = sizeof(T) == 2 && E::kOne != Elems<bf16>::kOne;
+  using E = Vec16<T>;
+  constexpr int V = E::size;
+  constexpr bool kHalf = sizeof(T) == 2 && Word<T>::kOne != Word<bf16>::kOne;
   static_assert(MAXT <= 512, "16 warps per row at most");
   __shared__ float scratch[2][MAXT / 32 * 16];  // [set][group * 16 + warp]; groups <= MAXT / 32
   extern __shared__ float fold[];
@@ -566,11 +473,11 @@ __global__ void __launch_bounds__(MAXT, 1)
   float w[K][V], acc[K][V];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const Chunk wc = !ok[k] ? words(0u)
+    const Vec16<T> wc = !ok[k] ? Vec16<T>::words(0u)
                      : weight ? load_chunk<T, true, false>(weight + threadIdx.x * V, k * tx, D)
-                              : words(Elems<T>::kOne);
+                              : Vec16<T>::words(Word<T>::kOne);
 #pragma unroll
-    for (int i = 0; i < V; ++i) w[k][i] = E::get(wc, i), acc[k][i] = 0.0f;
+    for (int i = 0; i < V; ++i) w[k][i] = wc.f(i), acc[k][i] = 0.0f;
   }
   // Shared-memory byte addresses: this warp's slot (sw) and this lane's read slot (sl) in the set
   // of the next row; sflip switches both to the other set.
@@ -601,7 +508,7 @@ __global__ void __launch_bounds__(MAXT, 1)
     char* cd = reinterpret_cast<char*>(dx + off);  // current row's dx
     const u64 rdelta = reinterpret_cast<u64>(dres) - reinterpret_cast<u64>(dx);  // RES: dres - dx
 
-    Chunk bx[P][K], bg[P][K];
+    Vec16<T> bx[P][K], bg[P][K];
     float br[P];
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -624,7 +531,7 @@ __global__ void __launch_bounds__(MAXT, 1)
       for (int p = 0; p < P; ++p) {
         const float r = br[p];
         const u32 inc = t + P < n ? step : 0u;  // to row t + P, or stay on the group's last row
-        Chunk dc[RES ? K : 1];
+        Vec16<T> dc[RES ? K : 1];
         if constexpr (RES)
 #pragma unroll
           for (int k = 0; k < K; ++k)
@@ -642,7 +549,7 @@ __global__ void __launch_bounds__(MAXT, 1)
         dot = warp_sum(dot);
         if (nw > 1) {  // rows of several warps: partial sums through shared memory, one barrier
           if (lane == 0) asm volatile("st.shared.f32 [%0], %1;" ::"r"(sw), "f"(dot));
-          group_barrier();
+          named_barrier(1 + (int)threadIdx.y, (int)blockDim.x);  // the row group's threads
           asm volatile("ld.shared.f32 %0, [%1];" : "=f"(dot) : "r"(sl));
 #pragma unroll
           for (int o = 8; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
@@ -662,9 +569,9 @@ __global__ void __launch_bounds__(MAXT, 1)
           for (int i = 0; i < V; ++i) {
             const float gi = KEEP_G ? g[k][i] : reget<T>(bg[p][k], i, lo_mul, hi_mask) * w[k][i];
             o[i] = r * fmaf(a, reget<T>(bx[p][k], i, lo_mul, hi_mask), gi);
-            if constexpr (RES) o[i] += E::get(dc[k], i);
+            if constexpr (RES) o[i] += dc[k].f(i);
           }
-          if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cd + koff[k]), 0, D, E::put(o));
+          if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cd + koff[k]), 0, D, E::from(o));
           last |= __float_as_uint(o[V - 1]);
         }
         cd += step;
@@ -748,42 +655,6 @@ done:
 // RES: a stage also holds the rows of dres, copied and zero-filled as x's and dy's; they are read with
 // them and folded into h = r * g + dres before the stage is requested again (g's registers, none
 // more), so dx = r * a * x + h, rounded once.
-KF_DEVICE u32 rn_smem(const void* p) {
-  u32 s;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
-  return s;
-}
-KF_DEVICE void rn_cp16(u32 saddr, const void* g) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(g) : "memory");
-}
-KF_DEVICE void rn_cp4(u32 saddr, const void* g) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(saddr), "l"(g) : "memory");
-}
-KF_DEVICE void rn_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-KF_DEVICE void rn_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-KF_DEVICE Chunk rn_lds(u32 a) {
-  Chunk c;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(c.w[0]), "=r"(c.w[1]), "=r"(c.w[2]), "=r"(c.w[3])
-               : "r"(a)
-               : "memory");
-  return c;
-}
-KF_DEVICE void rn_sts0(u32 a) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(a), "r"(0u) : "memory");
-}
-KF_DEVICE float rn_lds_f32(u32 a) {
-  float f;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(f) : "r"(a) : "memory");
-  return f;
-}
-KF_DEVICE void rn_sts_f32(u32 a, float f) {
-  asm volatile("st.shared.f32 [%0], %1;" ::"r"(a), "f"(f) : "memory");
-}
-
 template <typename T, int K, int S, bool CBW, int NT, bool RES = false>
 __global__ void __launch_bounds__(NT, 1)
     rmsnorm_backward_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x,
@@ -791,8 +662,8 @@ __global__ void __launch_bounds__(NT, 1)
                                  T* __restrict__ dx, float* __restrict__ dw_partial, long long rows,
                                  int D, float inv_d, int zero, const T* __restrict__ dres) {
   kf_wait_prior_grids();
-  using E = Elems<T>;
-  constexpr int V = E::V;
+  using E = Vec16<T>;
+  constexpr int V = E::size;
   static_assert(NT <= 512 && NT % 64 == 0, "groups of <= 16 warps");
   __shared__ float red[2][NT / 4];  // [set][group * 16 + warp]: groups of >= 64 threads, <= NT / 64
   extern __shared__ uint4 ring[];
@@ -804,10 +675,10 @@ __global__ void __launch_bounds__(NT, 1)
   const u32 kstep = (u32)tx * 16u;  // bytes from one chunk of a thread to its next (row and stage)
   const u32 stage_bytes = (RES ? 3u : 2u) * (u32)(G * rowpad) * 16u;
   const u32 dyoff = (u32)(G * rowpad) * 16u;  // dy's rows follow x's in a stage (RES: then dres's)
-  const u32 my = rn_smem(ring) + (u32)(threadIdx.y * rowpad + threadIdx.x) * 16u;
+  const u32 my = smem_u32(ring) + (u32)(threadIdx.y * rowpad + threadIdx.x) * 16u;
   const int nseg = tx >= 32 ? (tx * G) >> 5 : G;  // rstd slots per stage
   const u32 rslot =
-      rn_smem(ring) + (u32)S * stage_bytes + (u32)(tx >= 32 ? tid >> 5 : (int)threadIdx.y) * 4u;
+      smem_u32(ring) + (u32)S * stage_bytes + (u32)(tx >= 32 ? tid >> 5 : (int)threadIdx.y) * 4u;
   const u32 rstage = (u32)nseg * 4u;
   const bool leader = (threadIdx.x & 31) == 0;  // copies and reads rstd for its warp-segment
   const int src = lane - (int)(threadIdx.x & 31);
@@ -818,16 +689,16 @@ __global__ void __launch_bounds__(NT, 1)
   for (int k = 0; k < K; ++k) {
     const int c = threadIdx.x + k * tx;
     ok[k] = c < nchunk;
-    const Chunk wc = !ok[k]  ? words(0u)
+    const Vec16<T> wc = !ok[k]  ? Vec16<T>::words(0u)
                      : weight ? load_chunk<T, true, false>(weight, c, D)
-                              : words(E::kOne);
+                              : E::words(Word<T>::kOne);
 #pragma unroll
-    for (int i = 0; i < V; ++i) w[k][i] = E::get(wc, i), acc[k][i] = 0.0f;
+    for (int i = 0; i < V; ++i) w[k][i] = wc.f(i), acc[k][i] = 0.0f;
     if (!ok[k])  // never copied: zeros in every stage
       for (int s = 0; s < S; ++s) {
-        rn_sts0(my + (u32)s * stage_bytes + (u32)k * kstep);
-        rn_sts0(my + (u32)s * stage_bytes + dyoff + (u32)k * kstep);
-        if (RES) rn_sts0(my + (u32)s * stage_bytes + 2u * dyoff + (u32)k * kstep);
+        sts16_zero(my + (u32)s * stage_bytes + (u32)k * kstep);
+        sts16_zero(my + (u32)s * stage_bytes + dyoff + (u32)k * kstep);
+        if (RES) sts16_zero(my + (u32)s * stage_bytes + 2u * dyoff + (u32)k * kstep);
       }
   }
   const int nw = tx >> 5;
@@ -863,20 +734,20 @@ __global__ void __launch_bounds__(NT, 1)
 #pragma unroll
       for (int k = 0; k < K; ++k)
         if (ok[k]) {
-          rn_cp16(sa + (u32)k * kstep, lx + k * kstep);
-          rn_cp16(sa + dyoff + (u32)k * kstep, plus(lx, gdelta + k * kstep));
-          if (RES) rn_cp16(sa + 2u * dyoff + (u32)k * kstep, plus(lx, rdelta + k * kstep));
+          cp_async16(sa + (u32)k * kstep, lx + k * kstep);
+          cp_async16(sa + dyoff + (u32)k * kstep, plus(lx, gdelta + k * kstep));
+          if (RES) cp_async16(sa + 2u * dyoff + (u32)k * kstep, plus(lx, rdelta + k * kstep));
         }
-      if (leader) rn_cp4(ra, lr);
+      if (leader) cp_async4(ra, lr);
     } else {
 #pragma unroll
       for (int k = 0; k < K; ++k)
         if (ok[k]) {
-          rn_sts0(sa + (u32)k * kstep);
-          rn_sts0(sa + dyoff + (u32)k * kstep);
-          if (RES) rn_sts0(sa + 2u * dyoff + (u32)k * kstep);
+          sts16_zero(sa + (u32)k * kstep);
+          sts16_zero(sa + dyoff + (u32)k * kstep);
+          if (RES) sts16_zero(sa + 2u * dyoff + (u32)k * kstep);
         }
-      if (leader) rn_sts_f32(ra, 0.0f);
+      if (leader) sts_f32(ra, 0.0f);
     }
     lx += step;
     lr += rbytes;
@@ -885,41 +756,41 @@ __global__ void __launch_bounds__(NT, 1)
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     if (s < n) request(s, s, 0u);
-    rn_commit();  // always: wait_group counts groups
+    cp_async_commit();  // always: wait_group counts groups
   }
 
   int s = 0;  // the stage of row group t
   u32 set = 0u;  // reduction slot set
 #pragma unroll 1
   for (int t = 0; t < n; ++t) {
-    rn_wait<S - 1>();  // row group t has landed (this thread's part of it)
+    cp_async_wait<S - 1>();  // row group t has landed (this thread's part of it)
     const u32 sa = my + (u32)s * stage_bytes;
-    Chunk xc[K], gc[K];
+    Vec16<T> xc[K], gc[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      xc[k] = rn_lds(sa + (u32)k * kstep);
-      gc[k] = rn_lds(sa + dyoff + (u32)k * kstep);
+      xc[k] = lds16<T>(sa + (u32)k * kstep);
+      gc[k] = lds16<T>(sa + dyoff + (u32)k * kstep);
     }
-    float r = leader ? rn_lds_f32(rslot + (u32)s * rstage) : 0.0f;
+    float r = leader ? lds_f32(rslot + (u32)s * rstage) : 0.0f;
     r = __shfl_sync(0xffffffffu, r, src);
 
     float g[K][V], dot = 0.0f;
     rn_row_terms<T, K, CBW>(xc, gc, w, r, g, dot, acc);
     u32 dep = __float_as_uint(dot);
     if constexpr (RES) {
-      Chunk dc[K];
+      Vec16<T> dc[K];
 #pragma unroll
-      for (int k = 0; k < K; ++k) dc[k] = rn_lds(sa + 2u * dyoff + (u32)k * kstep);
+      for (int k = 0; k < K; ++k) dc[k] = lds16<T>(sa + 2u * dyoff + (u32)k * kstep);
 #pragma unroll
       for (int k = 0; k < K; ++k) {
 #pragma unroll
-        for (int i = 0; i < V; ++i) g[k][i] = fmaf(r, g[k][i], E::get(dc[k], i));  // h
+        for (int i = 0; i < V; ++i) g[k][i] = fmaf(r, g[k][i], dc[k].f(i));  // h
         dep |= dc[k].w[0];
       }
     }
     // Stage s is read (dep depends on every word of it): request row group t + S into it.
     if (t + S < n) request(t + S, s, dep & (u32)zero);
-    rn_commit();
+    cp_async_commit();
 
     if (tx <= 32) {  // one warp or less per row: shuffles within the group
 #pragma unroll
@@ -942,8 +813,8 @@ __global__ void __launch_bounds__(NT, 1)
         float o[V];
 #pragma unroll
         for (int i = 0; i < V; ++i)
-          o[i] = RES ? fmaf(r * a, E::get(xc[k], i), g[k][i]) : r * fmaf(a, E::get(xc[k], i), g[k][i]);
-        if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cdx + k * kstep), 0, D, E::put(o));
+          o[i] = RES ? fmaf(r * a, xc[k].f(i), g[k][i]) : r * fmaf(a, xc[k].f(i), g[k][i]);
+        if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cdx + k * kstep), 0, D, E::from(o));
       }
     }
     cdx += step;
@@ -965,7 +836,7 @@ __global__ void __launch_bounds__(NT, 1)
   } else {
     // Several groups: add their sums column by column in order of the group, through the ring
     // (every copy has landed: the groups left are empty).
-    rn_wait<0>();
+    cp_async_wait<0>();
     __syncthreads();  // every thread is done reading the ring
     // 16 bytes at a time both ways (D % 4 == 0): the last block's epilogue is on the call's critical
     // path.

@@ -294,44 +294,11 @@ __global__ void rope_f32tab_kernel(const T* __restrict__ q, const T* __restrict_
 // ---- tiled kernel (16-byte aligned rows and tables) ---------------------------------------------
 // Element access on raw 16-byte packs (uint4): E = 4 / sizeof(T) elements per 32-bit word. bf16
 // unpacks with one shift or mask per element and packs two results with one cvt (sm_80+).
-KF_DEVICE u32 word_of(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-KF_DEVICE void set_word(uint4& v, int i, u32 x) {
-  if (i == 0) v.x = x;
-  else if (i == 1) v.y = x;
-  else if (i == 2) v.z = x;
-  else v.w = x;
-}
-// Element e (0 = low half) of word w as a float.
-template <typename T> KF_DEVICE float word_elem(u32 w, int e);
-template <> KF_DEVICE float word_elem<float>(u32 w, int) { return __uint_as_float(w); }
-template <> KF_DEVICE float word_elem<bf16>(u32 w, int e) {
-  return __uint_as_float(e ? (w & 0xffff0000u) : (w << 16));
-}
-template <> KF_DEVICE float word_elem<half>(u32 w, int e) {
-  half h;
-  h.bits = (u16)(e ? w >> 16 : w);
-  return to_float(h);
-}
-// A word from E floats (f1 unused when E = 1), rounded to nearest even.
-template <typename T> KF_DEVICE u32 make_word(float f0, float f1);
-template <> KF_DEVICE u32 make_word<float>(float f0, float) { return __float_as_uint(f0); }
-template <> KF_DEVICE u32 make_word<bf16>(float f0, float f1) {
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f1), "f"(f0));
-  return r;
-}
-template <> KF_DEVICE u32 make_word<half>(float f0, float f1) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f1), "f"(f0));
-  return r;
-}
 // Element j of N consecutive 16-byte packs of C.
 template <typename C, int N>
 KF_DEVICE float pack_elem(const uint4 (&t)[N], int j) {
   constexpr int E = 4 / (int)sizeof(C), PER = 4 * E;
-  return word_elem<C>(word_of(t[j / PER], (j % PER) / E), j % E);
+  return Word<C>::get(word_of(t[j / PER], (j % PER) / E), j % E);
 }
 template <typename T> KF_DEVICE uint4 ld16cs(const T* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
@@ -428,12 +395,12 @@ KF_DEVICE void rope_tile_body(const T* __restrict__ q, const T* __restrict__ k, 
           float lo[2], hi[2];
 #pragma unroll
           for (int e = 0; e < E; ++e) {
-            const float a = word_elem<T>(wa, e), bb = word_elem<T>(wb, e);
+            const float a = Word<T>::get(wa, e), bb = Word<T>::get(wb, e);
             lo[e] = a * c_lo[e] - bb * s_lo[e];
             hi[e] = bb * c_hi[e] + a * s_hi[e];
           }
-          set_word(x0[u], m, make_word<T>(lo[0], lo[E - 1]));
-          set_word(x1[u], m, make_word<T>(hi[0], hi[E - 1]));
+          set_word(x0[u], m, Word<T>::pack2(lo[0], lo[E - 1]));
+          set_word(x1[u], m, Word<T>::pack2(hi[0], hi[E - 1]));
         }
       }
       T* o = dst + i0;
@@ -457,8 +424,8 @@ KF_DEVICE void rope_tile_body(const T* __restrict__ q, const T* __restrict__ k, 
         for (int u = 0; u < U; ++u) {
           if constexpr (E == 2) {  // pair p is word p
             const u32 w = word_of(x0[u], p);
-            const float a = word_elem<T>(w, 0), bb = word_elem<T>(w, 1);
-            set_word(x0[u], p, make_word<T>(a * cp - bb * sp, a * sp + bb * cp));
+            const float a = Word<T>::get(w, 0), bb = Word<T>::get(w, 1);
+            set_word(x0[u], p, Word<T>::pack2(a * cp - bb * sp, a * sp + bb * cp));
           } else {  // pair p is words 2p, 2p + 1
             const float a = __uint_as_float(word_of(x0[u], 2 * p));
             const float bb = __uint_as_float(word_of(x0[u], 2 * p + 1));

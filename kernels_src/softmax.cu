@@ -33,26 +33,7 @@
 // (zeros written, nothing read or computed).
 #include "common.cuh"
 
-// How a row of n elements splits around 16-byte boundaries.
-struct RowSplit {
-  int head;  // leading scalars before the first 16-byte boundary
-  int npk;   // whole packs after them
-  int tail;  // trailing scalars
-};
-
-template <typename T>
-KF_DEVICE RowSplit split_row(const T* row, int n, int vec) {
-  constexpr int V = Pack128<T>::size;
-  RowSplit s;
-  s.head = 0;
-  if (vec) {
-    const int mis = (int)((reinterpret_cast<u64>(row) & 15) / sizeof(T));
-    s.head = min(n, (V - mis) % V);
-  }
-  s.npk = (n - s.head) / V;
-  s.tail = n - s.head - s.npk * V;
-  return s;
-}
+// Rows split around 16-byte boundaries by split_row (common.cuh): head scalars, packs, tail scalars.
 
 // Pack moves: 16-byte accesses when `vec`, else element-wise (no alignment needed).
 template <typename T>
@@ -102,68 +83,14 @@ KF_DEVICE float sm_ex2(float x) {  // 2^x; -inf -> +0, NaN -> NaN
   return r;
 }
 
-// A pack's values as floats, and floats back to a pack (16-bit types: two per conversion).
-template <typename T>
-KF_DEVICE void unpack(const Pack128<T>& p, float (&f)[Pack128<T>::size]) {
-  if constexpr (sizeof(T) == 2) {
-    const u32* w = reinterpret_cast<const u32*>(&p);
-#pragma unroll
-    for (int j = 0; j < Pack128<T>::size / 2; ++j) {
-      T lo, hi;
-      lo.bits = (u16)(w[j] & 0xffffu);
-      hi.bits = (u16)(w[j] >> 16);
-      f[2 * j] = to_float(lo);
-      f[2 * j + 1] = to_float(hi);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < Pack128<T>::size; ++i) f[i] = p.f(i);
-  }
-}
-template <>
-KF_DEVICE void unpack<bf16>(const Pack128<bf16>& p, float (&f)[8]) {
-  const u32* w = reinterpret_cast<const u32*>(&p);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    f[2 * j] = __uint_as_float(w[j] << 16);
-    f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-  }
-}
-
-template <typename T>
-KF_DEVICE u32 cvt2(float lo, float hi);
-template <>
-KF_DEVICE u32 cvt2<bf16>(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-template <>
-KF_DEVICE u32 cvt2<half>(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-template <typename T>
-KF_DEVICE Pack128<T> pack(const float (&f)[Pack128<T>::size]) {
-  Pack128<T> r;
-  if constexpr (sizeof(T) == 2) {
-    u32* w = reinterpret_cast<u32*>(&r);
-#pragma unroll
-    for (int j = 0; j < Pack128<T>::size / 2; ++j) w[j] = cvt2<T>(f[2 * j], f[2 * j + 1]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < Pack128<T>::size; ++i) r.set(i, f[i]);
-  }
-  return r;
-}
+// unpack128 / pack128 (common.cuh): a pack's values as floats and back, two per conversion.
 
 // Where the counted part of a row ends, in packs of its aligned middle: packs [0, full) are fully
 // counted, packs [full, some) partly (at most one: the diagonal), packs [some, npk) not at all.
 struct RowSlots {
   int full, some;
 };
-KF_DEVICE RowSlots row_slots(const RowSplit& s, int L, int V) {
+KF_DEVICE RowSlots row_slots(const RowSplit<int>& s, int L, int V) {
   if (L <= s.head) return {0, 0};
   return {min(s.npk, (L - s.head) / V), min(s.npk, (L - s.head + V - 1) / V)};
 }
@@ -194,7 +121,7 @@ __global__ void __launch_bounds__(WarpRow ? 128 : 512)
   const T* xr = x + (i64)row * C;
   T* yr = y + (i64)row * C;
   const int L = causal ? row % C + 1 : C;  // elements of the row that count
-  const RowSplit s = split_row(xr, C, 1);
+  const RowSplit<int> s = split_row(xr, C, 1);
   const RowSlots sl = row_slots(s, L, V);
 
   // All loads first: the packs holding counted elements, then the scalar head and tail.
@@ -215,11 +142,11 @@ __global__ void __launch_bounds__(WarpRow ? 128 : 512)
   for (int k = 0; k < P; ++k) {
     const int pk = k * W + lane, e = s.head + pk * V;
     if ((k + 1) * W <= sl.full) {  // the whole slot counts
-      unpack(buf[k], v[k]);
+      unpack128(buf[k], v[k]);
 #pragma unroll
       for (int i = 0; i < V; ++i) m = fmaxf(m, v[k][i] * scale2);
     } else if (k * W < sl.some) {  // the diagonal slot
-      unpack(buf[k], v[k]);
+      unpack128(buf[k], v[k]);
 #pragma unroll
       for (int i = 0; i < V; ++i) m = fmaxf(m, pk < sl.some && e + i < L ? v[k][i] * scale2 : -KF_INF);
     }
@@ -277,18 +204,18 @@ __global__ void __launch_bounds__(WarpRow ? 128 : 512)
       float o[V];
 #pragma unroll
       for (int i = 0; i < V; ++i) o[i] = v[k][i] * f;
-      store128(yr + e, pack<T>(o));
+      store128(yr + e, pack128<T>(o));
     } else if (k * W < sl.some) {
       if (pk < s.npk) {
         float o[V];
 #pragma unroll
         for (int i = 0; i < V; ++i) o[i] = pk < sl.some && e + i < L ? v[k][i] * f : 0.0f;
-        store128(yr + e, pack<T>(o));
+        store128(yr + e, pack128<T>(o));
       }
     } else if (k * W < s.npk) {  // past the diagonal: zeros
       if (pk < s.npk) {
         const float z[V] = {};
-        store128(yr + e, pack<T>(z));
+        store128(yr + e, pack128<T>(z));
       }
     }
   }
@@ -308,11 +235,6 @@ __global__ void __launch_bounds__(WarpRow ? 128 : 512)
 // (one FFMA + one MUFU.EX2), the sum in P independent chains, one reciprocal per row, and the
 // outputs packed two per cvt. Slots 0..P/2-1 of a row are always full (npk > 16 P); the others are
 // checked per lane, their missing packs read as -inf (they add 0; an all -inf row gives NaN).
-KF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-KF_DEVICE void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 template <typename T>
 KF_DEVICE u32 max2(u32 a, u32 b);
 template <>
@@ -333,34 +255,12 @@ template <>
 KF_DEVICE u32 ninf2<bf16>() { return 0xff80ff80u; }
 template <>
 KF_DEVICE u32 ninf2<half>() { return 0xfc00fc00u; }
-template <typename T>
-KF_DEVICE void widen2(u32 w, float& lo, float& hi);
-template <>
-KF_DEVICE void widen2<bf16>(u32 w, float& lo, float& hi) {
-  lo = __uint_as_float(w << 16);
-  hi = __uint_as_float(w & 0xffff0000u);
-}
-template <>
-KF_DEVICE void widen2<half>(u32 w, float& lo, float& hi) {
-  asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
-      : "=f"(lo), "=f"(hi)
-      : "r"(w));
-}
 KF_DEVICE float sm_rcp(float x) {  // 1/x, rel. error <= 1 ulp; 0 -> inf, NaN -> NaN
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
 
-KF_DEVICE u32 smem_u32(const void* p) {
-  u32 s;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
-  return s;
-}
-// `after`: an unused operand that orders the copy after the instructions computing it.
-KF_DEVICE void cp_async16_s(u32 saddr, const void* gmem, float after) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem), "f"(after) : "memory");
-}
 
 // Rows: tw = gridDim.x * warps per block warps take rows = q * tw + rem rows, q or q + 1 each (the
 // launcher divides). Warp `warp` of block b is number o = warp * gridDim.x + b in row order, so the
@@ -391,7 +291,7 @@ __global__ void __launch_bounds__(512, 2)
     if (s < n) {
 #pragma unroll
       for (int k = 0; k < P; ++k)
-        if (has[k]) cp_async16_s(smine + (s * P + k) * 512, xw + (long long)s * C + k * 32 * V, 0.0f);
+        if (has[k]) cp_async16_after(smine + (s * P + k) * 512, xw + (long long)s * C + k * 32 * V, 0.0f);
     }
     cp_async_commit();  // always: wait_group counts groups
   }
@@ -418,7 +318,7 @@ __global__ void __launch_bounds__(512, 2)
 #pragma unroll
       for (int k = 0; k + h < P; k += 2 * h) mk[k] = max2<T>(mk[k], mk[k + h]);
     float mlo, mhi;
-    widen2<T>(mk[0], mlo, mhi);
+    Word<T>::widen(mk[0], mlo, mhi);
     const float m = warp_max(fmaxf(mlo, mhi)) * scale2;  // all -inf row: -inf, outputs NaN
 
     // Row i is in registers: refill its slot with row i + S. The copies take m as an (unused)
@@ -427,7 +327,7 @@ __global__ void __launch_bounds__(512, 2)
       const T* xr = xw + (long long)(i + S) * C;
 #pragma unroll
       for (int k = 0; k < P; ++k)
-        if (has[k]) cp_async16_s(smine + (s * P + k) * 512, xr + k * 32 * V, m);
+        if (has[k]) cp_async16_after(smine + (s * P + k) * 512, xr + k * 32 * V, m);
     }
     cp_async_commit();
 
@@ -437,7 +337,7 @@ __global__ void __launch_bounds__(512, 2)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         float lo, hi;
-        widen2<T>(w[k][j], lo, hi);
+        Word<T>::widen(w[k][j], lo, hi);
         e[k][2 * j] = sm_ex2(fmaf(lo, scale2, -m));
         e[k][2 * j + 1] = sm_ex2(fmaf(hi, scale2, -m));
       }
@@ -454,10 +354,10 @@ __global__ void __launch_bounds__(512, 2)
     for (int k = 0; k < P; ++k) {
       if (has[k]) {
         uint4 o;
-        o.x = cvt2<T>(e[k][0] * f, e[k][1] * f);
-        o.y = cvt2<T>(e[k][2] * f, e[k][3] * f);
-        o.z = cvt2<T>(e[k][4] * f, e[k][5] * f);
-        o.w = cvt2<T>(e[k][6] * f, e[k][7] * f);
+        o.x = Word<T>::pack2(e[k][0] * f, e[k][1] * f);
+        o.y = Word<T>::pack2(e[k][2] * f, e[k][3] * f);
+        o.z = Word<T>::pack2(e[k][4] * f, e[k][5] * f);
+        o.w = Word<T>::pack2(e[k][6] * f, e[k][7] * f);
         *reinterpret_cast<uint4*>(yr + k * 32 * V) = o;
       }
     }
@@ -478,7 +378,7 @@ __global__ void __launch_bounds__(512, 2)
   const T* xr = x + row * C;
   T* yr = y + row * C;
   const int L = causal ? (int)(row % C) + 1 : C;
-  const RowSplit s = split_row(xr, C, vec);
+  const RowSplit<int> s = split_row(xr, C, vec);
   // Packs holding at least one counted element.
   const int nv = L <= s.head ? 0 : min(s.npk, (L - s.head + V - 1) / V);
 
@@ -553,7 +453,7 @@ __global__ void __launch_bounds__(WarpRow ? 128 : 512)
   if (row >= rows) return;  // WarpRow only
   const i64 off = (i64)row * C;
   const int L = causal ? row % C + 1 : C;
-  const RowSplit s = split_row(y + off, C, 1);
+  const RowSplit<int> s = split_row(y + off, C, 1);
   const RowSlots sl = row_slots(s, L, V);
 
   Pack128<T> by[P], bg[P];
@@ -576,8 +476,8 @@ __global__ void __launch_bounds__(WarpRow ? 128 : 512)
     const int pk = k * W + lane, e = s.head + pk * V;
     if ((k + 1) * W <= sl.full || k * W < sl.some) {
       float fy[V], fg[V];
-      unpack(by[k], fy);
-      unpack(bg[k], fg);
+      unpack128(by[k], fy);
+      unpack128(bg[k], fg);
       if ((k + 1) * W <= sl.full) {
 #pragma unroll
         for (int i = 0; i < V; ++i) dot = fmaf(fy[i], fg[i], dot);
@@ -595,24 +495,24 @@ __global__ void __launch_bounds__(WarpRow ? 128 : 512)
     const int pk = k * W + lane, e = s.head + pk * V;
     if ((k + 1) * W <= sl.full) {
       float fy[V], fg[V], o[V];
-      unpack(by[k], fy);
-      unpack(bg[k], fg);
+      unpack128(by[k], fy);
+      unpack128(bg[k], fg);
 #pragma unroll
       for (int i = 0; i < V; ++i) o[i] = scale * fy[i] * (fg[i] - dot);
-      store128(dx + off + e, pack<T>(o));
+      store128(dx + off + e, pack128<T>(o));
     } else if (k * W < sl.some) {
       if (pk < s.npk) {
         float fy[V], fg[V], o[V];
-        unpack(by[k], fy);
-        unpack(bg[k], fg);
+        unpack128(by[k], fy);
+        unpack128(bg[k], fg);
 #pragma unroll
         for (int i = 0; i < V; ++i) o[i] = pk < sl.some && e + i < L ? scale * fy[i] * (fg[i] - dot) : 0.0f;
-        store128(dx + off + e, pack<T>(o));
+        store128(dx + off + e, pack128<T>(o));
       }
     } else if (k * W < s.npk) {
       if (pk < s.npk) {
         const float z[V] = {};
-        store128(dx + off + e, pack<T>(z));
+        store128(dx + off + e, pack128<T>(z));
       }
     }
   }
@@ -633,7 +533,7 @@ __global__ void __launch_bounds__(512, 2)
   const int W = blockDim.x, lane = threadIdx.x;
   const long long off = (long long)blockIdx.x * C;
   const int L = causal ? (int)(blockIdx.x % C) + 1 : C;
-  const RowSplit s = split_row(y + off, C, vec);
+  const RowSplit<int> s = split_row(y + off, C, vec);
   const int nv = L <= s.head ? 0 : min(s.npk, (L - s.head + V - 1) / V);
 
   // Pass 1: <dy, y>.

@@ -3,12 +3,13 @@
 #include <algorithm>
 
 #include "../runtime/torch_launch.h"
+#include "launch_params.cuh"  // kernels_src/: kColsumRows, shared with colsum.cu
 
 namespace kforge {
 namespace {
 
 constexpr const char* kFwd = "colsum_forward";
-constexpr int kColsumRows = 8;  // must match kernels_src/colsum.cu
+using kf_colsum::kColsumRows;
 
 Program prog("colsum");
 Kernel partial_kernels[2] = {Kernel(prog, "colsum_partial_kernel<{T}, false>"),

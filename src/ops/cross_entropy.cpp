@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "../runtime/torch_launch.h"
+#include "launch_params.cuh"  // kernels_src/: the backward's block shape, shared with the kernel
 
 namespace kforge {
 namespace {
@@ -19,8 +20,7 @@ Kernel fused(prog, "cross_entropy_forward_kernel<{T}, true>");
 // modulo 16, else element-wise.
 Kernel bwd_vec(prog, "cross_entropy_backward_kernel<{T}, true>");
 Kernel bwd_scalar(prog, "cross_entropy_backward_kernel<{T}, false>");
-// Must match CE_BWD_THREADS and CE_BWD_UNROLL_{VEC,SCALAR} in the kernel source.
-constexpr int kBwdThreads = 256, kBwdUnrollVec = 4, kBwdUnrollScalar = 2;
+using kf_cross_entropy::kBwdThreads, kf_cross_entropy::kBwdUnrollVec, kf_cross_entropy::kBwdUnrollScalar;
 Kernel reduce(prog, "cross_entropy_reduce_kernel<{T}>");
 
 enum class Reduction { none, mean, sum };

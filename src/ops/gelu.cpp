@@ -8,6 +8,7 @@
 #include <string>
 
 #include "../runtime/torch_launch.h"
+#include "launch_params.cuh"  // kernels_src/: kGeluP, kGeluB, shared with gelu.cu
 
 namespace kforge {
 namespace {
@@ -31,8 +32,8 @@ int erf_mode(const std::string& approximate, const char* op) {
   return approximate == "none" ? 1 : 0;
 }
 
-constexpr int64_t kPacksPerThread = 2;  // kGeluP in kernels_src/gelu.cu
-constexpr int kThreads = 256;           // kGeluB
+constexpr int64_t kPacksPerThread = kf_gelu::kGeluP;
+constexpr int kThreads = kf_gelu::kGeluB;
 
 // Scalar kernels' grid: a few resident waves of 256-thread blocks; the grid-stride loops cover the
 // rest, so any numel (including > 2^31) works.

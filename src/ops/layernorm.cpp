@@ -19,9 +19,11 @@
 #include <tuple>
 
 #include "../runtime/torch_launch.h"
+#include "launch_params.cuh"  // kernels_src/: the constants layernorm.cu is compiled with
 
 namespace kforge {
 namespace {
+using namespace kf_layernorm;
 
 constexpr const char* kFwd = "layernorm_forward";
 constexpr const char* kBwd = "layernorm_backward";
@@ -87,22 +89,10 @@ Kernel bwd_ring(prog, "layernorm_backward_ring_kernel<{T}>", k16Bit);
 Kernel param_grad_vec_kernel(prog, "layernorm_param_grad_vec_kernel<{T}>");
 Kernel param_grad_kernel(prog, "layernorm_param_grad_kernel<{T}>");
 
-// Must match kernels_src/layernorm.cu.
-constexpr int kRegElems = 8;
-constexpr int kMaxRowsPerBlock = 16;
-constexpr int kFwdWarps = 4;
-constexpr int kMaxBwdColumns = 32;  // columns a lane of the WARP backward keeps sums for
+// Launcher-only limits (the kernels' own numbers: launch_params.cuh).
 constexpr int64_t kMaxC = int64_t(1) << 30;  // keeps every in-row index (and 2C) in an int
-constexpr int kGroupCols = 8;                // GROUP layout: columns per thread
-constexpr int kGroupFwdWarps = 12;           // GROUP forward: warps per block (launch bound) ...
-constexpr int kGroupFwdBlocks = 3;           // ... and resident blocks per SM
 constexpr int kMaxNamedBarrierGroups = 15;   // groups of several warps sync on bar.sync 1..15
 constexpr int64_t kMaxGroupRows = int64_t(1) << 30;  // GROUP kernels index rows with int
-constexpr int kPgX = 4, kPgY = 64;  // layernorm_param_grad_vec_kernel: float4 columns x partial rows
-constexpr int kRingSlots = 4;                // RING: row slots a group
-constexpr int kRingThreads = 768;            // RING: launch bound (threads a block)
-constexpr int kRingStaticSmem = 2 * 64 * 8;  // RING: the row-sum scratch (bytes)
-constexpr int64_t kRingMaxC = 1024;          // RING: the longest rows it takes
 
 // LnWarpCfg<T, VEC, P> of kernels_src/layernorm.cu: rows a forward / backward warp takes at once,
 // resident forward blocks per SM, backward warps per SM (the kernels' launch bounds).
@@ -110,14 +100,8 @@ struct WarpCfg {
   int fwd_rows, bwd_rows, fwd_blocks, bwd_warps;
 };
 WarpCfg ln_warp_cfg(bool vec, int P, int64_t elem_size) {
-  const int R = P * (vec ? 4 : 1);  // registers for P units
-  WarpCfg c;
-  c.fwd_rows = std::clamp(24 / R, 1, 4);
-  c.bwd_rows = std::clamp(48 / (2 * R), 1, 4);
-  c.fwd_blocks = vec ? (P == 2 ? 7 : P == 4 ? 12 : P == 6 ? 9 : 8) : 5;
-  c.bwd_warps =
-      vec ? (P == 4 && elem_size == 4 ? 24 : P == 8 || (P <= 3 && elem_size == 2) ? 16 : 20) : 12;
-  return c;
+  return {ln_fwd_rows(vec, P), ln_bwd_rows(vec, P), ln_fwd_blocks(vec, P),
+          ln_bwd_warps(vec, P, static_cast<int>(elem_size))};
 }
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -131,13 +115,11 @@ int64_t balanced_warps_per_sm(int64_t chunks, int64_t sms, int64_t max_per_sm) {
 }
 
 // GROUP layout (kernels_src/layernorm.cu): threads per row (a multiple of 32 covering the row at
-// kGroupCols columns a thread) and the backward's warps per block (its launch bound; mirrors
-// ln_group_bwd_warps).
+// kGroupCols columns a thread).
 int64_t group_tpr(int64_t C, bool vec, int64_t elem_size) {
   const int64_t V = vec ? 16 / elem_size : 1, P = kGroupCols / V;
   return 32 * cdiv(cdiv(C / V, P), 32);
 }
-int group_bwd_warps(bool vec) { return vec ? 24 : 20; }
 
 // 16-byte units: C a multiple of the pack (rows then start 16-byte aligned too) and aligned pointers.
 bool vec_ok(int64_t C, int64_t elem_size, bool aligned) { return aligned && C % (16 / elem_size) == 0; }
@@ -369,7 +351,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
   // GROUP (rows the WARP layout would fit): one block per SM of G groups (tpr threads each), as few
   // groups per SM as keep the same number of rounds. The block's column sums take 64 bytes of
   // shared memory per thread.
-  const int gwarps = group_bwd_warps(vec);
+  const int gwarps = ln_group_bwd_warps(vec);
   const int64_t tpr = group_tpr(C, vec, es);
   if (variant != kNoGroup && wp.index >= 0 && N <= kMaxGroupRows && tpr <= 32 * gwarps) {
     const int64_t nw = tpr / 32;

@@ -3,7 +3,7 @@
 
 cuBLAS picks its fast Hopper kernels only when every matrix dimension it is given keeps 16-byte
 alignment; an odd output count drops it to a generic kernel. Measured on an H200 (bf16, x 8192 x
-768, weight 50257 x 768; `scripts/lm_head_probe.py`, BENCHMARKS.md): forward 6.69 ms, the
+768, weight 50257 x 768; `dev/lm_head_probe.py`, BENCHMARKS.md): forward 6.69 ms, the
 backward's two GEMMs 4.57 + 4.30 ms; at 50304 outputs 0.89, 0.81 and 0.80 ms. That one layer was
 half of a GPT-2 124M training step under eager PyTorch and Thunder.
 

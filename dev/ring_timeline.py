@@ -10,7 +10,7 @@ Prints, per call: the spread of the blocks' loop ends, the epilogues of the last
 a histogram of the loop ends; at the end, whether the same SMs are slow in every call (the correlation
 over SMs of the loop ends of different calls: near 1 if an SM's pace is a property of the SM, near 0
 if it changes from call to call).
-GPU only: python scripts/ring_timeline.py [kernel source dir to patch, default kernels_src]
+GPU only: python dev/ring_timeline.py [kernel source dir to patch, default kernels_src]
 """
 import atexit
 import os
@@ -21,9 +21,9 @@ import tempfile
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "kernels_src"
 PATCHES = [  # (anchor in rmsnorm_backward_ring_kernel, replacement)
-    ("  kf_wait_prior_grids();\n  using E = Elems<T>;",
+    ("  kf_wait_prior_grids();\n  using E = Vec16<T>;",
      "  kf_wait_prior_grids();\n  unsigned long long ts0, ts1, ts2 = 0, ts3;\n"
-     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts0));\n  using E = Elems<T>;"),
+     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts0));\n  using E = Vec16<T>;"),
     ("  if (dw_partial == nullptr) return;",
      "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ts1));\n"
      "  if (dw_partial == nullptr) return;"),

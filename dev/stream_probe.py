@@ -3,7 +3,7 @@ small kernels? Hand-written copy (1 read + 1 write) and add (2 reads + 1 write) 
 units, several launch shapes, with and without programmatic dependent launch (PDL: each call may be
 scheduled while the previous one drains, and waits on griddepcontrol.wait before touching memory),
 timed like `python -m kforge.bench ops` (back-to-back calls, inputs rotated through more than L2).
-GPU only (builds with nvcc through torch.utils.cpp_extension): python scripts/stream_probe.py"""
+GPU only (builds with nvcc through torch.utils.cpp_extension): python dev/stream_probe.py"""
 import torch
 from torch.utils.cpp_extension import load_inline
 

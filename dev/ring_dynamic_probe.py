@@ -1,7 +1,7 @@
 """Does the RMSNorm ring backward lose time to its static schedule? A timing probe.
 
 The ring kernel gives each block a fixed set of row groups (blockIdx.x, + gridDim.x, ...), and its
-blocks finish them at very different times (scripts/ring_timeline.py: 32 to 52 us at 8192 x 4096
+blocks finish them at very different times (dev/ring_timeline.py: 32 to 52 us at 8192 x 4096
 bf16, the same SMs fast in every call). This writes two patched copies of kernels_src whose ring
 kernel runs the same restructured loop, differing only in where the row groups come from:
 
@@ -13,11 +13,11 @@ kernel runs the same restructured loop, differing only in where the row groups c
 
 Time them on the GPU machine against the default (no rebuild: the kernel cache is keyed by source):
 
-  python scripts/ring_dynamic_probe.py /tmp/probe [A, default 3]
+  python dev/ring_dynamic_probe.py /tmp/probe [A, default 3]
   python scripts/ab.py rmsnorm:bwd
   KFORGE_KERNEL_DIR=/tmp/probe/dynamic python scripts/ab.py rmsnorm:bwd
   KFORGE_KERNEL_DIR=/tmp/probe/static python scripts/ab.py rmsnorm:bwd
-  python scripts/ring_timeline.py /tmp/probe/dynamic
+  python dev/ring_timeline.py /tmp/probe/dynamic
 
 The patched loop assumes row groups of more than one warp (blockDim.x > 32), as the bench cases
 have (8192 x 4096, fp32 and bf16); do not run the test suite against it.
@@ -45,18 +45,18 @@ SETUP = r"""  const long long ngroups = (rows + G - 1) / G;
 #pragma unroll
       for (int k = 0; k < K; ++k)
         if (ok[k]) {
-          rn_cp16(sa + (u32)k * kstep, lx + k * kstep);
-          rn_cp16(sa + dyoff + (u32)k * kstep, plus(lx, gdelta + k * kstep));
+          cp_async16(sa + (u32)k * kstep, lx + k * kstep);
+          cp_async16(sa + dyoff + (u32)k * kstep, plus(lx, gdelta + k * kstep));
         }
-      if (leader) rn_cp4(ra, rstd + row);
+      if (leader) cp_async4(ra, rstd + row);
     } else {
 #pragma unroll
       for (int k = 0; k < K; ++k)
         if (ok[k]) {
-          rn_sts0(sa + (u32)k * kstep);
-          rn_sts0(sa + dyoff + (u32)k * kstep);
+          sts16_zero(sa + (u32)k * kstep);
+          sts16_zero(sa + dyoff + (u32)k * kstep);
         }
-      if (leader) rn_sts_f32(ra, 0.0f);
+      if (leader) sts_f32(ra, 0.0f);
     }
   };
   // Positions 0 .. S + A static (row groups blockIdx.x + p * grid), later ones claimed A iterations
@@ -68,7 +68,7 @@ SETUP = r"""  const long long ngroups = (rows + G - 1) / G;
   for (int s = 0; s < S; ++s) {
     pidx[s] = blockIdx.x + s * grid;
     request(pidx[s], s, 0u);
-    rn_commit();
+    cp_async_commit();
   }
   long long after = blockIdx.x + S * grid;  // position t + S at t = 0
 """
@@ -76,22 +76,22 @@ LOOP = r"""  int s = 0;  // the stage of position t
   u32 set = 0u;  // reduction slot set
 #pragma unroll 1
   for (int t = 0; pidx[0] < ngroups; ++t) {
-    rn_wait<S - 1>();
+    cp_async_wait<S - 1>();
     const u32 sa = my + (u32)s * stage_bytes;
-    Chunk xc[K], gc[K];
+    Vec16<T> xc[K], gc[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      xc[k] = rn_lds(sa + (u32)k * kstep);
-      gc[k] = rn_lds(sa + dyoff + (u32)k * kstep);
+      xc[k] = lds16<T>(sa + (u32)k * kstep);
+      gc[k] = lds16<T>(sa + dyoff + (u32)k * kstep);
     }
-    float r = leader ? rn_lds_f32(rslot + (u32)s * rstage) : 0.0f;
+    float r = leader ? lds_f32(rslot + (u32)s * rstage) : 0.0f;
     r = __shfl_sync(0xffffffffu, r, src);
 
     float g[K][V], dot = 0.0f;
     rn_row_terms<T, K, CBW>(xc, gc, w, r, g, dot, acc);
     pidx[S] = after;
     request(after, s, __float_as_uint(dot) & (u32)zero);
-    rn_commit();
+    cp_async_commit();
     if (lane == 0 && (tid >> 5) == t % A) {
       nxt[t & 1] = t < A ? (long long)(blockIdx.x + (t + S + 1) * grid)
                          : (long long)((S + A + 1) * grid) + (long long)pending;
@@ -114,8 +114,8 @@ LOOP = r"""  int s = 0;  // the stage of position t
       for (int k = 0; k < K; ++k) {
         float o[V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) o[i] = r * fmaf(a, E::get(xc[k], i), g[k][i]);
-        if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cdx + k * kstep), 0, D, E::put(o));
+        for (int i = 0; i < V; ++i) o[i] = r * fmaf(a, xc[k].f(i), g[k][i]);
+        if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cdx + k * kstep), 0, D, E::from(o));
       }
     }
     after = nxt[t & 1];
@@ -123,7 +123,7 @@ LOOP = r"""  int s = 0;  // the stage of position t
     for (int i = 0; i < S; ++i) pidx[i] = pidx[i + 1];
     s = s + 1 == S ? 0 : s + 1;
   }
-  rn_wait<0>();
+  cp_async_wait<0>();
   __syncthreads();
   if (tid == 0) {
     __threadfence();

@@ -2,7 +2,7 @@
 (x 8192 x 768, weight V x 768) at V = 50257 against the padded 50304, forward and both backward
 GEMMs, and what kforge's padded linear costs end to end. Medians of 20 CUDA-event timings.
 
-    python scripts/lm_head_probe.py
+    python dev/lm_head_probe.py
 """
 import torch
 import torch.nn.functional as F

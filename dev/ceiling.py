@@ -1,6 +1,6 @@
 """What the memory system gives a kernel that reads two tensors and writes one (the traffic of the
 rmsnorm / layernorm backward): torch.add(a, b, out=c) and kforge's swiglu forward on tensors of the
-bench shapes, timed like `python -m kforge.bench ops`. GPU only: python scripts/ceiling.py"""
+bench shapes, timed like `python -m kforge.bench ops`. GPU only: python dev/ceiling.py"""
 import torch
 from kforge import _C
 from kforge.bench.harness import time_op, copy_bandwidth_gbs

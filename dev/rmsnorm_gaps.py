@@ -1,6 +1,6 @@
 """Where an rmsnorm backward call's time goes: time per call with and without the weight (without
 it there is no dweight reduction), and the kernels' durations and the gaps between them over
-back-to-back calls (torch.profiler / CUPTI). GPU only: python scripts/rmsnorm_gaps.py [variants]
+back-to-back calls (torch.profiler / CUPTI). GPU only: python dev/rmsnorm_gaps.py [variants]
 (default 0: the ring kernel, then the dweight kernel; 1 the kernels for what the ring does not take)."""
 import sys
 import torch
