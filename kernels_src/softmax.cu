@@ -3,7 +3,8 @@
 // Rows of length C. Plain softmax: scale = 1, causal = 0, every element counts. Fused causal attention
 // (causal = 1): the rows are the (T, T) score matrices of preatt (B, NH, T, T) flattened, C = T, and
 // row r, query position i = r % T, normalises its first i + 1 entries; the rest are written as exact
-// zeros, in both directions, and never read. Forward saves only its output y for backward; backward
+// zeros (NaN in the forward where the row's sum is NaN, as torch's masked softmax has them), in both
+// directions, and never read. Forward saves only its output y for backward; backward
 // recomputes nothing. fp32 math throughout, whatever the storage type.
 //
 // Layouts, chosen by the launcher from the row length (capacities in 16-byte packs):
@@ -209,18 +210,20 @@ __global__ void __launch_bounds__(WarpRow ? 128 : 512)
       if (pk < s.npk) {
         float o[V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) o[i] = pk < sl.some && e + i < L ? v[k][i] * f : 0.0f;
+        for (int i = 0; i < V; ++i) o[i] = pk < sl.some && e + i < L ? v[k][i] * f : 0.0f * f;
         store128(yr + e, pack128<T>(o));
       }
     } else if (k * W < s.npk) {  // past the diagonal: zeros
       if (pk < s.npk) {
-        const float z[V] = {};
+        float z[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) z[i] = 0.0f * f;
         store128(yr + e, pack128<T>(z));
       }
     }
   }
-  if (lane < s.head) yr[he] = from_float<T>(hv ? eh * f : 0.0f);
-  if (lane < s.tail) yr[te] = from_float<T>(tv ? et * f : 0.0f);
+  if (lane < s.head) yr[he] = from_float<T>(hv ? eh * f : 0.0f * f);
+  if (lane < s.tail) yr[te] = from_float<T>(tv ? et * f : 0.0f * f);
 }
 
 // Persistent warps for plain 16-bit rows (no causal mask) of 33..128 packs, all on 16-byte boundaries:
@@ -429,13 +432,13 @@ __global__ void __launch_bounds__(512, 2)
       if (j < s.npk) {
         Pack128<T> o;
 #pragma unroll
-        for (int i = 0; i < V; ++i) o.set(i, e + i < L ? __expf(scale * b[u].f(i) - M) * inv : 0.f);
+        for (int i = 0; i < V; ++i) o.set(i, e + i < L ? __expf(scale * b[u].f(i) - M) * inv : 0.f * inv);
         store_pack_cs(yr + e, o, vec);
       }
     }
   }
-  if (lane < s.head) yr[he] = from_float<T>(hv ? __expf(hx - M) * inv : 0.f);
-  if (lane < s.tail) yr[te] = from_float<T>(tv ? __expf(tx - M) * inv : 0.f);
+  if (lane < s.head) yr[he] = from_float<T>(hv ? __expf(hx - M) * inv : 0.f * inv);
+  if (lane < s.tail) yr[te] = from_float<T>(tv ? __expf(tx - M) * inv : 0.f * inv);
 }
 
 // ---- backward -----------------------------------------------------------------------------------

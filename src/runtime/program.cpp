@@ -574,16 +574,47 @@ bool dependent_launch_ok(int device) {
 }
 }  // namespace
 
+namespace {
+// Makes `device`'s primary context (the one PyTorch and kforge's modules use) current on this
+// thread. A thread that has not called the CUDA runtime yet has none: PyTorch's autograd device
+// threads start without one, so a backward whose first kernel is kforge's would fail to launch.
+void bind_primary_context(int device) {
+  const DriverApi& cu = driver();
+  CUdevice dev;
+  CUcontext ctx;
+  check_cu(cu.DeviceGet(&dev, device), "kforge: cuDeviceGet");
+  check_cu(cu.DevicePrimaryCtxRetain(&ctx, dev), "kforge: cuDevicePrimaryCtxRetain");
+  check_cu(cu.CtxPushCurrent(ctx), "kforge: cuCtxPushCurrent");
+}
+}  // namespace
+
 void Kernel::launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block,
                         size_t smem, void** params) {
+  CUresult r = try_launch(dtype, device, stream, grid, block, smem, params);
+  if (r == CUDA_ERROR_INVALID_CONTEXT) {  // no context on this thread yet: bind it once, retry
+    bind_primary_context(device);
+    r = try_launch(dtype, device, stream, grid, block, smem, params);
+  }
+  if (r != CUDA_SUCCESS)
+    check_cu(r, "kforge: launch of " + pattern_ + " [" + dtype_name(dtype) + "] on cuda:" +
+                    std::to_string(device) + " (grid " + std::to_string(grid.x) + "x" +
+                    std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", block " +
+                    std::to_string(block.x) + "x" + std::to_string(block.y) + ", smem " +
+                    std::to_string(smem) + (dependent_launch_ok(device) ? ", dependent launch" : "") +
+                    ")");
+}
+
+CUresult Kernel::try_launch(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block,
+                            size_t smem, void** params) {
   CUfunction f = function(dtype, device);
   const DriverApi& cu = driver();
   const int t = static_cast<int>(dtype);
   if (static_cast<int>(smem) > smem_limit_[t][device].load(std::memory_order_relaxed)) {
-    check_cu(cu.FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                 static_cast<int>(smem)),
-             "kforge: " + pattern_ + ": requesting " + std::to_string(smem) +
-                 " bytes of dynamic shared memory");
+    CUresult a = cu.FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     static_cast<int>(smem));
+    if (a == CUDA_ERROR_INVALID_CONTEXT) return a;
+    check_cu(a, "kforge: " + pattern_ + ": requesting " + std::to_string(smem) +
+                    " bytes of dynamic shared memory");
     smem_limit_[t][device].store(static_cast<int>(smem), std::memory_order_relaxed);
   }
   CUresult r;
@@ -604,12 +635,7 @@ void Kernel::launch_raw(DType dtype, int device, CUstream stream, Dim3 grid, Dim
     r = cu.LaunchKernel(f, grid.x, grid.y, grid.z, block.x, block.y, block.z,
                         static_cast<unsigned>(smem), stream, params, nullptr);
   }
-  if (r != CUDA_SUCCESS)
-    check_cu(r, "kforge: launch of " + pattern_ + " [" + dtype_name(dtype) + "] on cuda:" +
-                    std::to_string(device) + " (grid " + std::to_string(grid.x) + "x" +
-                    std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", block " +
-                    std::to_string(block.x) + "x" + std::to_string(block.y) + ", smem " +
-                    std::to_string(smem) + (dependent ? ", dependent launch" : "") + ")");
+  return r;
 }
 
 }  // namespace kforge

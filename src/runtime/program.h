@@ -87,6 +87,8 @@ class Kernel {
                   void** params);
 
  private:
+  CUresult try_launch(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block, size_t smem,
+                      void** params);
   friend class Program;
   static constexpr int kMaxDevices = 64;
   Program& program_;

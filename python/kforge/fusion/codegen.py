@@ -632,11 +632,11 @@ def _math(op: str, x: list[str], compute: str, v: Value) -> str:
 
 
 # ---- whole kernels ----------------------------------------------------------------------------------
-_MAX_SPLIT = 256  # partial results per output element a finishing kernel combines
-# Blocks of 256 threads per SM a reduction over leading dims is split to reach. Its per-thread work is
-# a few 16-byte loads per reduced row, so it is bound by loads in flight: at 2 blocks per SM a bias
-# gradient of 8192 x 768 ran at a quarter of copy bandwidth.
-_COLUMN_BLOCKS_PER_SM = 4
+_MAX_SPLIT = 64  # partial results per output element a finishing kernel combines
+# Blocks of 256 threads per SM a reduction over leading dims is split to reach (docs/fusion.md: 2
+# beat 4 and 8 on an H200, for a bf16 bias gradient of 8192 x 3072 and GPT-2's autocast residual +
+# bias gradient).
+_COLUMN_BLOCKS_PER_SM = 2
 _REDUCE_INIT = {"sum": "0.0f", "mean": "0.0f", "amax": "(-KF_INF)", "amin": "KF_INF"}
 
 

@@ -147,6 +147,8 @@ def rewrite(trace: Any) -> Any:
             if p.name in readers:
                 readers[p.name].append(j)
     tolerant = {n for n, js in readers.items() if all(_is_kforge_fusion(bsyms[j]) for j in js)}
+    if not tolerant:
+        return trace  # nothing to skip: autograd's materialized zeros are what the fill would make
     wrapped = {j for n in tolerant for j in readers[n]}
     new = list(bsyms[:at])
     fill = tuple((i, tuple(unpack.output[i].shape), _dtype_name(unpack.output[i]), unpack.output[i].device.device_str())
