@@ -395,7 +395,8 @@ def test_closed_stdout_pipe_is_no_traceback(argv):
                          stderr=subprocess.PIPE, text=True, env=env)
     p.stdout.close()  # like `head` after its lines
     err = p.stderr.read()
-    assert p.wait(timeout=1800) == 141, err
+    # argparse's --help ignores a failed write itself (exit 0); kforge's own output exits 141
+    assert p.wait(timeout=1800) == (0 if "--help" in argv else 141), err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 

@@ -47,7 +47,8 @@ DEFAULT_BATCH, DEFAULT_SEED = 4, 0  # built-in models; a --model factory keeps i
 FACTORY_KEYWORDS = ("device (torch.device)", "dtype (torch.dtype)", "batch", "seq", "seed", "size")
 FACTORY_HELP = _cli.factory_contract(
     FACTORY_KEYWORDS,
-    "an option left off\n            the command line is not passed, so the factory's own defaults hold",
+    "an option left off\n            the command line is not passed where the factory has a default of "
+    "its own\n            (where it has none: batch 4, seed 0, the others None)",
     model_note=";\n            without a device / dtype keyword, kforge moves the model and "
                                  "inputs to --device\n            and, given --dtype, casts the floating parameters")
 
@@ -159,9 +160,12 @@ def _user_workload(args: argparse.Namespace) -> Workload:
     offered = dict(device=device, dtype=dtype, batch=args.batch, seq=args.seq, seed=args.seed, size=args.size)
     params = pyinspect.signature(factory).parameters
     takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    # An option the command line left unset (None) goes only where the factory has no default of its own.
-    kw = {k: v for k, v in offered.items() if (takes_all or k in params)
-          and (v is not None or (k in params and params[k].default is pyinspect.Parameter.empty))}
+    # An option the command line left unset (None) goes only where the factory has no default of its
+    # own: batch and seed then take the built-in models' defaults, the others None.
+    required = {k for k, p in params.items() if p.default is pyinspect.Parameter.empty}
+    fallback = dict(batch=DEFAULT_BATCH, seed=DEFAULT_SEED)
+    kw = {k: (fallback.get(k) if v is None else v) for k, v in offered.items()
+          if (takes_all or k in params) and (v is not None or k in required)}
     out = factory(**kw)
     if not (isinstance(out, tuple) and len(out) in (2, 3)):
         raise UsageError(f"--model {args.model_spec}: the factory must return (model, inputs) or "

@@ -50,9 +50,10 @@ def run(main: Callable[[], int]) -> int:
     """`main()`'s exit status; when stdout's reader has gone (`python -m kforge demo | head`), exit
     quietly with 141 (128 + SIGPIPE, what a shell reports for other tools) rather than a traceback."""
     try:
-        status = main()
-        sys.stdout.flush()  # a pipe closed during the last prints fails here, not at shutdown
-        return status
+        try:
+            return main()
+        finally:  # also after argparse's SystemExit (--help): a closed pipe fails here, not at shutdown
+            sys.stdout.flush()
     except BrokenPipeError:
         # Python flushes stdout again at exit; point it at /dev/null so that flush cannot fail.
         devnull = os.open(os.devnull, os.O_WRONLY)
