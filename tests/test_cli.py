@@ -375,7 +375,7 @@ def test_bench_usage_line_and_missing_subcommand(argv, prog):
     r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(f"usage: {prog} "), r.stderr
-    assert f"{prog}: error: a subcommand is required: one of models, ops, gpt2, llama, launch, report" in r.stderr
+    assert f"{prog}: error: name a subcommand (one is required): models, ops, gpt2, llama, launch, report" in r.stderr
     r = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith(f"usage: {prog} ")
 
@@ -383,7 +383,7 @@ def test_bench_usage_line_and_missing_subcommand(argv, prog):
 def test_bench_in_process_names_kforge_bench(capsys):
     assert main(["bench"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: python -m kforge bench ") and "a subcommand is required" in err
+    assert err.startswith("usage: python -m kforge bench ") and "name a subcommand (one is required)" in err
 
 
 @pytest.mark.parametrize("argv", [["demo"], ["demo", "--help"], ["bench", "--help"], ["--help"]])

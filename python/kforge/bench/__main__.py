@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = p.parse_args(argv)
     if args.what is None:
         p.print_usage(sys.stderr)
-        print(f"{prog}: error: a subcommand is required: one of {', '.join(SUBCOMMANDS)} "
+        print(f"{prog}: error: name a subcommand (one is required): {', '.join(SUBCOMMANDS)} "
               f"(`{prog} <subcommand> --help` for its options)", file=sys.stderr)
         return 2
     if args.what in MEASURING:
