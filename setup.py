@@ -1,9 +1,12 @@
-"""Builds kforge: the Python package plus the kforge._C extension, compiled by CMake against the
-installed torch. Install with build isolation off so the build sees that torch:
+"""Builds kforge: the Python package plus the kforge._C extension, compiled by CMake against torch.
 
-    pip install --no-build-isolation -e .      (or: pip install --no-build-isolation .)
+    pip install .                               build isolation: pyproject.toml's [build-system]
+                                                brings setuptools, wheel, pybind11 and torch 2.11.0
+    pip install --no-build-isolation -e .       against the torch already installed (make install)
+    python setup.py build_ext --inplace         the extension next to the sources (no pip)
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +17,13 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
+
+
+def read_version() -> str:
+    """kforge's version, written once in python/kforge/_version.py (read as text: importing kforge
+    here would need the extension this script builds)."""
+    text = (ROOT / "python" / "kforge" / "_version.py").read_text(encoding="utf-8")
+    return re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
 
 
 class CMakeExtension(Extension):
@@ -56,13 +66,25 @@ class BuildPy(build_py):
 
 setup(
     name="kforge",
-    version="0.1.0",
+    version=read_version(),
     description="JIT-compiled llm.c-style CUDA kernels as a Lightning Thunder executor",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    license_files=["LICENSE"],
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: C++",
+        "Environment :: GPU :: NVIDIA CUDA",
+        "Operating System :: POSIX :: Linux",
+    ],
     package_dir={"": "python"},
     packages=find_packages("python"),
     ext_modules=[CMakeExtension("kforge._C")],
     cmdclass={"build_ext": CMakeBuild, "build_py": BuildPy},
     python_requires=">=3.10",
-    install_requires=["torch==2.11.0", "lightning-thunder==0.2.6", "tabulate", "tqdm", "matplotlib"],
+    install_requires=["torch==2.11.0", "lightning-thunder==0.2.6", "tabulate", "tqdm"],
+    # Charts of `python -m kforge bench report` / `bench ops --plot`: pip install "kforge[plot]".
+    extras_require={"plot": ["matplotlib"]},
     zip_safe=False,
 )

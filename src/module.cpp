@@ -25,6 +25,7 @@ py::dict stats_to_dict(const CacheStats& s) {
   d["disk_misses"] = s.disk_misses;
   d["disk_corrupt"] = s.disk_corrupt;
   d["nvrtc_compiles"] = s.nvrtc_compiles;
+  d["disk_write_failures"] = s.disk_write_failures;
   py::list entries;
   for (const auto& e : s.entries) {
     py::dict x;
@@ -59,27 +60,32 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "configure",
       [](const std::string& kernel_dir, const std::string& cache_dir, bool disk_cache,
-         const std::vector<std::string>& nvrtc_paths) {
+         const std::vector<std::string>& nvrtc_paths, bool dependent_launch) {
         Config& c = config();
         c.kernel_dir = kernel_dir;
-        c.cache_dir = cache_dir;
-        c.disk_cache = disk_cache;
         c.nvrtc_paths = nvrtc_paths;
+        c.dependent_launch = dependent_launch;
+        set_disk_cache(cache_dir, disk_cache);
       },
-      py::arg("kernel_dir"), py::arg("cache_dir"), py::arg("disk_cache"), py::arg("nvrtc_paths"));
-  m.def("set_cache", [](const std::string& cache_dir, bool disk_cache) {
-    config().cache_dir = cache_dir;
-    config().disk_cache = disk_cache;
-  });
-  m.def("set_warning_handler", [](py::object fn) {
-    // Warnings can arise while a compile runs with the GIL released: take it back to call Python.
-    static py::object* handler = new py::object();  // leaked: outlives interpreter teardown
-    *handler = fn;
-    set_warning_handler([](const std::string& msg) {
-      py::gil_scoped_acquire gil;
-      (*handler)(msg);
-    });
-  });
+      py::arg("kernel_dir"), py::arg("cache_dir"), py::arg("disk_cache"), py::arg("nvrtc_paths"),
+      py::arg("dependent_launch") = true);
+  m.def("set_cache", &set_disk_cache, py::arg("cache_dir"), py::arg("disk_cache"));
+  m.def(
+      "set_log_handler",
+      [](py::object fn) {
+        // Called by flush_log(), with no runtime lock held; the GIL may be released there.
+        static py::object* handler = new py::object();  // leaked: outlives interpreter teardown
+        *handler = fn;
+        set_log_handler([](int level, const std::string& msg) {
+          py::gil_scoped_acquire gil;
+          try {
+            (*handler)(level, msg);
+          } catch (py::error_already_set& e) {
+            e.discard_as_unraisable("kforge log handler");
+          }
+        });
+      },
+      py::arg("handler"), "handler(level, message): the runtime's log messages and warnings.");
   m.def(
       "set_poison_outputs", [](bool on) { poison_outputs() = on; }, py::arg("on"),
       "Test aid: fill every launcher output with NaN before the kernel writes it.");
@@ -88,6 +94,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("reset_cache_stats", &reset_cache_stats);
   m.def("nvrtc_version", &nvrtc_version);
   m.def("nvrtc_library", &nvrtc_library_path);
+  m.def("nvrtc_supported_archs", &nvrtc_supported_archs);
   m.def("device_arch", &device_arch, py::arg("device"));
   m.def("programs", [] {
     std::vector<std::string> names;

@@ -62,6 +62,17 @@ FACTORIES = textwrap.dedent('''
 
     def bad_options():
         return Net(), torch.randn(2, 24), {"colour": "red"}
+
+    received = []
+
+    def make_with_defaults(batch=3, seq=5, seed=7, size="s", dtype=None, device="cpu"):
+        received.append(dict(batch=batch, seq=seq, seed=seed, size=size, dtype=dtype, device=device))
+        torch.manual_seed(seed)
+        return Net().to(device), torch.randn(batch, 24, device=device)
+
+    def make_kw(**kw):
+        received.append(dict(kw))
+        return Net().to(kw["device"]), torch.randn(2, 24, device=kw["device"])
 ''')
 
 
@@ -115,6 +126,7 @@ def test_usage_errors_exit_2(argv, message, factories, capsys):
 def test_demo_without_gpu_says_so_and_compiles_every_kernel():
     rc, out, err = run_cli("demo", gpu_visible=False, timeout=1800)
     assert rc == 0, err
+    assert "\r" not in err  # stderr is no terminal here: no progress-bar frames in logs
     assert "No CUDA GPU is visible" in out
     assert "Compile every kforge kernel for sm_90" in out
     table = out[out.index("kernel "):]
@@ -236,6 +248,7 @@ def test_inspect_hf_llama_on_cpu_reports_llama_patterns():
     rc, out, err = run_cli("inspect", "hf-llama", "--size", "micro", "--device", "cpu", "--batch", "1",
                            "--seq", "8", gpu_visible=False)
     assert rc == 0, err
+    assert "transformer_engine" not in err  # Thunder's import-time warning, silenced by kforge
     assert "hf-llama-micro [dynamo]" in out
     for kind in ("rms_norm", "rope", "swiglu", "repeat_kv"):
         assert any(line.startswith(kind) and "not CUDA" in line for line in out.splitlines()), (kind, out)
@@ -319,3 +332,138 @@ def test_profile_gpu_gpt2(tmp_path):
     cats = {c["category"]: c for c in data["by_category"]}
     assert cats["kforge"]["ms"] > 0 and cats["matmul"]["ms"] > 0
     assert {"forward", "backward", "optimizer"} <= {r["region"] for r in data["by_region"]}
+
+
+# ---- polish: help texts, usage lines, pipes, progress, one-line errors ----------------------------------
+def _all_parsers():
+    """(name, parser) of `python -m kforge`, `python -m kforge.bench` and every subcommand of each."""
+    import argparse
+
+    from kforge.__main__ import parser as kforge_parser
+    from kforge.bench.__main__ import parser as bench_parser
+
+    out = []
+    for name, p in (("kforge", kforge_parser()), ("kforge.bench", bench_parser("python -m kforge.bench"))):
+        out.append((name, p))
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                out += [(f"{name} {verb}", sp) for verb, sp in action.choices.items()]
+    return out
+
+
+def test_every_option_has_help_text():
+    missing = [f"{name} {a.dest}" for name, p in _all_parsers() for a in p._actions
+               if not a.help and name != "kforge bench"]  # `kforge bench` hands everything to kforge.bench
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("argv", [["inspect"], ["tieout"], ["profile"], ["bench", "models"]])
+def test_verb_help_states_the_factory_contract(argv):
+    rc, out, _ = run_cli(*argv, "--help")
+    assert rc == 0
+    text = " ".join(out.split())
+    for words in ("--model package.module:factory", "factory is any callable returning (model, inputs) or "
+                  "(model, inputs, options)", "torch.nn.Module", "one tensor, a tuple of positional arguments, "
+                  "or a dict of keyword arguments", '"mode"', '"loss_fn"', '"autocast"'):
+        assert words in text, (argv, words)
+
+
+@pytest.mark.parametrize("argv,prog", [(["-m", "kforge", "bench"], "python -m kforge bench"),
+                                       (["-m", "kforge.bench"], "python -m kforge.bench")])
+def test_bench_usage_line_and_missing_subcommand(argv, prog):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (PKG_ROOT, os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"usage: {prog} "), r.stderr
+    assert f"{prog}: error: name a subcommand (one is required): models, ops, gpt2, llama, launch, report" in r.stderr
+    r = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith(f"usage: {prog} ")
+
+
+def test_bench_in_process_names_kforge_bench(capsys):
+    assert main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m kforge bench ") and "name a subcommand (one is required)" in err
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["demo", "--help"], ["bench", "--help"], ["--help"]])
+def test_closed_stdout_pipe_is_no_traceback(argv):
+    """`python -m kforge demo | head`: the reader goes away before kforge writes; exit 141, quietly."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PKG_ROOT, env.get("PYTHONPATH")) if p)
+    p = subprocess.Popen([sys.executable, "-m", "kforge", *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    p.stdout.close()  # like `head` after its lines
+    err = p.stderr.read()
+    # argparse's --help ignores a failed write itself (exit 0); kforge's own output exits 141
+    assert p.wait(timeout=1800) == (0 if "--help" in argv else 141), err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_demo_output_cut_by_head_from_a_shell():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PKG_ROOT, env.get("PYTHONPATH")) if p)
+    r = subprocess.run(f"{sys.executable} -m kforge demo | head -n 2", shell=True, capture_output=True,
+                       text=True, env=env, timeout=1800)
+    assert r.returncode == 0 and r.stdout.startswith("No CUDA GPU is visible")
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("arch", ["200", "85", "1000"])
+def test_demo_rejects_archs_nvrtc_cannot_compile(arch):
+    rc, out, err = run_cli("demo", "--arch", arch, gpu_visible=False)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"python -m kforge demo: error: --arch {arch}: NVRTC ") and "cannot compile for" in err
+    assert " 80, " in err and " 90" in err  # what it can compile for
+
+
+def test_compile_all_rejects_archs_nvrtc_cannot_compile():
+    with pytest.raises(ValueError, match="sm_200 is not an architecture this NVRTC compiles for; use one of 80"):
+        kforge.compile_all(200)
+
+
+def test_profile_on_cpu_is_one_line():
+    rc, out, err = run_cli("profile", "gpt2", "--size", "micro", "--device", "cpu")
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert err == ("python -m kforge profile: error: --device cpu: kforge profile times CUDA kernels; it runs on "
+                   "--device cuda (a GPU)\n")
+
+
+def test_factory_defaults_are_not_overridden(factories, capsys):
+    """Options left off the command line are not passed: the factory's own defaults hold (was: seq=None)."""
+    import kf_user_models
+
+    kf_user_models.received.clear()
+    assert main(["inspect", "--model", "kf_user_models:make_with_defaults", "--device", "cpu", "--no-grad"]) == 0
+    assert kf_user_models.received == [dict(batch=3, seq=5, seed=7, size="s", dtype=None,
+                                            device=__import__("torch").device("cpu"))]
+    assert main(["tieout", "--model", "kf_user_models:make_with_defaults", "--device", "cpu", "--seq", "9",
+                 "--batch", "2"]) == 0
+    assert kf_user_models.received[-1]["seq"] == 9 and kf_user_models.received[-1]["batch"] == 2
+    assert kf_user_models.received[-1]["seed"] == 7
+    assert main(["inspect", "--model", "kf_user_models:make_kw", "--device", "cpu", "--no-grad"]) == 0
+    assert set(kf_user_models.received[-1]) == {"device"}  # **kw: only what was given (device always)
+    capsys.readouterr()
+
+
+def test_import_silences_thunders_transformer_engine_warning():
+    code = "import warnings; warnings.simplefilter('default'); import kforge, thunder; kforge.executors()"
+    r = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (PKG_ROOT, os.environ.get("PYTHONPATH")) if p)))
+    assert r.returncode == 0, r.stderr
+    assert "transformer_engine" not in r.stderr, r.stderr
+
+
+def test_verbose_flag_logs_the_runtime():
+    """-vv: NVRTC loaded, and per kernel a compile (INFO) or a cache hit (DEBUG); the user's cache,
+    warm from the demo test above, keeps this quick."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PKG_ROOT, env.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, "-m", "kforge", "-vv", "demo"], capture_output=True, text=True, env=env,
+                       timeout=1800)
+    assert r.returncode == 0, r.stderr
+    assert "kforge INFO: kforge: loaded NVRTC " in r.stderr
+    for name in kforge.kernel_names():
+        assert (f"kforge INFO: kforge: compiled {name} for sm_90 with NVRTC in " in r.stderr
+                or f"kforge DEBUG: kforge: {name} sm_90: disk cache hit" in r.stderr), (name, r.stderr)

@@ -440,3 +440,128 @@ def test_launch_on_second_device_uses_its_module():
     with torch.cuda.device(0):  # current device 0, tensors on 1: the launcher follows the tensors
         x = torch.randn(1000, device="cuda:1")
         torch.testing.assert_close(kforge._C.axpy(x, x, 1.0), 2 * x)
+
+
+# ---- environment variables, logging, version ---------------------------------------------------------
+@pytest.mark.parametrize("value,expected", [
+    *[(v, False) for v in ("0", "false", "FALSE", "False", "off", "OFF", "no", "No", " 0 ")],
+    *[(v, True) for v in ("1", "true", "TRUE", "on", "yes", "Yes")],
+    ("", True),  # empty: the default
+])
+def test_boolean_knobs_share_one_parser(value, expected, monkeypatch):
+    from kforge import _env
+
+    for name in ("KFORGE_DISK_CACHE", "KFORGE_FUSION", "KFORGE_DEPENDENT_LAUNCH"):
+        monkeypatch.setenv(name, value)
+        assert _env.flag(name) is expected, (name, value)
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "nope", "enabled"])
+def test_unknown_boolean_value_names_the_variable(value, monkeypatch):
+    from kforge import _env
+
+    monkeypatch.setenv("KFORGE_DISK_CACHE", value)
+    with pytest.raises(_env.KforgeEnvError) as e:
+        _env.flag("KFORGE_DISK_CACHE")
+    assert str(e.value).startswith(f"KFORGE_DISK_CACHE={value!r} is not understood: use 1 / true / on / yes "
+                                   "or 0 / false / off / no")
+    assert isinstance(e.value, ValueError)
+
+
+def test_unset_knobs_take_their_defaults(monkeypatch):
+    from kforge import _env
+
+    for name in _env.KNOBS:
+        monkeypatch.delenv(name, raising=False)
+    assert _env.flag("KFORGE_DISK_CACHE") and _env.flag("KFORGE_FUSION") and _env.flag("KFORGE_DEPENDENT_LAUNCH")
+    assert _env.text("KFORGE_COMMIT") is None and _env.text("KFORGE_NVRTC") is None
+
+
+@pytest.mark.parametrize("name", ["KFORGE_DISK_CACHE", "KFORGE_DEPENDENT_LAUNCH"])
+def test_import_stops_on_a_malformed_knob(name):
+    r = subprocess.run([sys.executable, "-c", "import kforge"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, **{name: "sometimes"}))
+    assert r.returncode != 0
+    assert f"KforgeEnvError: {name}='sometimes' is not understood" in r.stderr
+
+
+def test_disk_cache_off_in_capitals(tmp_path):
+    """"FALSE" meant on before the one parser."""
+    out = run_py(COMPILE_AXPY, tmp_path, {"KFORGE_DISK_CACHE": "FALSE"})
+    assert out["nvrtc_compiles"] == 1 and out["disk_misses"] == 0
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+def test_every_knob_is_read_by_env_and_documented():
+    """Every KFORGE_* variable in python/, src/ and scripts/ is one of kforge._env.KNOBS and in the
+    README's table; none is read from the environment anywhere but kforge/_env.py."""
+    from kforge import _env
+
+    not_variables = {"KFORGE_BIND_OP", "KFORGE_OUTPUT_DIR"}  # a C++ macro, a CMake variable
+    found: dict[str, str] = {}
+    readers = []
+    for top in ("python", "src", "scripts"):
+        for path in (ROOT / top).rglob("*"):
+            if path.suffix not in (".py", ".cpp", ".h", ".sh", ".cu", ".cuh") or "kernels_src" in path.parts:
+                continue
+            text = path.read_text(encoding="utf-8")
+            for name in re.findall(r"\bKFORGE_[A-Z_]+\b", text):
+                found.setdefault(name, str(path.relative_to(ROOT)))
+            # the fusion package's own KFORGE_FUSION check predates kforge._env and agrees with it
+            if path.name != "_env.py" and "fusion" not in path.parts and re.search(
+                    r"(environ\.get|getenv)\(\s*[\"']KFORGE_", text):
+                readers.append(str(path.relative_to(ROOT)))
+    assert not readers, readers
+    unknown = {n: p for n, p in found.items() if n not in not_variables and n not in _env.KNOBS}
+    assert not unknown, unknown
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert all(f"| `{name}` |" in readme for name in _env.KNOBS), [n for n in _env.KNOBS if f"| `{n}` |" not in readme]
+
+
+LOGGED_COMPILE = """
+import json, logging, kforge
+records = []
+class Keep(logging.Handler):
+    def emit(self, r):
+        records.append((r.levelname, r.getMessage()))
+log = logging.getLogger("kforge")
+log.addHandler(Keep())
+log.setLevel(logging.DEBUG)
+kforge._C.compile("axpy", 90)
+kforge._C.clear_memory_cache()
+kforge._C.compile("axpy", 90)
+print(json.dumps(records))
+"""
+
+
+def test_runtime_logs_nvrtc_compiles_and_cache_hits(tmp_path):
+    r = subprocess.run([sys.executable, "-c", LOGGED_COMPILE], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, KFORGE_CACHE_DIR=str(tmp_path)))
+    assert r.returncode == 0, r.stderr
+    records = [tuple(x) for x in json.loads(r.stdout.strip().splitlines()[-1])]
+    loaded = [m for lvl, m in records if lvl == "INFO" and m.startswith("kforge: loaded NVRTC ")]
+    assert len(loaded) == 1 and kforge._C.nvrtc_library() in loaded[0]
+    assert any(lvl == "INFO" and re.fullmatch(r"kforge: compiled axpy for sm_90 with NVRTC in \d+ ms "
+                                              r"\(\d+ bytes of CUBIN\)", m) for lvl, m in records), records
+    assert ("DEBUG", f"kforge: axpy sm_90: disk cache hit ({next(tmp_path.iterdir())})") in records
+    assert r.stderr == ""  # a library prints nothing unless the application configures logging
+
+
+def test_nvrtc_found_by_cuda_pathfinder_comes_first(monkeypatch):
+    pathfinder = pytest.importorskip("cuda.pathfinder")
+    from kforge import _runtime
+
+    monkeypatch.delenv("KFORGE_NVRTC", raising=False)
+    found = pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path
+    assert _runtime.nvrtc_candidates()[0] == found
+    monkeypatch.setenv("KFORGE_NVRTC", "/opt/my/libnvrtc.so.13")
+    assert _runtime.nvrtc_candidates()[0] == "/opt/my/libnvrtc.so.13"
+
+
+def test_version_is_written_once():
+    from kforge import _version
+
+    assert kforge.__version__ == _version.__version__
+    setup_py = (ROOT / "setup.py").read_text(encoding="utf-8")
+    assert "version=read_version()" in setup_py and f'"{kforge.__version__}"' not in setup_py
+    assert 'requires = ["setuptools' in (ROOT / "pyproject.toml").read_text(encoding="utf-8")

@@ -1,15 +1,24 @@
 """kforge: llm.c-style CUDA kernels, compiled at run time with NVRTC, as a Lightning Thunder executor.
 
 `import kforge` works without a GPU; kernels compile without one (see `compile_all`), and launching
-needs a CUDA device.
+needs a CUDA device. The runtime logs to `logging.getLogger("kforge")` (NVRTC loaded, compile times,
+cache hits); environment variables are listed in `kforge._env`.
 """
 from __future__ import annotations
 
-import torch  # noqa: F401  (loads LibTorch before the extension)
+import warnings as _warnings
 
-from . import _C
-from ._runtime import MIN_ARCH, KforgeCacheWarning, cache_dir, kernel_dir
-from ._runtime import check_arch as _check_arch, configure as _configure
+# Thunder warns on import when NVIDIA's optional transformer_engine is absent; kforge never uses it,
+# and the line reads like a broken install. Filtered before anything of kforge imports thunder.
+_warnings.filterwarnings("ignore", message="transformer_engine module not found", category=UserWarning)
+
+import torch  # noqa: E402  (loads LibTorch before the extension)
+
+from . import _C  # noqa: E402
+from ._runtime import MIN_ARCH, KforgeCacheWarning, cache_dir, kernel_dir  # noqa: E402
+from ._runtime import check_arch as _check_arch, configure as _configure  # noqa: E402
+from ._runtime import supported_archs as _supported_archs  # noqa: E402
+from ._version import __version__  # noqa: E402
 
 _configure(_C)
 
@@ -32,8 +41,8 @@ __all__ = [
     "kernel_dir",
     "cache_dir",
     "MIN_ARCH",
+    "__version__",
 ]
-__version__ = "0.1.0"
 
 
 def cache_info() -> dict:
@@ -50,10 +59,11 @@ def kernel_names() -> list[str]:
 def compile_all(arch: int | None = None) -> dict[str, float]:
     """Compile every shipped kernel for `sm_<arch>` (default: the current GPU's, else 90); no GPU is
     needed. Returns {kernel name: compile ms (0 when it came from a cache)}. Raises ValueError for
-    an arch below `MIN_ARCH` (80), before any compile."""
+    an arch below `MIN_ARCH` (80) or one the loaded NVRTC cannot compile for, before any compile."""
     if arch is None:
         arch = _C.device_arch(torch.cuda.current_device()) if torch.cuda.is_available() else 90
     arch = _check_arch(arch, "kforge.compile_all")
+    arch = _check_arch(arch, "kforge.compile_all", _supported_archs(_C))
     before = {(e["name"], e["arch"]) for e in cache_info()["entries"]}
     for name in kernel_names():
         _C.compile(name, arch)

@@ -7,25 +7,17 @@
             (exit status 0 when all are within tolerance, 1 when anything is out of tolerance; on
             CPU tensors no kforge kernel runs and the summary says so: "PASS (torch fallback only)")
   profile   kernel time per category / region / op of a training step (GPU)
-  bench     python -m kforge.bench (ops, gpt2, llama, launch); arguments are passed through
+  bench     python -m kforge.bench (models, ops, gpt2, llama, launch, report); arguments are passed
+            through (`python -m kforge bench --help`)
 
 Models for inspect / tieout / profile:
   gpt2       kforge.models.gpt2.GPT, thunder.jit            --size tiny (default), micro, 124M, 350M, ...
   llama      kforge.models.llama.Llama, thunder.jit         --size tiny (default), micro, hf-test, bench
   hf-llama   transformers LlamaForCausalLM, Thunder's Dynamo path with kforge's Llama patterns
              (kforge.transforms.thunderfx)                 --size hf-test (default), micro, tiny, bench
-  --model package.module:factory    your own model, see below
+  --model package.module:factory    your own model (contract: `python -m kforge tieout --help`)
 
-A factory is any callable `factory(**kw)` returning `(model, inputs)` or `(model, inputs, options)`:
-  kw       whichever of device (torch.device), dtype (torch.dtype or None), batch, seq and seed its
-           signature accepts; when it takes no `device` / `dtype`, kforge moves the model and input
-           tensors to --device and, with --dtype given, casts the model's floating parameters.
-  model    a torch.nn.Module; deterministic (no active dropout).
-  inputs   one tensor, a tuple of positional arguments, or a dict of keyword arguments.
-  options  optional dict: "mode" ("jit" for thunder.jit, the default, or "dynamo" for
-           torch.compile with Thunder as backend) and "loss_fn" (output -> scalar to backpropagate;
-           default: an output named `loss`, else the first scalar output, else a fixed random
-           projection of the outputs, as in kforge.tieout).
+-v before the verb logs what the runtime does (NVRTC loaded, compile times); -vv adds cache hits.
 
 Examples:
   python -m kforge demo
@@ -45,9 +37,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import _cli
+
 MODELS = ("gpt2", "llama", "hf-llama")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 DEFAULT_SIZE = {"gpt2": "tiny", "llama": "tiny", "hf-llama": "hf-test"}
+DEFAULT_BATCH, DEFAULT_SEED = 4, 0  # built-in models; a --model factory keeps its own defaults
+# The keywords a --model factory may be called with (its signature decides which).
+FACTORY_KEYWORDS = ("device (torch.device)", "dtype (torch.dtype)", "batch", "seq", "seed", "size")
+FACTORY_HELP = _cli.factory_contract(
+    FACTORY_KEYWORDS,
+    "an option left off\n            the command line is not passed where the factory has a default of "
+    "its own\n            (where it has none: batch 4, seed 0, the others None)",
+    model_note=";\n            without a device / dtype keyword, kforge moves the model and "
+                                 "inputs to --device\n            and, given --dtype, casts the floating parameters")
 
 
 class UsageError(Exception):
@@ -108,6 +111,8 @@ def _check_device_arg(name: str | None, verb: str) -> None:
     except (RuntimeError, ValueError):
         raise UsageError(f"--device {name!r} is not a device; use cuda, cuda:N or cpu") from None
     if dev.type == "cpu":
+        if verb == "profile":
+            raise UsageError(f"--device {name}: kforge profile times CUDA kernels; it runs on --device cuda (a GPU)")
         return
     if dev.type != "cuda":
         raise UsageError(f"--device {name}: kforge runs on cuda or cpu")
@@ -119,12 +124,21 @@ def _check_device_arg(name: str | None, verb: str) -> None:
 
 
 def _check_arch_arg(arch: int, given: bool) -> None:
-    """UsageError for an architecture kforge cannot compile for (--arch, or the GPU's own)."""
+    """UsageError for an architecture kforge cannot compile for (--arch, or the GPU's own): below
+    sm_80, or not in the loaded NVRTC's list."""
     from ._runtime import MIN_ARCH
 
+    what = f"--arch {arch}" if given else f"this GPU is sm_{arch}"
     if arch < MIN_ARCH:
-        what = f"--arch {arch}" if given else f"this GPU is sm_{arch}"
         raise UsageError(f"{what}: sm_{MIN_ARCH} is the minimum architecture kforge supports")
+    import kforge
+    from ._runtime import supported_archs
+
+    archs = supported_archs(kforge._C)
+    if archs is not None and arch not in archs:
+        ok = ", ".join(str(a) for a in archs if a >= MIN_ARCH)
+        raise UsageError(f"{what}: NVRTC {kforge._C.nvrtc_version()} cannot compile for sm_{arch}; "
+                         f"it compiles for {ok}")
 
 
 def _load_factory(spec: str) -> Callable:
@@ -142,12 +156,16 @@ def _user_workload(args: argparse.Namespace) -> Workload:
 
     factory = _load_factory(args.model_spec)
     device, dtype = _device(args.device), _torch_dtype(args.dtype)
+    # Options left off the command line are None: the factory's own defaults hold (see FACTORY_HELP).
     offered = dict(device=device, dtype=dtype, batch=args.batch, seq=args.seq, seed=args.seed, size=args.size)
     params = pyinspect.signature(factory).parameters
     takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    # An option the command line left unset (None) goes only where the factory has no default of its own.
-    kw = {k: v for k, v in offered.items() if (takes_all or k in params)
-          and (v is not None or (k in params and params[k].default is pyinspect.Parameter.empty))}
+    # An option the command line left unset (None) goes only where the factory has no default of its
+    # own: batch and seed then take the built-in models' defaults, the others None.
+    required = {k for k, p in params.items() if p.default is pyinspect.Parameter.empty}
+    fallback = dict(batch=DEFAULT_BATCH, seed=DEFAULT_SEED)
+    kw = {k: (fallback.get(k) if v is None else v) for k, v in offered.items()
+          if (takes_all or k in params) and (v is not None or k in required)}
     out = factory(**kw)
     if not (isinstance(out, tuple) and len(out) in (2, 3)):
         raise UsageError(f"--model {args.model_spec}: the factory must return (model, inputs) or "
@@ -185,6 +203,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
     device = _device(args.device)
     dtype = _torch_dtype(args.dtype) or torch.float32
     size = args.size or DEFAULT_SIZE[which]
+    args = argparse.Namespace(**{**vars(args), "batch": DEFAULT_BATCH if args.batch is None else args.batch,
+                                 "seed": DEFAULT_SEED if args.seed is None else args.seed})
     if which == "gpt2":
         from .models import gpt2
 
@@ -351,7 +371,8 @@ def _compile_kernels(arch: int, fresh: bool) -> list[tuple]:
         kforge._C.clear_memory_cache()
         kforge._C.set_cache(kforge.cache_dir(), False)
     try:
-        for name in tqdm(kforge.kernel_names(), desc=f"NVRTC sm_{arch}", unit="kernel"):
+        for name in tqdm(kforge.kernel_names(), desc=f"NVRTC sm_{arch}", unit="kernel",
+                         disable=not _cli.progress_enabled()):
             t = time.perf_counter()
             kforge._C.compile(name, arch)
             rows.append([name, (time.perf_counter() - t) * 1e3])
@@ -435,36 +456,46 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("model", nargs="?", choices=MODELS, help="a built-in model (or use --model)")
     g.add_argument("--model", dest="model_spec", metavar="PKG.MODULE:FACTORY",
-                   help="your own model: a factory returning (model, inputs[, options])")
+                   help="your own model: a factory returning (model, inputs[, options]); contract below")
     g.add_argument("--size", help="preset: gpt2 tiny|micro|124M|350M|774M|1558M; llama / hf-llama "
                                   "tiny|micro|hf-test|bench")
     g.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default fp32; --model: as the factory makes it)")
-    g.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
-    g.add_argument("--seq", type=int, help="sequence length (default min(256, block size))")
+    g.add_argument("--batch", type=int, help=f"batch size (default {DEFAULT_BATCH}; --model: the factory's default)")
+    g.add_argument("--seq", type=int, help="sequence length (default min(256, block size); --model: the factory's "
+                                           "default)")
     g.add_argument("--attention", choices=("manual", "sdpa"), default="manual",
                    help="manual (matmul + causal softmax: every kforge kernel) or sdpa")
     g.add_argument("--device", help="cuda (default when a GPU is visible) or cpu")
     g.add_argument("--mode", choices=("jit", "dynamo"),
                    help="thunder.jit (default) or Thunder's Dynamo path (hf-llama: always dynamo)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, help=f"seed of the weights and inputs (default {DEFAULT_SEED}; --model: "
+                                            "the factory's default)")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kforge", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="verb", required=True, metavar="{demo,inspect,tieout,profile,bench}")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log the runtime's work to stderr: -v NVRTC and compile times, -vv also cache hits")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="{demo,inspect,tieout,profile,bench}",
+                           help="the command (each has --help)")
+    raw = argparse.RawDescriptionHelpFormatter
 
     d = sub.add_parser("demo", help="compile every kernel; on a GPU run GPT-2 with kforge (tie-out, symbols, ms/step)")
     d.add_argument("--arch", type=int, help="sm_XY to compile for, 80 or newer (default: the GPU's, else 90)")
     d.add_argument("--fresh", action="store_true", help="bypass the kernel caches: every kernel through NVRTC")
     d.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="timing dtype (default bf16)")
     d.add_argument("--layers", type=int, default=4, help="GPT-2 layers for the timing (default 4, width 768)")
-    d.add_argument("--batch", type=int, default=8)
-    d.add_argument("--seq", type=int, default=256)
-    d.add_argument("--steps", type=int, default=10, help="timed steps per backend")
-    d.add_argument("--attention", choices=("manual", "sdpa"), default="manual")
+    d.add_argument("--batch", type=int, default=8, help="batch size of the timing (default 8)")
+    d.add_argument("--seq", type=int, default=256, help="sequence length of the timing (default 256)")
+    d.add_argument("--steps", type=int, default=10, help="timed steps per backend (default 10)")
+    d.add_argument("--attention", choices=("manual", "sdpa"), default="manual",
+                   help="GPT-2's attention: manual (matmul + causal softmax, default) or sdpa")
 
-    i = sub.add_parser("inspect", help="kforge symbols in the traces, declines with reasons")
+    i = sub.add_parser("inspect", help="kforge symbols in the traces, declines with reasons",
+                       description="Which kforge symbols a model's final traces hold, what kforge declined "
+                                   "and why, the pattern rewrites and the fusion regions.",
+                       epilog=FACTORY_HELP, formatter_class=raw)
     _add_model_args(i)
     i.add_argument("--show-traces", action="store_true", help="print the final forward / backward traces")
     i.add_argument("--save-dir", metavar="DIR", help="write the final traces there")
@@ -473,11 +504,11 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "tieout", help="eager vs Thunder + kforge; exit 1 when out of tolerance",
         description="Eager vs Thunder + kforge: outputs, loss and every parameter gradient against tolerance.",
-        epilog="exit status: 0 every tensor within tolerance; 1 any tensor out of tolerance; 2 a usage error "
-               "(bad arguments, --device cuda without a GPU). A pass where kforge claimed nothing (CPU "
-               "tensors: kforge's kernels need CUDA) still exits 0, and its summary says "
-               "\"PASS (torch fallback only: no kforge kernel ran ...)\": it tested Thunder's fallbacks, "
-               "not kforge.")
+        epilog="exit status: 0 every tensor within tolerance; 1 any tensor out of tolerance; 2 a usage error\n"
+               "(bad arguments, --device cuda without a GPU). A pass where kforge claimed nothing (CPU\n"
+               "tensors: kforge's kernels need CUDA) still exits 0, and its summary says\n"
+               "\"PASS (torch fallback only: no kforge kernel ran ...)\": it tested Thunder's fallbacks,\n"
+               "not kforge.\n\n" + FACTORY_HELP, formatter_class=raw)
     _add_model_args(t)
     t.add_argument("--rel-tol", type=float, help="override the relative tolerance of every dtype")
     t.add_argument("--elem-tol", type=float, help="override the element tolerance of every dtype")
@@ -486,33 +517,49 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--failures-only", action="store_true", help="print only the rows out of tolerance")
     t.add_argument("--json", metavar="FILE", help="write the rows as JSON")
 
-    pr = sub.add_parser("profile", help="kernel time per category / region / op of a training step (GPU)")
+    pr = sub.add_parser("profile", help="kernel time per category / region / op of a training step (GPU)",
+                        description="Kernel time of a training step (forward, backward, AdamW) per category "
+                                    "(kforge, matmul, attention, the rest), region and op; needs a CUDA GPU.",
+                        epilog=FACTORY_HELP, formatter_class=raw)
     _add_model_args(pr)
-    pr.add_argument("--backend", choices=("kforge", "thunder", "torch.compile", "eager"), default="kforge")
-    pr.add_argument("--steps", type=int, default=5)
-    pr.add_argument("--warmup", type=int, default=2)
+    pr.add_argument("--backend", choices=("kforge", "thunder", "torch.compile", "eager"), default="kforge",
+                    help="what compiles the step (default kforge)")
+    pr.add_argument("--steps", type=int, default=5, help="profiled steps (default 5)")
+    pr.add_argument("--warmup", type=int, default=2, help="steps run before them, compiling included (default 2)")
     pr.add_argument("--top", type=int, default=20, help="rows of the per-op table")
     pr.add_argument("--trace", metavar="FILE", help="also write a Chrome trace (Perfetto)")
     pr.add_argument("--json", metavar="FILE", help="write the summary as JSON")
 
-    sub.add_parser("bench", help="python -m kforge.bench {models,ops,gpt2,llama,launch,report} ...", add_help=False)
+    sub.add_parser("bench", help="benchmarks: python -m kforge.bench {models,ops,gpt2,llama,launch,report} ...",
+                   add_help=False)
     return p
 
 
+BENCH_PROG = "python -m kforge bench"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m kforge`; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = 0
+    while argv and argv[0] in ("-v", "-vv", "--verbose"):  # before `bench`, whose parser is its own
+        verbose += 2 if argv.pop(0) == "-vv" else 1
     if argv and argv[0] == "bench":  # everything after `bench` belongs to kforge.bench's own parser
         from .bench.__main__ import main as bench_main
 
-        return bench_main(argv[1:])
+        _cli.setup_logging(verbose)
+        return bench_main(argv[1:], prog=BENCH_PROG)
     p = parser()
     args = p.parse_args(argv)
+    _cli.setup_logging(verbose + args.verbose)
     if args.verb in ("inspect", "tieout", "profile"):
         sp = p._subparsers._group_actions[0].choices[args.verb]  # the verb's parser, for its usage line
         if bool(args.model) == bool(args.model_spec):
             sp.error(f"{args.verb}: name one model: {' | '.join(MODELS)} or --model package.module:factory")
-        if args.batch < 1 or (args.seq is not None and args.seq < 1):
+        if (args.batch is not None and args.batch < 1) or (args.seq is not None and args.seq < 1):
             sp.error(f"{args.verb}: --batch and --seq must be positive")
+    import kforge
+
     try:
         if args.verb == "demo" and args.arch is not None:
             _check_arch_arg(args.arch, True)  # before the imports and the banner
@@ -521,7 +568,10 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"python -m kforge {args.verb}: error: {e}", file=sys.stderr)
         return 2
+    except kforge.KforgeError as e:  # the runtime's errors name the kernel and the problem already
+        print(f"python -m kforge {args.verb}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_cli.run(main))

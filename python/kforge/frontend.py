@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import _env
+
 __all__ = ["executors", "jit", "compile"]
 
 _warming = False
@@ -30,15 +32,51 @@ def executors(*, fusion: bool | None = None) -> list:
     import thunder
 
     from . import _thunder
-    from .fusion import fusion_enabled, get_fusion_executor
+    from .fusion import get_fusion_executor
+
+    _check_fusion("kforge.executors", fusion)
 
     defaults = list(thunder.get_default_executors())
     attention = [e for e in defaults if e.name in _ATTENTION_EXECUTORS]
     rest = [e for e in defaults if e not in attention]
     out = [_thunder.get_executor(), *attention]
-    if fusion_enabled() if fusion is None else fusion:
+    if _env.flag("KFORGE_FUSION") if fusion is None else fusion:
         out.append(get_fusion_executor())
     return out + rest
+
+
+def _check_fusion(who: str, fusion: object) -> None:
+    if fusion is not None and not isinstance(fusion, bool):
+        raise TypeError(f"{who}: fusion must be True, False or None (KFORGE_FUSION decides), "
+                        f"got {fusion!r}")
+
+
+def _check_args(who: str, fn: object, fusion: object, transforms: object, kwargs: dict) -> None:
+    """TypeError naming `who` and the argument for what thunder.jit / torch.compile would reject late
+    or obscurely (a model that is not callable, a single transform not in a list, ...)."""
+    import torch
+    from thunder.core.transform_common import Transform
+
+    if not callable(fn):
+        raise TypeError(f"{who}: expected a torch.nn.Module or a function to compile, got {type(fn).__name__}")
+    if isinstance(fn, type):
+        raise TypeError(f"{who}: got the class {fn.__name__}; pass an instance (e.g. {fn.__name__}(...))")
+    _check_fusion(who, fusion)
+    if isinstance(transforms, Transform):
+        raise TypeError(f"{who}: transforms must be a list of Thunder transforms; wrap the one given in a list: "
+                        f"transforms=[{type(transforms).__name__}(...)]")
+    if isinstance(transforms, (str, bytes)) or not isinstance(transforms, Sequence):
+        raise TypeError(f"{who}: transforms must be a list of Thunder transforms, got {type(transforms).__name__}")
+    bad = [type(t).__name__ for t in transforms if not isinstance(t, Transform)]
+    if bad:
+        raise TypeError(f"{who}: transforms must be Thunder transforms (thunder.core.transform_common.Transform); "
+                        f"got {', '.join(bad)}")
+    ex = kwargs.get("executors")
+    if ex is not None and (isinstance(ex, (str, bytes)) or not isinstance(ex, Sequence)):
+        raise TypeError(f"{who}: executors must be a list of Thunder executors (kforge.executors() gives "
+                        f"kforge's), got {type(ex).__name__}")
+    if isinstance(fn, torch.jit.ScriptModule):
+        raise TypeError(f"{who}: got a TorchScript module; pass the plain torch.nn.Module")
 
 
 def _compile_kernels_in_background() -> None:
@@ -69,9 +107,12 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, transforms: Sequence[Any
     """`thunder.jit(fn)` with `kforge.executors()` and kforge's pattern transforms, which find the
     mission's steps (RMSNorm, RoPE, GQA, SwiGLU, ...) as users write them in plain torch ops and hand
     them to kforge's operators. Other keyword arguments go to `thunder.jit` (`executors=` overrides
-    the list). `fn.llama_patterns` is the pattern transform (its `rewrites` say what was replaced)."""
+    the list). `fn.llama_patterns` is the pattern transform (its `rewrites` say what was replaced).
+    Raises TypeError, naming the argument, for a non-callable `fn`, a non-bool `fusion` or
+    `transforms` that is not a list of Thunder transforms."""
     from .transforms import jit as _jit
 
+    _check_args("kforge.jit", fn, fusion, transforms, kwargs)
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
     return _jit(fn, transforms=transforms, **kwargs)
@@ -80,9 +121,11 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, transforms: Sequence[Any
 def compile(model: Callable, /, *, fusion: bool | None = None, transforms: Sequence[Any] = (), **kwargs: Any):
     """`torch.compile(model)` with Thunder as its backend (Thunder's Dynamo path), `kforge.executors()`
     and the pattern transforms: for models `thunder.jit` cannot trace, such as Hugging Face's
-    LlamaForCausalLM. Other keyword arguments go to Thunder / torch.compile."""
+    LlamaForCausalLM. Other keyword arguments go to Thunder / torch.compile. Raises TypeError as
+    `kforge.jit` does for bad arguments."""
     from .transforms import thunderfx
 
+    _check_args("kforge.compile", model, fusion, transforms, kwargs)
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
     return thunderfx(model, transforms=transforms, **kwargs)

@@ -109,7 +109,14 @@ const NvrtcApi& nvrtc() {
       bind(lib, api.GetLoweredName, "nvrtcGetLoweredName", n);
     } catch (const Error& e) {
       failure = e.what();
+      return;
     }
+    // Queued: flushed to logging.getLogger("kforge") once the caller holds no runtime lock.
+    int major = 0, minor = 0;
+    api.Version(&major, &minor);
+    log(kInfo, "kforge: loaded NVRTC " + std::to_string(major) + "." + std::to_string(minor) +
+                   " from " + g_nvrtc_path);
+    if (!tried.empty()) log(kDebug, "kforge: NVRTC candidates that did not load:" + tried);
   });
   if (!failure.empty()) throw Error(failure);
   return api;

@@ -4,9 +4,12 @@
 // and handed to NVRTC, so what is hashed is what is compiled) + options + name expressions + arch +
 // NVRTC version. Disk entries are written to a unique temp file and renamed into place, so racing
 // processes never expose a torn file; each carries its full key and a checksum, so a truncated,
-// corrupted or colliding file is detected, reported once and recompiled.
+// corrupted or colliding file is detected, reported once and recompiled. A cache directory that
+// cannot be written (read-only, not creatable, full) is reported once; kforge then runs without
+// writing cache files until the cache is pointed elsewhere (set_disk_cache).
 #include "program.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -80,8 +83,12 @@ void collect_headers(const std::string& dir, const std::string& text,
   }
 }
 
-std::mutex g_warn_mu;
-std::function<void(const std::string&)> g_warn_handler;
+std::mutex g_log_mu;
+std::function<void(int, const std::string&)> g_log_handler;
+thread_local std::vector<std::pair<int, std::string>> t_pending;  // queued by log(), see flush_log()
+
+// Set once a cache file could not be written to config().cache_dir; cleared by set_disk_cache.
+std::atomic<bool> g_disk_write_failed{false};
 
 }  // namespace
 
@@ -161,7 +168,10 @@ std::string deserialize(const std::string& file, const std::string& key, Compile
   return "";
 }
 
-void mkdirs(const std::string& path) {
+std::string errno_text(const std::string& what, int err) { return what + ": " + std::strerror(err); }
+
+// mkdir -p; returns "" when `path` is a directory afterwards, else why not.
+std::string mkdirs(const std::string& path) {
   std::string cur;
   std::istringstream parts(path);
   std::string part;
@@ -169,31 +179,40 @@ void mkdirs(const std::string& path) {
   while (std::getline(parts, part, '/')) {
     if (part.empty()) continue;
     cur += part + "/";
-    ::mkdir(cur.c_str(), 0755);
+    if (::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST) return errno_text("mkdir " + cur, errno);
   }
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return errno_text("stat " + path, errno);
+  if (!S_ISDIR(st.st_mode)) return path + " is not a directory";
+  return "";
 }
 
-// Write atomically: unique temp file in the same directory, fsync, rename over the target.
-void write_atomic(const std::string& path, const std::string& data) {
+// Write atomically: unique temp file in the same directory, fsync, rename over the target. Returns
+// "" on success, else the failing call and errno's text; the temp file never outlives a failure.
+std::string write_atomic(const std::string& path, const std::string& data) {
   static std::atomic<uint64_t> counter{0};
   std::random_device rd;
   std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." +
                     std::to_string(counter++) + "." + std::to_string(rd());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
-  if (fd < 0) return;  // unwritable cache dir: run without disk caching
+  if (fd < 0) return errno_text("open " + tmp, errno);
+  std::string err;
   size_t off = 0;
-  bool ok = true;
   while (off < data.size()) {
     ssize_t w = ::write(fd, data.data() + off, data.size() - off);
+    if (w < 0 && errno == EINTR) continue;
     if (w <= 0) {
-      ok = false;
+      err = errno_text("write " + tmp, w < 0 ? errno : ENOSPC);  // 0 bytes written: no room
       break;
     }
     off += static_cast<size_t>(w);
   }
-  ok = ok && ::fsync(fd) == 0;
-  ::close(fd);
-  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) ::unlink(tmp.c_str());
+  if (err.empty() && ::fsync(fd) != 0) err = errno_text("fsync " + tmp, errno);
+  if (::close(fd) != 0 && err.empty()) err = errno_text("close " + tmp, errno);
+  if (err.empty() && ::rename(tmp.c_str(), path.c_str()) != 0)
+    err = errno_text("rename " + tmp + " -> " + path, errno);
+  if (!err.empty()) ::unlink(tmp.c_str());
+  return err;
 }
 
 int nvrtc_version_int() {
@@ -222,21 +241,38 @@ Config& config() {
   return c;
 }
 
-void set_warning_handler(std::function<void(const std::string&)> handler) {
-  std::lock_guard<std::mutex> lock(g_warn_mu);
-  g_warn_handler = std::move(handler);
+void set_disk_cache(const std::string& dir, bool enabled) {
+  config().cache_dir = dir;
+  config().disk_cache = enabled;
+  g_disk_write_failed.store(false);
 }
 
-void warn(const std::string& message) {
-  std::function<void(const std::string&)> h;
+void set_log_handler(std::function<void(int, const std::string&)> handler) {
+  std::lock_guard<std::mutex> lock(g_log_mu);
+  g_log_handler = std::move(handler);
+}
+
+void log(int level, const std::string& message) { t_pending.emplace_back(level, message); }
+
+void flush_log() {
+  if (t_pending.empty()) return;
+  std::vector<std::pair<int, std::string>> pending;
+  pending.swap(t_pending);  // a handler that logs again queues afresh
+  std::function<void(int, const std::string&)> h;
   {
-    std::lock_guard<std::mutex> lock(g_warn_mu);
-    h = g_warn_handler;
+    std::lock_guard<std::mutex> lock(g_log_mu);
+    h = g_log_handler;
   }
-  if (h)
-    h(message);
-  else
-    std::fprintf(stderr, "kforge warning: %s\n", message.c_str());
+  for (const auto& [level, message] : pending) {
+    if (h) {
+      try {
+        h(level, message);
+      } catch (...) {  // a failing handler must not turn a compile into an error
+      }
+    } else if (level >= kWarning) {
+      std::fprintf(stderr, "kforge warning: %s\n", message.c_str());
+    }
+  }
 }
 
 const char* dtype_name(DType t) {
@@ -259,12 +295,21 @@ Program* find_program(const std::string& name) {
   return nullptr;
 }
 
+std::vector<int> nvrtc_supported_archs() {
+  LogFlush flush;
+  return supported_archs();
+}
+
 std::string nvrtc_version() {
+  LogFlush flush;
   int major = 0, minor = 0;
   nvrtc().Version(&major, &minor);
   return std::to_string(major) + "." + std::to_string(minor);
 }
-std::string nvrtc_library_path() { return nvrtc_path(); }
+std::string nvrtc_library_path() {
+  LogFlush flush;
+  return nvrtc_path();
+}
 
 int device_arch(int device) {
   const DriverApi& cu = driver();
@@ -336,6 +381,7 @@ void Program::forget_compiled() {
 }
 
 std::vector<std::string> Program::compile_for_arch(int arch) {
+  LogFlush flush;  // after the lock is released (destroyed in reverse order)
   std::lock_guard<std::mutex> lock(mu_);
   return compiled(arch)->lowered;
 }
@@ -347,7 +393,7 @@ std::shared_ptr<Compiled> Program::compiled(int arch) {
   if (it != by_arch_.end()) {
     std::lock_guard<std::mutex> lock(m.mu);
     m.stats.memory_hits++;
-    return it->second;
+    return it->second;  // not logged: this is the per-device load path of every kernel
   }
 
   const std::string dir = kernel_dir_.empty() ? config().kernel_dir : kernel_dir_;
@@ -383,6 +429,7 @@ std::shared_ptr<Compiled> Program::compiled(int arch) {
     if (hit != m.entries.end()) {
       m.stats.memory_hits++;
       by_arch_[arch] = hit->second;
+      kforge::log(kDebug, "kforge: " + name_ + " " + arch_name + ": memory cache hit");
       return hit->second;
     }
     m.stats.memory_misses++;
@@ -404,6 +451,7 @@ std::shared_ptr<Compiled> Program::compiled(int arch) {
       if (why.empty()) {
         have = true;
         c->source = "disk";
+        kforge::log(kDebug, "kforge: " + name_ + " " + arch_name + ": disk cache hit (" + path + ")");
         std::lock_guard<std::mutex> lock(m.mu);
         m.stats.disk_hits++;
       } else {
@@ -483,9 +531,25 @@ std::shared_ptr<Compiled> Program::compiled(int arch) {
       std::lock_guard<std::mutex> lock(m.mu);
       m.stats.nvrtc_compiles++;
     }
-    if (use_disk) {
-      mkdirs(config().cache_dir);
-      write_atomic(path, serialize(*c));
+    kforge::log(kInfo, "kforge: compiled " + name_ + " for " + arch_name + " with NVRTC in " +
+                   std::to_string(static_cast<int64_t>(c->compile_ms + 0.5)) + " ms (" +
+                   std::to_string(c->cubin.size()) + " bytes of CUBIN)");
+    if (use_disk && !g_disk_write_failed.load()) {
+      std::string err = mkdirs(config().cache_dir);
+      if (err.empty()) err = write_atomic(path, serialize(*c));
+      if (err.empty()) {
+        kforge::log(kDebug, "kforge: " + name_ + " " + arch_name + ": written to the disk cache (" + path + ")");
+      } else {
+        {
+          std::lock_guard<std::mutex> lock(m.mu);
+          m.stats.disk_write_failures++;
+        }
+        // One warning per cache directory: later compiles skip the write (and its system calls).
+        if (!g_disk_write_failed.exchange(true))
+          warn("kforge: cannot write the kernel cache in " + config().cache_dir + " (" + err +
+               "); running without the disk cache: kernels are compiled again in each process. "
+               "Set KFORGE_CACHE_DIR to a writable directory, or KFORGE_DISK_CACHE=0.");
+      }
     }
   }
 
@@ -498,6 +562,7 @@ std::shared_ptr<Compiled> Program::compiled(int arch) {
 }
 
 CUfunction Program::function(int index, int device) {
+  LogFlush flush;  // after the lock is released (destroyed in reverse order)
   std::lock_guard<std::mutex> lock(mu_);
   const DriverApi& cu = driver();
   auto mod = modules_.find(device);
@@ -559,15 +624,14 @@ CUfunction Kernel::function(DType dtype, int device) {
 
 namespace {
 // Whether dependent launches are used on `device`: compute capability >= 9.0, cuLaunchKernelEx
-// present, and not switched off by KFORGE_DEPENDENT_LAUNCH=0 (for A/B timing). Cached per device.
+// present, and not switched off (config().dependent_launch: KFORGE_DEPENDENT_LAUNCH, parsed with
+// kforge's other environment knobs in python/kforge/_env.py; for A/B timing). Cached per device.
 bool dependent_launch_ok(int device) {
   static std::array<std::atomic<int>, 64> state{};  // 0 unknown, 1 yes, 2 no
   if (device < 0 || device >= 64) return false;
   int s = state[device].load(std::memory_order_relaxed);
   if (s == 0) {
-    const char* env = std::getenv("KFORGE_DEPENDENT_LAUNCH");
-    const bool off = env && std::string(env) == "0";
-    s = (!off && driver().LaunchKernelEx && device_arch(device) >= 90) ? 1 : 2;
+    s = (config().dependent_launch && driver().LaunchKernelEx && device_arch(device) >= 90) ? 1 : 2;
     state[device].store(s, std::memory_order_relaxed);
   }
   return s == 1;

@@ -76,7 +76,7 @@ class Kernel {
   // once the previous kernel has finished and its writes are visible: the results are those of a
   // plain launch (tests/test_runtime.py checks the call is each kernel's first statement).
   // Plain launches where unsupported (compute capability < 9.0, a driver without cuLaunchKernelEx)
-  // or when the environment variable KFORGE_DEPENDENT_LAUNCH=0 (A/B timing).
+  // or when config().dependent_launch is off (KFORGE_DEPENDENT_LAUNCH=0, read by kforge._env; A/B).
   template <typename... Args>
   void launch(DType dtype, int device, CUstream stream, Dim3 grid, Dim3 block, size_t smem,
               Args... args) {
@@ -159,16 +159,34 @@ struct Config {
   std::string cache_dir;                  // disk cache directory
   bool disk_cache = true;
   std::vector<std::string> nvrtc_paths;   // candidate libnvrtc paths, tried in order
+  bool dependent_launch = true;           // programmatic dependent launches where supported
 };
 Config& config();
+// Point the disk cache at `dir` (on / off); forgets an earlier write failure, so a new directory
+// is tried afresh.
+void set_disk_cache(const std::string& dir, bool enabled);
 
-// Warnings (e.g. a corrupted cache file) go through this hook; Python installs warnings.warn.
-void set_warning_handler(std::function<void(const std::string&)> handler);
-void warn(const std::string& message);
+// ---- messages to Python's logging.getLogger("kforge") / warnings -------------------------------------
+// Levels are Python's logging levels. Messages are queued per thread and handed to the handler by
+// flush_log(), which entry points call once they hold no runtime lock: the handler takes the GIL,
+// and a thread waiting for the GIL must never hold a lock another (GIL-holding) thread waits on.
+enum LogLevel : int { kDebug = 10, kInfo = 20, kWarning = 30 };
+void set_log_handler(std::function<void(int, const std::string&)> handler);
+void log(int level, const std::string& message);
+inline void warn(const std::string& message) { log(kWarning, message); }
+void flush_log();
+// Flushes this thread's queued messages when it goes out of scope; declare it before any lock.
+struct LogFlush {
+  LogFlush() = default;
+  LogFlush(const LogFlush&) = delete;
+  LogFlush& operator=(const LogFlush&) = delete;
+  ~LogFlush() { flush_log(); }
+};
 
 struct CacheStats {
   int64_t memory_hits = 0, memory_misses = 0, disk_hits = 0, disk_misses = 0, disk_corrupt = 0;
   int64_t nvrtc_compiles = 0;
+  int64_t disk_write_failures = 0;  // cache files that could not be written (the first one warns)
   std::vector<CacheEntryInfo> entries;
 };
 CacheStats cache_stats();
@@ -178,6 +196,7 @@ void reset_cache_stats();   // zero the hit / miss / compile counters
 // Compute capability of `device` as major*10+minor (e.g. 90).
 int device_arch(int device);
 std::string nvrtc_version();
+std::vector<int> nvrtc_supported_archs();  // the sm_XY numbers NVRTC can compile for
 std::string nvrtc_library_path();
 
 }  // namespace kforge

@@ -28,10 +28,15 @@ import shlex
 import sys
 import warnings
 
+from .. import _cli
 from . import records
 
 SUBCOMMANDS = ("models", "ops", "gpt2", "llama", "launch", "report", "import-md")
 MEASURING = ("models", "ops", "gpt2", "llama", "launch")
+FACTORY_HELP = _cli.factory_contract(
+    ("size", "batch", "seq", "device", "dtype", "seed", "autocast"),
+    "batch and seq are the\n            benchmark's (--batch, --seq), size is passed when --size is "
+    "given, autocast (a bool)\n            says whether the step runs under bf16 autocast")
 
 
 def invoked_as() -> str:
@@ -54,19 +59,18 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The argument parser of `python -m kforge.bench`."""
     prog = prog or invoked_as()
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="what", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    sub = p.add_subparsers(dest="what", metavar="{" + ",".join(SUBCOMMANDS) + "}",
+                           help="what to run (each has --help)")
 
     m = sub.add_parser("models", help="users' models: ms/step, memory, first step per set-up and backend",
-                       description="Training steps of models written as people write them. " +
+                       description="Training steps of models written as people write them. "
                        "Backends: eager, torch.compile, thunder (thunder.jit / thunderfx), kforge "
-                       "(kforge.jit / kforge.compile). A factory (--model) is called with whichever of size, "
-                       "batch, seq, device, dtype, autocast, seed it accepts and returns (model, inputs[, "
-                       "options]); options: loss_fn (output -> loss), autocast (dtype or None), mode "
-                       "('jit' or 'dynamo').")
+                       "(kforge.jit / kforge.compile).",
+                       epilog=FACTORY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("names", nargs="*", metavar="MODEL",
                    help="zoo models to run: nanogpt, plain-llama, hf-llama (default: all three, unless --model)")
     m.add_argument("--model", dest="model_specs", action="append", metavar="PKG.MODULE:FACTORY",
-                   help="your own model's factory (repeatable); same contract as `python -m kforge tieout --model`")
+                   help="your own model's factory (repeatable); contract below")
     m.add_argument("--preset", choices=["small"],
                    help="small: the llm.c notebook's case, nanogpt 124M, B=4 T=64, fp32, --cudagraphs")
     m.add_argument("--size", help="size preset passed to every factory (zoo: 124M / bench, tiny, micro; "
@@ -143,12 +147,26 @@ def _record_path(arg: str | None) -> str:
     return arg or records.default_record_path()
 
 
+def _need_matplotlib(prog: str, what: str, instead: str) -> bool:
+    """False (after one line on stderr) when charts are asked for and matplotlib, an optional extra,
+    is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        return True
+    print(f"{prog} {what}: error: charts need matplotlib: pip install 'kforge[plot]' (or {instead})",
+          file=sys.stderr)
+    return False
+
+
 def _measure(args: argparse.Namespace, argv: list[str], prog: str) -> int:
     import torch
 
     from . import harness
 
     dry = args.what == "models" and args.dry
+    if args.what == "ops" and args.plot and not _need_matplotlib(prog, "ops", "leave out --plot"):
+        return 2
     cfg = None
     if args.what == "models":  # usage errors first: they need no GPU to find
         from . import models
@@ -200,6 +218,8 @@ def _report(args: argparse.Namespace, prog: str) -> int:
         print(f"{prog} report: no runs in {', '.join(paths)}", file=sys.stderr)
         return 2
     plots_dir = None if (args.no_plots or args.check) else args.plots
+    if plots_dir is not None and not _need_matplotlib(prog, "report", "--no-plots"):
+        return 2
     text, plots = report.render(runs, doc_path=args.output, plots_dir=plots_dir, exp_dir=args.experiments,
                                 record_path=paths[0])
     if args.check:
@@ -259,7 +279,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = p.parse_args(argv)
     if args.what is None:
         p.print_usage(sys.stderr)
-        print(f"{prog}: error: name a subcommand: {', '.join(SUBCOMMANDS)} "
+        print(f"{prog}: error: name a subcommand (one is required): {', '.join(SUBCOMMANDS)} "
               f"(`{prog} <subcommand> --help` for its options)", file=sys.stderr)
         return 2
     if args.what in MEASURING:
@@ -270,4 +290,4 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_cli.run(main))

@@ -43,7 +43,9 @@ def default_record_path() -> str:
 def git_commit() -> str | None:
     """The kforge commit measured: $KFORGE_COMMIT (set where the checkout has no .git), else git's
     short HEAD of this package's checkout, else None."""
-    env = os.environ.get("KFORGE_COMMIT")
+    from .._env import text
+
+    env = text("KFORGE_COMMIT")
     if env:
         return env
     try:
