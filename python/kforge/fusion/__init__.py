@@ -12,14 +12,16 @@ Set KFORGE_FUSION=0 to leave the fusion executor out of `kforge.executors()`.
 from __future__ import annotations
 
 import functools
-import os
 
 __all__ = ["fusion_enabled", "get_fusion_executor"]
 
 
 def fusion_enabled() -> bool:
-    """False when the environment sets KFORGE_FUSION to 0 / false / no / off."""
-    return os.environ.get("KFORGE_FUSION", "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether KFORGE_FUSION leaves the fusion executor on (kforge._env parses it: 0 / false / off /
+    no in any case mean off; an unknown value raises)."""
+    from .. import _env
+
+    return _env.flag("KFORGE_FUSION")
 
 
 @functools.cache
