@@ -21,9 +21,9 @@ from kforge.ops.softmax import causal_softmax
 
 C = kforge._C
 # kforge._C functions that are not op launchers (the runtime's own API).
-RUNTIME = {"configure", "set_cache", "set_warning_handler", "set_poison_outputs", "cache_info",
-           "clear_memory_cache", "reset_cache_stats", "nvrtc_version", "nvrtc_library", "device_arch",
-           "programs", "compile", "compile_source", "compile_generated", "name_expressions"}
+RUNTIME = {"configure", "set_cache", "set_log_handler", "set_poison_outputs", "cache_info",
+           "clear_memory_cache", "reset_cache_stats", "nvrtc_version", "nvrtc_library", "nvrtc_supported_archs",
+           "device_arch", "programs", "compile", "compile_source", "compile_generated", "name_expressions"}
 
 
 def _launcher_calls(dev: str) -> dict:
