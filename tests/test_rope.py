@@ -621,8 +621,9 @@ def test_checker_never_accepts_what_the_kernel_cannot_do(dims, D, q_ndim, k_brea
     values, table layouts and one broken rule at a time (table width, rows, dtypes, devices, gradient,
     position ids): whatever the checker accepts, the launcher's checks pass (`_rope_launcher_takes`
     mirrors src/ops/rope.cpp), interleaved is a bool, the tables need no gradient and q / k are not
-    empty. Fails if a rule goes: it found B * T past 2^31 - 1 and a (0, Dc) table with position_ids
-    accepted, which the launcher rejects."""
+    empty. Fails if a rule goes: before the checker's fix the search found B * T past 2^31 - 1
+    accepted, and a (0, Dc) table with position_ids (read off the launcher; an explicit example) was
+    accepted too; the launcher rejects both."""
     B, Hq, Hkv, T = dims
     q_shape = (B, Hq, T, D)[:q_ndim]
     k_shape = {"none": (B, Hkv, T, D), "B": (B + 1, Hkv, T, D), "T": (B, Hkv, T + 1, D), "D": (B, Hkv, T, D + 2),
