@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import thunder
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
@@ -203,3 +205,62 @@ def test_thunder_plumbing_with_reference_launchers(cpu_reference_launchers):
         torch.testing.assert_close(o, r)
     for g, r in zip(grads, torch.autograd.grad(ref, (x, w, b), gs)):
         torch.testing.assert_close(g, r)
+
+
+# ---- property-based (hypothesis) ----------------------------------------------------------------
+_ANY_DTYPE = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+# 2^30 - 1 is the launcher's largest C (INT_MAX / 2); 2^30 and past it are not.
+_CS_DIM = st.one_of(st.integers(0, 9), st.sampled_from([2**30 - 1, 2**30, 2**30 + 1]))
+
+
+@settings(max_examples=200)
+@given(shape=st.lists(_CS_DIM, min_size=0, max_size=4).map(tuple), dtype=_ANY_DTYPE,
+       device=st.sampled_from(["cuda", "cpu"]), keepdim=st.booleans(),
+       dim=st.one_of(st.none(), st.integers(-4, 3), st.lists(st.integers(-4, 3), max_size=4)),
+       want=st.sampled_from(["none", "same", "float32", "float64"]))
+@example(shape=(2, 2**30), dtype=torch.float32, device="cuda", keepdim=False, dim=0, want="none")  # found
+def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, keepdim, dim, want):
+    """Generated proxies and `dim` lists (in range, any order, negative, repeated): whatever `_applies`
+    offers and the checker accepts, colsum_forward's checks pass (CUDA, float dtype, >= 1 dim,
+    C <= 2^30 - 1) and the sum is the kernel's: over every dim but the last, of a 2-D or larger
+    non-empty tensor, in its own dtype. Fails if a rule goes: it found C = 2^30 accepted (the checker
+    said "exceeds 2^30" only past it) where the launcher raises "too large"."""
+    nd = len(shape)
+    dims = [] if dim is None else [dim] if isinstance(dim, int) else dim
+    if not all(-nd <= d < nd for d in dims):
+        return  # out of range: thunder.torch.sum raises while tracing, before any checker runs
+    with tracectx(TraceCtx()):
+        x = proxy(shape, dtype=dtype, device=device)
+        dt = {"none": None, "same": dtype, "float32": torch.float32, "float64": torch.float64}[want]
+        if not cs._applies(x, dim, keepdim, dtype=dt) or cs._checker(x, dim, keepdim, dtype=dt) is not None:
+            return
+    assert device == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert nd >= 2 and 1 <= shape[-1] <= 2**30 - 1 and 0 not in shape
+    assert dim is not None and sorted(d % nd for d in dims) == list(range(nd - 1))
+    assert dt is None or dt == dtype
+
+
+# Rows: 1, odd, around the 32-row slots and 64-row chunks, enough for several chunks; C around the
+# 16-byte pack (4 fp32 / 8 16-bit elements: the vector kernel when C is a multiple) and a 32-column tile.
+@gpu
+@pytest.mark.sanitize
+@settings(max_examples=40, deadline=None)
+@given(N=st.sampled_from([1, 2, 31, 33, 64, 65, 257, 3001]), C=st.one_of(st.integers(1, 40), st.sampled_from([64, 256]).flatmap(
+       lambda e: st.integers(e - 3, e + 3))), split=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       view=st.sampled_from(["contiguous", "misaligned", "transposed"]), seed=st.integers(0, 2**31 - 1))
+def test_property_matches_float64(N, C, split, dtype, view, seed):
+    """Generated row counts, widths, leading-dim splits, dtypes and views (offset by one element: the
+    scalar kernel; a transposed view: copied): the column sum within the dtype's tolerance of the
+    float64 sum of the same inputs. The backward is a broadcast (no kernel). Fails on a dropped or
+    doubled row, a wrong column, or an unwritten (NaN-poisoned) output."""
+    shape = (N, C) if not split or N % 2 else (2, N // 2, C)
+    x = randn(*shape, dtype=dtype, seed=seed)
+    if view == "misaligned":
+        x = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:].view(shape).copy_(x)
+    elif view == "transposed":
+        x = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    out = kforge._C.colsum_forward(x)
+    assert out.shape == (C,) and out.dtype == dtype
+    # The terms' norm: a few rows can cancel to far below them, and fp32 accumulation errors scale with it.
+    scale = x.double().abs().sum(dim=tuple(range(x.ndim - 1))).norm().item()
+    assert_close(out, reference(x), dtype, "colsum", scale=scale)

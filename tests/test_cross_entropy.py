@@ -8,6 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import hypothesis
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import kforge
 from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers
@@ -772,3 +775,121 @@ def test_upcast_loss_reads_the_padded_lm_head_in_place():
     assert_close(loss, ref, torch.float32, "loss", tol=2e-3)
     assert_close(x.grad, xr.grad, torch.bfloat16, "dx", tol=2e-2)
     assert_close(w.grad, wr.grad, torch.bfloat16, "dw", tol=2e-2)
+
+
+# ---- property-based (hypothesis) ----------------------------------------------------------------
+_INT_MAX = 2**31 - 1
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _ce_launcher_takes(shape, dtype, device, t_shape, t_dtype, t_device, ignore_index, reduction) -> bool:
+    """cross_entropy_forward's and cross_entropy_backward's checks (src/ops/cross_entropy.cpp): CUDA float
+    (N, V) logits, 0 < N <= 2^31 - 1, V > 0, int64 (N,) targets on their device, an int64 ignore_index
+    (pybind11 converts), a known reduction, and backward's N * chunks blocks <= 2^31 - 1 (chunks of at
+    most 256 threads x 2 packs on the element-wise path, the most chunks)."""
+    if device != "cuda" or dtype not in _FLOATS or len(shape) != 2:
+        return False
+    N, V = shape
+    if not (0 < N <= _INT_MAX and V > 0):
+        return False
+    if t_device != device or t_dtype != torch.int64 or t_shape != (N,):
+        return False
+    if type(ignore_index) is not int or not -2**63 <= ignore_index < 2**63 or reduction not in REDUCTIONS:
+        return False
+    pack = 16 // dtype.itemsize
+    chunks = -(-(-(-V // pack)) // (256 * 2))
+    return N * chunks <= _INT_MAX
+
+
+_ANY_DTYPE = st.sampled_from([*_FLOATS, torch.float64, torch.int64])
+_CE_DIM = st.one_of(st.integers(0, 7), st.sampled_from([50257, 2**20, 2**31 - 1, 2**31]))
+
+
+def _mostly(value, *others):
+    """`value` about half the time, else any of value / others: generated arguments stay mostly valid
+    (one rule broken at a time), so the rules checked last are reached too."""
+    return st.one_of(st.just(value), st.sampled_from([value, *others]))
+
+
+@settings(max_examples=600)
+@given(shape=st.one_of(st.tuples(_CE_DIM, _CE_DIM), st.lists(_CE_DIM, min_size=0, max_size=3).map(tuple)),
+       dtype=st.one_of(st.sampled_from([torch.bfloat16, torch.float16]), _ANY_DTYPE), device=_mostly("cuda", "cpu"),
+       t_break=_mostly("none", "rows", "2d", "int32", "float", "cpu"),
+       ignore_index=st.sampled_from([-100, -1, 0, 5, 2**63 - 1, 2**63, -2**63 - 1, 1.0, True]),
+       reduction=st.sampled_from(["mean", "sum", "none", "batchmean"]),
+       extra=_mostly("none", "weight", "label_smoothing", "label_smoothing0", "size_average", "reduce"),
+       upcast=st.booleans())
+# What it found in the checker, kept as explicit examples: an ignore_index past int64, too many
+# backward blocks.
+@example(shape=(8, 7), dtype=torch.float32, device="cuda", t_break="none", ignore_index=2**63, reduction="mean",
+         extra="none", upcast=False)
+@example(shape=(50257, 2**31 - 1), dtype=torch.bfloat16, device="cuda", t_break="none", ignore_index=-100,
+         reduction="mean", extra="none", upcast=True)
+def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, t_break, ignore_index, reduction, extra,
+                                                         upcast):
+    """Generated logits / target proxies (0-D to 3-D, empty, 2^31 rows, rows of 2^31 - 1 classes),
+    broken targets, ignore_index values (past int64, floats, bools), reductions and unsupported
+    arguments, for both claims (F.cross_entropy and cross_entropy_upcast): whatever a checker accepts,
+    the launchers' checks pass (`_ce_launcher_takes`), and the upcast claim only takes 16-bit logits.
+    Fails if a rule goes: it found ignore_index = 2^63 accepted (pybind11 cannot pass it as int64) and
+    (2^31 - 1, 2^31) logits, whose backward needs more than 2^31 - 1 blocks."""
+    from thunder.core.trace import TraceCtx, tracectx
+
+    from kforge.ops import cross_entropy as ce
+
+    N = shape[0] if shape else 1
+    t_shape = {"rows": (N + 1,), "2d": (N, 1)}.get(t_break, (N,))
+    t_dtype = {"int32": torch.int32, "float": torch.float32}.get(t_break, torch.int64)
+    t_device = "cpu" if t_break == "cpu" else device
+    kwargs = {"weight": {}, "label_smoothing": dict(label_smoothing=0.1), "label_smoothing0": dict(label_smoothing=0.0),
+              "size_average": dict(size_average=True), "reduce": dict(reduce=False)}.get(extra, {})
+    with tracectx(TraceCtx()):
+        a, t = proxy(shape, dtype=dtype, device=device), proxy(t_shape, dtype=t_dtype, device=t_device)
+        if extra == "weight":
+            kwargs = dict(weight=proxy(shape[-1:] or (1,), dtype=dtype, device=device))
+        check = ce._upcast_checker if upcast else ce._checker
+        if check(a, t, ignore_index=ignore_index, reduction=reduction, **kwargs) is not None:
+            return
+    assert extra in ("none", "label_smoothing0")
+    assert not upcast or dtype in (torch.bfloat16, torch.float16)
+    assert _ce_launcher_takes(shape, dtype, device, t_shape, t_dtype, t_device, ignore_index, reduction)
+
+
+# Vocab sizes around the row kernels' switch points: one block of 32 threads (up to 32 16-byte packs:
+# V 128 fp32 / 256 16-bit), 512 threads (512 packs: V 2048 / 4096), backward rows of one chunk or more
+# (1024 packs: V 4096 / 8192), and small odd ones; views read in place (row-strided), copied
+# (transposed) or element-wise (misaligned).
+_CE_V = st.one_of(st.integers(1, 40), st.sampled_from([128, 256, 2048, 4096, 8192]).flatmap(lambda e: st.integers(e - 3, e + 3)))
+
+
+@gpu
+@pytest.mark.sanitize
+@settings(max_examples=40, deadline=None)
+@given(n=st.sampled_from([1, 3, 37, 257]), v=_CE_V, dtype=st.sampled_from(list(_FLOATS)),
+       reduction=st.sampled_from(REDUCTIONS), ignore_index=st.sampled_from([-100, -1, 0, 3]),
+       view=st.sampled_from(["contiguous", "misaligned", "row_strided", "transposed"]), seed=st.integers(0, 2**31 - 1))
+def test_property_matches_float64(n, v, dtype, reduction, ignore_index, view, seed):
+    """Generated (N, V), dtypes, reductions, ignore_index values (inside and outside [0, V)) and
+    logits views: forward (loss, lse, n_valid), backward and the fused forward + backward within the
+    dtype's tolerance of float64; ignored rows get exactly zero gradient. Fails on a wrong logsumexp,
+    a miscounted n_valid, a gradient on an ignored row or an unwritten (NaN-poisoned) element."""
+    hypothesis.assume(not (v == 1 and ignore_index == 0))  # make_targets' always-counted row 0 needs a class
+    x = randn(n, v, dtype=dtype, scale=2.0, seed=seed)
+    if view == "misaligned":
+        x = torch.empty(n * v + 1, dtype=dtype, device="cuda")[1:].view(n, v).copy_(x)
+    elif view == "row_strided":  # the padded lm_head's logits[:, :V] of an (N, V + 5) buffer
+        x = torch.empty(n, v + 5, dtype=dtype, device="cuda")[:, :v].copy_(x)
+    elif view == "transposed":
+        x = x.t().contiguous().t()
+    t = make_targets(n, v, ignore_index, seed)
+    g = make_grad(reduction, n, dtype, seed)
+    ref_loss, ref_lse, ref_dx = reference(x, t, g, ignore_index, reduction)
+    loss, lse, n_valid, dx = run_separate(x, t, g, ignore_index, reduction)
+    assert_close(loss, ref_loss, dtype, "loss")
+    assert_close(lse, ref_lse, torch.float32, "lse")
+    assert n_valid.item() == (t != ignore_index).sum().item()
+    assert_close(dx, ref_dx, dtype, "dlogits")
+    assert (dx[t == ignore_index] == 0).all(), "ignored rows must get exactly zero gradient"
+    fused_loss, fused_dx = _C.cross_entropy_forward_backward(x, t, g, ignore_index, reduction)
+    assert_close(fused_loss, ref_loss, dtype, "fused loss")
+    assert_close(fused_dx, ref_dx, dtype, "fused dlogits")

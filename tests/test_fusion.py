@@ -835,3 +835,104 @@ def test_matmul_accumulation_on_gpu(dtype: torch.dtype) -> None:
     assert names.count(ACC) == 2, names
     ref = _matmul_sum(*(a.double() for a in args))
     assert_close(out, ref.to(dtype), dtype, "addmm chain")
+
+
+# ---- GPU: determinism and NaN / inf patterns of the generated kernels (issue 20) ---------------------
+def _fused_symbols(trace) -> list[str]:
+    return [b.sym.name for b in trace.bound_symbols if b.sym.name.startswith("kforgeFusion")]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,dim", [((65536, 7), 0), ((7, 65536), -1), ((3, 5, 33), (0, 1))],
+                         ids=["outer-split", "inner-split", "small"])
+def test_generated_kernels_are_deterministic(shape: tuple, dim, dtype: torch.dtype) -> None:
+    """The same inputs give the same bits in 3 runs: an elementwise chain and sum / amax / mean / var
+    reductions, among them a split one (few output lanes, many reduced rows: the grid splits the rows
+    and the partials are combined). Fails if partials are combined in a run-dependent order (atomics,
+    or a schedule that depends on timing) or an output element is left unwritten (poisoned NaN)."""
+    x, y = randn(*shape, dtype=dtype, seed=3), randn(*shape, dtype=dtype, seed=4)
+
+    def fn(a, b):
+        p = a.float() * b.float() + 0.25
+        return torch.sin(a) * b, p.sum(dim), p.amax(dim), p.mean(dim), torch.var(p, dim, correction=0)
+
+    import thunder
+
+    jf = thunder.jit(fn, executors=_fusion_only())
+    runs = [_flat(jf(x, y)) for _ in range(3)]
+    assert _fused_symbols(thunder.last_traces(jf)[-1]), "nothing was fused"
+    for k, (out, ref) in enumerate(zip(runs[0], _flat(fn(x, y)))):
+        assert torch.isfinite(out).all(), f"output {k}: non-finite (unwritten?)"
+        assert out.shape == ref.shape and out.dtype == ref.dtype, k
+    for run in runs[1:]:
+        for k, (a, b) in enumerate(zip(runs[0], run)):
+            assert torch.equal(a, b), f"output {k} differs between runs"
+
+
+def _nan_inf_lanes(shape: tuple, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values with, per output lane of a reduction over `dim` (lane j: index j of the other dim),
+    a pattern placed at the start, the middle and the end of the reduced dim (different chunks of a
+    split reduction): 0 one NaN, 1 one +inf, 2 +inf and -inf, 3 all -inf, 4 NaN and +inf, 5 finite,
+    6 one -inf."""
+    x = randn(*shape, dtype=dtype, seed=seed)
+    lanes = x.movedim(dim, -1)  # a view: (lanes, reduced)
+    n = lanes.shape[-1]
+    nan, inf = float("nan"), float("inf")
+    lanes[0, n // 2] = nan
+    lanes[1, n - 1] = inf
+    lanes[2, 0], lanes[2, n - 1] = inf, -inf
+    lanes[3, :] = -inf
+    lanes[4, 0], lanes[4, n // 2] = nan, inf
+    lanes[6, n // 2] = -inf
+    return x
+
+
+def _assert_same_pattern(out: torch.Tensor, ref: torch.Tensor, what: str, tol: float,
+                         scale: float | None = None) -> None:
+    """NaN, +inf and -inf exactly where torch has them; the finite elements close."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, what
+    for name, f in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        got, want = f(out), f(ref)
+        assert torch.equal(got, want), f"{what}: {name} at {got.nonzero().tolist()}, torch {want.nonzero().tolist()}"
+    fin = torch.isfinite(ref)
+    if fin.any():
+        assert_close(out[fin].float(), ref[fin].float(), torch.float32, what, tol=tol, scale=scale)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES3, ids=str)
+@pytest.mark.parametrize("shape,dim", [((7, 64), -1), ((7, 65536), -1), ((65536, 7), 0)],
+                         ids=["small", "inner-split", "outer-split"])
+def test_nan_and_inf_patterns_follow_torch(shape: tuple, dim: int, dtype: torch.dtype) -> None:
+    """NaN / +inf / -inf inputs (placed in every lane pattern `_nan_inf_lanes` lists) through an
+    elementwise chain (maximum / minimum / where / clamp / relu propagate or drop NaN as torch does;
+    x / 0, log of negatives and of 0, exp of inf) and through sum / amax / amin / mean, inner, outer and
+    split: the outputs have NaN, +inf and -inf exactly where torch's have them. Fails if a kernel uses
+    fmaxf-style NaN dropping in amax / maximum, loses a NaN in a split's combine, or turns inf - inf
+    into something other than NaN."""
+    x = _nan_inf_lanes(shape, dim, dtype, seed=5)
+    y = randn(*shape, dtype=dtype, seed=6)
+    y.view(-1)[::5] = 0.0  # x / 0: +-inf, 0 / 0 and NaN / 0: NaN
+
+    def elementwise(a, b):
+        return (torch.maximum(a, b) * 2 - torch.minimum(a, 0.5 * b), a / b, torch.log(a), torch.exp(a),
+                torch.where(a > b, a, b), torch.clamp(a, -1.0, 1.0), torch.relu(a) + b)
+
+    def reductions(a):
+        p = a.float()
+        return p.sum(dim), p.amax(dim), p.amin(dim), p.mean(dim), a.amax(dim)
+
+    out, trace = _run_fused(elementwise, (x, y))
+    assert _fused_symbols(trace), "elementwise: nothing was fused"
+    for k, (o, r) in enumerate(zip(_flat(out), _flat(elementwise(x, y)))):
+        _assert_same_pattern(o, r, f"elementwise output {k} {dtype}", tol=TOL[dtype] * 4)
+    out, trace = _run_fused(reductions, (x,))
+    assert _fused_symbols(trace), "reductions: nothing was fused"
+    # Sums cancel: fp32's rounding is relative to the terms (sum |p| of the finite ones), not to the
+    # sum; amax / amin are exact.
+    terms = x.float().abs().nan_to_num(posinf=0.0, neginf=0.0).sum(dim).norm().item()
+    checks = [("sum", 2e-6, terms), ("amax", 0.0, None), ("amin", 0.0, None),
+              ("mean", 2e-6, terms / x.shape[dim]), (f"amax {dtype}", 0.0, None)]
+    for o, r, (name, tol, scale) in zip(_flat(out), _flat(reductions(x)), checks):
+        _assert_same_pattern(o, r, f"{name} over {dim} of {shape}", tol=tol, scale=scale)

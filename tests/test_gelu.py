@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 import torch.nn.functional as F
 import thunder
@@ -354,3 +354,28 @@ def test_property_matches_float64(n, lead, dtype, approximate, off, seed, scale)
     if off:
         x = torch.empty(x.numel() + off, dtype=dtype, device="cuda")[off:].view(shape).copy_(x)
     check_against_reference(x, dout, dtype, approximate)
+
+
+_ANY_DTYPE = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+
+
+@settings(max_examples=150)
+@given(shape=st.lists(st.one_of(st.integers(0, 9), st.sampled_from([2**20, 2**31])), min_size=0, max_size=4).map(tuple),
+       dtype=_ANY_DTYPE, device=st.sampled_from(["cuda", "cpu"]),
+       approximate=st.sampled_from(["tanh", "none", "erf", "exact", ""]))
+@example(shape=(2**31, 2**31, 2**20), dtype=torch.float32, device="cuda", approximate="tanh")  # found
+def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, approximate):
+    """Generated proxies (0-D to 4-D, empty, past 2^31 and 2^50 elements) and `approximate` values:
+    whatever the checker accepts, gelu_forward / gelu_backward take it (CUDA, float dtype, approximate
+    "tanh" or "none", a pack grid of numel / (16 / itemsize) / (2 * 256) + 1 <= 2^31 - 1 blocks) and it
+    is not empty. Fails if a rule goes: without the grid rule a 2^31 x 2^31 x 2^20 input was accepted and
+    gelu_forward would raise "too many elements"."""
+    with tracectx(TraceCtx()):
+        a = proxy(shape, dtype=dtype, device=device)
+        if ge._checker(a, approximate=approximate) is not None:
+            return
+    assert device == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert approximate in ("tanh", "none")
+    n = math.prod(shape)
+    assert n > 0
+    assert n // (16 // dtype.itemsize) // (2 * 256) + 1 <= 2**31 - 1

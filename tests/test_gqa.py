@@ -10,7 +10,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 import thunder
 from thunder.core.trace import TraceCtx, tracectx
@@ -208,3 +208,33 @@ def test_property_matches_reference(B, H, T, D, n_rep, dtype, token_major, seed)
     if token_major:
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
     check(x, n_rep, f"{(B, H, T, D)} n_rep={n_rep}", reps=(0, 1))
+
+
+_ANY_DTYPE = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+# 2^15 + 1: a (T, D) slab past 2^30 elements; 2^20: Hkv * n_rep past 2^31 - 1 for n_rep >= 2^11.
+_GQA_DIM = st.one_of(st.integers(0, 5), st.sampled_from([2**15, 2**15 + 1, 2**20]))
+
+
+@settings(max_examples=300)
+@given(shape=st.one_of(st.tuples(*[_GQA_DIM] * 4), st.lists(_GQA_DIM, min_size=3, max_size=5).map(tuple)),
+       dtype=st.one_of(st.sampled_from([torch.float32, torch.bfloat16]), _ANY_DTYPE),
+       device=st.sampled_from(["cuda", "cuda", "cpu"]),
+       n_rep=st.sampled_from([-1, 0, 1, 2, 3, 7, 2048, 4096, 4097, 8192, 2**20, True, 2.0, "2"]))
+# What it found in the checker, kept as explicit examples.
+@example(shape=(1, 1, 1, 1), dtype=torch.float32, device="cuda", n_rep=4097)
+@example(shape=(1, 2**20, 1, 1), dtype=torch.float32, device="cuda", n_rep=2048)
+def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, n_rep):
+    """Generated proxies (3-D to 5-D, empty, long slabs, many heads) and n_rep values: whatever the
+    checker accepts, repeat_kv_forward / repeat_kv_backward take it (CUDA, float dtype, 4-D, n_rep an
+    int in [1, 4096], T * D <= 2^30, Hkv * n_rep <= 2^31 - 1), n_rep is not 1 (the identity) and x is
+    not empty. Fails if a rule goes: it found n_rep = 4097 and Hkv * n_rep past 2^31 - 1 accepted, which
+    the launcher rejects."""
+    with tracectx(TraceCtx()):
+        x = conftest.proxy(shape, dtype=dtype, device=device)
+        if op._check_repeat_kv(x, n_rep) is not None:
+            return
+    assert device == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert len(shape) == 4 and 0 not in shape
+    assert type(n_rep) is int and 2 <= n_rep <= 4096
+    B, H, T, D = shape
+    assert T * D <= 2**30 and H * n_rep <= 2**31 - 1

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import thunder
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
@@ -512,3 +514,75 @@ def test_merge_heads_backward_is_a_view_of_contiguous_dout(dtype):
     dy2 = _merge_heads_backward_launch(strided, NH)
     assert dy2.is_contiguous() and dy2.data_ptr() != strided.data_ptr()
     assert torch.equal(dy2, strided.reshape(B, T, NH, HS).transpose(1, 2))
+
+
+# ---- property-based (hypothesis) ----------------------------------------------------------------
+_ANY_DTYPE = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+# 2^16 and 2^31: B * T or a row past 2^31 - 1 (the launcher's int sizes).
+_PM_DIM = st.one_of(st.integers(0, 7), st.sampled_from([12, 2**16, 2**31]))
+_INT_MAX = 2**31 - 1
+
+
+@settings(max_examples=200)
+@given(shape=st.lists(_PM_DIM, min_size=2, max_size=5).map(tuple), dtype=_ANY_DTYPE, device=st.sampled_from(["cuda", "cpu"]),
+       n_head=st.one_of(st.integers(-1, 5), st.sampled_from([2**31, True, 2.0])), copy=st.booleans())
+def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, n_head, copy):
+    """Generated proxies and n_head values for both claims: whatever split_qkv's checker accepts,
+    split_qkv_forward / split_qkv_backward take it (CUDA, float dtype, (B, T, 3C) with C a multiple of
+    a positive int n_head, B * T and the row <= 2^31 - 1); whatever merge_heads' checker accepts,
+    merge_heads_forward / merge_heads_backward take it ((B, NH, T, HS), B * T and NH * HS <= 2^31 - 1);
+    neither accepts an empty tensor. Fails if a rule goes (an accepted (2^16, 2^16, 3) qkv would make
+    the launcher raise "sizes too large")."""
+    with tracectx(TraceCtx()):
+        t = proxy(shape, dtype=dtype, device=device)
+        split_ok = pm._split_checker(t, n_head, copy=copy) is None
+        merge_ok = pm._merge_checker(t) is None
+    if split_ok or merge_ok:
+        assert device == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16) and 0 not in shape
+    if split_ok:
+        assert len(shape) == 3 and type(n_head) is int and n_head > 0
+        B, T, C3 = shape
+        assert C3 % (3 * n_head) == 0 and B * T <= _INT_MAX and C3 <= _INT_MAX
+    if merge_ok:
+        assert len(shape) == 4
+        B, NH, T, HS = shape
+        assert B * T <= _INT_MAX and NH * HS <= _INT_MAX
+
+
+# Head sizes around the 16-byte pack (4 fp32 / 8 16-bit elements: the vector path when HS is a
+# multiple) and element-wise ones; T of 1, odd, past a few token tiles; NH 1 to 12.
+@gpu
+@pytest.mark.sanitize
+@settings(max_examples=40, deadline=None)
+@given(B=st.sampled_from([1, 2, 3]), T=st.sampled_from([1, 2, 5, 33, 129]), NH=st.sampled_from([1, 2, 3, 5, 12]),
+       HS=st.one_of(st.integers(1, 9), st.sampled_from([15, 16, 17, 63, 64, 65])),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       view=st.sampled_from(["contiguous", "misaligned", "strided"]), seed=st.integers(0, 2**31 - 1))
+def test_property_matches_reference(B, T, NH, HS, dtype, view, seed):
+    """Generated (B, T, NH, HS), dtypes and views (offset by one element: the element-wise path; a
+    column slice of a wider buffer / heads of the transposed layout: copied or read in place): split
+    and merge, forward and backward, are exact copies (float64 adds nothing to a permutation: every
+    element equal to the explicit indexing reference). Fails on any misplaced or unwritten
+    (NaN-poisoned) element."""
+    C = NH * HS
+
+    def laid_out(x):
+        if view == "misaligned":
+            return torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:].view(x.shape).copy_(x)
+        if view == "strided":  # the last dim a slice of a wider row (qkv, dout); heads token-major (y, dq)
+            if x.dim() == 3:
+                return torch.empty(*x.shape[:2], x.shape[2] + 5, dtype=dtype, device="cuda")[..., :x.shape[2]].copy_(x)
+            return x.transpose(1, 2).contiguous().transpose(1, 2)
+        return x
+
+    qkv = laid_out(randn(B, T, 3 * C, dtype=dtype, seed=seed))
+    for out, ref, name in zip(kforge._C.split_qkv_forward(qkv, NH), ref_split(qkv, NH), "qkv"):
+        assert_same(out, ref.contiguous(), f"split {name}")
+    grads = [laid_out(randn(B, NH, T, HS, dtype=dtype, seed=seed + p)) for p in (1, 2, 3)]
+    assert_same(kforge._C.split_qkv_backward(*grads), torch.cat([ref_merge(g) for g in grads], -1),
+                "split backward")
+    y = laid_out(randn(B, NH, T, HS, dtype=dtype, seed=seed + 4))
+    assert_same(kforge._C.merge_heads_forward(y), ref_merge(y).contiguous(), "merge")
+    dout = laid_out(randn(B, T, C, dtype=dtype, seed=seed + 5))
+    assert_same(kforge._C.merge_heads_backward(dout, NH),
+                dout.reshape(B, T, NH, HS).permute(0, 2, 1, 3).contiguous(), "merge backward")

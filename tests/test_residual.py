@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import thunder
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
@@ -275,3 +277,67 @@ def test_thunder_plumbing_broadcast(cpu_reference_launchers):
     torch.testing.assert_close(out, t.detach() + p.detach())
     torch.testing.assert_close(dt, g)
     torch.testing.assert_close(dp, g.sum(0))
+
+
+# ---- property-based (hypothesis) ----------------------------------------------------------------
+_ANY_DTYPE = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+_DIMS = st.lists(st.sampled_from([0, 1, 2, 3, 7, 8]), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=200)
+@given(a_shape=_DIMS, b_cut=st.integers(-1, 3), b_other=_DIMS, swap=st.booleans(), dtype=_ANY_DTYPE,
+       b_dtype=st.sampled_from(["same", "other"]), device=st.sampled_from(["cuda", "cpu"]),
+       b_device=st.sampled_from(["same", "other"]), alpha=st.sampled_from([1, 1.0, 2, 0, -1, True]))
+def test_checker_never_accepts_what_the_kernel_cannot_do(a_shape, b_cut, b_other, swap, dtype, b_dtype, device,
+                                                         b_device, alpha):
+    """Generated operand pairs (b a's trailing dims, or an unrelated shape; either order), dtypes, devices
+    and alphas: whatever the checker accepts, residual_forward's checks pass for the operands in the
+    order _execution passes them (CUDA, one float dtype and device, b of the big operand's shape or its
+    trailing dims), both non-empty, alpha 1. Fails if a rule goes (an accepted (8, 1) + (8, 768) would:
+    the launcher raises)."""
+    b_shape = a_shape[len(a_shape) - b_cut:] if 0 <= b_cut <= len(a_shape) else b_other
+    other_dtype = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    with tracectx(TraceCtx()):
+        a = proxy(a_shape, dtype=dtype, device=device)
+        b = proxy(b_shape, dtype=dtype if b_dtype == "same" else other_dtype,
+                  device=device if b_device == "same" else ("cpu" if device == "cuda" else "cuda"))
+        if swap:
+            a, b = b, a
+        if rs._checker(a, b, alpha=alpha) is not None:
+            return
+        big, small = rs._ordered(a, b)
+    assert device == "cuda" and b_device == "same" and b_dtype == "same"
+    assert dtype in (torch.float32, torch.bfloat16, torch.float16) and alpha == 1
+    big_s, small_s = tuple(big.shape), tuple(small.shape)
+    assert len(small_s) <= len(big_s) and big_s[len(big_s) - len(small_s):] == small_s
+    assert 0 not in big_s and 0 not in small_s
+
+
+# Lengths around the 16-byte pack (4 fp32 / 8 16-bit elements: b's numel must be a multiple of it for
+# the vector path), the scalar tail, and a few thousand elements (more than one step of the grid).
+_RS_LAST = st.one_of(st.integers(1, 40), st.sampled_from([8, 16, 2048]).flatmap(lambda e: st.integers(e - 3, e + 3)))
+
+
+@gpu
+@pytest.mark.sanitize
+@settings(max_examples=40, deadline=None)
+@given(last=_RS_LAST, lead=st.sampled_from([(), (1,), (3,), (2, 5)]), broadcast=st.sampled_from(["none", "last", "all"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       view=st.sampled_from(["contiguous", "misaligned", "transposed"]), seed=st.integers(0, 2**31 - 1))
+def test_property_matches_float64(last, lead, broadcast, dtype, view, seed):
+    """Generated shapes, broadcasts of b over a's leading dims, dtypes and views (offset by one element:
+    the scalar path; a transposed a: copied or read in place): the sum is the fp32 sum rounded once
+    (bitwise, as eager) and within the dtype's tolerance of float64. The backward has no kernel of its
+    own (the gradient, or its sum over the broadcast dims: colsum's test). Fails on any wrong or
+    unwritten (NaN-poisoned) element."""
+    shape = (*lead, last)
+    b_shape = {"none": shape, "last": shape[-1:], "all": shape[len(lead) // 2:]}[broadcast]
+    a, b = randn(*shape, dtype=dtype, seed=seed), randn(*b_shape, dtype=dtype, seed=seed + 1)
+    if view == "misaligned":  # one element past a 16-byte boundary: the scalar path
+        a = torch.empty(a.numel() + 1, dtype=dtype, device="cuda")[1:].view(shape).copy_(a)
+    elif view == "transposed" and len(shape) >= 2:  # a dense permutation (read in place) or a copy
+        a = a.transpose(-1, -2).contiguous().transpose(-1, -2)
+    out = kforge._C.residual_forward(a, b)
+    assert out.shape == a.shape and out.dtype == dtype
+    torch.testing.assert_close(out, expected(a, b), rtol=0, atol=0)
+    assert_close(out, a.double() + b.double(), dtype, "a + b")

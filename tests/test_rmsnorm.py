@@ -9,6 +9,7 @@ errors. (The dev/ probes' patched kernels: dev/tests.)
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch.nn.functional as F
 import thunder
+from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
 from kforge import _thunder
@@ -958,3 +960,42 @@ def test_property_matches_float64(data, dtype, rows, cast_before_weight, variant
         x = torch.empty(rows, D + 3, dtype=dtype, device="cuda")[:, :D].copy_(x)
     w = randn(D, dtype=dtype, scale=0.5, seed=seed + 1) + 1 if weight else None
     check(x, w, randn(rows, D, dtype=dtype, seed=seed + 2), cast_before_weight, what=f"({rows}, {D})", variant=variant)
+
+
+# ---- checker property (hypothesis) ---------------------------------------------------------------------
+_ANY_DTYPE = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+# Rows of 2048 16-byte chunks are the launchers' longest: 8192 fp32 / 16384 16-bit elements.
+_RMS_DIM = st.one_of(st.integers(0, 5), st.sampled_from([8192, 8193, 16384, 16385]))
+
+
+@settings(max_examples=200)
+@given(shape=st.lists(_RMS_DIM, min_size=0, max_size=3).map(tuple), dtype=_ANY_DTYPE,
+       device=st.sampled_from(["cuda", "cpu"]), nd=st.integers(-1, 3),
+       w=st.sampled_from(["none", "ok", "short", "dtype", "cpu"]),
+       eps=st.sampled_from([1e-6, 0.0, None, 1, True, "1e-5", float("nan")]), helper=st.booleans())
+def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, nd, w, eps, helper):
+    """Generated proxies, normalized shapes (trailing or not), weights and eps values, for the
+    torch.nn.functional.rms_norm claim and the model helper's (`helper`: last dim, weight required):
+    whatever the checker accepts, rmsnorm_forward / rmsnorm_backward take it (CUDA, float dtype, a
+    trailing normalized shape of D in [1, 2048 * 16 / itemsize] elements, weight of that shape and x's
+    dtype and device) and eps is a number or None (the helper: a number). Fails if a rule goes (a row
+    of 8193 fp32 elements accepted would make the launcher raise "too long")."""
+    normalized = shape[len(shape) - nd:] if 0 < nd <= len(shape) else (shape[-1] + 1,) if shape and nd == -1 else ()
+    if helper:
+        normalized = shape[-1:]
+    wshape = {"short": (*normalized[:-1], normalized[-1] + 1) if normalized else (1,)}.get(w, normalized)
+    with tracectx(TraceCtx()):
+        x = conftest.proxy(shape, dtype=dtype, device=device)
+        weight = None if w == "none" else conftest.proxy(
+            wshape, dtype=torch.float64 if w == "dtype" else dtype, device="cpu" if w == "cpu" else device)
+        if helper:
+            if op._check_rms_norm(x, weight, eps) is not None:
+                return
+        elif op._check_f_rms_norm(x, normalized, weight, eps) is not None:
+            return
+    assert device == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert 1 <= len(normalized) <= len(shape) and tuple(shape[len(shape) - len(normalized):]) == tuple(normalized)
+    D = math.prod(normalized)
+    assert 1 <= D <= 2048 * 16 // dtype.itemsize and 0 not in shape
+    assert w in ("none", "ok") and not (helper and w == "none")
+    assert (eps is None and not helper) or (isinstance(eps, (int, float)) and not isinstance(eps, bool))

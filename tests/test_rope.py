@@ -14,6 +14,9 @@ import functools
 import pytest
 import torch
 import thunder
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
 from kforge import _thunder
@@ -540,3 +543,151 @@ def test_launcher_rejects_cpu_tensors():
         kforge._C.rope_forward(q, k, c, c)
     with pytest.raises(kforge.KforgeError, match="must be a CUDA tensor"):
         kforge._C.rope_backward(q, k, c, c, None, False)
+
+
+# ---- property-based (hypothesis) ----------------------------------------------------------------
+_INT_MAX = 2**31 - 1
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rope_launcher_takes(q, k, cos, sin, pos, interleaved) -> bool:
+    """rope_forward's / rope_backward's checks (src/ops/rope.cpp) on shapes, dtypes and devices, in order."""
+    def cuda_float(t):
+        return t.device.type == "cuda" and t.dtype in _FLOATS
+
+    if not (cuda_float(q) and cuda_float(k) and q.ndim == 4 and k.ndim == 4):
+        return False
+    if k.device != q.device or k.dtype != q.dtype:
+        return False
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    if (k.shape[0], k.shape[2], k.shape[3]) != (B, T, D) or D <= 0 or D % 2:
+        return False
+    if B * T > _INT_MAX or Hq + Hkv > _INT_MAX:
+        return False
+    dc = D // 2 if interleaved else D
+    if cos.device != q.device or sin.device != q.device or cos.dtype != sin.dtype:
+        return False
+    if cos.dtype not in (q.dtype, torch.float32) or cos.shape != sin.shape:
+        return False
+    if cos.ndim not in (2, 3) or cos.shape[-1] != dc:
+        return False
+    if pos is not None:
+        ps = tuple(pos.shape)
+        return (cos.ndim == 2 and cos.shape[0] > 0 and pos.device == q.device
+                and pos.dtype in (torch.int64, torch.int32)
+                and (ps == (T,) or (len(ps) == 2 and ps[0] in (1, B) and ps[1] == T)))
+    if cos.ndim == 2:
+        return cos.shape[0] == T
+    return cos.shape[0] in (1, B) and cos.shape[1] == T
+
+
+class _Meta:
+    """What the launcher model reads of a proxy, in torch terms."""
+
+    def __init__(self, p):
+        from thunder.core import dtypes
+
+        self.shape, self.ndim = tuple(p.shape), p.ndim
+        self.dtype = dtypes.to_torch_dtype(p.dtype)
+        self.device = torch.device(p.device.device_str())
+
+
+_ANY_DTYPE = st.sampled_from([*_FLOATS, torch.float64, torch.int64])
+_TABLES = ["bt", "1t", "t", "pos", "pos1", "posT"]
+_BREAKS = ["none", "dc", "rows", "batch", "sin_shape", "f32", "f64", "sin_dtype", "cpu", "requires_grad",
+           "no_rows", "pos_int16", "pos_shape", "pos_cpu", "pos_3d_table", "not_tensor"]
+
+
+def _mostly(value, *others):
+    """`value` about half the time, else any of value / others: generated arguments stay mostly valid
+    (one rule broken at a time), so the rules checked last are reached too."""
+    return st.one_of(st.just(value), st.sampled_from([value, *others]))
+
+
+@settings(max_examples=1000)
+@given(dims=st.tuples(*[st.sampled_from([1, 2, 3, 0, 2**16, 2**31])] * 4), D=st.sampled_from([2, 4, 6, 8, 0, 7]),
+       q_ndim=_mostly(4, 3), k_break=_mostly("none", "B", "T", "D", "dtype", "cpu", "3d"),
+       dtype=st.one_of(st.sampled_from(_FLOATS), _ANY_DTYPE), device=_mostly("cuda", "cpu"),
+       interleaved=st.sampled_from([False, True, False, True, 0, 1]), table=st.sampled_from(_TABLES),
+       brk=_mostly("none", *_BREAKS))
+# What it found in the checker, kept as explicit examples: B * T past 2^31 - 1, a (0, Dc) table.
+@example(dims=(1, 1, 1, 2**31), D=2, q_ndim=4, k_break="none", dtype=torch.float32, device="cuda", interleaved=False,
+         table="bt", brk="none")
+@example(dims=(1, 2, 1, 3), D=8, q_ndim=4, k_break="none", dtype=torch.bfloat16, device="cuda", interleaved=True,
+         table="pos", brk="no_rows")
+def test_checker_never_accepts_what_the_kernel_cannot_do(dims, D, q_ndim, k_break, dtype, device, interleaved, table, brk):
+    """Generated q / k proxies (sizes 0, 1, odd, B * T and Hq + Hkv past 2^31 - 1, odd D), interleaved
+    values, table layouts and one broken rule at a time (table width, rows, dtypes, devices, gradient,
+    position ids): whatever the checker accepts, the launcher's checks pass (`_rope_launcher_takes`
+    mirrors src/ops/rope.cpp), interleaved is a bool, the tables need no gradient and q / k are not
+    empty. Fails if a rule goes: before the checker's fix the search found B * T past 2^31 - 1
+    accepted, and a (0, Dc) table with position_ids (read off the launcher; an explicit example) was
+    accepted too; the launcher rejects both."""
+    B, Hq, Hkv, T = dims
+    q_shape = (B, Hq, T, D)[:q_ndim]
+    k_shape = {"none": (B, Hkv, T, D), "B": (B + 1, Hkv, T, D), "T": (B, Hkv, T + 1, D), "D": (B, Hkv, T, D + 2),
+               "3d": (B, Hkv, T), "dtype": (B, Hkv, T, D), "cpu": (B, Hkv, T, D)}[k_break]
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    dc = D // 2 if interleaved else D
+    P = 0 if brk == "no_rows" else T + 3
+    tshape = {"bt": (B, T, dc), "1t": (1, T, dc), "t": (T, dc)}.get(table, (P, dc))
+    tshape = {"dc": tshape[:-1] + (dc + 1,), "rows": (tshape[0] + 1,) + tshape[1:],
+              "batch": (B + 2,) + tshape[1:] if len(tshape) == 3 else tshape,
+              "pos_3d_table": (1,) + tshape}.get(brk, tshape)
+    tdtype = {"f32": torch.float32, "f64": torch.float64}.get(brk, dtype)
+    tdev = "cpu" if brk == "cpu" else device
+    pshape = {"pos": (B, T), "pos1": (1, T), "posT": (T,)}.get(table)
+    if pshape is not None and brk == "pos_shape":
+        pshape = (B + 2, T)
+    with tracectx(TraceCtx()):
+        q = conftest.proxy(q_shape, dtype=dtype, device=device)
+        k = conftest.proxy(k_shape, dtype=other if k_break == "dtype" else dtype,
+                           device="cpu" if k_break == "cpu" else device)
+        cos = conftest.proxy(tshape, dtype=tdtype, device=tdev, requires_grad=brk == "requires_grad")
+        sin = conftest.proxy(tshape[:-1] + (dc + 2,) if brk == "sin_shape" else tshape,
+                             dtype=other if brk == "sin_dtype" else tdtype, device=tdev)
+        pos = None if pshape is None else conftest.proxy(
+            pshape, dtype=torch.int16 if brk == "pos_int16" else torch.int64,
+            device="cpu" if brk == "pos_cpu" else device)
+        if brk == "not_tensor":
+            sin = 0.5
+        if op._check_apply_rope(q, k, cos, sin, interleaved, pos) is not None:
+            return
+        metas = [_Meta(t) for t in (q, k, cos, sin)] + [None if pos is None else _Meta(pos)]
+    assert isinstance(interleaved, bool) and brk != "requires_grad"
+    assert 0 not in q_shape and 0 not in k_shape
+    assert _rope_launcher_takes(*metas, interleaved), (q_shape, k_shape, tshape, pshape, brk)
+
+
+# D around the 16-byte chunk of a row (rotate_half: D / 2, interleaved: D a multiple of 4 fp32 / 8
+# 16-bit elements: the tiled kernel; the rest, D / 2 odd included: the per-token kernel) and past
+# 256 chunks; heads around the tiled kernel's groups of 8; T of 1, odd, a few token tiles.
+@gpu
+@pytest.mark.sanitize
+@settings(max_examples=40, deadline=None)
+@given(B=st.sampled_from([1, 2, 3]), Hq=st.sampled_from([1, 3, 8, 9]), Hkv=st.sampled_from([1, 2, 8]),
+       T=st.sampled_from([1, 2, 7, 33, 130]), D=st.sampled_from([2, 4, 6, 8, 10, 16, 30, 32, 34, 64, 96, 128]),
+       dtype=st.sampled_from(list(_FLOATS)), f32_tables=st.booleans(), interleaved=st.booleans(),
+       table=st.sampled_from(_TABLES), view=st.sampled_from(["contiguous", "token_major", "misaligned", "sliced"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_property_matches_float64(B, Hq, Hkv, T, D, dtype, f32_tables, interleaved, table, view, seed):
+    """Generated shapes, dtypes, table layouts and dtypes (q's or fp32), and views of q / k (token-major
+    as a linear's output split into heads; one element past a 16-byte boundary; a head-dim slice of a
+    wider buffer: strided rows): forward and backward within the dtype's tolerance of float64, with the
+    promised output layouts, every element written (check()). Fails on a wrong rotation, a wrong table
+    row or an unwritten (NaN-poisoned) element."""
+    cos, sin, pos = tables(table, B, T, D, interleaved, torch.float32 if f32_tables else dtype)
+
+    def laid_out(H, s):
+        x = randn(B, H, T, D, dtype=dtype, seed=s)
+        if view == "token_major":
+            return x.transpose(1, 2).contiguous().transpose(1, 2)
+        if view == "misaligned":
+            return torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:].view(x.shape).copy_(x)
+        if view == "sliced":
+            return torch.empty(B, H, T, D + 2, dtype=dtype, device="cuda")[..., 1:D + 1].copy_(x)
+        return x
+
+    check(laid_out(Hq, seed), laid_out(Hkv, seed + 1), cos, sin, interleaved, pos,
+          f"{B}x({Hq}+{Hkv})x{T}x{D} {table} {view}")

@@ -173,3 +173,26 @@ def test_property_matches_float64(n, rows, dtype, layout, seed):
     elif layout == "transposed":
         up = up.t().contiguous().t()
     check(gate, up, dout, f"({rows}, {n}) {layout}")
+
+
+_ANY_DTYPE = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+_SHAPES = st.lists(st.sampled_from([0, 1, 2, 3, 8]), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=150)
+@given(shape=_SHAPES, up_shape=st.one_of(st.none(), _SHAPES), dtype=_ANY_DTYPE, up_dtype=_ANY_DTYPE,
+       device=st.sampled_from(["cuda", "cpu"]), up_device=st.sampled_from(["cuda", "cpu"]))
+def test_checker_never_accepts_what_the_kernel_cannot_do(shape, up_shape, dtype, up_dtype, device, up_device):
+    """Generated gate / up proxies (same or other shape, dtype, device): whatever the checker accepts,
+    swiglu_forward / swiglu_backward take it (CUDA, one float dtype and device, equal shapes: no
+    broadcasting) and it is not empty. Fails if a rule goes (a (3, 1) up for a (3, 8) gate would be
+    accepted and the launcher raise "shapes differ")."""
+    up_shape = shape if up_shape is None else up_shape
+    with tracectx(TraceCtx()):
+        gate = conftest.proxy(shape, dtype=dtype, device=device)
+        up = conftest.proxy(up_shape, dtype=up_dtype, device=up_device)
+        if op._check_swiglu(gate, up) is not None:
+            return
+    assert device == up_device == "cuda" and dtype == up_dtype
+    assert dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert up_shape == shape and 0 not in shape

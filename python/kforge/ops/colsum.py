@@ -64,8 +64,8 @@ def _checker(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = Non
         return f"dim={dim!r} is not every dim but the last of a {x.ndim}-D tensor"
     if dtype is not None and dtypes.to_torch_dtype(dtypes.to_dtype(dtype)) != dtypes.to_torch_dtype(x.dtype):
         return f"dtype={dtype} differs from the input dtype"
-    if x.shape[-1] > 2**30:
-        return f"last dim {x.shape[-1]} exceeds 2^30"
+    if x.shape[-1] > 2**30 - 1:  # the launcher's limit: INT_MAX / 2
+        return f"last dim {x.shape[-1]} exceeds 2^30 - 1"
     return None
 
 

@@ -140,6 +140,8 @@ def _checker(a: Any, target: Any, weight: Any = None, size_average: Any = None, 
     ignore_type = ignore_index.python_type if isinstance(ignore_index, NumberProxy) else type(ignore_index)
     if ignore_type is not int:
         return f"ignore_index {ignore_index!r} is not an int"
+    if not isinstance(ignore_index, NumberProxy) and not -2**63 <= ignore_index < 2**63:
+        return f"ignore_index {ignore_index} does not fit int64"
     if (problem := tensor_problem(a, "input")) is not None:
         return problem
     if not isinstance(target, TensorProxy):
@@ -156,6 +158,11 @@ def _checker(a: Any, target: Any, weight: Any = None, size_average: Any = None, 
         return f"target shape {tuple(target.shape)} does not match input rows {a.shape[0]}"
     if a.shape[0] > 2**31 - 1:
         return f"{a.shape[0]} rows exceed one CUDA grid (2^31 - 1)"
+    # Backward: one block per (row, chunk), a chunk at most 256 threads x 2 packs of 16 bytes on the
+    # element-wise path (src/ops/cross_entropy.cpp).
+    packs = -(-a.shape[1] // (16 // dtypes.to_torch_dtype(a.dtype).itemsize))
+    if a.shape[0] * -(-packs // 512) > 2**31 - 1:
+        return f"({a.shape[0]}, {a.shape[1]}) logits need more than 2^31 - 1 backward blocks"
     return None
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import thunder.torch as ltorch
+from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grad
 
@@ -44,7 +45,12 @@ def _checker(a: Any, *, approximate: str = "none") -> str | None:
     """None when kforge takes `ltorch.gelu(a, approximate=...)`, else why not."""
     if approximate not in APPROXIMATIONS:
         return f"approximate={approximate!r} is not one of {APPROXIMATIONS}"
-    return tensor_problem(a, "input")
+    if (p := tensor_problem(a, "input")) is not None:
+        return p
+    # The launcher's grid: one block per 2 x 256 packs of 16 bytes, plus one (src/ops/gelu.cpp).
+    if a.numel // (16 // dtypes.to_torch_dtype(a.dtype).itemsize) // 512 + 1 > 2**31 - 1:
+        return f"{a.numel} elements exceed one launch grid"
+    return None
 
 
 def _execution(a: TensorProxy, *, approximate: str = "none") -> TensorProxy:

@@ -88,6 +88,10 @@ def _check_repeat_kv(x: Any, n_rep: Any) -> str | None:
         return f"n_rep must be a positive Python int, got {n_rep!r}"
     if n_rep == 1:
         return "n_rep=1 is the identity (no kernel needed)"
+    if n_rep > 4096:  # the launchers' limit
+        return f"n_rep={n_rep} exceeds 4096"
+    if x.shape[1] * n_rep > 2**31 - 1:
+        return f"{x.shape[1]} x {n_rep} output heads exceed 2^31 - 1"
     if x.shape[2] * x.shape[3] > 2**30:
         return f"a (T, D) slab of {x.shape[2] * x.shape[3]} elements is too large (max 2^30)"
     return None

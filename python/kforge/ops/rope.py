@@ -154,6 +154,8 @@ def _table_problem(q: TensorProxy, cos: Any, sin: Any, interleaved: bool, positi
             return f"position_ids shape {ps} is not (T,), (1, T) or (B, T) for B={B}, T={T}"
         if cos.ndim != 2:
             return f"cos / sin shape {tuple(cos.shape)} is not {want}"
+        if cos.shape[0] == 0:
+            return "cos / sin (P, Dc) tables have no rows"
     elif (cos.ndim == 2 and cos.shape[0] != T) or (cos.ndim == 3 and (cos.shape[0] not in (1, B) or cos.shape[1] != T)):
         return f"cos / sin shape {tuple(cos.shape)} is not {want} for B={B}, T={T}"
     return None
@@ -174,6 +176,8 @@ def _check_apply_rope(q: Any, k: Any, cos: Any, sin: Any, interleaved: Any = Fal
         return f"head dim {q.shape[3]} is odd"
     if not isinstance(interleaved, bool):
         return f"interleaved must be a Python bool, got {type(interleaved).__name__}"
+    if q.shape[0] * q.shape[2] > 2**31 - 1 or q.shape[1] + k.shape[1] > 2**31 - 1:
+        return f"B*T = {q.shape[0] * q.shape[2]} tokens or {q.shape[1] + k.shape[1]} heads exceed 2^31 - 1"
     return _table_problem(q, cos, sin, interleaved, position_ids)
 
 
