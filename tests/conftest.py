@@ -310,6 +310,26 @@ def as_on_a_gpu():
         torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
 
 
+def traced_region(fn, args: tuple, *, zeros: tuple = ()):
+    """(the fusion IR of `fn`'s whole computation trace, traced by Thunder on the given CPU tensors,
+    the trace's tensor inputs). `zeros`: positions of those inputs lowered as the constant 0."""
+    import thunder
+    from thunder.core import prims
+    from thunder.core.proxies import TensorProxy
+
+    from kforge.fusion import ir as fir
+
+    jf = thunder.jit(fn)
+    jf(*args)
+    tr = thunder.last_traces(jf)[0]
+    skip = (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN, prims.PrimIDs.UNPACK_SEQUENCE)
+    bsyms = [b for b in tr.bound_symbols if b.sym.id not in skip]
+    ins = [a for a in tr.args if isinstance(a, TensorProxy)]
+    out = tr.output if isinstance(tr.output, (tuple, list)) else (tr.output,)
+    outs = [o for o in out if isinstance(o, TensorProxy)]
+    return fir.lower(bsyms, ins, outs, zeros=zeros), ins
+
+
 def fake_cuda_trace(make, /, *, jit=None, dynamo: bool | None = None, **make_kwargs) -> FakeTrace:
     """Trace `make`'s function as Thunder would on a GPU, without one: forward and backward traces
     are built, no kernel runs.

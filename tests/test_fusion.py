@@ -11,7 +11,6 @@ graphs.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import HAS_GPU, assert_close, gpu, randn
+from conftest import assert_close, gpu, randn, traced_region
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
@@ -132,20 +131,7 @@ def _flat(out: Any) -> list[torch.Tensor]:
 def _region_of(fn: Callable, args: tuple):
     """The IR of `fn`'s whole computation trace (traced by Thunder on the given CPU tensors). Its
     arguments are the inputs the trace reads (`_used_args` picks them from `args`)."""
-    import thunder
-    from thunder.core import prims
-    from thunder.core.proxies import TensorProxy
-
-    from kforge.fusion import ir as fir
-
-    jf = thunder.jit(fn)
-    jf(*args)
-    tr = thunder.last_traces(jf)[0]
-    skip = (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN, prims.PrimIDs.UNPACK_SEQUENCE)
-    bsyms = [b for b in tr.bound_symbols if b.sym.id not in skip]
-    ins = [a for a in tr.args if isinstance(a, TensorProxy)]
-    outs = [o for o in _flat(tr.output) if isinstance(o, TensorProxy)]
-    region = fir.lower(bsyms, ins, outs)
+    region, ins = traced_region(fn, args)
     region.positions = [_position(fn, p.name) for p in ins]  # type: ignore[attr-defined]
     return region
 

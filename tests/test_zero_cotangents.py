@@ -16,28 +16,16 @@ from typing import Callable
 import pytest
 import torch
 
-from conftest import assert_close, fake_cuda_trace, gpu, randn
+from conftest import assert_close, fake_cuda_trace, gpu, randn, traced_region
 
 BF16 = torch.bfloat16
 
 
 def _lowered(fn: Callable, args: tuple, zeros: tuple[int, ...]):
     """`fn`'s whole trace (Thunder on CPU tensors) lowered with the arguments at `zeros` as 0."""
-    import thunder
-    from thunder.core import prims
-    from thunder.core.proxies import TensorProxy
-
-    from kforge.fusion import ir as fir
-
-    jf = thunder.jit(fn)
-    jf(*args)
-    tr = thunder.last_traces(jf)[0]
-    skip = (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN, prims.PrimIDs.UNPACK_SEQUENCE)
-    bsyms = [b for b in tr.bound_symbols if b.sym.id not in skip]
-    ins = [a for a in tr.args if isinstance(a, TensorProxy)]
+    region, ins = traced_region(fn, args, zeros=zeros)
     assert len(ins) == len(args)
-    outs = [o for o in (tr.output if isinstance(tr.output, tuple) else (tr.output,)) if isinstance(o, TensorProxy)]
-    return fir.lower(bsyms, ins, outs, zeros=zeros)
+    return region
 
 
 # name: (fn(x, g), g's shape relative to x, ops that may remain after folding)

@@ -294,13 +294,7 @@ class KforgeFusionExecutor(FusionExecutor):
         fr = None
         try:
             region_ir = fir.lower(bsyms, inputs, outputs)
-            sched = codegen.schedule(region_ir)
-            if sched.kind == "passthrough":
-                fn = _Passthrough(region_ir.output_sources())
-            else:
-                fr = _get_region(region_ir, _device_index(inputs, outputs))
-                fn = fr.kernel
-            kind = sched.kind
+            fn, fr, kind = region_callable(region_ir, _device_index(inputs, outputs))
         except fir.Unsupported as e:
             reason = str(e)
             fn = _torch_callable(bsyms, inputs, outputs)
@@ -316,6 +310,17 @@ class KforgeFusionExecutor(FusionExecutor):
             ops = [b.sym.name for b in bsyms]
         self.infos[name] = FusionInfo(name, ops, getattr(fn, "name", None) if reason is None else None, kind, reason)
         return bsym
+
+
+def region_callable(region_ir: fir.RegionIR, device: int) -> tuple[Any, FusedRegion | None, str]:
+    """(what a trace calls for the region, its FusedRegion or None, its schedule kind): the inputs
+    themselves for a passthrough, else the region structure's generated kernel. Unsupported when
+    no kernel can compute it."""
+    kind = codegen.schedule(region_ir).kind
+    if kind == "passthrough":
+        return _Passthrough(region_ir.output_sources()), None, kind
+    fr = _get_region(region_ir, device)
+    return fr.kernel, fr, kind
 
 
 def describe(bsym: BoundSymbol) -> dict:

@@ -76,15 +76,13 @@ class ZeroAware:
         return run(*(a for i, a in enumerate(args) if i not in absent))
 
     def _specialize(self, absent: tuple) -> Any:
-        from . import codegen, ir as fir
-        from .executor import _Passthrough, _device_index, _get_region
+        from . import ir as fir
+        from .executor import _device_index, region_callable
 
         b = self.bsym
         try:
             region = fir.lower(b.subsymbols, list(b.args), list(b.output), zeros=absent)
-            if codegen.schedule(region).kind == "passthrough":
-                return _Passthrough(region.output_sources())
-            return _get_region(region, _device_index(b.args, b.output)).kernel
+            return region_callable(region, _device_index(b.args, b.output))[0]
         except fir.Unsupported:
             return self._materializing(absent)
 
