@@ -151,10 +151,7 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& logi
   // (same base phase; both have row stride ld).
   const bool vec = (reinterpret_cast<uintptr_t>(ptr(p.logits)) & 15) == (reinterpret_cast<uintptr_t>(ptr(dlogits)) & 15);
   const CrossEntropyPlan plan = plan_cross_entropy_backward(p.N, p.V, p.logits.element_size(), vec);
-  // One block per item: N * chunks blocks fit gridDim.x for any tensor that fits in memory (a row of
-  // two or more chunks has >= 1024 elements per chunk, so 2^31 items would be >= 2^41 elements).
-  KF_CHECK(p.N * plan.chunks <= std::numeric_limits<int>::max(), op,
-           "too many (row, chunk) work items: ", p.N * plan.chunks);
+  KF_CHECK(plan.error.empty(), op, plan.error);
   const long long grad_stride = red == Reduction::none ? 1LL : 0LL;
   void* const nv = red == Reduction::mean ? ptr(n_valid) : nullptr;
   const long long ii = ignore_index;

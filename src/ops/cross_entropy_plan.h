@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "launch_params.cuh"  // kernels_src/: the backward's block shape, shared with the kernel
@@ -48,6 +49,10 @@ inline CrossEntropyPlan plan_cross_entropy_backward(long long N, long long V, in
   p.chunk_packs = (max_packs + p.chunks - 1) / p.chunks;
   p.grid = static_cast<unsigned>(N * p.chunks);
   p.block_x = kBwdThreads;
+  // One block per item: N * chunks blocks fit gridDim.x for any tensor that fits in memory (a row of
+  // two or more chunks has >= 1024 elements per chunk, so 2^31 items would be >= 2^41 elements).
+  if (N * p.chunks > std::numeric_limits<int>::max())
+    p.error = "too many (row, chunk) work items: " + std::to_string(N * p.chunks);
   return p;
 }
 

@@ -199,8 +199,7 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> forward(
                    (!residual || (aligned16(*residual) && aligned16(*s)));
   const RmsnormPlan p =
       plan_rmsnorm_forward(rows, static_cast<int>((D + V - 1) / V), vec, residual.has_value());
-  KF_CHECK((rows + p.block_y - 1) / p.block_y <= std::numeric_limits<int>::max(), op,
-           "too many rows: ", rows);
+  KF_CHECK(p.error.empty(), op, p.error);
   const int zero = 0;  // see opaque() in the kernel
   forward_kernel(p).launch(
       dtype_of(x, op), on.device, on.stream, static_cast<unsigned>(p.grid),

@@ -77,6 +77,8 @@ inline RmsnormPlan plan_rmsnorm_forward(int64_t rows, int nchunk, bool vec, bool
   }
   p.block_x = tx, p.block_y = ty;
   p.grid = plan_util::ceil_div_u(rows, ty);
+  if ((rows + ty - 1) / ty > std::numeric_limits<int>::max())  // gridDim.x
+    p.error = "too many rows: " + std::to_string(rows);
   return p;
 }
 
