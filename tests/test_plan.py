@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 kforge = pytest.importorskip("kforge")
 C = kforge._C
@@ -141,3 +142,55 @@ def test_plan_bad_input():
     import torch
 
     assert C.plan("softmax_forward", [4, 4], torch.float32) == C.plan("softmax_forward", [4, 4], "float32")
+
+
+# ---- the testing override (variant / max_warps off the public bindings) ------------------------------
+def test_public_bindings_take_no_variant_or_max_warps():
+    x = torch.zeros(2, 8)
+    for name in ("layernorm_forward", "layernorm_backward", "rmsnorm_backward"):
+        doc = getattr(C, name).__doc__
+        assert "variant" not in doc and "max_warps" not in doc, doc
+    with pytest.raises(TypeError):
+        C.layernorm_forward(x, None, None, 1e-5, variant=1)
+    with pytest.raises(TypeError):
+        C.layernorm_forward(x, None, None, 1e-5, max_warps=4)
+    with pytest.raises(TypeError):
+        C.rmsnorm_backward(x, x, None, torch.zeros(2), variant=1)
+
+
+def test_testing_override_sets_and_restores():
+    from kforge._testing import override
+
+    assert set(C._testing_override_ops()) == {"layernorm_forward", "layernorm_backward", "rmsnorm_backward"}
+    assert C._testing_override("layernorm_backward") == (0, 0)
+    with override("layernorm_backward", variant=1, max_warps=6):
+        assert C._testing_override("layernorm_backward") == (1, 6)
+        assert C._testing_override("layernorm_forward") == (0, 0)
+        with override("layernorm_backward"):
+            assert C._testing_override("layernorm_backward") == (0, 0)
+        assert C._testing_override("layernorm_backward") == (1, 6)
+    assert C._testing_override("layernorm_backward") == (0, 0)
+    with pytest.raises(RuntimeError):
+        with override("rmsnorm_backward", variant=1):
+            raise RuntimeError("restored on the way out")
+    assert C._testing_override("rmsnorm_backward") == (0, 0)
+
+
+def test_testing_override_rejects_bad_values():
+    from kforge._testing import override
+
+    for op in ("layernorm_forward", "layernorm_backward", "rmsnorm_backward"):
+        for v in (-1, 2):
+            with pytest.raises(kforge.KforgeError, match=rf"{op}: variant must be in \[0, 1\], got {v}"):
+                with override(op, variant=v):
+                    pass
+        assert C._testing_override(op) == (0, 0)
+    with pytest.raises(kforge.KforgeError, match="max_warps must be >= 0"):
+        with override("layernorm_forward", max_warps=-1):
+            pass
+    with pytest.raises(kforge.KforgeError, match="rmsnorm_backward: takes no max_warps"):
+        with override("rmsnorm_backward", max_warps=4):
+            pass
+    with pytest.raises(ValueError, match="no testing override"):
+        with override("softmax_forward", variant=1):
+            pass

@@ -13,7 +13,8 @@
 // GROUP 14.2 us against WARP's 14.8, bf16 WARP 9.1 against GROUP's 9.9; backward bf16 RING 16.1-16.9
 // against GROUP's 17.1-17.8, fp32 GROUP 22.8-23.7 against RING's 25.4-27.6.
 // Rows past a layout's int row index (GROUP: N > 2^30; RING: N >= 2^31) take WARP instead; the
-// launchers' `variant` 1 (tests only) forces that fallback (never GROUP / RING) at any N.
+// testing override's `variant` 1 (kforge._testing.override) forces that fallback (never GROUP /
+// RING) at any N. The choice itself: plan_layernorm_forward / _backward (layernorm_plan.h).
 #include <algorithm>
 #include <optional>
 #include <string_view>
@@ -29,11 +30,9 @@ using namespace kf_layernorm;
 constexpr const char* kFwd = "layernorm_forward";
 constexpr const char* kBwd = "layernorm_backward";
 
-using ln_plan::kNumVariants;
-void check_variant(int64_t variant, const char* op) {
-  KF_CHECK(variant >= 0 && variant < kNumVariants, op, "variant must be in [0, ", kNumVariants - 1,
-           "], got ", variant);
-}
+// variant (1: never GROUP / RING) and max_warps, for tests and A/B timing only.
+TestingOverride fwd_override(kFwd, ln_plan::kNumVariants, /*has_max_warps=*/true);
+TestingOverride bwd_override(kBwd, ln_plan::kNumVariants, /*has_max_warps=*/true);
 
 Program prog("layernorm");
 const std::vector<DType> kF32Only = {DType::f32};
@@ -108,14 +107,12 @@ bool aligned_or_absent(const at::Tensor& t) { return !t.defined() || aligned16(t
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
     const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
-    const std::optional<at::Tensor>& bias_, double eps, int64_t max_warps, int64_t variant) {
+    const std::optional<at::Tensor>& bias_, double eps) {
   const at::Tensor x = input(x_, kFwd, "x");
   const auto [N, C] = rows_cols(x, kFwd);
   const at::Tensor w = param(weight_, x, C, kFwd, "weight");
   const at::Tensor b = param(bias_, x, C, kFwd, "bias");
   KF_CHECK(eps >= 0, kFwd, "eps must be >= 0, got ", eps);
-  KF_CHECK(max_warps >= 0, kFwd, "max_warps must be >= 0, got ", max_warps);
-  check_variant(variant, kFwd);
   LaunchOn on(x);
   at::Tensor out = new_output_like(x);
   at::Tensor mean = new_output({N}, x.options().dtype(at::kFloat));
@@ -126,7 +123,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
       aligned16(x) && aligned16(out) && aligned_or_absent(w) && aligned_or_absent(b);
   const DType dt = dtype_of(x, kFwd);
   const LayernormPlan p =
-      plan_layernorm_forward(N, C, x.element_size(), aligned, sm_count(on.device), max_warps, variant);
+      plan_layernorm_forward(N, C, x.element_size(), aligned, sm_count(on.device),
+                             fwd_override.get_max_warps(), fwd_override.get_variant());
   const std::string_view layout = p.layout;
   Kernel& k = layout == "group"  ? (p.vec ? fwd_group_vec : fwd_group_scalar)
               : layout == "warp" ? (p.vec ? fwd_warp_vec[p.warp_index] : fwd_warp_scalar[p.warp_index])
@@ -164,8 +162,7 @@ void param_grad(const at::Tensor& partial, std::optional<at::Tensor>& dweight,
 
 std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> layernorm_backward(
     const at::Tensor& dout_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
-    const std::optional<at::Tensor>& bias_, const at::Tensor& mean_, const at::Tensor& rstd_,
-    int64_t max_warps, int64_t variant) {
+    const std::optional<at::Tensor>& bias_, const at::Tensor& mean_, const at::Tensor& rstd_) {
   const at::Tensor x = input(x_, kBwd, "x");
   const at::Tensor dout = input_like(dout_, x, kBwd, "dout");
   KF_CHECK(dout.sizes() == x.sizes(), kBwd, "dout has shape ", dout.sizes(), ", x has ", x.sizes());
@@ -179,8 +176,6 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
              " must be float32 with one value per row (", N, "), got ", t->scalar_type(), " ",
              t->sizes());
   }
-  KF_CHECK(max_warps >= 0, kBwd, "max_warps must be >= 0, got ", max_warps);
-  check_variant(variant, kBwd);
   const at::Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
   LaunchOn on(x);
   const DType dt = dtype_of(x, kBwd);
@@ -198,7 +193,9 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
   const bool need_dw = w.defined(), need_db = b.defined();
   const int64_t optin = at::cuda::getDeviceProperties(on.device)->sharedMemPerBlockOptin;
   const LayernormPlan p = plan_layernorm_backward(N, C, x.element_size(), aligned, need_dw || need_db,
-                                                  sm_count(on.device), optin, max_warps, variant);
+                                                  sm_count(on.device), optin,
+                                                  bwd_override.get_max_warps(),
+                                                  bwd_override.get_variant());
   KF_CHECK(p.error.empty(), kBwd, p.error);
   const std::string_view layout = p.layout;
   // per-block partial sums [dweight | dbias], one row of 2C floats per block
@@ -234,27 +231,16 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
 
 KFORGE_BIND_OP(layernorm) {
   m.def("layernorm_forward", &layernorm_forward,
-        "LayerNorm over the last dim: returns (out, mean, rstd); mean / rstd are float32 (N,). "
-        "max_warps (for A/B timing; 0: the kernel's own limit): fewer resident warps per SM on "
-        "rows of up to 1024 columns (2048 for 16-byte-aligned bfloat16 / float16); none on longer "
-        "rows. variant: 0 (default) float32 rows of <= 1024 columns over groups of 32-1024 threads "
-        "(GROUP); 1 (tests only) never GROUP: those rows take one warp per row (WARP, the layout "
-        "the default uses past 2^30 rows); other inputs take the same kernels under every variant",
+        "LayerNorm over the last dim: returns (out, mean, rstd); mean / rstd are float32 (N,). The "
+        "layout (kforge._C.plan) depends on dtype, row length and alignment only.",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("eps") = 1e-5, pybind11::arg("max_warps") = 0,
-        pybind11::arg("variant") = ln_plan::kDefault);
+        pybind11::arg("eps") = 1e-5);
   m.def("layernorm_backward", &layernorm_backward,
         "LayerNorm backward: returns (dx, dweight or None, dbias or None); bias is only used to "
         "decide whether dbias is wanted. dweight / dbias are reduced in a fixed order (reproducible "
-        "bits). max_warps (for A/B timing; 0: the kernel's own limit): fewer warps per SM on rows "
-        "of up to 1024 columns; none on longer rows. variant: 0 (default) rows of <= 1024 columns "
-        "take the shared-memory ring (RING: bfloat16 / float16 with 16-byte units) or groups of "
-        "32-1024 threads (GROUP); 1 (tests only) never RING / GROUP: those rows take one warp per "
-        "row (WARP, the layout the default uses past 2^30 rows, 2^31 for RING); longer rows take "
-        "the same kernels under every variant",
+        "bits).",
         pybind11::arg("dout"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("max_warps") = 0,
-        pybind11::arg("variant") = ln_plan::kDefault);
+        pybind11::arg("mean"), pybind11::arg("rstd"));
 }
 
 }  // namespace kforge

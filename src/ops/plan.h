@@ -30,3 +30,31 @@ inline unsigned round32(int64_t n) { return static_cast<unsigned>((n + 31) / 32 
 }  // namespace plan_util
 
 }  // namespace kforge
+
+#include <atomic>
+#include <map>
+
+namespace kforge {
+
+// A testing override of one launcher's dispatch: `variant` forces one of its other layouts (0: the
+// plan's own choice), `max_warps` caps resident warps per SM (0: the kernel's own limit). Set with
+// kforge._testing.override (tests, scripts/ab.py's A/B timing), so the public bindings take only
+// their inputs. Process-wide; read with relaxed loads (a launch costs two atomic reads).
+struct TestingOverride {
+  const char* op;
+  int64_t num_variants;  // valid variants: [0, num_variants)
+  bool has_max_warps;
+  std::atomic<int64_t> variant{0}, max_warps{0};
+  TestingOverride(const char* op_, int64_t num_variants_, bool has_max_warps_)
+      : op(op_), num_variants(num_variants_), has_max_warps(has_max_warps_) {
+    testing_overrides()[op] = this;
+  }
+  int64_t get_variant() const { return variant.load(std::memory_order_relaxed); }
+  int64_t get_max_warps() const { return max_warps.load(std::memory_order_relaxed); }
+  static std::map<std::string, TestingOverride*>& testing_overrides() {
+    static std::map<std::string, TestingOverride*> m;
+    return m;
+  }
+};
+
+}  // namespace kforge

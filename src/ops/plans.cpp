@@ -197,6 +197,37 @@ KFORGE_BIND_OP(plans) {
   m.def(
       "plan_layouts", [](const std::string& op) { return entry(op).layouts; }, py::arg("op"),
       "Every layout `op`'s plan can choose.");
+  m.def(
+      "_set_testing_override",
+      [](const std::string& op, int64_t variant, int64_t max_warps) {
+        const auto& all = TestingOverride::testing_overrides();
+        const auto it = all.find(op);
+        if (it == all.end()) throw py::value_error("kforge: \"" + op + "\" has no testing override");
+        TestingOverride& o = *it->second;
+        KF_CHECK(variant >= 0 && variant < o.num_variants, o.op, "variant must be in [0, ",
+                 o.num_variants - 1, "], got ", variant);
+        KF_CHECK(max_warps >= 0, o.op, "max_warps must be >= 0, got ", max_warps);
+        KF_CHECK(max_warps == 0 || o.has_max_warps, o.op, "takes no max_warps");
+        o.variant.store(variant, std::memory_order_relaxed);
+        o.max_warps.store(max_warps, std::memory_order_relaxed);
+      },
+      py::arg("op"), py::arg("variant") = 0, py::arg("max_warps") = 0,
+      "Tests / A/B timing only (use kforge._testing.override): force `op`'s launcher to `variant` "
+      "and cap its resident warps per SM at `max_warps` (0, 0: its own choice) until reset.");
+  m.def(
+      "_testing_override",
+      [](const std::string& op) {
+        const auto& all = TestingOverride::testing_overrides();
+        const auto it = all.find(op);
+        if (it == all.end()) throw py::value_error("kforge: \"" + op + "\" has no testing override");
+        return py::make_tuple(it->second->get_variant(), it->second->get_max_warps());
+      },
+      py::arg("op"), "(variant, max_warps) now in force for `op` (0, 0: none).");
+  m.def("_testing_override_ops", [] {
+    std::vector<std::string> ops;
+    for (const auto& [name, o] : TestingOverride::testing_overrides()) ops.push_back(name);
+    return ops;
+  });
   m.def("plan_ops", [] {
     std::vector<std::string> ops;
     for (const auto& [name, e] : table()) ops.push_back(name);

@@ -118,6 +118,9 @@ RingKernel ring_kernels[] = {KF_RING3(4, 3, 384, false, ""), KF_RING3(2, 3, 512,
 Kernel dweight_kernels[2] = {{prog, "rmsnorm_dweight_kernel<{T}, false>"},
                              {prog, "rmsnorm_dweight_kernel<{T}, true>"}};
 
+// variant 1 (never the ring: the kernels that take what the ring does not), for tests only.
+TestingOverride bwd_override("rmsnorm_backward", rms_plan::kNumVariants, /*has_max_warps=*/false);
+
 // The plan's kernels in the tables above (fail: a plan without its instantiation).
 Kernel& forward_kernel(const RmsnormPlan& p) {
   for (int i = 0; i < 4; ++i)
@@ -230,12 +233,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rmsnorm_forward(
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
     const at::Tensor& dy_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
-    const at::Tensor& rstd_, int64_t normalized_ndim, bool cast_before_weight, int64_t variant,
+    const at::Tensor& rstd_, int64_t normalized_ndim, bool cast_before_weight,
     const std::optional<at::Tensor>& dresidual_) {
   const char* op = "rmsnorm_backward";
-  using rms_plan::kNumVariants;
-  KF_CHECK(variant >= 0 && variant < kNumVariants, op, "variant must be in [0, ", kNumVariants - 1,
-           "], got ", variant);
   const at::Tensor x = input(x_, op, "x");
   const at::Tensor dy = input_like(dy_, x, op, "dy");
   KF_CHECK(dy.sizes() == x.sizes(), op, "dy and x sizes differ: ", dy.sizes(), " vs ", x.sizes());
@@ -264,7 +264,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   const int64_t optin = at::cuda::getDeviceProperties(on.device)->sharedMemPerBlockOptin;
   const RmsnormPlan p = plan_rmsnorm_backward(rows, D, x.element_size(), dt == DType::f32, vec,
                                               cast_before_weight, res, sm_count(on.device), optin,
-                                              variant);
+                                              bwd_override.get_variant());
   Kernel& kernel = backward_kernel(p, dt);
   const unsigned grid = static_cast<unsigned>(p.grid);
   const Dim3 block(static_cast<unsigned>(p.block_x), static_cast<unsigned>(p.block_y));
@@ -307,17 +307,15 @@ KFORGE_BIND_OP(rmsnorm) {
   m.def("rmsnorm_backward", &rmsnorm_backward,
         "Backward of rmsnorm_forward from the saved rstd: returns (dx, dweight), dweight None when "
         "weight is None; dweight is reduced in a fixed order (deterministic, the same bits every "
-        "run). variant: 0 (default) the shared-memory ring kernel (16-byte accesses, rows of "
-        "<= 1024 16-byte chunks; persistent grid of one block per SM) writing one partial dweight "
-        "row per block, then a separate reduction kernel; 1 (tests) never the ring: the kernels "
-        "that take what the ring does not (a register-pipelined kernel for 16-byte rows of <= 1024 chunks whose stages do not fit in "
-        "shared memory, another kernel for odd sizes, misaligned pointers and longer rows; those "
-        "inputs take them under every variant). dresidual (x's shape and dtype, or None): the "
+        "run): the shared-memory ring kernel (16-byte accesses, rows of <= 1024 16-byte chunks; "
+        "persistent grid of one block per SM) writing one partial dweight row per block, then a "
+        "separate reduction kernel; where the ring does not apply, a register-pipelined kernel "
+        "(16-byte rows of <= 1024 chunks whose stages do not fit in shared memory) or another for "
+        "odd sizes, misaligned pointers and longer rows (kforge._C.plan). dresidual (x's shape and dtype, or None): the "
         "gradient of x from its other consumers (add_rmsnorm_forward's s), added to dx in fp32 "
         "before dx's one rounding.",
         pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"),
         pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true,
-        pybind11::arg("variant") = static_cast<int64_t>(rms_plan::kDefault),
         pybind11::arg("dresidual") = pybind11::none());
 }
 
