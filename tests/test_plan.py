@@ -39,6 +39,10 @@ MAX_THREADS = {
     ("softmax_backward", "warp"): 128,
     ("cross_entropy_backward", "vec"): 256,
     ("cross_entropy_backward", "scalar"): 256,
+    ("gelu_forward", "packs"): 256,
+    ("gelu_forward", "scalar"): 256,
+    ("gelu_backward", "packs"): 256,
+    ("gelu_backward", "scalar"): 256,
 }
 
 
@@ -73,7 +77,7 @@ def test_plan_ops_cover_the_multi_layout_launchers():
     for op in ("layernorm_forward", "layernorm_backward", "rmsnorm_forward", "add_rmsnorm_forward",
                "rmsnorm_backward", "softmax_forward", "softmax_backward", "causal_softmax_forward",
                "causal_softmax_backward", "cross_entropy_forward", "cross_entropy_backward",
-               "cross_entropy_forward_backward"):
+               "cross_entropy_forward_backward", "gelu_forward", "gelu_backward"):
         assert op in ops
         assert hasattr(C, op), op  # a plan names a real launcher
 
@@ -131,11 +135,14 @@ def test_known_choices():
     assert C.plan("softmax_forward", [8192, 768], "bfloat16")["layout"] == "warps"
     assert C.plan("softmax_forward", [8192, 768], "bfloat16", aligned=False)["layout"] == "stream"
     assert C.plan("cross_entropy_backward", [8, 50257], "bfloat16")["chunks"] == 7
+    assert C.plan("gelu_forward", [8192, 3072], "bfloat16", approximate="none")["kernel"] == \
+        "gelu_forward_kernel<{T}, true>"
+    assert C.plan("gelu_backward", [8192, 3072], "float32", aligned=False)["layout"] == "scalar"
 
 
 def test_plan_bad_input():
     with pytest.raises(ValueError, match="no plan"):
-        C.plan("gelu_forward", [4, 4], "float32")
+        C.plan("swiglu_forward", [4, 4], "float32")
     with pytest.raises(ValueError, match="dtype"):
         C.plan("softmax_forward", [4, 4], "float64")
     assert C.plan("softmax_forward", [0, 4], "float32")["layout"] is None

@@ -7,6 +7,7 @@
 
 #include "../runtime/torch_launch.h"
 #include "cross_entropy_plan.h"
+#include "gelu_plan.h"
 #include "layernorm_plan.h"
 #include "rmsnorm_plan.h"
 #include "softmax_plan.h"
@@ -130,6 +131,14 @@ py::dict cross_entropy(const Query& q, const std::string& which) {
   return d;
 }
 
+py::dict gelu(const Query& q, bool forward) {
+  const Plan p = plan_gelu(prod(q.shape), q.elem_size, q.aligned, q.sms);
+  const std::string approximate = q.opt<std::string>("approximate", "tanh");
+  if (approximate != "tanh" && approximate != "none")
+    throw py::value_error("kforge.plan: gelu approximate must be \"tanh\" or \"none\"");
+  return base(p, gelu_kernel_name(p, forward, approximate == "none"));
+}
+
 template <size_t N>
 std::vector<std::string> names(const char* const (&a)[N]) {
   return std::vector<std::string>(a, a + N);
@@ -152,6 +161,8 @@ const std::map<std::string, Entry>& table() {
       // the persistent-warps forward takes plain softmax only
       {"causal_softmax_forward", {{"warp", "block", "stream"}, [](const Query& q) { return softmax(q, true, true); }}},
       {"causal_softmax_backward", {names(kSoftmaxBackwardLayouts), [](const Query& q) { return softmax(q, false, true); }}},
+      {"gelu_forward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, true); }}},
+      {"gelu_backward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, false); }}},
       {"cross_entropy_forward", {names(kCrossEntropyForwardLayouts), [](const Query& q) { return cross_entropy(q, "forward"); }}},
       {"cross_entropy_forward_backward", {names(kCrossEntropyForwardLayouts), [](const Query& q) { return cross_entropy(q, "forward_backward"); }}},
       {"cross_entropy_backward", {names(kCrossEntropyBackwardLayouts), [](const Query& q) { return cross_entropy(q, "backward"); }}},
@@ -193,7 +204,7 @@ KFORGE_BIND_OP(plans) {
       "an element). sms / smem_optin: the device's SM count and opt-in shared memory per block "
       "(defaults: H100 SXM). Options by op: layernorm max_warps, variant, weight, bias (backward: "
       "whether their gradients are wanted); rmsnorm normalized_ndim, cast_before_weight, "
-      "dresidual, variant. layout is None where nothing is launched (empty input).");
+      "dresidual, variant; gelu approximate. layout is None where nothing is launched (empty input).");
   m.def(
       "plan_layouts", [](const std::string& op) { return entry(op).layouts; }, py::arg("op"),
       "Every layout `op`'s plan can choose.");
