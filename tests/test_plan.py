@@ -39,6 +39,10 @@ MAX_THREADS = {
     ("softmax_backward", "warp"): 128,
     ("cross_entropy_backward", "vec"): 256,
     ("cross_entropy_backward", "scalar"): 256,
+    ("rope_forward", "tile"): 256,       # kTileThreads
+    ("rope_forward", "token"): 128,
+    ("rope_backward", "tile"): 256,
+    ("rope_backward", "token"): 128,
     ("gelu_forward", "packs"): 256,
     ("gelu_forward", "scalar"): 256,
     ("gelu_backward", "packs"): 256,
@@ -47,6 +51,9 @@ MAX_THREADS = {
 
 
 def shapes(op: str):
+    if op.startswith("rope"):  # q (B, H, T, D)
+        yield from itertools.product((1, 4), (1, 12, 32, 40000), (1, 7, 4096), (2, 6, 64, 128, 256, 2048))
+        return
     for rows, cols in itertools.product(ROWS, COLS):
         if op.startswith("causal_softmax"):
             if rows in (1, 3, 64) or cols in (1, 7, 8):  # (..., T, T) scores: rows = batch * T
@@ -77,7 +84,8 @@ def test_plan_ops_cover_the_multi_layout_launchers():
     for op in ("layernorm_forward", "layernorm_backward", "rmsnorm_forward", "add_rmsnorm_forward",
                "rmsnorm_backward", "softmax_forward", "softmax_backward", "causal_softmax_forward",
                "causal_softmax_backward", "cross_entropy_forward", "cross_entropy_backward",
-               "cross_entropy_forward_backward", "gelu_forward", "gelu_backward"):
+               "cross_entropy_forward_backward", "gelu_forward", "gelu_backward", "rope_forward",
+               "rope_backward"):
         assert op in ops
         assert hasattr(C, op), op  # a plan names a real launcher
 
@@ -99,8 +107,10 @@ def test_plans_within_limits(plans, op):
         gx, gy, gz = p["grid"]
         bx, by, bz = p["block"]
         threads = bx * by * bz
-        assert 1 <= gx <= 2**31 - 1 and gy == gz == 1, (shape, dtype, p)
-        assert 32 <= threads <= 1024 and threads % 32 == 0, (shape, dtype, p)  # whole warps
+        assert 1 <= gx <= 2**31 - 1 and 1 <= gy <= 65535 and gz == 1, (shape, dtype, p)
+        assert 1 <= threads <= 1024, (shape, dtype, p)
+        if not op.startswith("rope"):  # rope's per-token blocks fit the row's chunks and heads
+            assert threads >= 32 and threads % 32 == 0, (shape, dtype, p)  # whole warps
         assert threads <= MAX_THREADS.get((op, p["layout"]), 1024), (shape, dtype, p)
         assert 0 <= p["smem"] <= optin, (shape, dtype, optin, p)
         assert "{T}" in p["kernel"], p

@@ -16,7 +16,7 @@ namespace kforge {
 
 struct Plan {
   const char* layout = "";  // one of the op's layout names (static strings: no allocation)
-  int64_t grid = 0;
+  int64_t grid = 0, grid_y = 1;
   int64_t block_x = 1, block_y = 1;
   int64_t smem = 0;   // dynamic shared memory, bytes
   std::string error;  // non-empty: the input cannot be launched (the launcher raises this)

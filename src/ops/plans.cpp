@@ -10,6 +10,7 @@
 #include "gelu_plan.h"
 #include "layernorm_plan.h"
 #include "rmsnorm_plan.h"
+#include "rope_plan.h"
 #include "softmax_plan.h"
 
 namespace kforge {
@@ -52,7 +53,7 @@ py::dict base(const Plan& p, const std::string& kernel) {
   py::dict d;
   d["layout"] = std::string(p.layout);
   d["kernel"] = kernel;
-  d["grid"] = py::make_tuple(p.grid, 1, 1);
+  d["grid"] = py::make_tuple(p.grid, p.grid_y, 1);
   d["block"] = py::make_tuple(p.block_x, p.block_y, 1);
   d["smem"] = p.smem;
   if (!p.error.empty()) throw py::value_error(p.error);
@@ -139,6 +140,20 @@ py::dict gelu(const Query& q, bool forward) {
   return base(p, gelu_kernel_name(p, forward, approximate == "none"));
 }
 
+// q of shape (B, Hq, T, D); k has kv_heads heads (default Hq); tables of q's dtype unless
+// f32_tables; interleaved pairs or rotate_half.
+py::dict rope(const Query& q) {
+  require(q.shape.size() == 4, "rope", "q must be (B, H, T, D)");
+  const int64_t B = q.shape[0], Hq = q.shape[1], T = q.shape[2], D = q.shape[3];
+  require(D % 2 == 0, "rope", "head dim D must be even");
+  const bool interleaved = q.opt<bool>("interleaved", false);
+  const int64_t V = 16 / q.elem_size;
+  const bool vec = q.aligned && (interleaved ? D : D / 2) % V == 0;
+  const RopePlan p = plan_rope(B, T, Hq, q.opt<int64_t>("kv_heads", Hq), D, q.elem_size,
+                               interleaved, vec, vec, !q.f32 && q.opt<bool>("f32_tables", false));
+  return base(p, rope_kernel_name(p));
+}
+
 template <size_t N>
 std::vector<std::string> names(const char* const (&a)[N]) {
   return std::vector<std::string>(a, a + N);
@@ -161,6 +176,8 @@ const std::map<std::string, Entry>& table() {
       // the persistent-warps forward takes plain softmax only
       {"causal_softmax_forward", {{"warp", "block", "stream"}, [](const Query& q) { return softmax(q, true, true); }}},
       {"causal_softmax_backward", {names(kSoftmaxBackwardLayouts), [](const Query& q) { return softmax(q, false, true); }}},
+      {"rope_forward", {names(kRopeLayouts), rope}},
+      {"rope_backward", {names(kRopeLayouts), rope}},
       {"gelu_forward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, true); }}},
       {"gelu_backward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, false); }}},
       {"cross_entropy_forward", {names(kCrossEntropyForwardLayouts), [](const Query& q) { return cross_entropy(q, "forward"); }}},
@@ -204,7 +221,8 @@ KFORGE_BIND_OP(plans) {
       "an element). sms / smem_optin: the device's SM count and opt-in shared memory per block "
       "(defaults: H100 SXM). Options by op: layernorm max_warps, variant, weight, bias (backward: "
       "whether their gradients are wanted); rmsnorm normalized_ndim, cast_before_weight, "
-      "dresidual, variant; gelu approximate. layout is None where nothing is launched (empty input).");
+      "dresidual, variant; gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "
+      "(B, H, T, D)). layout is None where nothing is launched (empty input).");
   m.def(
       "plan_layouts", [](const std::string& op) { return entry(op).layouts; }, py::arg("op"),
       "Every layout `op`'s plan can choose.");
