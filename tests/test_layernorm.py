@@ -115,14 +115,15 @@ SHAPES = [(8, 768), (1, 768), (2, 5, 768), (16, 1000), (1000, 771), (7, 3), (3, 
           (20, 640), (4096, 1024), (5, 100), (24, 1536), (12, 2048), (10, 1600), (3000, 256),
           (3000, 100), (2000, 771), (20000, 768), (16, 4096), (300, 4096), (100, 1600), (50, 2050),
           (6, 5120)]
-# The launchers' `variant` 1 (never GROUP / RING): rows of <= 1024 columns take the WARP layout the
-# default uses only past 2^30 rows (one warp per row; rows a warp takes at once R, persistent warps
-# looping when the chunks outnumber them). Forward fp32 16-byte units per lane P: 2 at 100 / 128 /
-# 256, 3 at 300 / 384, 4 at 512, 6 at 640 / 768, 8 at 1000 / 1024; scalar P=32 at 3 / 771.
-# Backward: fp32 as the forward; bf16 16-byte P=2 at 128 / 256 / 384 / 512, 3 at 640 / 768, 4 at
-# 1000 / 1024; scalar at 3 / 100 / 300 / 771. Warps looping over more chunks than they number:
-# (8192, 768), (20000, 768), in the backward also (4096, 1024), (2000, 771); one row: (1, 768).
-# Longer rows take the same kernels under both variants, so they run under variant 0 only.
+# The launchers' testing `variant` 1 (ln_forward / ln_backward; never GROUP / RING): rows of <= 1024
+# columns take the WARP layout the default uses only past 2^30 rows (one warp per row; rows a warp
+# takes at once R, persistent warps looping when the chunks outnumber them). Forward fp32 16-byte
+# units per lane P: 2 at 100 / 128 / 256, 3 at 300 / 384, 4 at 512, 6 at 640 / 768, 8 at 1000 /
+# 1024; scalar P=32 at 3 / 771. Backward: fp32 as the forward; bf16 16-byte P=2 at 128 / 256 / 384 /
+# 512, 3 at 640 / 768, 4 at 1000 / 1024; scalar at 3 / 100 / 300 / 771. Warps looping over more
+# chunks than they number: (8192, 768), (20000, 768), in the backward also (4096, 1024), (2000,
+# 771); one row: (1, 768). Longer rows take the same kernels under both variants, so they run under
+# variant 0 only.
 WARP_SHAPES = [(1, 768), (16, 1000), (1000, 771), (7, 3), (8192, 768), (64, 128), (33, 256),
                (40, 300), (33, 384), (48, 512), (20, 640), (4096, 1024), (5, 100), (2000, 771),
                (20000, 768)]

@@ -107,8 +107,8 @@ def check_random(shape, dtype, cast_before_weight, variant):
 # ((4, 2056): bf16 257 chunks on 160 threads, fp32 514 on 288).
 SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056),
           (3, 512), (5, 2048), (3, 8192), (5, 6000)]
-# Backward kernels (the launcher's `variant`): 0 the default (the ring where it applies, then
-# rmsnorm_dweight_kernel), 1 the kernels for what the ring does not take.
+# Backward kernels (the launcher's testing `variant`, see rms_backward): 0 the default (the ring
+# where it applies, then rmsnorm_dweight_kernel), 1 the kernels for what the ring does not take.
 VARIANTS = [0, 1]
 variants = pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"v{v}")
 
