@@ -11,7 +11,18 @@
 
 namespace kforge {
 
-struct CrossEntropyPlan : Plan {
+// row: forward / fused; vec / scalar: backward.
+enum class CrossEntropyLayout : uint8_t { row, vec, scalar };
+inline const char* layout_name(CrossEntropyLayout l) {
+  switch (l) {
+    case CrossEntropyLayout::row: return "row";
+    case CrossEntropyLayout::vec: return "vec";
+    case CrossEntropyLayout::scalar: return "scalar";
+  }
+  return "";
+}
+
+struct CrossEntropyPlan : PlanWith<CrossEntropyLayout> {
   bool vec = false;                         // 16-byte packs (backward / fused)
   long long chunks = 1, chunk_packs = 0;    // backward: a row's packs in `chunks` equal chunks
 };
@@ -26,7 +37,7 @@ inline CrossEntropyPlan plan_cross_entropy_forward(long long N, long long V, int
                                                    bool same_phase = false) {
   CrossEntropyPlan p;
   const int64_t packs = (V * elem_size + 15) / 16;
-  p.layout = "row";
+  p.set_layout(CrossEntropyLayout::row);
   p.vec = same_phase;
   p.grid = static_cast<unsigned>(N);
   p.block_x = static_cast<unsigned>(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, 512));
@@ -41,7 +52,7 @@ inline CrossEntropyPlan plan_cross_entropy_backward(long long N, long long V, in
   using namespace kf_cross_entropy;
   CrossEntropyPlan p;
   p.vec = same_phase;
-  p.layout = p.vec ? "vec" : "scalar";
+  p.set_layout(p.vec ? CrossEntropyLayout::vec : CrossEntropyLayout::scalar);
   const long long pack = 16 / elem_size;
   const long long max_packs = std::max<long long>(1, (V + pack - 1) / pack);  // >= packs of any row split
   const long long cap = static_cast<long long>(kBwdThreads) * (p.vec ? kBwdUnrollVec : kBwdUnrollScalar);

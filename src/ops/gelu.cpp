@@ -6,7 +6,6 @@
 // in flight per SM, backward 128 KB). Any pointer misaligned: the grid-stride scalar kernels.
 #include <limits>
 #include <string>
-#include <string_view>
 
 #include "../runtime/torch_launch.h"
 #include "gelu_plan.h"  // the dispatch: packs or scalar, grid, block
@@ -41,9 +40,10 @@ at::Tensor gelu_forward(const at::Tensor& x_, const std::string& approximate) {
   const long long n = x.numel();
   if (n == 0) return out;
   const DType dt = dtype_of(x, kFwd);
-  const Plan p = plan_gelu(n, x.element_size(), aligned16(x) && aligned16(out), sm_count(on.device));
+  const GeluPlan p =
+      plan_gelu(n, x.element_size(), aligned16(x) && aligned16(out), sm_count(on.device));
   KF_CHECK(p.error.empty(), kFwd, p.error);
-  Kernel& k = std::string_view(p.layout) == "scalar" ? fwd_scalar[erf] : fwd[erf];
+  Kernel& k = p.layout_id == GeluLayout::scalar ? fwd_scalar[erf] : fwd[erf];
   k.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.grid)),
            Dim3(static_cast<unsigned>(p.block_x)), 0, x.data_ptr(), out.data_ptr(), n);
   return out;
@@ -59,10 +59,10 @@ at::Tensor gelu_backward(const at::Tensor& dout_, const at::Tensor& x_, const st
   const long long n = x.numel();
   if (n == 0) return dx;
   const DType dt = dtype_of(x, kBwd);
-  const Plan p = plan_gelu(n, x.element_size(), aligned16(x) && aligned16(dout) && aligned16(dx),
-                          sm_count(on.device));
+  const GeluPlan p = plan_gelu(
+      n, x.element_size(), aligned16(x) && aligned16(dout) && aligned16(dx), sm_count(on.device));
   KF_CHECK(p.error.empty(), kBwd, p.error);
-  Kernel& k = std::string_view(p.layout) == "scalar" ? bwd_scalar[erf] : bwd[erf];
+  Kernel& k = p.layout_id == GeluLayout::scalar ? bwd_scalar[erf] : bwd[erf];
   k.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.grid)),
            Dim3(static_cast<unsigned>(p.block_x)), 0, dout.data_ptr(), x.data_ptr(), dx.data_ptr(), n);
   return dx;

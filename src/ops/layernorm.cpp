@@ -17,7 +17,6 @@
 // RING) at any N. The choice itself: plan_layernorm_forward / _backward (layernorm_plan.h).
 #include <algorithm>
 #include <optional>
-#include <string_view>
 #include <tuple>
 
 #include "../runtime/torch_launch.h"
@@ -125,13 +124,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
   const LayernormPlan p =
       plan_layernorm_forward(N, C, x.element_size(), aligned, sm_count(on.device),
                              fwd_override.get_max_warps(), fwd_override.get_variant());
-  const std::string_view layout = p.layout;
-  Kernel& k = layout == "group"  ? (p.vec ? fwd_group_vec : fwd_group_scalar)
-              : layout == "warp" ? (p.vec ? fwd_warp_vec[p.warp_index] : fwd_warp_scalar[p.warp_index])
-                                 : fwd_kernels[p.vec][p.fits];
+  using L = LayernormLayout;
+  const L layout = p.layout_id;
+  Kernel& k = layout == L::group ? (p.vec ? fwd_group_vec : fwd_group_scalar)
+              : layout == L::warp
+                  ? (p.vec ? fwd_warp_vec[p.warp_index] : fwd_warp_scalar[p.warp_index])
+                  : fwd_kernels[p.vec][p.fits];
   const Dim3 grid(static_cast<unsigned>(p.grid)),
       block(static_cast<unsigned>(p.block_x), static_cast<unsigned>(p.block_y));
-  if (layout == "warp")  // the WARP kernels take one more argument (0)
+  if (layout == L::warp)  // the WARP kernels take one more argument (0)
     k.launch(dt, on.device, on.stream, grid, block, 0, x.data_ptr(), ptr_or_null(w), ptr_or_null(b),
              out.data_ptr(), mean.data_ptr(), rstd.data_ptr(), static_cast<long long>(N),
              static_cast<int>(C), static_cast<float>(eps), 0);
@@ -197,27 +198,28 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
                                                   bwd_override.get_max_warps(),
                                                   bwd_override.get_variant());
   KF_CHECK(p.error.empty(), kBwd, p.error);
-  const std::string_view layout = p.layout;
+  using L = LayernormLayout;
+  const L layout = p.layout_id;
   // per-block partial sums [dweight | dbias], one row of 2C floats per block
   at::Tensor partial;
   if (need_dw || need_db) partial = new_output({p.grid, 2 * C}, x.options().dtype(at::kFloat));
   const Dim3 grid(static_cast<unsigned>(p.grid)),
       block(static_cast<unsigned>(p.block_x), static_cast<unsigned>(p.block_y));
   const size_t smem = static_cast<size_t>(p.smem);
-  if (layout == "ring") {
+  if (layout == L::ring) {
     bwd_ring.launch(dt, on.device, on.stream, grid, block, smem, dout.data_ptr(), x.data_ptr(),
                     ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
                     ptr_or_null(partial), static_cast<int>(p.ring_q), static_cast<int>(p.ring_r),
                     static_cast<int>(C), static_cast<int>(need_dw), static_cast<int>(need_db));
-  } else if (layout == "warp") {  // the WARP kernels take one more argument (0)
+  } else if (layout == L::warp) {  // the WARP kernels take one more argument (0)
     Kernel& k = p.vec ? bwd_warp_vec[p.warp_index] : bwd_warp_scalar[p.warp_index];
     k.launch(dt, on.device, on.stream, grid, block, smem, dout.data_ptr(), x.data_ptr(),
              ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), ptr_or_null(partial),
              static_cast<long long>(N), static_cast<int>(C), static_cast<int>(need_dw),
              static_cast<int>(need_db), 0);
   } else {
-    Kernel& k = layout == "group" ? (p.vec ? bwd_group_vec : bwd_group_scalar)
-                                  : bwd_kernels[p.vec][p.fits];
+    Kernel& k = layout == L::group ? (p.vec ? bwd_group_vec : bwd_group_scalar)
+                                   : bwd_kernels[p.vec][p.fits];
     k.launch(dt, on.device, on.stream, grid, block, smem, dout.data_ptr(), x.data_ptr(),
              ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), ptr_or_null(partial),
              static_cast<long long>(N), static_cast<int>(C), static_cast<int>(need_dw),

@@ -99,7 +99,19 @@ inline RowLayout row_layout(int64_t C, int64_t elem_size, bool aligned) {
 // Kernel template arguments on top of the launch: VEC for every layout, the WARP layout's P (and
 // its index in the launcher's tables), the BLOCK layout's FITS; RING's row ranges (q rows a group,
 // the first r groups one more).
-struct LayernormPlan : Plan {
+// Forward and backward layouts (the forward has no ring).
+enum class LayernormLayout : uint8_t { ring, group, warp, block };
+inline const char* layout_name(LayernormLayout l) {
+  switch (l) {
+    case LayernormLayout::ring: return "ring";
+    case LayernormLayout::group: return "group";
+    case LayernormLayout::warp: return "warp";
+    case LayernormLayout::block: return "block";
+  }
+  return "";
+}
+
+struct LayernormPlan : PlanWith<LayernormLayout> {
   bool vec = false, fits = false;
   int warp_index = -1, P = 0;
   int64_t ring_q = 0, ring_r = 0;
@@ -131,7 +143,7 @@ inline LayernormPlan plan_layernorm_forward(int64_t N, int64_t C, int64_t es, bo
     if (max_warps > 0) most = std::min(most, std::max<int64_t>(1, max_warps / nw));
     G = std::min(G, most);
     const int64_t per_sm = balanced_warps_per_sm(N, sms, most);
-    p.layout = "group";
+    p.set_layout(LayernormLayout::group);
     p.grid = std::min(cdiv(N, G), sms * cdiv(per_sm, G));
     p.block_x = tpr, p.block_y = G;
     return p;
@@ -145,7 +157,7 @@ inline LayernormPlan plan_layernorm_forward(int64_t N, int64_t C, int64_t es, bo
     int64_t most = int64_t(cfg.fwd_blocks) * kFwdWarps;
     if (max_warps > 0) most = std::min(most, std::max<int64_t>(kFwdWarps, max_warps));
     const int64_t per_sm = balanced_warps_per_sm(chunks, sms, most);
-    p.layout = "warp";
+    p.set_layout(LayernormLayout::warp);
     p.warp_index = wp.index, p.P = wp.P;
     p.grid = std::min(cdiv(chunks, kFwdWarps), sms * cdiv(per_sm, kFwdWarps));
     p.block_x = 32, p.block_y = kFwdWarps;
@@ -155,7 +167,7 @@ inline LayernormPlan plan_layernorm_forward(int64_t N, int64_t C, int64_t es, bo
   const RowLayout L = row_layout(C, es, aligned);
   // Small blocks pack the SMs best; several rows per block when rows are short.
   const int rows = L.fits ? std::clamp(256 / L.tpr, 1, kMaxRowsPerBlock) : 1;
-  p.layout = "block";
+  p.set_layout(LayernormLayout::block);
   p.vec = L.vec, p.fits = L.fits;
   p.grid = static_cast<unsigned>(std::min<int64_t>((N + rows - 1) / rows, INT32_MAX));
   p.block_x = L.tpr, p.block_y = rows;
@@ -189,7 +201,7 @@ inline LayernormPlan plan_layernorm_backward(int64_t N, int64_t C, int64_t es, b
     const int64_t budget = smem_optin - kRingStaticSmem;
     int64_t most = std::min<int64_t>(kRingThreads / rtpr, budget / per_group);
     if (max_warps > 0) most = std::min(most, std::max<int64_t>(1, max_warps / (rtpr / 32)));
-    p.layout = "ring";
+    p.set_layout(LayernormLayout::ring);
     if (most < 1) {
       p.error = "a row of " + std::to_string(C) + " columns needs " +
                 std::to_string(per_group + kRingStaticSmem) +
@@ -216,7 +228,7 @@ inline LayernormPlan plan_layernorm_backward(int64_t N, int64_t C, int64_t es, b
     if (nw > 1) most = std::min<int64_t>(most, kMaxNamedBarrierGroups);
     if (max_warps > 0) most = std::min(most, std::max<int64_t>(1, max_warps / nw));
     const int64_t G = balanced_warps_per_sm(N, sms, most);
-    p.layout = "group";
+    p.set_layout(LayernormLayout::group);
     p.grid = std::min(sms, cdiv(N, G));
     p.block_x = tpr, p.block_y = G;
     p.smem = need_partial ? G * tpr * 2 * kGroupCols * int64_t(sizeof(float)) : 0;
@@ -235,7 +247,7 @@ inline LayernormPlan plan_layernorm_backward(int64_t N, int64_t C, int64_t es, b
     if (max_warps > 0) most = std::min(most, max_warps);
     if (need_partial) most = std::clamp<int64_t>(smem_optin / warp_smem, 1, most);
     const int64_t warps = balanced_warps_per_sm(chunks, sms, most);
-    p.layout = "warp";
+    p.set_layout(LayernormLayout::warp);
     p.warp_index = wp.index, p.P = wp.P;
     p.grid = std::min(sms, cdiv(chunks, warps));
     p.block_x = 32, p.block_y = warps;
@@ -254,7 +266,7 @@ inline LayernormPlan plan_layernorm_backward(int64_t N, int64_t C, int64_t es, b
       1, std::min<int64_t>(sms * std::max<int64_t>(1, 1024 / threads), (N + 7) / 8));
   const int64_t groups = (N + rows - 1) / rows;
   const int64_t iters = (groups + max_grid - 1) / max_grid;
-  p.layout = "block";
+  p.set_layout(LayernormLayout::block);
   p.vec = L.vec, p.fits = L.fits;
   p.grid = (groups + iters - 1) / iters;  // every block gets `iters` groups (last: fewer)
   p.block_x = L.tpr, p.block_y = rows;
@@ -267,10 +279,10 @@ inline LayernormPlan plan_layernorm_backward(int64_t N, int64_t C, int64_t es, b
 inline std::string layernorm_kernel_name(const LayernormPlan& p, bool forward) {
   const std::string dir = forward ? "forward" : "backward";
   const std::string v = p.vec ? "true" : "false";
-  const std::string layout = p.layout;
-  if (layout == "ring") return "layernorm_backward_ring_kernel<{T}>";
-  if (layout == "group") return "layernorm_" + dir + "_group_kernel<{T}, " + v + ">";
-  if (layout == "warp")
+  using L = LayernormLayout;
+  if (p.layout_id == L::ring) return "layernorm_backward_ring_kernel<{T}>";
+  if (p.layout_id == L::group) return "layernorm_" + dir + "_group_kernel<{T}, " + v + ">";
+  if (p.layout_id == L::warp)
     return "layernorm_" + dir + "_warp_kernel<{T}, " + v + ", " + std::to_string(p.P) + ">";
   return "layernorm_" + dir + "_kernel<{T}, " + v + ", " + (p.fits ? "true" : "false") + ">";
 }

@@ -15,11 +15,24 @@
 namespace kforge {
 
 struct Plan {
-  const char* layout = "";  // one of the op's layout names (static strings: no allocation)
+  // The layout's name, for Python (kforge._C.plan) and messages only: a static string, so a plan
+  // allocates nothing; launchers dispatch on the typed layout_id of PlanWith below.
+  const char* layout = "";
   int64_t grid = 0, grid_y = 1;
   int64_t block_x = 1, block_y = 1;
   int64_t smem = 0;   // dynamic shared memory, bytes
   std::string error;  // non-empty: the input cannot be launched (the launcher raises this)
+};
+
+// A plan whose layout is one of an op's enum L. set_layout keeps the id and the name in step; the
+// name comes from the op's layout_name(L) overload, so the launch path compares integers only.
+template <typename L>
+struct PlanWith : Plan {
+  L layout_id{};
+  void set_layout(L l) {
+    layout_id = l;
+    layout = layout_name(l);
+  }
 };
 
 namespace plan_util {

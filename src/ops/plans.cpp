@@ -133,7 +133,7 @@ py::dict cross_entropy(const Query& q, const std::string& which) {
 }
 
 py::dict gelu(const Query& q, bool forward) {
-  const Plan p = plan_gelu(prod(q.shape), q.elem_size, q.aligned, q.sms);
+  const GeluPlan p = plan_gelu(prod(q.shape), q.elem_size, q.aligned, q.sms);
   const std::string approximate = q.opt<std::string>("approximate", "tanh");
   if (approximate != "tanh" && approximate != "none")
     throw py::value_error("kforge.plan: gelu approximate must be \"tanh\" or \"none\"");

@@ -3,7 +3,6 @@
 #include <pybind11/stl.h>
 
 #include <optional>
-#include <string_view>
 
 #include "../runtime/torch_launch.h"
 #include "rmsnorm_plan.h"  // the dispatch: which kernel, grid, block, shared memory
@@ -129,13 +128,12 @@ Kernel& forward_kernel(const RmsnormPlan& p) {
 }
 
 Kernel& backward_kernel(const RmsnormPlan& p, DType dt) {
-  const std::string_view layout = p.layout;
-  if (layout == "ring") {
+  if (p.layout_id == RmsnormLayout::ring) {
     for (RingKernel& k : ring_kernels)
       if (k.shape.K == p.K && k.shape.S == p.S && k.shape.NT == p.NT && k.cbw == p.cbw &&
           k.res == p.res && k.kernel.supports(dt))
         return k.kernel;
-  } else if (layout == "pipelined") {
+  } else if (p.layout_id == RmsnormLayout::pipelined) {
     for (PipeKernel& k : pipe_kernels)
       if (k.K == p.K && k.P == p.P && k.keep_g == p.keep_g && k.cbw == p.cbw && k.res == p.res &&
           k.kernel.supports(dt))
@@ -272,8 +270,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   std::optional<at::Tensor> partial;
   if (weight) partial = new_output({static_cast<int64_t>(grid), D}, x.options().dtype(at::kFloat));
   const float inv_d = 1.0f / static_cast<float>(D);
-  const std::string_view layout = p.layout;
-  if (layout == "pipelined")  // takes the bf16 / half unpacking masks too
+  if (p.layout_id == RmsnormLayout::pipelined)  // takes the bf16 / half unpacking masks too
     kernel.launch(dt, on.device, on.stream, grid, block, smem, dy.data_ptr(), x.data_ptr(),
                   ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
                   static_cast<long long>(rows), static_cast<int>(D), inv_d, 0x10000u, 0xffff0000u,

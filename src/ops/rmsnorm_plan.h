@@ -36,7 +36,20 @@ constexpr int bwd_rows(int K, bool vec, bool f32) {
 }
 }  // namespace rms_plan
 
-struct RmsnormPlan : Plan {
+// warp / block: forward; ring / pipelined / plain: backward.
+enum class RmsnormLayout : uint8_t { warp, block, ring, pipelined, plain };
+inline const char* layout_name(RmsnormLayout l) {
+  switch (l) {
+    case RmsnormLayout::warp: return "warp";
+    case RmsnormLayout::block: return "block";
+    case RmsnormLayout::ring: return "ring";
+    case RmsnormLayout::pipelined: return "pipelined";
+    case RmsnormLayout::plain: return "plain";
+  }
+  return "";
+}
+
+struct RmsnormPlan : PlanWith<RmsnormLayout> {
   int K = 0;               // chunks per thread and row
   bool vec = false;        // 16-byte accesses
   bool res = false;        // residual fused (forward) / dresidual added (backward)
@@ -66,14 +79,14 @@ inline RmsnormPlan plan_rmsnorm_forward(int64_t rows, int nchunk, bool vec, bool
         p.K = kFwdK[i], tx = 32, ty = 8;
         break;
       }
-    p.layout = "warp";
+    p.set_layout(RmsnormLayout::warp);
   } else {
     const unsigned tx4 = round32((nchunk + 3) / 4), tx8 = round32((nchunk + 7) / 8);
     if (tx4 <= 256 && 4 * tx4 < 8 * tx8)
       p.K = 4, tx = tx4;
     else
       p.K = 8, tx = tx8;
-    p.layout = "block";
+    p.set_layout(RmsnormLayout::block);
   }
   p.block_x = tx, p.block_y = ty;
   p.grid = plan_util::ceil_div_u(rows, ty);
@@ -123,7 +136,7 @@ inline RmsnormPlan plan_rmsnorm_backward(int64_t rows, int64_t D, int64_t elem_s
       const int64_t grid = std::min<int64_t>(ngroups, sms);
       if (!(grid * groups * D * elem_size >= (int64_t(1) << 32) ||
             (ngroups + grid - 1) / grid > std::numeric_limits<int>::max() - 16)) {
-        p.layout = "ring";
+        p.set_layout(RmsnormLayout::ring);
         p.K = sh.K, p.S = sh.S, p.NT = sh.NT;
         p.grid = grid, p.block_x = tx, p.block_y = groups;
         p.smem = static_cast<int64_t>(smem);
@@ -147,7 +160,7 @@ inline RmsnormPlan plan_rmsnorm_backward(int64_t rows, int64_t D, int64_t elem_s
     const int64_t stride = int64_t(grid) * groups;
     if (!(stride * D * elem_size >= (int64_t(1) << 32) ||
           (rows + stride - 1) / stride > std::numeric_limits<int>::max() - 8)) {
-      p.layout = "pipelined";
+      p.set_layout(RmsnormLayout::pipelined);
       p.K = K, p.keep_g = !f32, p.P = f32 ? (K == 1 ? 8 : 4) : (K == 1 ? 4 : 2);
       p.grid = grid, p.block_x = tx, p.block_y = groups;
       p.smem = static_cast<int64_t>(size_t(tx) * groups * fold_per_thread);
@@ -157,7 +170,7 @@ inline RmsnormPlan plan_rmsnorm_backward(int64_t rows, int64_t D, int64_t elem_s
 
   // Plain: chunks per thread K = 1 (one warp per row) up to 32 chunks, K = 2 (rows of <= 256
   // threads) up to 512, else K = 4 (<= 512 threads); as many row groups per block as fit.
-  p.layout = "plain";
+  p.set_layout(RmsnormLayout::plain);
   p.K = nchunk <= 32 ? 1 : nchunk <= 512 ? 2 : 4;
   p.R = bwd_rows(p.K, vec, f32);
   const unsigned tx = round32((nchunk + p.K - 1) / p.K), groups = kBwdThreads / tx;
@@ -173,11 +186,10 @@ inline std::string rmsnorm_kernel_name(const RmsnormPlan& p, bool forward) {
   const auto i = [](int v) { return std::to_string(v); };
   const std::string res = p.res ? ", true" : "";
   if (forward) return "rmsnorm_forward_kernel<{T}, " + i(p.K) + ", " + b(p.vec) + res + ">";
-  const std::string layout = p.layout;
-  if (layout == "ring")
+  if (p.layout_id == RmsnormLayout::ring)
     return "rmsnorm_backward_ring_kernel<{T}, " + i(p.K) + ", " + i(p.S) + ", " + b(p.cbw) + ", " +
            i(p.NT) + res + ">";
-  if (layout == "pipelined")
+  if (p.layout_id == RmsnormLayout::pipelined)
     return "rmsnorm_backward_pipelined_kernel<{T}, " + i(p.K) + ", " + i(p.P) + ", " +
            b(p.keep_g) + ", " + b(p.cbw) + ", 512" + res + ">";
   return "rmsnorm_backward_kernel<{T}, " + i(p.K) + ", " + i(p.R) + ", " + b(p.vec) + ", " +

@@ -3,7 +3,6 @@
 #include <pybind11/stl.h>
 
 #include <optional>
-#include <string_view>
 
 #include "../runtime/torch_launch.h"
 #include "rope_plan.h"  // the dispatch: tiled or per-token kernel, grid, block
@@ -135,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q_, const at::Tensor& 
   void* pos_ptr = position_ids ? pos.data_ptr() : nullptr;
   const RopePlan p = plan_rope(B, T, Hq, Hkv, D, q.element_size(), interleaved, vec, tvec, f32tab);
   const Dim3 block(static_cast<unsigned>(p.block_x), static_cast<unsigned>(p.block_y));
-  if (std::string_view(p.layout) == "tile") {
+  if (p.layout_id == RopeLayout::tile) {
     Kernel& kernel = (f32tab ? tile_f32 : tile_same)[interleaved ? 1 : 0];
     kernel.launch(dt, on.device, on.stream,
                   Dim3(static_cast<unsigned>(p.grid), static_cast<unsigned>(p.grid_y)), block, 0,

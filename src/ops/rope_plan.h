@@ -13,7 +13,17 @@ constexpr int64_t kTileHeads = 8, kTileThreads = 256;  // U of rope_tile_kernel,
 constexpr int64_t kHeadsInFlight = 4;                  // as in kernels_src/rope.cu
 }  // namespace rope_plan
 
-struct RopePlan : Plan {
+// The tiled or the per-token kernel.
+enum class RopeLayout : uint8_t { tile, token };
+inline const char* layout_name(RopeLayout l) {
+  switch (l) {
+    case RopeLayout::tile: return "tile";
+    case RopeLayout::token: return "token";
+  }
+  return "";
+}
+
+struct RopePlan : PlanWith<RopeLayout> {
   int64_t ntiles = 0, q_groups = 0;  // "tile": token tiles, q's head groups (grid.y beyond: k's)
   bool f32tab = false, interleaved = false;
 };
@@ -37,7 +47,7 @@ inline RopePlan plan_rope(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t
   if (vec && tvec && nchunk16 <= kTileThreads && groups <= 65535) {
     const int64_t ntok = B * T, bx = nchunk16;
     const int64_t by = std::min<int64_t>(kTileThreads / bx, ntok);
-    p.layout = "tile";
+    p.set_layout(RopeLayout::tile);
     p.ntiles = (ntok + by - 1) / by, p.q_groups = gq;
     p.grid = p.ntiles;
     p.grid_y = groups;
@@ -53,14 +63,14 @@ inline RopePlan plan_rope(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t
   int64_t ty = std::min<int64_t>(std::max<int64_t>(1, 128 / tx), (H + kHeadsInFlight - 1) / kHeadsInFlight);
   const int64_t batches = (H + kHeadsInFlight * ty - 1) / (kHeadsInFlight * ty);
   ty = (H + kHeadsInFlight * batches - 1) / (kHeadsInFlight * batches);
-  p.layout = "token";
+  p.set_layout(RopeLayout::token);
   p.grid = static_cast<unsigned>(B * T);
   p.block_x = tx, p.block_y = ty;
   return p;
 }
 
 inline std::string rope_kernel_name(const RopePlan& p) {
-  if (std::string(p.layout) == "tile")
+  if (p.layout_id == RopeLayout::tile)
     return std::string(p.f32tab ? "rope_tile_f32tab_kernel" : "rope_tile_kernel") + "<{T}, 8, " +
            (p.interleaved ? "true" : "false") + ">";
   return std::string(p.f32tab ? "rope_f32tab_kernel" : "rope_kernel") + "<{T}>";

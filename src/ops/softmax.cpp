@@ -1,7 +1,5 @@
 // softmax launchers: softmax over the last dim and the fused causal attention softmax, forward and
 // backward (see kernels_src/softmax.cu for the layouts).
-#include <string_view>
-
 #include "../runtime/torch_launch.h"
 #include "softmax_plan.h"  // the dispatch: which kernel, grid, block, shared memory
 
@@ -33,12 +31,12 @@ Kernel bwd_stream(prog, "softmax_backward_stream_kernel<{T}>");
 
 // The plan's kernel.
 Kernel& kernel_of(const SoftmaxPlan& p, bool forward) {
-  const std::string_view layout = p.layout;
-  if (layout == "warps") return p.P == 2 ? fwd_warps_p2 : fwd_warps_p4;
-  if (layout == "warp")
+  using L = SoftmaxLayout;
+  if (p.layout_id == L::warps) return p.P == 2 ? fwd_warps_p2 : fwd_warps_p4;
+  if (p.layout_id == L::warp)
     for (WarpKernels& w : warp_kernels)
       if (w.P == p.P) return forward ? w.fwd : w.bwd;
-  if (layout == "block") return forward ? fwd_block : bwd_block;
+  if (p.layout_id == L::block) return forward ? fwd_block : bwd_block;
   return forward ? fwd_stream : bwd_stream;
 }
 
@@ -76,14 +74,14 @@ at::Tensor forward(const at::Tensor& x_, bool causal, double scale, const char* 
   const SoftmaxPlan p = plan_softmax(rows, C, x.element_size(), dt == DType::f32, /*forward=*/true,
                                      causal, vec, aligned16_ptr(x) && aligned16_ptr(y),
                                      sm_count(on.device));
-  const std::string_view layout = p.layout;
+  const SoftmaxLayout layout = p.layout_id;
   Kernel& k = kernel_of(p, /*forward=*/true);
   const Dim3 grid(static_cast<unsigned>(p.grid)), block(static_cast<unsigned>(p.block_x));
-  if (layout == "warps")  // takes scale * log2(e) and its warps' row ranges
+  if (layout == SoftmaxLayout::warps)  // takes scale * log2(e) and its warps' row ranges
     k.launch(dt, on.device, on.stream, grid, block, static_cast<size_t>(p.smem), x.data_ptr(),
              y.data_ptr(), static_cast<int>(p.q), static_cast<int>(p.r), static_cast<int>(C),
              static_cast<float>(1.4426950408889634));
-  else if (layout == "stream")
+  else if (layout == SoftmaxLayout::stream)
     k.launch(dt, on.device, on.stream, grid, block, 0, x.data_ptr(), y.data_ptr(),
              static_cast<long long>(rows), static_cast<int>(C), int(causal),
              static_cast<float>(scale), int(vec));
@@ -109,7 +107,7 @@ at::Tensor backward(const at::Tensor& dy_, const at::Tensor& y_, bool causal, do
                                      causal, vec, /*aligned=*/false, sm_count(on.device));
   Kernel& k = kernel_of(p, /*forward=*/false);
   const Dim3 grid(static_cast<unsigned>(p.grid)), block(static_cast<unsigned>(p.block_x));
-  if (std::string_view(p.layout) == "stream")
+  if (p.layout_id == SoftmaxLayout::stream)
     k.launch(dt, on.device, on.stream, grid, block, 0, dy.data_ptr(), y.data_ptr(), dx.data_ptr(),
              static_cast<long long>(rows), static_cast<int>(C), int(causal),
              static_cast<float>(scale), int(vec));

@@ -21,7 +21,19 @@ constexpr int kWarpP[] = {1, 2, 4, 8};
 constexpr int kWarpsBlock = 512, kWarpsPerSm = 2, kWarpSlots = 2;
 }  // namespace softmax_plan
 
-struct SoftmaxPlan : Plan {
+// Forward and backward layouts (the backward has no persistent warps).
+enum class SoftmaxLayout : uint8_t { warps, warp, block, stream };
+inline const char* layout_name(SoftmaxLayout l) {
+  switch (l) {
+    case SoftmaxLayout::warps: return "warps";
+    case SoftmaxLayout::warp: return "warp";
+    case SoftmaxLayout::block: return "block";
+    case SoftmaxLayout::stream: return "stream";
+  }
+  return "";
+}
+
+struct SoftmaxPlan : PlanWith<SoftmaxLayout> {
   int P = 0;                 // "warps" / "warp": packs per lane and row
   int64_t q = 0, r = 0;      // "warps": q rows a warp, the first r warps one more
 };
@@ -42,7 +54,7 @@ inline SoftmaxPlan plan_softmax(int64_t rows, int64_t C, int64_t elem_size, bool
     if (P) {
       constexpr int warps = kWarpsBlock / 32;
       const int64_t need = plan_util::ceil_div_u(rows, warps);  // blocks for one row per warp
-      p.layout = "warps";
+      p.set_layout(SoftmaxLayout::warps);
       p.P = P;
       p.grid = std::max<int64_t>(std::min<int64_t>(need, sms * kWarpsPerSm), 1);
       p.block_x = kWarpsBlock;
@@ -57,7 +69,7 @@ inline SoftmaxPlan plan_softmax(int64_t rows, int64_t C, int64_t elem_size, bool
     const int64_t packs = (C + V - 1) / V;  // >= whole packs of any split of the row
     for (int P : kWarpP) {
       if ((P != 8 || f32) && packs <= 32 * P) {
-        p.layout = "warp";
+        p.set_layout(SoftmaxLayout::warp);
         p.P = P;
         p.grid = plan_util::ceil_div_u(rows, kWarpBlock / 32);
         p.block_x = kWarpBlock;
@@ -65,13 +77,13 @@ inline SoftmaxPlan plan_softmax(int64_t rows, int64_t C, int64_t elem_size, bool
       }
     }
     if (packs <= int64_t(kMaxBlock) * kBlockP) {
-      p.layout = "block";
+      p.set_layout(SoftmaxLayout::block);
       p.grid = static_cast<unsigned>(rows);
       p.block_x = plan_util::ceil_div_u(packs, kBlockP * 32) * 32;  // whole warps
       return p;
     }
   }
-  p.layout = "stream";
+  p.set_layout(SoftmaxLayout::stream);
   p.grid = static_cast<unsigned>(rows);
   p.block_x = kMaxBlock;
   return p;
@@ -79,10 +91,11 @@ inline SoftmaxPlan plan_softmax(int64_t rows, int64_t C, int64_t elem_size, bool
 
 inline std::string softmax_kernel_name(const SoftmaxPlan& p, bool forward) {
   const std::string dir = forward ? "forward" : "backward";
-  const std::string layout = p.layout;
-  if (layout == "warps") return "softmax_forward_warps_kernel<{T}, " + std::to_string(p.P) + ", 2>";
-  if (layout == "warp") return "softmax_" + dir + "_kernel<{T}, " + std::to_string(p.P) + ", true>";
-  if (layout == "block") return "softmax_" + dir + "_kernel<{T}, 4, false>";
+  using L = SoftmaxLayout;
+  const std::string P = std::to_string(p.P);
+  if (p.layout_id == L::warps) return "softmax_forward_warps_kernel<{T}, " + P + ", 2>";
+  if (p.layout_id == L::warp) return "softmax_" + dir + "_kernel<{T}, " + P + ", true>";
+  if (p.layout_id == L::block) return "softmax_" + dir + "_kernel<{T}, 4, false>";
   return "softmax_" + dir + "_stream_kernel<{T}>";
 }
 
