@@ -2,30 +2,29 @@
 
     python scripts/ab.py rmsnorm:bwd:rmsnorm_backward:0,1 softmax:fwd:softmax_forward:0,1,2
 
-Each spec is op:dir:binding:variants. The case's own kforge call is run with `variant=v` passed to
-`kforge._C.<binding>` (the op module's `_C` is swapped for a proxy that adds the keyword), and timed
-like the ops benchmark (back-to-back calls, CUDA events, inputs rotated through more than L2). A
-variant written name=value passes that keyword instead, e.g. layernorm:fwd:layernorm_forward:0,max_warps=16.
+Each spec is op:dir:binding:variants. The case's own kforge call is run under the launcher's testing
+override, `kforge._testing.override(binding, variant=v)` (launchers with one:
+`kforge._C._testing_override_ops()`), and timed like the ops benchmark (back-to-back calls, CUDA
+events, inputs rotated through more than L2). A variant written name=value sets that override
+instead, e.g. layernorm:fwd:layernorm_forward:0,max_warps=16.
 A spec op:dir (no binding) times the case's kforge call as it is: for A/B of a process-wide switch,
 e.g. `KFORGE_DEPENDENT_LAUNCH=0 python scripts/ab.py colsum:fwd` against the same without it.
 """
-import functools
+import contextlib
 import sys
 
 import torch
 
-from kforge import _C
+from kforge._testing import override
 from kforge.bench.harness import copy_bandwidth_gbs, input_sets_for, op_modules, same_size_copy_us, time_op
 
 
-class _WithVariant:
-    def __init__(self, binding: str, variant: str):
-        key, _, value = variant.rpartition("=")
-        self.binding, self.kwargs = binding, {key or "variant": int(value)}
-
-    def __getattr__(self, name):
-        fn = getattr(_C, name)
-        return functools.partial(fn, **self.kwargs) if name == self.binding else fn
+def _override(binding: str, variant: str):
+    """The testing override for `variant` ("3" or "name=3") of `binding`; none without a binding."""
+    if not binding:
+        return contextlib.nullcontext()
+    key, _, value = variant.rpartition("=")
+    return override(binding, **{key or "variant": int(value)})
 
 
 def main(specs: list[str]) -> None:
@@ -36,22 +35,19 @@ def main(specs: list[str]) -> None:
         op, d, binding, variants = (spec.split(":") + ["", ""])[:4]
         (mod,) = op_modules([op])
         for dtype in (torch.float32, torch.bfloat16):
-            for idx, case in enumerate(mod.bench_cases(dtype, True)):
+            for case in mod.bench_cases(dtype, True):
                 if case.direction != d:
                     continue
                 sets = input_sets_for(case, l2)
                 same = same_size_copy_us(case.bytes, l2)
                 cells = []
                 for v in variants.split(",") if binding else ["-"]:
-                    mod._C = _WithVariant(binding, v) if binding else _C
                     try:
-                        # Cases made again under the proxy: some pass `_C.<binding>` itself, not a lambda.
-                        us = time_op(mod.bench_cases(dtype, True)[idx].kforge, sets)
+                        with _override(binding, v):
+                            us = time_op(case.kforge, sets)
                         cells.append(f"v{v} {us:7.1f} us {100 * case.bytes / (us * 1e-6) / 1e9 / bw:4.0f}%")
                     except Exception as e:  # keep going: report the broken variant
                         cells.append(f"v{v} ERROR {type(e).__name__}: {str(e)[:80]}")
-                    finally:
-                        mod._C = _C
                 eager = time_op(case.eager, sets)
                 print(f"{op:10s} {d} {case.shape:26s} {str(dtype)[6:]:9s} copy {same:6.1f} us | eager "
                       f"{eager:7.1f} us | " + " | ".join(cells), flush=True)

@@ -5,15 +5,16 @@
         --section WarpStateStats python3 scripts/ncu_probe.py rmsnorm:bwd:bf16 layernorm::bf16
 
 Arguments are op[:dir[:dtype[:binding=variant]]] filters (empty part = any); only the first (quick)
-size is run. With binding=variant, `kforge._C.<binding>` is called with that `variant` (as scripts/ab.py
-does), e.g. rmsnorm:bwd:bf16:rmsnorm_backward=5.
+size is run. With binding=variant, `kforge._C.<binding>` runs under its testing override
+`kforge._testing.override(binding, variant=...)` (as scripts/ab.py does), e.g.
+rmsnorm:bwd:bf16:rmsnorm_backward=1.
 """
-import functools
+import contextlib
 import sys
 
 import torch
 
-from kforge import _C
+from kforge._testing import override
 from kforge.bench.harness import op_modules
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -23,15 +24,7 @@ def main(argv: list[str]) -> None:
     want = [(a.split(":") + ["", "", ""])[:4] for a in argv]
     for op, d, dt, bv in want:
         for mod in op_modules([op]):
-            if bv:
-                binding, v = bv.split("=")
-
-                class Proxy:  # _C with `variant=v` added to one binding
-                    def __getattr__(self, name, binding=binding, v=int(v)):
-                        fn = getattr(_C, name)
-                        return functools.partial(fn, variant=v) if name == binding else fn
-
-                mod._C = Proxy()
+            binding, v = bv.split("=") if bv else ("", "0")
             for name, dtype in DT.items():
                 if dt and dt != name:
                     continue
@@ -41,11 +34,11 @@ def main(argv: list[str]) -> None:
                     inputs = case.make_inputs()
                     torch.cuda.synchronize()
                     torch.cuda.nvtx.range_push(f"{case.op}.{case.direction}.{case.shape}.{name}")
-                    case.kforge(*inputs)
+                    with override(binding, variant=int(v)) if binding else contextlib.nullcontext():
+                        case.kforge(*inputs)
                     torch.cuda.nvtx.range_pop()
                     torch.cuda.synchronize()
                     print("ran", case.op, case.direction, case.shape, name, bv, flush=True)
-            mod._C = _C
 
 
 if __name__ == "__main__":

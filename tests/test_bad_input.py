@@ -14,6 +14,7 @@ import torch
 
 import kforge
 from conftest import gpu, randn
+from kforge._testing import override
 from kforge.ops.gqa import repeat_kv
 from kforge.ops.permute import merge_heads, split_qkv
 from kforge.ops.rope import apply_rope
@@ -23,7 +24,14 @@ C = kforge._C
 # kforge._C functions that are not op launchers (the runtime's own API).
 RUNTIME = {"configure", "set_cache", "set_log_handler", "set_poison_outputs", "cache_info",
            "clear_memory_cache", "reset_cache_stats", "nvrtc_version", "nvrtc_library", "nvrtc_supported_archs",
-           "device_arch", "programs", "compile", "compile_source", "compile_generated", "name_expressions"}
+           "device_arch", "programs", "compile", "compile_source", "compile_generated", "name_expressions",
+           "plan", "plan_layouts", "plan_ops"}  # plans: host arithmetic, no tensors (tests/test_plan.py)
+
+
+def with_variant(op, variant, call):
+    """call() under `op`'s testing override (kforge._testing.override)."""
+    with override(op, variant=variant):
+        return call()
 
 
 def _launcher_calls(dev: str) -> dict:
@@ -163,7 +171,8 @@ def _gpu_cases() -> list:
         ("layernorm-eps", lambda: C.layernorm_forward(x, None, None, -1e-5), "layernorm_forward: eps must be >= 0"),
         ("layernorm-0d", lambda: C.layernorm_forward(randn(1).view(()), None, None), "layernorm_forward: x must have at least one dimension"),
         ("layernorm-empty-rows", lambda: C.layernorm_forward(randn(4, 0), None, None), r"layernorm_forward: last dim C=0"),
-        ("layernorm-variant", lambda: C.layernorm_forward(x, None, None, variant=7), "layernorm_forward: variant must be in"),
+        ("layernorm-variant", lambda: with_variant("layernorm_forward", 7, lambda: C.layernorm_forward(x, None, None)),
+         "layernorm_forward: variant must be in"),
         ("layernorm_bwd-stats", lambda: C.layernorm_backward(x, x, None, None, randn(3), f), "layernorm_backward: mean must be float32 with one value per row"),
         ("layernorm_bwd-stats-dtype", lambda: C.layernorm_backward(x, x, None, None, f, f.double()), "layernorm_backward: rstd must be float32"),
         ("layernorm_bwd-shape", lambda: C.layernorm_backward(randn(4, 7), x, None, None, f, f), "layernorm_backward: dout has shape"),

@@ -17,10 +17,17 @@ import torch
 
 import kforge
 from conftest import gpu, randn
+from kforge._testing import override
 
 pytestmark = gpu
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def with_variant(op, variant, call):
+    """call() under `op`'s testing override (kforge._testing.override)."""
+    with override(op, variant=variant):
+        return call()
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -81,17 +88,18 @@ def _cases(dtype):
                                        (0.5 * randn(1024)).to(dtype))),
         "layernorm_backward": (lambda *a: C.layernorm_backward(*a), ln_inputs),
         "layernorm_backward_block": (lambda *a: C.layernorm_backward(*a), ln_long_inputs),
-        "layernorm_backward_warp": (lambda *a: C.layernorm_backward(*a, variant=1), ln_inputs),
+        "layernorm_backward_warp": (lambda *a: with_variant("layernorm_backward", 1, lambda: C.layernorm_backward(*a)),
+                                    ln_inputs),
         "rmsnorm_forward": (lambda x, w: C.rmsnorm_forward(x, w, 1e-6),
                             lambda: (randn(4096, 768, dtype=dtype), (1 + 0.3 * randn(768)).to(dtype))),
         "add_rmsnorm_forward": (lambda x, r, w: C.add_rmsnorm_forward(x, r, w, 1e-6),
                                 lambda: (randn(4096, 768, dtype=dtype), randn(4096, 768, dtype=dtype),
                                          (1 + 0.3 * randn(768)).to(dtype))),
-        "rmsnorm_backward": (lambda dy, x, w, rstd, v: C.rmsnorm_backward(dy, x, w, rstd, variant=v),
+        "rmsnorm_backward": (lambda dy, x, w, rstd, v: with_variant("rmsnorm_backward", v, lambda: C.rmsnorm_backward(dy, x, w, rstd)),
                              lambda: rms_inputs((4096, 768), 0)),
-        "rmsnorm_backward_v1": (lambda dy, x, w, rstd, v: C.rmsnorm_backward(dy, x, w, rstd, variant=v),
+        "rmsnorm_backward_v1": (lambda dy, x, w, rstd, v: with_variant("rmsnorm_backward", v, lambda: C.rmsnorm_backward(dy, x, w, rstd)),
                                 lambda: rms_inputs((4096, 768), 1)),
-        "rmsnorm_backward_odd": (lambda dy, x, w, rstd, v: C.rmsnorm_backward(dy, x, w, rstd, variant=v),
+        "rmsnorm_backward_odd": (lambda dy, x, w, rstd, v: with_variant("rmsnorm_backward", v, lambda: C.rmsnorm_backward(dy, x, w, rstd)),
                                  lambda: rms_inputs((3001, 771), 0)),
         "colsum_forward": (C.colsum_forward, lambda: (randn(20000, 771, dtype=dtype),)),
         "colsum_forward_even": (C.colsum_forward, lambda: (randn(8, 1024, 768, dtype=dtype),)),

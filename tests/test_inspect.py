@@ -217,3 +217,24 @@ def test_gpu_declines_name_the_unsupported_dtype():
     report = inspect(jm)
     assert not report.symbols
     assert any(d.symbol == "layer_norm" and "float64 not supported" in d.reason for d in report.declines)
+
+
+def test_call_layouts_from_the_launchers_plans():
+    """The layout column: each kforge call's layout as its launcher's plan picks it (CPU proxies)."""
+    import thunder.core.devices as devices
+    from thunder.core import dtypes
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+
+    from kforge.inspect import call_layouts
+    from kforge.ops import layernorm as ln_ops
+
+    for dtype, want in ((dtypes.float32, "group"), (dtypes.bfloat16, "warp")):
+        trc = TraceCtx()
+        dev = devices.Device("cuda:0")
+        with tracectx(trc):
+            x = TensorProxy(shape=(64, 768), device=dev, dtype=dtype, requires_grad=False)
+            w = TensorProxy(shape=(768,), device=dev, dtype=dtype, requires_grad=False)
+            ln_ops.layernorm_forward(x, w, w, 1e-5)
+        assert call_layouts([trc]) == {"kforge_layernorm_forward": Counter({want: 1})}, dtype
+        assert kforge._C.plan("layernorm_forward", [64, 768], dtypes.to_torch_dtype(dtype))["layout"] == want

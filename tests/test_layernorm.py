@@ -17,6 +17,7 @@ from thunder.core.trace import TraceCtx, tracectx
 import kforge
 from conftest import DTYPES, REL_TOL, assert_close, gpu, proxy, randn, swap_launchers
 from kforge import _thunder
+from kforge._testing import override
 from kforge.ops import layernorm as ln
 
 EPS = 1e-5
@@ -48,9 +49,22 @@ def reference(x, w, b, dout):
     return out.detach(), mean, rstd, x64.grad, grad(w64), grad(b64)
 
 
+def ln_forward(x, w, b, eps=EPS, *, variant=0, max_warps=0):
+    """kforge._C.layernorm_forward under the launcher's testing override (variant 1: never GROUP;
+    max_warps: fewer resident warps per SM)."""
+    with override("layernorm_forward", variant=variant, max_warps=max_warps):
+        return kforge._C.layernorm_forward(x, w, b, eps)
+
+
+def ln_backward(dout, x, w, b, mean, rstd, *, variant=0, max_warps=0):
+    """kforge._C.layernorm_backward under the testing override (variant 1: never RING / GROUP)."""
+    with override("layernorm_backward", variant=variant, max_warps=max_warps):
+        return kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+
+
 def check_against_reference(x, w, b, dout, dtype, variant=0):
-    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS, variant=variant)
-    dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
+    out, mean, rstd = ln_forward(x, w, b, EPS, variant=variant)
+    dx, dw, db = ln_backward(dout, x, w, b, mean, rstd, variant=variant)
     r_out, r_mean, r_rstd, r_dx, r_dw, r_db = reference(x, w, b, dout)
     n = x.numel() // x.shape[-1]
     assert out.dtype == dtype and mean.dtype == rstd.dtype == torch.float32
@@ -101,14 +115,15 @@ SHAPES = [(8, 768), (1, 768), (2, 5, 768), (16, 1000), (1000, 771), (7, 3), (3, 
           (20, 640), (4096, 1024), (5, 100), (24, 1536), (12, 2048), (10, 1600), (3000, 256),
           (3000, 100), (2000, 771), (20000, 768), (16, 4096), (300, 4096), (100, 1600), (50, 2050),
           (6, 5120)]
-# The launchers' `variant` 1 (never GROUP / RING): rows of <= 1024 columns take the WARP layout the
-# default uses only past 2^30 rows (one warp per row; rows a warp takes at once R, persistent warps
-# looping when the chunks outnumber them). Forward fp32 16-byte units per lane P: 2 at 100 / 128 /
-# 256, 3 at 300 / 384, 4 at 512, 6 at 640 / 768, 8 at 1000 / 1024; scalar P=32 at 3 / 771.
-# Backward: fp32 as the forward; bf16 16-byte P=2 at 128 / 256 / 384 / 512, 3 at 640 / 768, 4 at
-# 1000 / 1024; scalar at 3 / 100 / 300 / 771. Warps looping over more chunks than they number:
-# (8192, 768), (20000, 768), in the backward also (4096, 1024), (2000, 771); one row: (1, 768).
-# Longer rows take the same kernels under both variants, so they run under variant 0 only.
+# The launchers' testing `variant` 1 (ln_forward / ln_backward; never GROUP / RING): rows of <= 1024
+# columns take the WARP layout the default uses only past 2^30 rows (one warp per row; rows a warp
+# takes at once R, persistent warps looping when the chunks outnumber them). Forward fp32 16-byte
+# units per lane P: 2 at 100 / 128 / 256, 3 at 300 / 384, 4 at 512, 6 at 640 / 768, 8 at 1000 /
+# 1024; scalar P=32 at 3 / 771. Backward: fp32 as the forward; bf16 16-byte P=2 at 128 / 256 / 384 /
+# 512, 3 at 640 / 768, 4 at 1000 / 1024; scalar at 3 / 100 / 300 / 771. Warps looping over more
+# chunks than they number: (8192, 768), (20000, 768), in the backward also (4096, 1024), (2000,
+# 771); one row: (1, 768). Longer rows take the same kernels under both variants, so they run under
+# variant 0 only.
 WARP_SHAPES = [(1, 768), (16, 1000), (1000, 771), (7, 3), (8192, 768), (64, 128), (33, 256),
                (40, 300), (33, 384), (48, 512), (20, 640), (4096, 1024), (5, 100), (2000, 771),
                (20000, 768)]
@@ -165,7 +180,7 @@ def test_rows_with_a_large_mean(dtype, c, aligned):
     r_out = F.layer_norm(x64, (c,), w.double(), b.double(), EPS)
     r_rstd = (x64.var(-1, unbiased=False) + EPS).rsqrt()
     for variant in (0, 1):
-        out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS, variant=variant)
+        out, mean, rstd = ln_forward(x, w, b, EPS, variant=variant)
         assert ((rstd.double() - r_rstd).abs() / r_rstd).max().item() < 2e-5, variant
         assert ((mean.double() - x64.mean(-1)).abs().max() / 300.0).item() < 1e-6, variant
         # x - mean in fp32 is good to about ulp(300) / std = 6e-5 of the normalised value: that,
@@ -215,15 +230,15 @@ def test_max_warps_knob(dtype):
     grads = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
     *_, r_dw, r_db = reference(x, w, b, dout)
     for mw in (2, 4, 8, 12):
-        again = kforge._C.layernorm_forward(x, w, b, EPS, mw)
+        again = ln_forward(x, w, b, EPS, max_warps=mw)
         for a, r in zip(again, (out, mean, rstd)):
             assert torch.equal(a, r)
-        dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, mw)
+        dx, dw, db = ln_backward(dout, x, w, b, mean, rstd, max_warps=mw)
         assert torch.equal(dx, grads[0])
         assert_close(dw, r_dw, dtype, "dweight")
         assert_close(db, r_db, dtype, "dbias")
     with pytest.raises(kforge.KforgeError, match="max_warps must be >= 0"):
-        kforge._C.layernorm_forward(x, w, b, EPS, -1)
+        ln_forward(x, w, b, EPS, max_warps=-1)
 
 
 @gpu
@@ -236,16 +251,16 @@ def test_cuda_graph_capture_of_backward(dtype, shape_variant):
     reduce; 771: GROUP scalar and the scalar reduce; 4096: BLOCK; variant 1: WARP at 768 / 771)."""
     shape, variant = shape_variant
     x, w, b, dout = make_inputs(shape, dtype)
-    _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS, variant=variant)
-    expected = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
+    _, mean, rstd = ln_forward(x, w, b, EPS, variant=variant)
+    expected = ln_backward(dout, x, w, b, mean, rstd, variant=variant)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (compile, load) outside the capture
-        kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
+        ln_backward(dout, x, w, b, mean, rstd, variant=variant)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
+        captured = ln_backward(dout, x, w, b, mean, rstd, variant=variant)
     graph.replay()
     torch.cuda.synchronize()
     for a, r in zip(captured, expected):
@@ -265,9 +280,9 @@ def test_launcher_rejects_bad_arguments():
     with pytest.raises(kforge.KforgeError, match="dout has shape"):
         kforge._C.layernorm_backward(dout[:2], x, w, b, mean, rstd)
     with pytest.raises(kforge.KforgeError, match="variant must be in"):
-        kforge._C.layernorm_forward(x, w, b, EPS, variant=2)
+        ln_forward(x, w, b, EPS, variant=2)
     with pytest.raises(kforge.KforgeError, match="variant must be in"):
-        kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=-1)
+        ln_backward(dout, x, w, b, mean, rstd, variant=-1)
 
 
 @gpu
@@ -441,8 +456,8 @@ def test_property_matches_float64(C, rows, dtype, affine, variant, eps, seed, st
     dout = randn(rows, C, dtype=dtype, seed=seed + 3)
     if strided:  # a view with padded rows: the launcher copies it; the reference reads the same values
         x = torch.empty(rows, C + 5, dtype=dtype, device="cuda")[:, :C].copy_(x)
-    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, eps, variant=variant)
-    dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, variant=variant)
+    out, mean, rstd = ln_forward(x, w, b, eps, variant=variant)
+    dx, dw, db = ln_backward(dout, x, w, b, mean, rstd, variant=variant)
     x64 = x.detach().double().requires_grad_(True)
     w64 = None if w is None else w.double().requires_grad_(True)
     b64 = None if b is None else b.double().requires_grad_(True)

@@ -21,6 +21,7 @@ from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
 from kforge import _thunder
+from kforge._testing import override
 from kforge.ops import rmsnorm as op
 import conftest
 from conftest import DTYPES, assert_close, check_jit_matches_eager, gpu, randn, swap_launchers, symbol_names
@@ -42,11 +43,17 @@ def reference(x, weight, eps, dy, nd=1):
     return y.detach(), rstd.detach().reshape(-1), x64.grad, None if w64 is None else w64.grad
 
 
+def rms_backward(dy, x, weight, rstd, nd=1, cast_before_weight=True, variant=0, dresidual=None):
+    """kforge._C.rmsnorm_backward under the launcher's testing override (variant 1: never the ring)."""
+    with override("rmsnorm_backward", variant=variant):
+        return kforge._C.rmsnorm_backward(dy, x, weight, rstd, nd, cast_before_weight, dresidual=dresidual)
+
+
 def check(x, weight, dy, cast_before_weight, nd=1, what="", variant=0):
     dtype = x.dtype
     what = f"{what} variant {variant}"
     y, rstd = kforge._C.rmsnorm_forward(x, weight, EPS, nd, cast_before_weight)
-    dx, dw = kforge._C.rmsnorm_backward(dy, x, weight, rstd, nd, cast_before_weight, variant)
+    dx, dw = rms_backward(dy, x, weight, rstd, nd, cast_before_weight, variant)
     ry, rrstd, rdx, rdw = reference(x, weight, EPS, dy, nd)
     assert y.dtype == dtype and rstd.dtype == torch.float32 and dx.dtype == dtype
     assert_close(y, ry, dtype, f"y {what}")
@@ -102,8 +109,8 @@ def check_random(shape, dtype, cast_before_weight, variant):
 # ((4, 2056): bf16 257 chunks on 160 threads, fp32 514 on 288).
 SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056),
           (3, 512), (5, 2048), (3, 8192), (5, 6000)]
-# Backward kernels (the launcher's `variant`): 0 the default (the ring where it applies, then
-# rmsnorm_dweight_kernel), 1 the kernels for what the ring does not take.
+# Backward kernels (the launcher's testing `variant`, see rms_backward): 0 the default (the ring
+# where it applies, then rmsnorm_dweight_kernel), 1 the kernels for what the ring does not take.
 VARIANTS = [0, 1]
 variants = pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"v{v}")
 
@@ -273,7 +280,7 @@ def test_dweight_is_deterministic(dtype, shape, variant):
     x, dy = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
     w = randn(shape[-1], dtype=dtype)
     _, rstd = kforge._C.rmsnorm_forward(x, w, EPS)
-    runs = [kforge._C.rmsnorm_backward(dy, x, w, rstd, variant=variant) for _ in range(3)]
+    runs = [rms_backward(dy, x, w, rstd, variant=variant) for _ in range(3)]
     assert all(torch.equal(runs[0][1], r[1]) and torch.equal(runs[0][0], r[0]) for r in runs[1:])
 
 
@@ -285,17 +292,17 @@ def test_side_stream_and_cuda_graph_capture(variant):
     x, dy = randn(3000, 4096, dtype=torch.bfloat16), randn(3000, 4096, dtype=torch.bfloat16)
     w = randn(4096, dtype=torch.bfloat16, scale=0.5) + 1
     _, rstd = kforge._C.rmsnorm_forward(x, w, EPS)
-    expected = kforge._C.rmsnorm_backward(dy, x, w, rstd, variant=variant)
+    expected = rms_backward(dy, x, w, rstd, variant=variant)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         dy2 = dy * 2  # a kernel right before the backward on the same stream
-        side = [kforge._C.rmsnorm_backward(dy2, x, w, rstd, variant=variant) for _ in range(3)]
+        side = [rms_backward(dy2, x, w, rstd, variant=variant) for _ in range(3)]
     torch.cuda.current_stream().wait_stream(s)
-    again = kforge._C.rmsnorm_backward(dy2, x, w, rstd, variant=variant)
+    again = rms_backward(dy2, x, w, rstd, variant=variant)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = kforge._C.rmsnorm_backward(dy, x, w, rstd, variant=variant)
+        captured = rms_backward(dy, x, w, rstd, variant=variant)
     dy.mul_(-1)  # replay must see the new values
     graph.replay()
     torch.cuda.synchronize()
@@ -434,7 +441,7 @@ def test_launcher_rejects_cpu_tensors():
 def test_launcher_rejects_unknown_variant():
     for v in (-1, 2):
         with pytest.raises(kforge.KforgeError, match=r"variant must be in \[0, 1\]"):
-            kforge._C.rmsnorm_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2),
+            rms_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2),
                                        variant=v)
 
 
@@ -453,7 +460,7 @@ def check_add(x, residual, weight, dy, ds, cast_before_weight, nd=1, what="", va
     dtype = x.dtype
     what = f"{what} variant {variant} {'hf' if cast_before_weight else 'torch'}"
     y, rstd, s = kforge._C.add_rmsnorm_forward(x, residual, weight, EPS, nd, cast_before_weight)
-    dx, dw = kforge._C.rmsnorm_backward(dy, s, weight, rstd, nd, cast_before_weight, variant, dresidual=ds)
+    dx, dw = rms_backward(dy, s, weight, rstd, nd, cast_before_weight, variant, dresidual=ds)
     rs, ry, rrstd, rdx, rdw = reference_add(x, residual, weight, EPS, dy, ds, nd)
     assert s.dtype == y.dtype == dx.dtype == dtype and rstd.dtype == torch.float32
     assert s.shape == y.shape == dx.shape == x.shape and s.is_contiguous()
@@ -477,7 +484,7 @@ def check_add(x, residual, weight, dy, ds, cast_before_weight, nd=1, what="", va
     if variant == 1 and (ds is None or ds.data_ptr() % 16 == 0):
         # The same kernel with and without dres (variant 1 never takes the ring, whose stages with
         # dres may not fit where those without do): the dweight path is unchanged, bit for bit.
-        _, dw0 = kforge._C.rmsnorm_backward(dy, s, weight, rstd, nd, cast_before_weight, variant)
+        _, dw0 = rms_backward(dy, s, weight, rstd, nd, cast_before_weight, variant)
         assert torch.equal(dw, dw0), f"dweight differs from the unfused backward's ({what})"
 
 
@@ -515,8 +522,8 @@ def test_add_without_dresidual_or_weight(dtype, variant):
         x, r, dy = (randn(*shape, dtype=dtype) for _ in range(3))
         w = randn(shape[-1], dtype=dtype, scale=0.5) + 1
         _, rstd, s = kforge._C.add_rmsnorm_forward(x, r, w, EPS)
-        a = kforge._C.rmsnorm_backward(dy, s, w, rstd, variant=variant, dresidual=None)
-        b = kforge._C.rmsnorm_backward(dy, s, w, rstd, variant=variant)
+        a = rms_backward(dy, s, w, rstd, variant=variant, dresidual=None)
+        b = rms_backward(dy, s, w, rstd, variant=variant)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         check_add_random(shape, dtype, True, variant, ds=False)
         check_add_random(shape, dtype, False, variant, weight=False)
@@ -594,7 +601,7 @@ def test_add_is_deterministic_on_streams_and_graphs(variant):
 
     def step():
         y, rstd, s = kforge._C.add_rmsnorm_forward(x, r, w, EPS)
-        return (y, rstd, s, *kforge._C.rmsnorm_backward(dy, s, w, rstd, variant=variant, dresidual=ds))
+        return (y, rstd, s, *rms_backward(dy, s, w, rstd, variant=variant, dresidual=ds))
 
     first = step()
     assert all(all(torch.equal(a, b) for a, b in zip(first, step())) for _ in range(2))
@@ -614,7 +621,7 @@ def test_add_is_deterministic_on_streams_and_graphs(variant):
     assert all(torch.equal(a, b) for a, b in zip(first[:3], captured[:3]))
     assert not torch.equal(first[3], captured[3])  # dx saw the new ds
     check_add(x, r, w, dy, ds, True, what="after replay", variant=variant)
-    torch.testing.assert_close(captured[3], kforge._C.rmsnorm_backward(dy, first[2], w, first[1],
+    torch.testing.assert_close(captured[3], rms_backward(dy, first[2], w, first[1],
                                                                        variant=variant, dresidual=ds)[0],
                                rtol=0, atol=0)
 

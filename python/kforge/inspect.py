@@ -24,6 +24,9 @@ Where the numbers come from:
   checker calls Thunder made; `recording()` below captures the part of it made inside a block.)
 - Llama patterns: for `kforge.transforms.thunderfx` / `kforge.transforms.jit` results, what the
   pattern transform replaced or why it left a match alone.
+- layouts: for launchers with several kernel layouts, the layout their dispatch (`kforge._C.plan`,
+  the launcher's own function) picks for each call's shape and dtype, taking every tensor as 16-byte
+  aligned, on this process's GPU 0 (without one: the plan's default device).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-__all__ = ["Decline", "InspectReport", "inspect", "recording", "thunder_functions", "range_name"]
+__all__ = ["Decline", "InspectReport", "call_layouts", "inspect", "recording", "thunder_functions", "range_name"]
 
 
 # ---- finding the Thunder functions behind a compiled object ---------------------------------------
@@ -119,6 +122,75 @@ def _launches_kernel(symbol: str) -> bool:
     from . import _C
 
     return callable(getattr(_C, symbol.removeprefix("kforge_"), None))
+
+
+# ---- launch layouts ------------------------------------------------------------------------------
+# Per launcher with a plan: the argument whose shape / dtype the plan takes, and the plan's options
+# from the call's other arguments (their positions in the launcher's signature).
+def _plan_query(name: str, args: tuple) -> tuple[Any, dict] | None:
+    def arg(i: int, default: Any = None) -> Any:
+        return args[i] if len(args) > i else default
+
+    if name in ("layernorm_forward", "layernorm_backward"):
+        o = 1 if name == "layernorm_backward" else 0  # backward: (dout, x, weight, bias, ...)
+        return args[o], {"weight": arg(o + 1) is not None, "bias": arg(o + 2) is not None}
+    if name in ("rmsnorm_forward", "add_rmsnorm_forward"):
+        return args[0], {"normalized_ndim": arg(3 if name == "rmsnorm_forward" else 4, 1)}
+    if name == "rmsnorm_backward":
+        return args[1], {"normalized_ndim": arg(4, 1), "cast_before_weight": bool(arg(5, True))}
+    if name in ("cross_entropy_backward", "gelu_backward"):
+        return args[1], {}
+    if name in ("rope_forward", "rope_backward"):
+        q, k, cos = args[0], args[1], args[2]
+        return q, {"kv_heads": k.shape[1], "interleaved": bool(arg(5, False)),
+                   "f32_tables": cos.dtype != q.dtype}
+    return args[0], {}
+
+
+def _device_limits() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    p = torch.cuda.get_device_properties(0)
+    limits = {"sms": p.multi_processor_count}
+    optin = getattr(p, "shared_memory_per_block_optin", None)
+    if optin:
+        limits["smem_optin"] = optin
+    return limits
+
+
+def call_layouts(traces: list) -> dict[str, Counter]:
+    """kforge symbol -> Counter of the layouts its launcher's plan picks for the calls in `traces`
+    (searching inside fusion regions, as `symbol_counts`); symbols without a plan are left out."""
+    from . import _C
+
+    planned, limits, out = set(_C.plan_ops()), _device_limits(), {}
+
+    def layout(name: str, args: tuple) -> str | None:
+        try:
+            from thunder.core.dtypes import to_torch_dtype
+
+            x, options = _plan_query(name, args)
+            return _C.plan(name, list(x.shape), to_torch_dtype(x.dtype), **limits, **options)["layout"]
+        except Exception:  # a call the plan cannot read (unusual arguments): no layout shown
+            return None
+
+    def walk(bsyms) -> None:
+        for b in bsyms:
+            name = b.sym.name
+            if name.startswith("kforge_"):
+                if name.removeprefix("kforge_") in planned:
+                    found = layout(name.removeprefix("kforge_"), tuple(b.args))
+                    if found:
+                        out.setdefault(name, Counter())[found] += 1
+            else:
+                walk(b.subsymbols)
+
+    for t in traces:
+        if t is not None:
+            walk(t.bound_symbols)
+    return out
 
 
 # ---- asking the checkers again -------------------------------------------------------------------
@@ -276,9 +348,15 @@ class InspectReport:
         from tabulate import tabulate
 
         names = sorted(set(self.forward) | set(self.backward))
+        layouts = call_layouts([*self.forward_traces, *self.backward_traces])
+
+        def shown(n: str) -> str:  # "warp" or "group ×3, warp ×1"
+            c = layouts.get(n, Counter())
+            return c.most_common(1)[0][0] if len(c) == 1 else ", ".join(f"{k} ×{v}" for k, v in c.most_common())
+
         rows = [(n, range_name(n), self.forward.get(n, 0), self.backward.get(n, 0),
-                 "kernel" if _launches_kernel(n) else "helper") for n in names]
-        return tabulate(rows, headers=("kforge symbol", "op.direction", "forward", "backward", "runs"),
+                 "kernel" if _launches_kernel(n) else "helper", shown(n)) for n in names]
+        return tabulate(rows, headers=("kforge symbol", "op.direction", "forward", "backward", "runs", "layout"),
                         tablefmt=tablefmt, disable_numparse=True)
 
     def claims_table(self, tablefmt: str = "simple") -> str:

@@ -7,7 +7,7 @@
 #include <tuple>
 
 #include "../runtime/torch_launch.h"
-#include "launch_params.cuh"  // kernels_src/: the backward's block shape, shared with the kernel
+#include "cross_entropy_plan.h"  // the dispatch: grid, block, packs or elements
 
 namespace kforge {
 namespace {
@@ -20,7 +20,6 @@ Kernel fused(prog, "cross_entropy_forward_kernel<{T}, true>");
 // modulo 16, else element-wise.
 Kernel bwd_vec(prog, "cross_entropy_backward_kernel<{T}, true>");
 Kernel bwd_scalar(prog, "cross_entropy_backward_kernel<{T}, false>");
-using kf_cross_entropy::kBwdThreads, kf_cross_entropy::kBwdUnrollVec, kf_cross_entropy::kBwdUnrollScalar;
 Kernel reduce(prog, "cross_entropy_reduce_kernel<{T}>");
 
 enum class Reduction { none, mean, sum };
@@ -101,12 +100,6 @@ at::Tensor new_dlogits(const Problem& p) {
   return new_output({p.N, p.ld}, p.logits.options()).narrow(1, 0, p.V);
 }
 
-// One block per row: one 16-byte pack per thread for short rows, 512 threads for long ones.
-unsigned row_block(const Problem& p) {
-  const int64_t packs = (p.V * p.logits.element_size() + 15) / 16;
-  return static_cast<unsigned>(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, 512));
-}
-
 // Single-block count of non-ignored targets into n_valid, plus the mean / sum of row_loss into loss
 // when both are given.
 void launch_reduce(const Problem& p, const LaunchOn& on, const at::Tensor& row_loss, const at::Tensor& loss,
@@ -134,7 +127,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(const at::T
   at::Tensor row_loss = red == Reduction::none ? at::Tensor() : new_output({p.N}, f32);
   const long long ii = ignore_index;
   void* const null = nullptr;
-  fwd.launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.N)), Dim3(row_block(p)), 0,
+  const CrossEntropyPlan plan = plan_cross_entropy_forward(p.N, p.V, p.logits.element_size());
+  fwd.launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(plan.grid)),
+             Dim3(static_cast<unsigned>(plan.block_x)), 0,
              ptr(p.logits), ptr(p.targets), ptr(lse), ptr(row_loss),
              red == Reduction::none ? ptr(loss) : null, null, null, 0LL, null, p.V, p.ld, ii, 0);
   launch_reduce(p, on, row_loss, red == Reduction::none ? at::Tensor() : loss, n_valid, ii, red);
@@ -155,23 +150,16 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& logi
   // 16-byte packs need logits and dlogits rows to sit at the same offset from a 16-byte boundary
   // (same base phase; both have row stride ld).
   const bool vec = (reinterpret_cast<uintptr_t>(ptr(p.logits)) & 15) == (reinterpret_cast<uintptr_t>(ptr(dlogits)) & 15);
-  const long long pack = 16 / p.logits.element_size();
-  const long long max_packs = std::max<long long>(1, (p.V + pack - 1) / pack);  // >= packs of any row split
-  // Work items of (row, chunk): a row's packs split into equal chunks of at most one block's worth
-  // (threads x unroll packs).
-  const long long cap = static_cast<long long>(kBwdThreads) * (vec ? kBwdUnrollVec : kBwdUnrollScalar);
-  const long long chunks = (max_packs + cap - 1) / cap, chunk_packs = (max_packs + chunks - 1) / chunks;
-  // One block per item: N * chunks blocks fit gridDim.x for any tensor that fits in memory (a row of
-  // two or more chunks has >= 1024 elements per chunk, so 2^31 items would be >= 2^41 elements).
-  KF_CHECK(p.N * chunks <= std::numeric_limits<int>::max(), op, "too many (row, chunk) work items: ",
-           p.N * chunks);
+  const CrossEntropyPlan plan = plan_cross_entropy_backward(p.N, p.V, p.logits.element_size(), vec);
+  KF_CHECK(plan.error.empty(), op, plan.error);
   const long long grad_stride = red == Reduction::none ? 1LL : 0LL;
   void* const nv = red == Reduction::mean ? ptr(n_valid) : nullptr;
   const long long ii = ignore_index;
-  (vec ? bwd_vec : bwd_scalar)
-      .launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.N * chunks)), Dim3(kBwdThreads), 0,
-              ptr(g), grad_stride, nv, ptr(p.logits), ptr(p.targets), ptr(lse), ptr(dlogits), p.V, p.ld, ii,
-              static_cast<int>(chunks), static_cast<int>(chunk_packs));
+  (plan.vec ? bwd_vec : bwd_scalar)
+      .launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(plan.grid)),
+              Dim3(static_cast<unsigned>(plan.block_x)), 0, ptr(g), grad_stride, nv, ptr(p.logits),
+              ptr(p.targets), ptr(lse), ptr(dlogits), p.V, p.ld, ii, static_cast<int>(plan.chunks),
+              static_cast<int>(plan.chunk_packs));
   return dlogits;
 }
 
@@ -194,12 +182,16 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_backward(const at::Tens
   void* const null = nullptr;
   // The mean's 1/n_valid is needed by every row's gradient: count first.
   if (red == Reduction::mean) launch_reduce(p, on, at::Tensor(), at::Tensor(), n_valid, ii, red);
-  const int vec = (reinterpret_cast<uintptr_t>(ptr(p.logits)) & 15) == (reinterpret_cast<uintptr_t>(ptr(dlogits)) & 15);
-  fused.launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.N)), Dim3(row_block(p)), 0,
+  const bool same_phase =
+      (reinterpret_cast<uintptr_t>(ptr(p.logits)) & 15) == (reinterpret_cast<uintptr_t>(ptr(dlogits)) & 15);
+  const CrossEntropyPlan plan =
+      plan_cross_entropy_forward(p.N, p.V, p.logits.element_size(), same_phase);
+  fused.launch(p.dt, on.device, on.stream, Dim3(static_cast<unsigned>(plan.grid)),
+               Dim3(static_cast<unsigned>(plan.block_x)), 0,
                ptr(p.logits), ptr(p.targets), ptr(lse), ptr(row_loss),
                red == Reduction::none ? ptr(loss) : null, ptr(dlogits), ptr(g),
                red == Reduction::none ? 1LL : 0LL, red == Reduction::mean ? ptr(n_valid) : null, p.V, p.ld, ii,
-               vec);
+               static_cast<int>(plan.vec));
   if (red != Reduction::none) launch_reduce(p, on, row_loss, loss, n_valid, ii, red);
   return {loss, dlogits};
 }

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "../runtime/torch_launch.h"
-#include "launch_params.cuh"  // kernels_src/: kGeluP, kGeluB, shared with gelu.cu
+#include "gelu_plan.h"  // the dispatch: packs or scalar, grid, block
 
 namespace kforge {
 namespace {
@@ -32,21 +32,6 @@ int erf_mode(const std::string& approximate, const char* op) {
   return approximate == "none" ? 1 : 0;
 }
 
-constexpr int64_t kPacksPerThread = kf_gelu::kGeluP;
-constexpr int kThreads = kf_gelu::kGeluB;
-
-// Scalar kernels' grid: a few resident waves of 256-thread blocks; the grid-stride loops cover the
-// rest, so any numel (including > 2^31) works.
-Dim3 scalar_grid(int64_t n, int device) { return grid_stride_blocks(n, 256, 16, device); }
-
-// Pack kernels' grid: one block per kPacksPerThread * kThreads packs, plus one (partial or empty)
-// block that also writes the scalar tail.
-unsigned packs_grid(int64_t n, int64_t elem_size, const char* op) {
-  const int64_t blocks = n / (16 / elem_size) / (kPacksPerThread * kThreads) + 1;
-  KF_CHECK(blocks <= std::numeric_limits<int>::max(), op, "too many elements: ", n);
-  return static_cast<unsigned>(blocks);
-}
-
 at::Tensor gelu_forward(const at::Tensor& x_, const std::string& approximate) {
   const int erf = erf_mode(approximate, kFwd);
   const at::Tensor x = input(x_, kFwd, "x");
@@ -55,13 +40,12 @@ at::Tensor gelu_forward(const at::Tensor& x_, const std::string& approximate) {
   const long long n = x.numel();
   if (n == 0) return out;
   const DType dt = dtype_of(x, kFwd);
-  if (!(aligned16(x) && aligned16(out))) {
-    fwd_scalar[erf].launch(dt, on.device, on.stream, scalar_grid(n, on.device), Dim3(256), 0,
-                           x.data_ptr(), out.data_ptr(), n);
-    return out;
-  }
-  fwd[erf].launch(dt, on.device, on.stream, Dim3(packs_grid(n, x.element_size(), kFwd)), Dim3(kThreads),
-                  0, x.data_ptr(), out.data_ptr(), n);
+  const GeluPlan p =
+      plan_gelu(n, x.element_size(), aligned16(x) && aligned16(out), sm_count(on.device));
+  KF_CHECK(p.error.empty(), kFwd, p.error);
+  Kernel& k = p.layout_id == GeluLayout::scalar ? fwd_scalar[erf] : fwd[erf];
+  k.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.grid)),
+           Dim3(static_cast<unsigned>(p.block_x)), 0, x.data_ptr(), out.data_ptr(), n);
   return out;
 }
 
@@ -75,13 +59,12 @@ at::Tensor gelu_backward(const at::Tensor& dout_, const at::Tensor& x_, const st
   const long long n = x.numel();
   if (n == 0) return dx;
   const DType dt = dtype_of(x, kBwd);
-  if (!(aligned16(x) && aligned16(dout) && aligned16(dx))) {
-    bwd_scalar[erf].launch(dt, on.device, on.stream, scalar_grid(n, on.device), Dim3(256), 0,
-                           dout.data_ptr(), x.data_ptr(), dx.data_ptr(), n);
-    return dx;
-  }
-  bwd[erf].launch(dt, on.device, on.stream, Dim3(packs_grid(n, x.element_size(), kBwd)), Dim3(kThreads),
-                  0, dout.data_ptr(), x.data_ptr(), dx.data_ptr(), n);
+  const GeluPlan p = plan_gelu(
+      n, x.element_size(), aligned16(x) && aligned16(dout) && aligned16(dx), sm_count(on.device));
+  KF_CHECK(p.error.empty(), kBwd, p.error);
+  Kernel& k = p.layout_id == GeluLayout::scalar ? bwd_scalar[erf] : bwd[erf];
+  k.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(p.grid)),
+           Dim3(static_cast<unsigned>(p.block_x)), 0, dout.data_ptr(), x.data_ptr(), dx.data_ptr(), n);
   return dx;
 }
 

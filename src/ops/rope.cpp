@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "../runtime/torch_launch.h"
+#include "rope_plan.h"  // the dispatch: tiled or per-token kernel, grid, block
 
 namespace kforge {
 namespace {
@@ -12,7 +13,6 @@ namespace {
 Program prog("rope");
 // The tiled kernel (8 heads per thread, one token tile per block) for 16-byte aligned rows and table
 // rows, [rotate_half, interleaved], tables of q's dtype or fp32; the per-token kernel for the rest.
-constexpr int64_t kTileHeads = 8, kTileThreads = 256;  // U of rope_tile_kernel, its block size
 const std::vector<DType> k16 = {DType::bf16, DType::f16};
 Kernel tile_same[2] = {Kernel(prog, "rope_tile_kernel<{T}, 8, false>"),
                        Kernel(prog, "rope_tile_kernel<{T}, 8, true>")};
@@ -22,8 +22,6 @@ Kernel same_dtype_tables(prog, "rope_kernel<{T}>");
 Kernel f32_tables(prog, "rope_f32tab_kernel<{T}>", {DType::bf16, DType::f16});
 
 bool multiple(int64_t v, int64_t m) { return v % m == 0; }
-
-constexpr int64_t kHeadsInFlight = 4;  // as in kernels_src/rope.cu
 
 // q / k (or their gradients) as (B, H, T, D) with a dense last dim; other strides are kept (HF passes
 // transposed (B, T, H, D) views), so no copy is made for them.
@@ -131,50 +129,29 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q_, const at::Tensor& 
   const bool f32tab = cos.scalar_type() != q.scalar_type();
   const int tvec = vec && aligned16(cos) && aligned16(sin) && multiple(Dc * cos.element_size(), 16);
 
-  const int64_t H = Hq + Hkv;
   const DType dt = dtype_of(q, op);
   auto stride = [](const at::Tensor& x, int d) { return static_cast<long long>(x.stride(d)); };
   void* pos_ptr = position_ids ? pos.data_ptr() : nullptr;
-
-  // Tiled kernel: 16-byte aligned rows and table rows, a row's chunks within one block (at most
-  // 256 chunks of 16 bytes), head groups within grid.y.
-  const int64_t U = kTileHeads;
-  const int64_t nchunk16 = (interleaved ? D : D / 2) / V;
-  const int64_t gq = (Hq + U - 1) / U, groups = gq + (Hkv + U - 1) / U;
-  if (vec && tvec && nchunk16 <= kTileThreads && groups <= 65535) {
-    // threadIdx.x over the row's 16-byte chunks, threadIdx.y over a tile of consecutive tokens.
-    const int64_t ntok = B * T, bx = nchunk16;
-    const int64_t by = std::min<int64_t>(kTileThreads / bx, ntok);
-    const int64_t ntiles = (ntok + by - 1) / by;
+  const RopePlan p = plan_rope(B, T, Hq, Hkv, D, q.element_size(), interleaved, vec, tvec, f32tab);
+  const Dim3 block(static_cast<unsigned>(p.block_x), static_cast<unsigned>(p.block_y));
+  if (p.layout_id == RopeLayout::tile) {
     Kernel& kernel = (f32tab ? tile_f32 : tile_same)[interleaved ? 1 : 0];
     kernel.launch(dt, on.device, on.stream,
-                  Dim3(static_cast<unsigned>(ntiles), static_cast<unsigned>(groups)),
-                  Dim3(static_cast<unsigned>(bx), static_cast<unsigned>(by)), 0, q.data_ptr(),
-                  k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                  pos_ptr, static_cast<int>(ntok), static_cast<int>(T), static_cast<int>(Hq),
-                  static_cast<int>(Hkv), static_cast<int>(D), stride(q, 0), stride(q, 1),
-                  stride(q, 2), stride(k, 0), stride(k, 1), stride(k, 2), stride(q_out, 0),
-                  stride(q_out, 1), stride(q_out, 2), stride(k_out, 0), stride(k_out, 1),
-                  stride(k_out, 2), tab_batched, static_cast<long long>(n_pos),
-                  static_cast<long long>(pos_sb), int(inverse), static_cast<int>(ntiles),
-                  static_cast<int>(gq));
+                  Dim3(static_cast<unsigned>(p.grid), static_cast<unsigned>(p.grid_y)), block, 0,
+                  q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(),
+                  sin.data_ptr(), pos_ptr, static_cast<int>(B * T), static_cast<int>(T),
+                  static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(D), stride(q, 0),
+                  stride(q, 1), stride(q, 2), stride(k, 0), stride(k, 1), stride(k, 2),
+                  stride(q_out, 0), stride(q_out, 1), stride(q_out, 2), stride(k_out, 0),
+                  stride(k_out, 1), stride(k_out, 2), tab_batched, static_cast<long long>(n_pos),
+                  static_cast<long long>(pos_sb), int(inverse), static_cast<int>(p.ntiles),
+                  static_cast<int>(p.q_groups));
     return {q_out, k_out};
   }
-
-  // Per-token kernel: threadIdx.x over a row's chunks, threadIdx.y over heads, each thread
-  // kHeadsInFlight heads at a time (the kernel's batch; any block shape is correct, this one leaves
-  // few slots idle).
-  const int64_t width = vec ? V : (interleaved ? 2 : 1);
-  const int64_t nchunk = (interleaved ? D : D / 2) / width;
-  const unsigned tx = static_cast<unsigned>(std::min<int64_t>(nchunk, 128));
-  int64_t ty = std::min<int64_t>(std::max<int64_t>(1, 128 / tx), (H + kHeadsInFlight - 1) / kHeadsInFlight);
-  const int64_t batches = (H + kHeadsInFlight * ty - 1) / (kHeadsInFlight * ty);
-  ty = (H + kHeadsInFlight * batches - 1) / (kHeadsInFlight * batches);
   Kernel& kernel = f32tab ? f32_tables : same_dtype_tables;
-  kernel.launch(dt, on.device, on.stream, static_cast<unsigned>(B * T),
-                Dim3(tx, static_cast<unsigned>(ty)), 0, q.data_ptr(), k.data_ptr(),
-                q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_ptr,
-                static_cast<int>(T), static_cast<int>(Hq), static_cast<int>(Hkv),
+  kernel.launch(dt, on.device, on.stream, static_cast<unsigned>(p.grid), block, 0, q.data_ptr(),
+                k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                pos_ptr, static_cast<int>(T), static_cast<int>(Hq), static_cast<int>(Hkv),
                 static_cast<int>(D), stride(q, 0), stride(q, 1), stride(q, 2), stride(k, 0),
                 stride(k, 1), stride(k, 2), stride(q_out, 0), stride(q_out, 1), stride(q_out, 2),
                 stride(k_out, 0), stride(k_out, 1), stride(k_out, 2), tab_batched,

@@ -1,17 +1,15 @@
 // softmax launchers: softmax over the last dim and the fused causal attention softmax, forward and
 // backward (see kernels_src/softmax.cu for the layouts).
 #include "../runtime/torch_launch.h"
+#include "softmax_plan.h"  // the dispatch: which kernel, grid, block, shared memory
 
 namespace kforge {
 namespace {
+using namespace softmax_plan;
 
 Program prog("softmax", ProgramOptions{/*fast_math=*/false});
 
-// Register-resident rows (x, y, dy sharing their 16-byte phase): one warp per row with P packs per
-// lane, P in {1, 2, 4} and 8 for fp32 only (16-bit rows of 8 packs per lane would hold 64 fp32 values
-// per thread), 4 rows per block; else one block per row, 4 packs per thread. Longer rows, and rows
-// whose tensors differ in 16-byte phase, stream. Block sizes match the kernels' __launch_bounds__.
-constexpr int kBlockP = 4, kMaxBlock = 512, kWarpBlock = 128;
+// The layouts and their sizes: src/ops/softmax_plan.h.
 const std::vector<DType> kF32 = {DType::f32};
 struct WarpKernels {
   int P;
@@ -23,11 +21,7 @@ WarpKernels warp_kernels[] = {
     {4, {prog, "softmax_forward_kernel<{T}, 4, true>"}, {prog, "softmax_backward_kernel<{T}, 4, true>"}},
     {8, {prog, "softmax_forward_kernel<{T}, 8, true>", kF32}, {prog, "softmax_backward_kernel<{T}, 8, true>", kF32}},
 };
-// Plain 16-bit rows on 16-byte boundaries of 33..128 packs (forward): persistent warps, blocks of 16
-// warps sized to the GPU (kWarpsPerSm blocks per SM), each warp a balanced range of rows staged
-// through a ring of kWarpSlots row slots in shared memory; P = 2 or 4 packs per lane and row.
 const std::vector<DType> k16 = {DType::bf16, DType::f16};
-constexpr int kWarpsBlock = 512, kWarpsPerSm = 2, kWarpSlots = 2;
 Kernel fwd_warps_p2(prog, "softmax_forward_warps_kernel<{T}, 2, 2>", k16);
 Kernel fwd_warps_p4(prog, "softmax_forward_warps_kernel<{T}, 4, 2>", k16);
 Kernel fwd_block(prog, "softmax_forward_kernel<{T}, 4, false>");
@@ -35,27 +29,15 @@ Kernel fwd_stream(prog, "softmax_forward_stream_kernel<{T}>");
 Kernel bwd_block(prog, "softmax_backward_kernel<{T}, 4, false>");
 Kernel bwd_stream(prog, "softmax_backward_stream_kernel<{T}>");
 
-// Which kernel runs rows of C elements and how it is launched.
-struct Plan {
-  Kernel* kernel;
-  unsigned grid, block;
-  bool stream;  // the stream kernels take (rows as long long, scale, vec)
-};
-
-Plan plan(int64_t rows, int64_t C, DType dt, int64_t elem_size, bool forward, bool vec) {
-  if (vec) {
-    const int64_t V = 16 / elem_size;
-    const int64_t packs = (C + V - 1) / V;  // >= whole packs of any split of the row
-    for (WarpKernels& w : warp_kernels) {
-      Kernel& k = forward ? w.fwd : w.bwd;
-      if (k.supports(dt) && packs <= 32 * w.P) return {&k, ceil_div(rows, kWarpBlock / 32), kWarpBlock, false};
-    }
-    if (packs <= int64_t(kMaxBlock) * kBlockP) {
-      const unsigned block = ceil_div(packs, kBlockP * 32) * 32;  // whole warps
-      return {forward ? &fwd_block : &bwd_block, static_cast<unsigned>(rows), block, false};
-    }
-  }
-  return {forward ? &fwd_stream : &bwd_stream, static_cast<unsigned>(rows), kMaxBlock, true};
+// The plan's kernel.
+Kernel& kernel_of(const SoftmaxPlan& p, bool forward) {
+  using L = SoftmaxLayout;
+  if (p.layout_id == L::warps) return p.P == 2 ? fwd_warps_p2 : fwd_warps_p4;
+  if (p.layout_id == L::warp)
+    for (WarpKernels& w : warp_kernels)
+      if (w.P == p.P) return forward ? w.fwd : w.bwd;
+  if (p.layout_id == L::block) return forward ? fwd_block : bwd_block;
+  return forward ? fwd_stream : bwd_stream;
 }
 
 bool same_alignment(std::initializer_list<const at::Tensor*> ts) {
@@ -79,36 +61,7 @@ std::pair<int64_t, int64_t> checked_rows(const at::Tensor& x, bool causal, const
   return {C, C > 0 ? x.numel() / C : 0};
 }
 
-// Packs per lane (2 or 4) of the persistent-warps kernel for plain 16-bit rows of 33..128 packs that
-// all start 16-byte aligned, or 0 when it does not apply.
-int rows16_packs(const at::Tensor& x, const at::Tensor& y, int64_t C) {
-  if (x.element_size() != 2 || C % 8 != 0) return 0;
-  if ((reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) || (reinterpret_cast<uintptr_t>(y.data_ptr()) & 15))
-    return 0;
-  const int64_t packs = C / 8;
-  if (packs > 32 && packs <= 64) return 2;
-  if (packs > 64 && packs <= 128) return 4;
-  return 0;
-}
-
-// Launches the persistent-warps kernel and returns true, or returns false (plan() then).
-bool launch_rows16(const at::Tensor& x, at::Tensor& y, int64_t rows, int64_t C, DType dt,
-                   const LaunchOn& on) {
-  const int P = rows16_packs(x, y, C);
-  if (P == 0) return false;
-  const float scale2 = static_cast<float>(1.4426950408889634);
-  constexpr int warps = kWarpsBlock / 32;
-  const int64_t need = ceil_div(rows, warps);  // blocks for one row per warp
-  const int64_t grid =
-      std::max<int64_t>(std::min<int64_t>(need, int64_t(sm_count(on.device)) * kWarpsPerSm), 1);
-  const int64_t tw = grid * warps;  // rows = q * tw + rem: q or q + 1 rows per warp
-  const size_t smem = size_t(warps) * kWarpSlots * P * 32 * 16;
-  (P == 2 ? fwd_warps_p2 : fwd_warps_p4)
-      .launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)), Dim3(kWarpsBlock), smem,
-              x.data_ptr(), y.data_ptr(), static_cast<int>(rows / tw), static_cast<int>(rows % tw),
-              static_cast<int>(C), scale2);
-  return true;
-}
+bool aligned16_ptr(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
 
 at::Tensor forward(const at::Tensor& x_, bool causal, double scale, const char* op) {
   const at::Tensor x = input(x_, op, "x");
@@ -117,17 +70,25 @@ at::Tensor forward(const at::Tensor& x_, bool causal, double scale, const char* 
   at::Tensor y = new_output_like(x);
   if (x.numel() == 0) return y;
   const DType dt = dtype_of(x, op);
-  if (!causal && launch_rows16(x, y, rows, C, dt, on)) return y;
   const bool vec = same_alignment({&x, &y});
-  const Plan p = plan(rows, C, dt, x.element_size(), /*forward=*/true, vec);
-  if (p.stream)
-    p.kernel->launch(dt, on.device, on.stream, p.grid, p.block, 0, x.data_ptr(), y.data_ptr(),
-                     static_cast<long long>(rows), static_cast<int>(C), int(causal),
-                     static_cast<float>(scale), int(vec));
+  const SoftmaxPlan p = plan_softmax(rows, C, x.element_size(), dt == DType::f32, /*forward=*/true,
+                                     causal, vec, aligned16_ptr(x) && aligned16_ptr(y),
+                                     sm_count(on.device));
+  const SoftmaxLayout layout = p.layout_id;
+  Kernel& k = kernel_of(p, /*forward=*/true);
+  const Dim3 grid(static_cast<unsigned>(p.grid)), block(static_cast<unsigned>(p.block_x));
+  if (layout == SoftmaxLayout::warps)  // takes scale * log2(e) and its warps' row ranges
+    k.launch(dt, on.device, on.stream, grid, block, static_cast<size_t>(p.smem), x.data_ptr(),
+             y.data_ptr(), static_cast<int>(p.q), static_cast<int>(p.r), static_cast<int>(C),
+             static_cast<float>(1.4426950408889634));
+  else if (layout == SoftmaxLayout::stream)
+    k.launch(dt, on.device, on.stream, grid, block, 0, x.data_ptr(), y.data_ptr(),
+             static_cast<long long>(rows), static_cast<int>(C), int(causal),
+             static_cast<float>(scale), int(vec));
   else  // the register kernels take scale * log2(e)
-    p.kernel->launch(dt, on.device, on.stream, p.grid, p.block, 0, x.data_ptr(), y.data_ptr(),
-                     static_cast<int>(rows), static_cast<int>(C), int(causal),
-                     static_cast<float>(scale * 1.4426950408889634));
+    k.launch(dt, on.device, on.stream, grid, block, 0, x.data_ptr(), y.data_ptr(),
+             static_cast<int>(rows), static_cast<int>(C), int(causal),
+             static_cast<float>(scale * 1.4426950408889634));
   return y;
 }
 
@@ -142,15 +103,17 @@ at::Tensor backward(const at::Tensor& dy_, const at::Tensor& y_, bool causal, do
   if (y.numel() == 0) return dx;
   const DType dt = dtype_of(y, op);
   const bool vec = same_alignment({&dy, &y, &dx});
-  const Plan p = plan(rows, C, dt, y.element_size(), /*forward=*/false, vec);
-  if (p.stream)
-    p.kernel->launch(dt, on.device, on.stream, p.grid, p.block, 0, dy.data_ptr(), y.data_ptr(),
-                     dx.data_ptr(), static_cast<long long>(rows), static_cast<int>(C), int(causal),
-                     static_cast<float>(scale), int(vec));
+  const SoftmaxPlan p = plan_softmax(rows, C, y.element_size(), dt == DType::f32, /*forward=*/false,
+                                     causal, vec, /*aligned=*/false, sm_count(on.device));
+  Kernel& k = kernel_of(p, /*forward=*/false);
+  const Dim3 grid(static_cast<unsigned>(p.grid)), block(static_cast<unsigned>(p.block_x));
+  if (p.layout_id == SoftmaxLayout::stream)
+    k.launch(dt, on.device, on.stream, grid, block, 0, dy.data_ptr(), y.data_ptr(), dx.data_ptr(),
+             static_cast<long long>(rows), static_cast<int>(C), int(causal),
+             static_cast<float>(scale), int(vec));
   else
-    p.kernel->launch(dt, on.device, on.stream, p.grid, p.block, 0, dy.data_ptr(), y.data_ptr(),
-                     dx.data_ptr(), static_cast<int>(rows), static_cast<int>(C), int(causal),
-                     static_cast<float>(scale));
+    k.launch(dt, on.device, on.stream, grid, block, 0, dy.data_ptr(), y.data_ptr(), dx.data_ptr(),
+             static_cast<int>(rows), static_cast<int>(C), int(causal), static_cast<float>(scale));
   return dx;
 }
 

@@ -14,9 +14,9 @@ Thunder symbols:
         the kernels (kforge._C.rmsnorm_forward / rmsnorm_backward); rstd is float32 of shape (rows,),
         weight may be None (then dweight is None). cast_before_weight=True: y = weight * T(x * rstd)
         (HF); False: y = T(x * rstd * weight) (torch F.rms_norm, thunder.torch.rms_norm).
-        kforge._C.rmsnorm_backward also takes variant= (0, the default; 1, for tests, never the
-        shared-memory ring kernel: the kernels for inputs the ring does not take); the operators
-        use the default.
+        Tests force the backward's other kernels with kforge._testing.override("rmsnorm_backward",
+        variant=1) (never the shared-memory ring kernel: the kernels for inputs the ring does not
+        take); the operators always take the launcher's own choice (kforge._C.plan).
     kforge_add_rms_norm(x, residual, weight, eps=1e-6, *, cast_before_weight=True) -> (s, y)
         registered with `replaces=add_rms_norm`; decomposes into thunder.torch ops when declined.
     kforge_add_rmsnorm_forward(x, residual, weight, eps, normalized_ndim, cast_before_weight)

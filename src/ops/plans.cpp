@@ -1,0 +1,267 @@
+// plans.cpp: kforge._C.plan(op, shape, dtype, ...) -> the launch the op's launcher would make, from
+// the same plan_<op> functions the launchers call (src/ops/<op>_plan.h). The device is described by
+// its SM count and opt-in shared memory per block (defaults: an H100 SXM), so no GPU is needed.
+#include <functional>
+#include <limits>
+#include <map>
+
+#include "../runtime/torch_launch.h"
+#include "cross_entropy_plan.h"
+#include "gelu_plan.h"
+#include "layernorm_plan.h"
+#include "rmsnorm_plan.h"
+#include "rope_plan.h"
+#include "softmax_plan.h"
+
+namespace kforge {
+namespace {
+namespace py = pybind11;
+
+struct Query {
+  std::vector<int64_t> shape;
+  int64_t elem_size;
+  bool f32;
+  bool aligned;  // every tensor 16-byte aligned (false: one is off by an element, the others not)
+  int64_t sms, smem_optin;
+  py::dict options;
+  template <typename T>
+  T opt(const char* name, T fallback) const {
+    return options.contains(name) ? options[name].cast<T>() : fallback;
+  }
+};
+
+// "float32" / "torch.bfloat16" / ... -> element size.
+int64_t elem_size_of(const std::string& dtype_) {
+  std::string d = dtype_.rfind("torch.", 0) == 0 ? dtype_.substr(6) : dtype_;
+  if (d == "float32" || d == "float") return 4;
+  if (d == "bfloat16" || d == "float16" || d == "half") return 2;
+  throw py::value_error("kforge.plan: dtype must be float32, bfloat16 or float16, got " + dtype_);
+}
+
+int64_t prod(const std::vector<int64_t>& s, size_t from = 0) {
+  int64_t n = 1;
+  for (size_t i = from; i < s.size(); ++i) n *= s[i];
+  return n;
+}
+
+int64_t last(const Query& q) {
+  if (q.shape.empty()) throw py::value_error("kforge.plan: shape must have at least one dimension");
+  return q.shape.back();
+}
+
+py::dict base(const Plan& p, const std::string& kernel) {
+  py::dict d;
+  d["layout"] = std::string(p.layout);
+  d["kernel"] = kernel;
+  d["grid"] = py::make_tuple(p.grid, p.grid_y, 1);
+  d["block"] = py::make_tuple(p.block_x, p.block_y, 1);
+  d["smem"] = p.smem;
+  if (!p.error.empty()) throw py::value_error(p.error);
+  return d;
+}
+
+// The launchers' own input checks, as ValueError (src/ops/<op>.cpp).
+void require(bool ok, const std::string& op, const std::string& why) {
+  if (!ok) throw py::value_error("kforge.plan: " + op + ": " + why);
+}
+
+py::dict layernorm(const Query& q, bool forward) {
+  const int64_t C = last(q), N = prod(q.shape) / C;
+  require(C <= ln_plan::kMaxC, "layernorm", "last dim must be in [1, 2^30]");
+  const int64_t mw = q.opt<int64_t>("max_warps", 0), v = q.opt<int64_t>("variant", 0);
+  const LayernormPlan p =
+      forward ? plan_layernorm_forward(N, C, q.elem_size, q.aligned, q.sms, mw, v)
+              : plan_layernorm_backward(N, C, q.elem_size, q.aligned,
+                                        q.opt<bool>("weight", true) || q.opt<bool>("bias", true),
+                                        q.sms, q.smem_optin, mw, v);
+  py::dict d = base(p, layernorm_kernel_name(p, forward));
+  d["vec"] = p.vec;
+  return d;
+}
+
+int64_t rms_row(const Query& q) {
+  const int64_t nd = q.opt<int64_t>("normalized_ndim", 1);
+  if (nd < 1 || nd > int64_t(q.shape.size())) throw py::value_error("kforge.plan: bad normalized_ndim");
+  const int64_t D = prod(q.shape, q.shape.size() - nd);
+  if (D < 1 || D > rms_plan::kMaxChunks * (16 / q.elem_size))
+    throw py::value_error("kforge.plan: rmsnorm rows of " + std::to_string(D) + " elements");
+  return D;
+}
+
+py::dict rmsnorm_fwd(const Query& q, bool res) {
+  const int64_t D = rms_row(q), V = 16 / q.elem_size;
+  const RmsnormPlan p = plan_rmsnorm_forward(prod(q.shape) / D, static_cast<int>((D + V - 1) / V),
+                                             q.aligned && D % V == 0, res);
+  py::dict d = base(p, rmsnorm_kernel_name(p, true));
+  d["vec"] = p.vec;
+  return d;
+}
+
+py::dict rmsnorm_bwd(const Query& q) {
+  const int64_t D = rms_row(q), V = 16 / q.elem_size;
+  const RmsnormPlan p = plan_rmsnorm_backward(
+      prod(q.shape) / D, D, q.elem_size, q.f32, q.aligned && D % V == 0,
+      q.opt<bool>("cast_before_weight", true), q.opt<bool>("dresidual", false), q.sms,
+      q.smem_optin, q.opt<int64_t>("variant", 0));
+  py::dict d = base(p, rmsnorm_kernel_name(p, false));
+  d["vec"] = p.vec;
+  return d;
+}
+
+py::dict softmax(const Query& q, bool forward, bool causal) {
+  const int64_t C = last(q), rows = prod(q.shape) / C;
+  constexpr int64_t kInt = std::numeric_limits<int>::max();
+  require(C <= kInt && rows < kInt, "softmax", "rows and row length must fit an int");
+  require(!causal || (q.shape.size() >= 2 && q.shape[q.shape.size() - 2] == C), "causal_softmax",
+          "expected scores of shape (..., T, T)");
+  const SoftmaxPlan p = plan_softmax(rows, C, q.elem_size, q.f32, forward, causal, q.aligned,
+                                     q.aligned, q.sms);
+  return base(p, softmax_kernel_name(p, forward));
+}
+
+py::dict cross_entropy(const Query& q, const std::string& which) {
+  if (q.shape.size() != 2) throw py::value_error("kforge.plan: cross_entropy logits are (N, V)");
+  const long long N = q.shape[0], V = q.shape[1];
+  require(N <= std::numeric_limits<int>::max(), "cross_entropy", "at most 2^31 - 1 rows");
+  const CrossEntropyPlan p =
+      which == "backward" ? plan_cross_entropy_backward(N, V, q.elem_size, q.aligned)
+                          : plan_cross_entropy_forward(N, V, q.elem_size, q.aligned);
+  py::dict d = base(p, cross_entropy_kernel_name(p, which));
+  d["vec"] = p.vec;
+  if (which == "backward") d["chunks"] = p.chunks, d["chunk_packs"] = p.chunk_packs;
+  return d;
+}
+
+py::dict gelu(const Query& q, bool forward) {
+  const GeluPlan p = plan_gelu(prod(q.shape), q.elem_size, q.aligned, q.sms);
+  const std::string approximate = q.opt<std::string>("approximate", "tanh");
+  if (approximate != "tanh" && approximate != "none")
+    throw py::value_error("kforge.plan: gelu approximate must be \"tanh\" or \"none\"");
+  return base(p, gelu_kernel_name(p, forward, approximate == "none"));
+}
+
+// q of shape (B, Hq, T, D); k has kv_heads heads (default Hq); tables of q's dtype unless
+// f32_tables; interleaved pairs or rotate_half.
+py::dict rope(const Query& q) {
+  require(q.shape.size() == 4, "rope", "q must be (B, H, T, D)");
+  const int64_t B = q.shape[0], Hq = q.shape[1], T = q.shape[2], D = q.shape[3];
+  require(D % 2 == 0, "rope", "head dim D must be even");
+  const bool interleaved = q.opt<bool>("interleaved", false);
+  const int64_t V = 16 / q.elem_size;
+  const bool vec = q.aligned && (interleaved ? D : D / 2) % V == 0;
+  const RopePlan p = plan_rope(B, T, Hq, q.opt<int64_t>("kv_heads", Hq), D, q.elem_size,
+                               interleaved, vec, vec, !q.f32 && q.opt<bool>("f32_tables", false));
+  return base(p, rope_kernel_name(p));
+}
+
+template <size_t N>
+std::vector<std::string> names(const char* const (&a)[N]) {
+  return std::vector<std::string>(a, a + N);
+}
+
+struct Entry {
+  std::vector<std::string> layouts;
+  std::function<py::dict(const Query&)> plan;
+};
+
+const std::map<std::string, Entry>& table() {
+  static const std::map<std::string, Entry> t = {
+      {"layernorm_forward", {names(kLayernormForwardLayouts), [](const Query& q) { return layernorm(q, true); }}},
+      {"layernorm_backward", {names(kLayernormBackwardLayouts), [](const Query& q) { return layernorm(q, false); }}},
+      {"rmsnorm_forward", {names(kRmsnormForwardLayouts), [](const Query& q) { return rmsnorm_fwd(q, false); }}},
+      {"add_rmsnorm_forward", {names(kRmsnormForwardLayouts), [](const Query& q) { return rmsnorm_fwd(q, true); }}},
+      {"rmsnorm_backward", {names(kRmsnormBackwardLayouts), rmsnorm_bwd}},
+      {"softmax_forward", {names(kSoftmaxForwardLayouts), [](const Query& q) { return softmax(q, true, false); }}},
+      {"softmax_backward", {names(kSoftmaxBackwardLayouts), [](const Query& q) { return softmax(q, false, false); }}},
+      // the persistent-warps forward takes plain softmax only
+      {"causal_softmax_forward", {{"warp", "block", "stream"}, [](const Query& q) { return softmax(q, true, true); }}},
+      {"causal_softmax_backward", {names(kSoftmaxBackwardLayouts), [](const Query& q) { return softmax(q, false, true); }}},
+      {"rope_forward", {names(kRopeLayouts), rope}},
+      {"rope_backward", {names(kRopeLayouts), rope}},
+      {"gelu_forward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, true); }}},
+      {"gelu_backward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, false); }}},
+      {"cross_entropy_forward", {names(kCrossEntropyForwardLayouts), [](const Query& q) { return cross_entropy(q, "forward"); }}},
+      {"cross_entropy_forward_backward", {names(kCrossEntropyForwardLayouts), [](const Query& q) { return cross_entropy(q, "forward_backward"); }}},
+      {"cross_entropy_backward", {names(kCrossEntropyBackwardLayouts), [](const Query& q) { return cross_entropy(q, "backward"); }}},
+  };
+  return t;
+}
+
+const Entry& entry(const std::string& op) {
+  const auto it = table().find(op);
+  if (it == table().end()) throw py::value_error("kforge.plan: no plan for \"" + op + "\"");
+  return it->second;
+}
+
+}  // namespace
+
+KFORGE_BIND_OP(plans) {
+  m.def(
+      "plan",
+      [](const std::string& op, const std::vector<int64_t>& shape, const py::object& dtype,
+         bool aligned, int64_t sms, int64_t smem_optin, const py::kwargs& options) {
+        const Entry& e = entry(op);
+        const std::string dt = py::str(dtype);
+        Query q{shape, elem_size_of(dt), elem_size_of(dt) == 4, aligned, sms, smem_optin, options};
+        for (const int64_t s : shape)
+          if (s < 0) throw py::value_error("kforge.plan: negative size in shape");
+        if (prod(shape) == 0) {  // the launchers launch nothing for empty inputs
+          py::dict d;
+          d["layout"] = py::none();
+          return d;
+        }
+        return e.plan(q);
+      },
+      py::arg("op"), py::arg("shape"), py::arg("dtype"), py::arg("aligned") = true,
+      py::arg("sms") = 132, py::arg("smem_optin") = 232448,
+      "The launch op's launcher makes for a contiguous input of `shape` and `dtype` (float32, "
+      "bfloat16, float16; a torch.dtype or its name): a dict of layout, kernel (its name "
+      "expression, {T} the element type), grid, block, smem (dynamic shared memory, bytes) and "
+      "op-specific template arguments. aligned: every tensor 16-byte aligned (False: one is off by "
+      "an element). sms / smem_optin: the device's SM count and opt-in shared memory per block "
+      "(defaults: H100 SXM). Options by op: layernorm max_warps, variant, weight, bias (backward: "
+      "whether their gradients are wanted); rmsnorm normalized_ndim, cast_before_weight, "
+      "dresidual, variant; gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "
+      "(B, H, T, D)). layout is None where nothing is launched (empty input).");
+  m.def(
+      "plan_layouts", [](const std::string& op) { return entry(op).layouts; }, py::arg("op"),
+      "Every layout `op`'s plan can choose.");
+  m.def(
+      "_set_testing_override",
+      [](const std::string& op, int64_t variant, int64_t max_warps) {
+        const auto& all = TestingOverride::testing_overrides();
+        const auto it = all.find(op);
+        if (it == all.end()) throw py::value_error("kforge: \"" + op + "\" has no testing override");
+        TestingOverride& o = *it->second;
+        KF_CHECK(variant >= 0 && variant < o.num_variants, o.op, "variant must be in [0, ",
+                 o.num_variants - 1, "], got ", variant);
+        KF_CHECK(max_warps >= 0, o.op, "max_warps must be >= 0, got ", max_warps);
+        KF_CHECK(max_warps == 0 || o.has_max_warps, o.op, "takes no max_warps");
+        o.variant.store(variant, std::memory_order_relaxed);
+        o.max_warps.store(max_warps, std::memory_order_relaxed);
+      },
+      py::arg("op"), py::arg("variant") = 0, py::arg("max_warps") = 0,
+      "Tests / A/B timing only (use kforge._testing.override): force `op`'s launcher to `variant` "
+      "and cap its resident warps per SM at `max_warps` (0, 0: its own choice) until reset.");
+  m.def(
+      "_testing_override",
+      [](const std::string& op) {
+        const auto& all = TestingOverride::testing_overrides();
+        const auto it = all.find(op);
+        if (it == all.end()) throw py::value_error("kforge: \"" + op + "\" has no testing override");
+        return py::make_tuple(it->second->get_variant(), it->second->get_max_warps());
+      },
+      py::arg("op"), "(variant, max_warps) now in force for `op` (0, 0: none).");
+  m.def("_testing_override_ops", [] {
+    std::vector<std::string> ops;
+    for (const auto& [name, o] : TestingOverride::testing_overrides()) ops.push_back(name);
+    return ops;
+  });
+  m.def("plan_ops", [] {
+    std::vector<std::string> ops;
+    for (const auto& [name, e] : table()) ops.push_back(name);
+    return ops;
+  });
+}
+
+}  // namespace kforge

@@ -1,0 +1,213 @@
+"""kforge._C.plan: the dispatch of the multi-layout launchers, asked on the CPU (no GPU needed).
+
+The launchers launch exactly what these plans say (src/ops/<op>_plan.h), so every layout an op has
+must be reachable by some input, and every plan must respect the limits the kernels are compiled
+for (launch bounds, the device's shared memory)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+kforge = pytest.importorskip("kforge")
+C = kforge._C
+
+# (SM count, opt-in shared memory per block): H100 SXM, A100 (sm_80), an sm_86 card.
+DEVICES = [(132, 232448), (108, 166912), (84, 101376)]
+DTYPES = ["float32", "bfloat16", "float16"]
+ROWS = [1, 3, 64, 4096, 1 << 20, (1 << 30) + 1, 1 << 31]
+COLS = [1, 7, 8, 64, 100, 256, 512, 768, 1000, 1024, 1025, 1536, 2048, 2056, 3000, 4096, 5000,
+        8192, 16384, 50257]
+
+# Threads per block the kernels are compiled for (their __launch_bounds__ / launch_params.cuh).
+MAX_THREADS = {
+    ("layernorm_forward", "group"): 384,   # kGroupFwdWarps warps
+    ("layernorm_forward", "warp"): 128,    # kFwdWarps warps
+    ("layernorm_backward", "ring"): 768,   # kRingThreads
+    ("layernorm_backward", "group"): 768,  # ln_group_bwd_warps: at most 24 warps
+    ("layernorm_backward", "warp"): 768,   # ln_bwd_warps: at most 24 warps
+    ("rmsnorm_forward", "warp"): 256,
+    ("rmsnorm_forward", "block"): 256,
+    ("add_rmsnorm_forward", "warp"): 256,
+    ("add_rmsnorm_forward", "block"): 256,
+    ("rmsnorm_backward", "plain"): 512,
+    ("rmsnorm_backward", "pipelined"): 512,
+    ("rmsnorm_backward", "ring"): 512,
+    ("softmax_forward", "warps"): 512,
+    ("softmax_forward", "warp"): 128,
+    ("softmax_backward", "warp"): 128,
+    ("cross_entropy_backward", "vec"): 256,
+    ("cross_entropy_backward", "scalar"): 256,
+    ("rope_forward", "tile"): 256,       # kTileThreads
+    ("rope_forward", "token"): 128,
+    ("rope_backward", "tile"): 256,
+    ("rope_backward", "token"): 128,
+    ("gelu_forward", "packs"): 256,
+    ("gelu_forward", "scalar"): 256,
+    ("gelu_backward", "packs"): 256,
+    ("gelu_backward", "scalar"): 256,
+}
+
+
+def shapes(op: str):
+    if op.startswith("rope"):  # q (B, H, T, D)
+        yield from itertools.product((1, 4), (1, 12, 32, 40000), (1, 7, 4096), (2, 6, 64, 128, 256, 2048))
+        return
+    for rows, cols in itertools.product(ROWS, COLS):
+        if op.startswith("causal_softmax"):
+            if rows in (1, 3, 64) or cols in (1, 7, 8):  # (..., T, T) scores: rows = batch * T
+                yield (max(rows // cols, 1), cols, cols)
+        elif op.startswith("cross_entropy") and rows > (1 << 30):
+            continue  # N * chunks must fit gridDim.x; the launcher refuses these
+        else:
+            yield (rows, cols)
+
+
+def all_plans(op: str):
+    """(query, plan) for every shape / dtype / alignment / device of the grid the op accepts."""
+    for shape, dtype, aligned, (sms, optin) in itertools.product(shapes(op), DTYPES, (True, False), DEVICES):
+        try:
+            p = C.plan(op, list(shape), dtype, aligned=aligned, sms=sms, smem_optin=optin)
+        except ValueError:  # rows past the op's longest (rmsnorm), as the launcher refuses them
+            continue
+        yield (shape, dtype, aligned, sms, optin), p
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {op: list(all_plans(op)) for op in C.plan_ops()}
+
+
+def test_plan_ops_cover_the_multi_layout_launchers():
+    ops = set(C.plan_ops())
+    for op in ("layernorm_forward", "layernorm_backward", "rmsnorm_forward", "add_rmsnorm_forward",
+               "rmsnorm_backward", "softmax_forward", "softmax_backward", "causal_softmax_forward",
+               "causal_softmax_backward", "cross_entropy_forward", "cross_entropy_backward",
+               "cross_entropy_forward_backward", "gelu_forward", "gelu_backward", "rope_forward",
+               "rope_backward"):
+        assert op in ops
+        assert hasattr(C, op), op  # a plan names a real launcher
+
+
+@pytest.mark.parametrize("op", sorted(C.plan_ops()))
+def test_every_layout_is_reached(plans, op):
+    layouts = C.plan_layouts(op)
+    assert layouts and len(set(layouts)) == len(layouts)
+    reached = {}
+    for query, p in plans[op]:
+        assert p["layout"] in layouts, (query, p)
+        reached.setdefault(p["layout"], query)
+    assert set(reached) == set(layouts), f"{op}: never chosen: {set(layouts) - set(reached)}"
+
+
+@pytest.mark.parametrize("op", sorted(C.plan_ops()))
+def test_plans_within_limits(plans, op):
+    for (shape, dtype, aligned, sms, optin), p in plans[op]:
+        gx, gy, gz = p["grid"]
+        bx, by, bz = p["block"]
+        threads = bx * by * bz
+        assert 1 <= gx <= 2**31 - 1 and 1 <= gy <= 65535 and gz == 1, (shape, dtype, p)
+        assert 1 <= threads <= 1024, (shape, dtype, p)
+        if not op.startswith("rope"):  # rope's per-token blocks fit the row's chunks and heads
+            assert threads >= 32 and threads % 32 == 0, (shape, dtype, p)  # whole warps
+        assert threads <= MAX_THREADS.get((op, p["layout"]), 1024), (shape, dtype, p)
+        assert 0 <= p["smem"] <= optin, (shape, dtype, optin, p)
+        assert "{T}" in p["kernel"], p
+
+
+def test_persistent_layouts_use_at_most_one_wave():
+    """RING / GROUP / WARP backward and rmsnorm's ring / pipelined kernels: one block per SM."""
+    for op, shape, dtype in [("layernorm_backward", (1 << 20, 768), "bfloat16"),
+                             ("layernorm_backward", (1 << 20, 768), "float32"),
+                             ("rmsnorm_backward", (1 << 20, 4096), "bfloat16")]:
+        for sms in (1, 84, 132):
+            p = C.plan(op, list(shape), dtype, sms=sms)
+            assert p["grid"][0] <= sms, (op, sms, p)
+
+
+def test_testing_variant_never_picks_group_or_ring():
+    for shape, dtype in [((4096, 768), "float32"), ((4096, 768), "bfloat16"), ((4096, 1024), "float16")]:
+        assert C.plan("layernorm_forward", list(shape), dtype, variant=1)["layout"] in ("warp", "block")
+        assert C.plan("layernorm_backward", list(shape), dtype, variant=1)["layout"] in ("warp", "block")
+        assert C.plan("rmsnorm_backward", list(shape), dtype, variant=1)["layout"] != "ring"
+
+
+def test_known_choices():
+    """The dispatch BENCHMARKS.md's measurements chose (src/ops/layernorm.cpp's header)."""
+    assert C.plan("layernorm_forward", [8192, 768], "float32")["layout"] == "group"
+    assert C.plan("layernorm_forward", [8192, 768], "bfloat16")["layout"] == "warp"
+    assert C.plan("layernorm_backward", [8192, 768], "bfloat16")["layout"] == "ring"
+    assert C.plan("layernorm_backward", [8192, 768], "float32")["layout"] == "group"
+    assert C.plan("layernorm_forward", [8192, 4096], "float32")["layout"] == "block"
+    assert C.plan("layernorm_forward", [8192, 768], "bfloat16")["kernel"] == \
+        "layernorm_forward_warp_kernel<{T}, true, 3>"
+    assert C.plan("softmax_forward", [8192, 768], "bfloat16")["layout"] == "warps"
+    assert C.plan("softmax_forward", [8192, 768], "bfloat16", aligned=False)["layout"] == "stream"
+    assert C.plan("cross_entropy_backward", [8, 50257], "bfloat16")["chunks"] == 7
+    assert C.plan("gelu_forward", [8192, 3072], "bfloat16", approximate="none")["kernel"] == \
+        "gelu_forward_kernel<{T}, true>"
+    assert C.plan("gelu_backward", [8192, 3072], "float32", aligned=False)["layout"] == "scalar"
+
+
+def test_plan_bad_input():
+    with pytest.raises(ValueError, match="no plan"):
+        C.plan("swiglu_forward", [4, 4], "float32")
+    with pytest.raises(ValueError, match="dtype"):
+        C.plan("softmax_forward", [4, 4], "float64")
+    assert C.plan("softmax_forward", [0, 4], "float32")["layout"] is None
+    import torch
+
+    assert C.plan("softmax_forward", [4, 4], torch.float32) == C.plan("softmax_forward", [4, 4], "float32")
+
+
+# ---- the testing override (variant / max_warps off the public bindings) ------------------------------
+def test_public_bindings_take_no_variant_or_max_warps():
+    x = torch.zeros(2, 8)
+    for name in ("layernorm_forward", "layernorm_backward", "rmsnorm_backward"):
+        doc = getattr(C, name).__doc__
+        assert "variant" not in doc and "max_warps" not in doc, doc
+    with pytest.raises(TypeError):
+        C.layernorm_forward(x, None, None, 1e-5, variant=1)
+    with pytest.raises(TypeError):
+        C.layernorm_forward(x, None, None, 1e-5, max_warps=4)
+    with pytest.raises(TypeError):
+        C.rmsnorm_backward(x, x, None, torch.zeros(2), variant=1)
+
+
+def test_testing_override_sets_and_restores():
+    from kforge._testing import override
+
+    assert set(C._testing_override_ops()) == {"layernorm_forward", "layernorm_backward", "rmsnorm_backward"}
+    assert C._testing_override("layernorm_backward") == (0, 0)
+    with override("layernorm_backward", variant=1, max_warps=6):
+        assert C._testing_override("layernorm_backward") == (1, 6)
+        assert C._testing_override("layernorm_forward") == (0, 0)
+        with override("layernorm_backward"):
+            assert C._testing_override("layernorm_backward") == (0, 0)
+        assert C._testing_override("layernorm_backward") == (1, 6)
+    assert C._testing_override("layernorm_backward") == (0, 0)
+    with pytest.raises(RuntimeError):
+        with override("rmsnorm_backward", variant=1):
+            raise RuntimeError("restored on the way out")
+    assert C._testing_override("rmsnorm_backward") == (0, 0)
+
+
+def test_testing_override_rejects_bad_values():
+    from kforge._testing import override
+
+    for op in ("layernorm_forward", "layernorm_backward", "rmsnorm_backward"):
+        for v in (-1, 2):
+            with pytest.raises(kforge.KforgeError, match=rf"{op}: variant must be in \[0, 1\], got {v}"):
+                with override(op, variant=v):
+                    pass
+        assert C._testing_override(op) == (0, 0)
+    with pytest.raises(kforge.KforgeError, match="max_warps must be >= 0"):
+        with override("layernorm_forward", max_warps=-1):
+            pass
+    with pytest.raises(kforge.KforgeError, match="rmsnorm_backward: takes no max_warps"):
+        with override("rmsnorm_backward", max_warps=4):
+            pass
+    with pytest.raises(ValueError, match="no testing override"):
+        with override("softmax_forward", variant=1):
+            pass
