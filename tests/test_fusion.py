@@ -420,6 +420,26 @@ def test_narrowing_round_trip_is_kept(src: torch.dtype, mid: torch.dtype) -> Non
     assert torch.equal(out, fn(x)) and not torch.equal(out, x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32], ids=str)
+def test_relu_keeps_nan_as_torch_does(dtype: torch.dtype) -> None:
+    """torch.relu(NaN) is NaN; Thunder's decomposition where(a > 0, a, 0) gives 0. The fusion lowers
+    relu whole, as a NaN-propagating maximum with 0, so the generated kernel follows torch."""
+    from kforge.fusion import codegen, reference
+
+    x = randn(6, 8, dtype=torch.float32, device="cpu") * 4
+    if dtype.is_floating_point:
+        x[0, 1], x[2, 3], x[4, 5] = float("nan"), float("inf"), -float("inf")
+    x = x.to(dtype)
+    fn = lambda x: torch.relu(x) + 1  # noqa: E731
+    region, args = _ir_of(fn, x)
+    assert "maximum" in [v.op for v in region.values] and "where" not in [v.op for v in region.values]
+    assert codegen.generate(region, codegen.default_key(region)).launches
+    out, ref = reference.evaluate(region, args)[0], fn(x)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+    if dtype.is_floating_point:
+        assert out[0, 1].isnan()
+
+
 def test_two_outputs_of_one_value_are_written_once() -> None:
     """The backward's residual pattern: cast round trips around an add; both outputs are the add,
     which the kernel computes and writes once; the structural key tells the regions apart."""

@@ -269,14 +269,14 @@ class _Lowerer:
         from thunder.core.prims import PrimIDs
 
         sid = bsym.sym.id
-        handler = _HANDLERS.get(sid) if isinstance(sid, PrimIDs) else None
-        if handler is None:
+        handler = _HANDLERS.get(sid) if isinstance(sid, PrimIDs) else _COMPOSITES.get(sid)
+        outs = handler(self, bsym) if handler is not None else None
+        if outs is None:  # no handler, or a composite's handler passed: lower its decomposition
             if bsym.subsymbols:
                 for s in bsym.subsymbols:
                     self.bsym(s)
                 return
             raise Unsupported(f"{bsym.sym.name} has no fusion lowering")
-        outs = handler(self, bsym)
         flat = [o for o in bsym.flat_outs]
         if not isinstance(outs, tuple):
             outs = (outs,)
@@ -529,6 +529,21 @@ def _build_handlers() -> dict:
     })
     return h
 
+
+def _relu(L: _Lowerer, bsym: Any) -> Value | None:
+    """torch.relu as torch computes it: NaN stays NaN. Thunder's decomposition, where(a > 0, a, 0),
+    would turn a NaN into 0 where torch (and Thunder's torch executor) return NaN."""
+    a = L.tensor(bsym.args[0])
+    out = _out(bsym)
+    shape, dtype = _shape(out), ir_dtype(out.dtype)
+    inplace = bsym.kwargs.get("inplace", bsym.args[1] if len(bsym.args) > 1 else False)
+    if inplace or a.shape != shape or a.dtype != dtype:
+        return None
+    return L.b.add("maximum", shape, dtype, (a, 0.0 if dtype in FLOATS else 0))
+
+
+# Composite torch symbols lowered whole, where their Thunder decomposition differs from torch.
+_COMPOSITES: dict = {"torch.relu": _relu}
 
 _HANDLERS: dict = {}
 
