@@ -500,19 +500,20 @@ def _matmul_sum(g1, w1, g2, w2, g3, w3):
     return (g1 @ w1).reshape(B, T, -1) + (g2 @ w2).reshape(B, T, -1) + (g3 @ w3).reshape(B, T, -1)
 
 
-def _accumulated(fn: Callable, args: tuple):
-    """fn's trace with matmul accumulation applied on CPU, as a callable run by Thunder's torch executor."""
+def _accumulated(fn: Callable, args: tuple, rewrite: str = "accumulate_matmuls"):
+    """fn's trace with matmul accumulation (or `rewrite`, another pass of kforge.fusion.matmul_acc)
+    applied on CPU, as a callable run by Thunder's torch executor."""
     import thunder
     from thunder.core.trace import from_trace
     from thunder.executors.passes import transform_for_execution
     from thunder.executors.torchex import ex as torch_ex
 
-    from kforge.fusion.matmul_acc import accumulate_matmuls
+    from kforge.fusion import matmul_acc
 
     jf = thunder.jit(fn)
     jf(*args)
     tr = thunder.last_traces(jf)[0]
-    bsyms, n = accumulate_matmuls(tr.bound_symbols, devices=("cpu",))
+    bsyms, n = getattr(matmul_acc, rewrite)(tr.bound_symbols, devices=("cpu",))
     new = from_trace(tr)
     new.bound_symbols = bsyms
     names = [b.sym.name for b in bsyms]
@@ -560,6 +561,87 @@ def test_matmul_sum_left_alone(case: str) -> None:
     assert n == 0 and ACC not in names, names
     for o, r in zip(_flat(run(*args)), _flat(fn(*args))):
         assert torch.allclose(o, r)
+
+
+WIDEN = "kforge_matmul_widen"  # a @ w stored as float32 by the matmul itself
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_matmul_converted_to_float32_is_one_widening_matmul(dtype: torch.dtype) -> None:
+    """(a @ w).float() for 16-bit a, w: one float32-output matmul, no conversion; closer to a float64
+    reference than eager's (which rounds the product to 16 bits first) and within fp32 rounding of it."""
+    a, w = randn(40, 72, dtype=dtype, device="cpu", seed=1), randn(72, 24, dtype=dtype, device="cpu", seed=2)
+    fn = lambda a, w: (a @ w).float() * 2  # noqa: E731
+    run, names, n = _accumulated(fn, (a, w), "widen_matmuls")
+    assert n == 1 and names.count(WIDEN) == 1 and "matmul" not in names, names
+    assert not [x for x in names if x in ("convert_element_type", "to", "float")], names
+    out = _flat(run(a, w))[0]
+    ref = fn(a.double(), w.double())
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert_close(out, ref.float(), torch.float32, "widened matmul", tol=1e-5)
+    eager_err = (fn(a, w).double() - ref).abs().max()
+    assert (out.double() - ref).abs().max() < eager_err
+
+
+@pytest.mark.parametrize("case", ["reused", "float32", "narrowing", "batched", "reshaped"])
+def test_matmul_conversion_left_alone(case: str) -> None:
+    """Not rewritten: a product read elsewhere too, float32 inputs, a conversion to a narrower type, a
+    3-D matmul, a reshape between the matmul and the conversion."""
+    a, w = randn(6, 8, device="cpu", seed=3), randn(8, 5, device="cpu", seed=4)
+    h, hw = a.bfloat16(), w.bfloat16()
+
+    def reused(a, w):
+        m = a @ w
+        return m.float(), m
+
+    fns = {
+        "reused": (reused, (h, hw)),
+        "float32": (lambda a, w: (a @ w).double(), (a, w)),
+        "narrowing": (lambda a, w: (a @ w).bfloat16(), (a, w)),
+        "batched": (lambda a, w: (a @ w).float(), (h.expand(3, 6, 8), hw)),
+        "reshaped": (lambda a, w: (a @ w).reshape(2, 15).float(), (h, hw)),
+    }
+    fn, args = fns[case]
+    run, names, n = _accumulated(fn, args, "widen_matmuls")
+    assert n == 0 and WIDEN not in names, names
+    for o, r in zip(_flat(run(*args)), _flat(fn(*args))):
+        assert o.dtype == r.dtype and torch.equal(o, r)
+
+
+def test_autocast_weight_gradients_come_from_widening_matmuls() -> None:
+    """The fake-traced plain Llama under autocast: every linear weight's gradient (fp32 weights, bf16
+    matmuls) is one float32-output matmul; no region converts a matmul's result any more."""
+    from conftest import fake_cuda_trace
+    from kforge.zoo import plain_llama
+
+    ft = fake_cuda_trace(plain_llama.make, size="micro", batch=2, seq=16, autocast=True)
+    names = [b.sym.name for b in ft.backward.bound_symbols]
+    n_layers = names.count("kforge_swiglu_backward")
+    assert n_layers >= 1
+    assert names.count(WIDEN) == 7 * n_layers + 1, (names.count(WIDEN), n_layers)  # q k v o w1 w2 w3, lm_head
+    producers = {o.name: b for b in ft.backward.bound_symbols for o in b.flat_proxy_outs}
+    for b in _fusions(ft.backward):
+        inputs = [producers.get(p.name) for p in b.flat_proxy_args]
+        assert not any(p is not None and p.sym.name == "matmul" and len(b.subsymbols) == 1
+                       and b.subsymbols[0].sym.name == "convert_element_type" for p in inputs), b
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(8192, 768, 2048), (97, 33, 65), (1, 64, 1)], ids=str)
+def test_widening_matmul_on_gpu_matches_float64(dtype: torch.dtype, shape: tuple) -> None:
+    """kforge_matmul_widen's CUDA path (cuBLAS mm with out_dtype float32), odd and strided operands:
+    float32 results within fp32 accumulation error of float64, closer than eager's bf16-rounded product."""
+    from kforge.fusion.matmul_acc import _widen_op
+
+    m, k, n = shape
+    a = randn(k, m, dtype=dtype, seed=5).t()  # transposed: the weight gradient's g^T
+    w = randn(k, n, dtype=dtype, seed=6)
+    out = _widen_op()(a, w)
+    ref = a.double() @ w.double()
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert_close(out, ref.float(), torch.float32, "widen", tol=2e-5)
+    assert (out.double() - ref).abs().max() <= ((a @ w).double() - ref).abs().max()
 
 
 def test_llama_backward_regions_with_addmm(monkeypatch) -> None:

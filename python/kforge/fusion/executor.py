@@ -27,7 +27,7 @@ from thunder.extend import FusionExecutor
 
 from .. import __version__
 from . import codegen, ir as fir
-from .matmul_acc import accumulate_matmuls
+from .matmul_acc import accumulate_matmuls, widen_matmuls
 from .partition import Group, partition
 
 __all__ = ["KforgeFusionExecutor", "FusedRegion", "FusionInfo", "regions", "lower_fusion", "describe"]
@@ -206,6 +206,7 @@ class KforgeFusionExecutor(FusionExecutor):
         self.left_out: dict[str, dict[str, int]] = {}  # prim name -> reason -> count (last passes)
         self._legal_cache: dict[tuple, str | None] = {}
         self.accumulated = 0  # adds the last pass turned into matmul accumulation (addmm)
+        self.widened = 0  # conversions to float32 the last pass moved into their matmuls
 
     def get_fuel(self, amount: int = 1, /) -> bool:
         return True
@@ -238,6 +239,8 @@ class KforgeFusionExecutor(FusionExecutor):
         self._legal_cache = {}
         # Sums of matmul results go into the matmuls (addmm) first, so no region is made of the add.
         bsyms, self.accumulated = accumulate_matmuls(trace.bound_symbols)
+        # A 16-bit matmul converted to float32 (autocast's weight gradients) stores float32 itself.
+        bsyms, self.widened = widen_matmuls(bsyms)
         order, groups, reasons = partition(bsyms, self._fusible, self._legal)
         from thunder.core.compile_data import get_compile_data
 
@@ -264,8 +267,8 @@ class KforgeFusionExecutor(FusionExecutor):
         fused = dce(fused)
         self._legal_cache = {}
         ms = (time.perf_counter() - t0) * 1e3
-        fused.set_provenance(TraceProvenance(f"kforge fusion: {counter} regions, {self.accumulated} adds into "
-                                             f"matmuls (took {ms:.0f} milliseconds)"))
+        fused.set_provenance(TraceProvenance(f"kforge fusion: {counter} regions, {self.accumulated} adds and "
+                                             f"{self.widened} conversions into matmuls (took {ms:.0f} milliseconds)"))
         self._precompile_trace(fused)
         return fused
 

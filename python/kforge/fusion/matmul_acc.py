@@ -15,13 +15,21 @@ dtype and shape (no broadcast, no type promotion, alpha 1), all on the same side
 forward / backward split. The accumulation is kforge's operator `kforge_matmul_accumulate`,
 `t1.addmm_(g2, W2)` in place: t1 is a fresh matmul result read only by the sum, and an
 out-of-place addmm would first copy it to its output (a device-to-device copy per term).
+
+`widen_matmuls` handles the other epilogue autocast leaves in a backward: a 16-bit matmul whose
+result only a conversion to float32 reads (every fp32 weight's gradient) becomes one matmul that
+stores float32 (`kforge_matmul_widen`, torch.mm with out_dtype): no conversion kernel, no 16-bit
+intermediate.
 """
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Sequence
 
-__all__ = ["accumulate_matmuls"]
+_log = logging.getLogger("kforge")
+
+__all__ = ["accumulate_matmuls", "widen_matmuls"]
 
 
 @functools.cache
@@ -38,6 +46,53 @@ def _accumulate_op() -> Any:
         return c.addmm_(a, w)
 
     return operator("matmul_accumulate", meta=meta, fn=fn)
+
+
+@functools.cache
+def _widen_op() -> Any:
+    """kforge_matmul_widen(a, w) -> a @ w in float32, for 2-D bf16 / fp16 a and w."""
+    import torch
+    from thunder.core import dtypes
+    from thunder.core.proxies import TensorProxy
+
+    from .._thunder import operator
+
+    def meta(a: TensorProxy, w: TensorProxy) -> TensorProxy:
+        return TensorProxy(like=a, shape=(a.shape[0], w.shape[1]), dtype=dtypes.float32)
+
+    unsupported: set = set()  # devices whose torch has no mm.dtype kernel: eager's two steps there
+
+    def fn(a: Any, w: Any) -> Any:
+        if not a.is_cuda:  # the same arithmetic where there is no mm.dtype kernel
+            return torch.mm(a.float(), w.float())
+        if a.device not in unsupported:
+            try:  # cuBLAS: products of the 16-bit inputs summed in fp32, stored as fp32
+                return torch.mm(a, w, out_dtype=torch.float32)
+            except (RuntimeError, NotImplementedError, TypeError) as e:
+                unsupported.add(a.device)
+                _log.warning("kforge_matmul_widen: torch.mm(out_dtype=float32) failed on %s (%s); "
+                             "computing matmul then conversion", a.device, e)
+        return torch.mm(a, w).float()
+
+    return operator("matmul_widen", meta=meta, fn=fn)
+
+
+def _is_widen(b: Any) -> bool:
+    """A conversion of one 16-bit float tensor to float32 (prims.convert_element_type or a torch-level
+    symbol that is only that)."""
+    from thunder.core import dtypes
+    from thunder.core.proxies import TensorProxy
+
+    if b.sym.name not in ("convert_element_type", "to", "type", "float"):
+        return False
+    prims_inside = [b] if not b.subsymbols else b.subsymbols
+    if len(prims_inside) != 1 or prims_inside[0].sym.name != "convert_element_type" or prims_inside[0].subsymbols:
+        return False
+    src = b.flat_proxy_args
+    out = b.flat_outs[0] if len(b.flat_outs) == 1 else None
+    return (len(src) == 1 and isinstance(src[0], TensorProxy) and isinstance(out, TensorProxy)
+            and src[0].dtype in (dtypes.bfloat16, dtypes.float16) and out.dtype == dtypes.float32
+            and tuple(src[0].shape) == tuple(out.shape))
 
 
 def _is_matmul(b: Any) -> bool:
@@ -171,3 +226,34 @@ def accumulate_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",))
             continue
         out.append(replace.get(i, b))
     return out, removed
+
+
+def widen_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
+    """`bsyms` with every 2-D 16-bit matmul whose result is read only by a conversion to float32
+    computed as one float32-output matmul (`kforge_matmul_widen`, cuBLAS's mm with out_dtype); returns
+    (new bound symbols, number of conversions removed).
+
+    Under autocast, the gradient of an fp32 weight is `convert(matmul(g^T, x), float32)`: the matmul
+    stores bf16 and a kernel re-reads it to write fp32. One matmul storing fp32 skips that kernel, the
+    bf16 intermediate and its rounding (the result is the fp32 sum eager rounds to bf16 first)."""
+    tr = _Trace(bsyms)
+    replace: dict[int, Any] = {}
+    drop: set[int] = set()
+    for i, b in enumerate(tr.bsyms):
+        if not _is_widen(b):
+            continue
+        src = b.flat_proxy_args[0]
+        j = tr.producer.get(src.name)
+        if j is None or j in replace or not tr.only_reader(src.name, i):
+            continue
+        mm = tr.bsyms[j]
+        if not _is_matmul(mm) or _side(mm) != _side(b) or not _matmul_ok(mm, src, devices):
+            continue
+        a, w = mm.flat_proxy_args
+        nb = _widen_op().bind(a, w, output=b.flat_outs[0])
+        nb.tags.update(mm.tags)
+        replace[j] = nb
+        drop.add(i)
+    if not replace:
+        return list(bsyms), 0
+    return [replace.get(i, b) for i, b in enumerate(tr.bsyms) if i not in drop], len(drop)
