@@ -513,7 +513,13 @@ def _accumulated(fn: Callable, args: tuple, rewrite: str = "accumulate_matmuls")
     jf = thunder.jit(fn)
     jf(*args)
     tr = thunder.last_traces(jf)[0]
-    bsyms, n = getattr(matmul_acc, rewrite)(tr.bound_symbols, devices=("cpu",))
+    if rewrite == "gather_input_casts":
+        from kforge.fusion.executor import _returned, _trace_inputs
+        from kforge.fusion.input_casts import gather_input_casts
+
+        bsyms, n = gather_input_casts(tr.bound_symbols, _trace_inputs(tr), _returned(tr), devices=("cpu",))
+    else:
+        bsyms, n = getattr(matmul_acc, rewrite)(tr.bound_symbols, devices=("cpu",))
     new = from_trace(tr)
     new.bound_symbols = bsyms
     names = [b.sym.name for b in bsyms]
@@ -642,6 +648,80 @@ def test_widening_matmul_on_gpu_matches_float64(dtype: torch.dtype, shape: tuple
     assert out.dtype == torch.float32 and out.shape == (m, n)
     assert_close(out, ref.float(), torch.float32, "widen", tol=2e-5)
     assert (out.double() - ref).abs().max() <= ((a @ w).double() - ref).abs().max()
+
+
+CASTS = "kforge_cast_inputs"  # the forward's casts of its inputs that outlive it, made together
+
+
+def test_returned_input_casts_are_made_together() -> None:
+    """Casts of trace inputs that the trace returns become one kforge_cast_inputs at the first one's
+    place; a cast only used inside the trace stays where it was. Outputs equal eager's bit for bit."""
+    a, b, c = (randn(*s, device="cpu", seed=i) for i, s in enumerate([(5, 7), (3,), (2, 3, 4)]))
+    bf16, fp16 = torch.bfloat16, torch.float16
+    fn = lambda a, b, c: (a.to(bf16), b.to(bf16) * 2, c.to(bf16), a.to(fp16))  # noqa: E731
+    run, names, n = _accumulated(fn, (a, b, c), "gather_input_casts")
+    assert n == 2 and names.count(CASTS) == 1, names  # a and c to bf16; b's is used, a.half() alone
+    assert names.index(CASTS) < names.index("mul"), names
+    for o, r in zip(_flat(run(a, b, c)), _flat(fn(a, b, c))):
+        assert o.dtype == r.dtype and torch.equal(o, r)
+
+
+@pytest.mark.parametrize("case", ["one", "used_inside", "intermediate", "same_dtype"])
+def test_input_casts_left_alone(case: str) -> None:
+    """Not gathered: a lone cast, casts the trace only uses, a cast of a computed tensor, a no-op cast."""
+    a, b = randn(4, 6, device="cpu", seed=7), randn(6, device="cpu", seed=8)
+    fns = {
+        "one": lambda a, b: (a.to(torch.bfloat16), b * 2),
+        "used_inside": lambda a, b: a.to(torch.bfloat16) * 2 + b.to(torch.bfloat16),
+        "intermediate": lambda a, b: ((a * 2).to(torch.bfloat16), (b + 1).to(torch.bfloat16)),
+        "same_dtype": lambda a, b: (a.float(), b.to(torch.float32), a * 2),
+    }
+    fn = fns[case]
+    run, names, n = _accumulated(fn, (a, b), "gather_input_casts")
+    assert n == 0 and CASTS not in names, names
+    for o, r in zip(_flat(run(a, b)), _flat(fn(a, b))):
+        assert o.dtype == r.dtype and torch.equal(o, r)
+
+
+def test_autocast_weight_casts_are_one_symbol() -> None:
+    """The fake-traced plain Llama under autocast: the forward casts its fp32 weights to bf16 in one
+    kforge_cast_inputs (every linear weight: 7 per layer and lm_head); no fusion region casts a
+    weight, and the tensors saved for backward are the same as without the gathering."""
+    from conftest import fake_cuda_trace
+    from kforge.fusion import executor as fx
+    from kforge.zoo import plain_llama
+
+    ft = fake_cuda_trace(plain_llama.make, size="micro", batch=2, seq=16, autocast=True)
+    casts = [b for b in ft.forward.bound_symbols if b.sym.name == CASTS]
+    n_layers = sum(1 for b in ft.backward.bound_symbols if b.sym.name == "kforge_swiglu_backward")
+    assert len(casts) == 1 and len(casts[0].flat_outs) == 7 * n_layers + 1, [len(c.flat_outs) for c in casts]
+    weights = {p.name for p in casts[0].flat_proxy_args}
+    for b in _fusions(ft.forward):
+        assert not weights & {p.name for p in b.flat_proxy_args}, b
+    saved = sorted((tuple(p.shape), str(p.dtype)) for p in fx._trace_inputs(ft.backward))
+    real = fx.gather_input_casts
+    try:
+        fx.gather_input_casts = lambda bsyms, *a, **k: (list(bsyms), 0)
+        plain = fake_cuda_trace(plain_llama.make, size="micro", batch=2, seq=16, autocast=True)
+    finally:
+        fx.gather_input_casts = real
+    assert not [b for b in plain.forward.bound_symbols if b.sym.name == CASTS]
+    assert saved == sorted((tuple(p.shape), str(p.dtype)) for p in fx._trace_inputs(plain.backward))
+
+
+@gpu
+def test_cast_inputs_on_gpu_equal_torch() -> None:
+    """kforge_cast_inputs on CUDA (torch._foreach_copy_ into fresh tensors): odd sizes, more tensors
+    than one multi-tensor launch takes, a transposed input; each output equals x.to(dtype) exactly."""
+    from kforge.fusion.input_casts import _cast_op
+    from thunder.core import dtypes
+
+    xs = [randn(n, seed=n) * 1e3 for n in range(1, 300, 7)] + [randn(65, 33, seed=1).t(), randn(4097, 3, seed=2)]
+    for dt, tdt in ((dtypes.bfloat16, torch.bfloat16), (dtypes.float16, torch.float16)):
+        outs = _cast_op()(xs, dt)
+        assert len(outs) == len(xs)
+        for o, x in zip(outs, xs):
+            assert o.dtype == tdt and o.shape == x.shape and torch.equal(o, x.to(tdt))
 
 
 def test_llama_backward_regions_with_addmm(monkeypatch) -> None:

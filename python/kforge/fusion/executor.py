@@ -27,6 +27,7 @@ from thunder.extend import FusionExecutor
 
 from .. import __version__
 from . import codegen, ir as fir
+from .input_casts import gather_input_casts
 from .matmul_acc import accumulate_matmuls, widen_matmuls
 from .partition import Group, partition
 
@@ -207,6 +208,7 @@ class KforgeFusionExecutor(FusionExecutor):
         self._legal_cache: dict[tuple, str | None] = {}
         self.accumulated = 0  # adds the last pass turned into matmul accumulation (addmm)
         self.widened = 0  # conversions to float32 the last pass moved into their matmuls
+        self.gathered = 0  # conversions of trace inputs the last pass made in one kforge_cast_inputs
 
     def get_fuel(self, amount: int = 1, /) -> bool:
         return True
@@ -241,6 +243,8 @@ class KforgeFusionExecutor(FusionExecutor):
         bsyms, self.accumulated = accumulate_matmuls(trace.bound_symbols)
         # A 16-bit matmul converted to float32 (autocast's weight gradients) stores float32 itself.
         bsyms, self.widened = widen_matmuls(bsyms)
+        # Autocast's weight casts that the forward returns: made together, in one launch.
+        bsyms, self.gathered = gather_input_casts(bsyms, _trace_inputs(trace), _returned(trace))
         order, groups, reasons = partition(bsyms, self._fusible, self._legal)
         from thunder.core.compile_data import get_compile_data
 
@@ -268,7 +272,8 @@ class KforgeFusionExecutor(FusionExecutor):
         self._legal_cache = {}
         ms = (time.perf_counter() - t0) * 1e3
         fused.set_provenance(TraceProvenance(f"kforge fusion: {counter} regions, {self.accumulated} adds and "
-                                             f"{self.widened} conversions into matmuls (took {ms:.0f} milliseconds)"))
+                                             f"{self.widened} conversions into matmuls, {self.gathered} input casts "
+                                             f"gathered (took {ms:.0f} milliseconds)"))
         self._precompile_trace(fused)
         return fused
 
@@ -347,6 +352,21 @@ def describe(bsym: BoundSymbol) -> dict:
 def lower_fusion(bsym: BoundSymbol) -> fir.RegionIR:
     """The IR of a kforge fusion symbol of a final trace."""
     return fir.lower(bsym.subsymbols, [a for a in bsym.args], list(bsym.output))
+
+
+def _trace_inputs(trace: TraceCtx) -> list:
+    from thunder.core.pytree import tree_flatten
+
+    flat, _ = tree_flatten((trace.args, trace.kwargs))
+    return [p for p in flat if isinstance(p, TensorProxy)]
+
+
+def _returned(trace: TraceCtx) -> set[str]:
+    """Names of the tensors the trace returns (a forward's outputs and what it saves for backward)."""
+    from thunder.core.prims import PrimIDs
+
+    ret = [b for b in trace.bound_symbols if b.sym.id == PrimIDs.RETURN]
+    return {p.name for p in ret[-1].flat_proxy_args} if ret else set()
 
 
 def _device_of(bsym: BoundSymbol) -> int | None:

@@ -77,16 +77,22 @@ def _widen_op() -> Any:
     return operator("matmul_widen", meta=meta, fn=fn)
 
 
+def is_conversion(b: Any) -> bool:
+    """prims.convert_element_type, or a torch-level symbol (`to`, `float`, `bfloat16`, ...) that
+    decomposes to exactly that one prim."""
+    while b.subsymbols:
+        if len(b.subsymbols) != 1:
+            return False
+        b = b.subsymbols[0]
+    return b.sym.name == "convert_element_type"
+
+
 def _is_widen(b: Any) -> bool:
-    """A conversion of one 16-bit float tensor to float32 (prims.convert_element_type or a torch-level
-    symbol that is only that)."""
+    """A conversion of one 16-bit float tensor to float32."""
     from thunder.core import dtypes
     from thunder.core.proxies import TensorProxy
 
-    if b.sym.name not in ("convert_element_type", "to", "type", "float"):
-        return False
-    prims_inside = [b] if not b.subsymbols else b.subsymbols
-    if len(prims_inside) != 1 or prims_inside[0].sym.name != "convert_element_type" or prims_inside[0].subsymbols:
+    if not is_conversion(b):
         return False
     src = b.flat_proxy_args
     out = b.flat_outs[0] if len(b.flat_outs) == 1 else None
