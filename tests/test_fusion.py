@@ -650,6 +650,50 @@ def test_widening_matmul_on_gpu_matches_float64(dtype: torch.dtype, shape: tuple
     assert (out.double() - ref).abs().max() <= ((a @ w).double() - ref).abs().max()
 
 
+def test_repeated_views_are_computed_once() -> None:
+    """Identical reshapes / permutes of one tensor: the first is kept and later readers use it; a view
+    with other arguments, or of another tensor, stays. The results equal eager's."""
+    import thunder
+    from thunder.core.trace import from_trace
+    from thunder.executors.passes import transform_for_execution
+    from thunder.executors.torchex import ex as torch_ex
+
+    from kforge.fusion.dedupe import dedupe_views
+
+    def fn(x, y):
+        return (x.reshape(6, 4) * 2, x.reshape(6, 4) + 1, x.reshape(4, 6) - 1, y.reshape(6, 4) * 3,
+                x.permute(1, 0) * 3, x.permute(1, 0) - 1)
+
+    x, y = randn(4, 6, device="cpu", seed=1), randn(4, 6, device="cpu", seed=2)
+    jf = thunder.jit(fn)
+    jf(x, y)
+    tr = thunder.last_traces(jf)[0]
+    views = lambda bs: [b.sym.name for b in bs if b.sym.name in ("reshape", "permute")]  # noqa: E731
+    assert len(views(tr.bound_symbols)) == 6
+    bsyms, n = dedupe_views(tr.bound_symbols)
+    assert n == 2 and len(views(bsyms)) == 4, views(bsyms)
+    new = from_trace(tr)
+    new.bound_symbols = bsyms
+    run = transform_for_execution(new, executors_list=(torch_ex,)).python_callable()
+    for o, r in zip(run(x, y), fn(x, y)):
+        assert torch.equal(o, r)
+
+
+def test_users_models_backward_has_no_repeated_views() -> None:
+    """The fake-traced plain Llama and nanoGPT: no two identical view symbols in the final traces."""
+    import collections
+
+    from conftest import fake_cuda_trace
+    from kforge.zoo import nanogpt, plain_llama
+
+    for make in (plain_llama.make, nanogpt.make):
+        ft = fake_cuda_trace(make, size="micro", batch=2, seq=16)
+        for tr in (ft.forward, ft.backward):
+            seen = collections.Counter((b.sym.name, str(b.args)) for b in tr.bound_symbols
+                                       if b.sym.name in ("reshape", "permute", "transpose", "view"))
+            assert not [k for k, v in seen.items() if v > 1], [k for k, v in seen.items() if v > 1][:3]
+
+
 CASTS = "kforge_cast_inputs"  # the forward's casts of its inputs that outlive it, made together
 
 

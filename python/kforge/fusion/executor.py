@@ -27,6 +27,7 @@ from thunder.extend import FusionExecutor
 
 from .. import __version__
 from . import codegen, ir as fir
+from .dedupe import dedupe_views
 from .input_casts import gather_input_casts
 from .matmul_acc import accumulate_matmuls, widen_matmuls
 from .partition import Group, partition
@@ -209,6 +210,7 @@ class KforgeFusionExecutor(FusionExecutor):
         self.accumulated = 0  # adds the last pass turned into matmul accumulation (addmm)
         self.widened = 0  # conversions to float32 the last pass moved into their matmuls
         self.gathered = 0  # conversions of trace inputs the last pass made in one kforge_cast_inputs
+        self.deduped = 0  # repeated view symbols the last pass removed
 
     def get_fuel(self, amount: int = 1, /) -> bool:
         return True
@@ -240,7 +242,9 @@ class KforgeFusionExecutor(FusionExecutor):
         t0 = time.perf_counter()
         self._legal_cache = {}
         # Sums of matmul results go into the matmuls (addmm) first, so no region is made of the add.
-        bsyms, self.accumulated = accumulate_matmuls(trace.bound_symbols)
+        # Repeated views (the gradient rules' reshapes) once, so later passes see one reader.
+        bsyms, self.deduped = dedupe_views(trace.bound_symbols)
+        bsyms, self.accumulated = accumulate_matmuls(bsyms)
         # A 16-bit matmul converted to float32 (autocast's weight gradients) stores float32 itself.
         bsyms, self.widened = widen_matmuls(bsyms)
         # Autocast's weight casts that the forward returns: made together, in one launch.
@@ -273,7 +277,7 @@ class KforgeFusionExecutor(FusionExecutor):
         ms = (time.perf_counter() - t0) * 1e3
         fused.set_provenance(TraceProvenance(f"kforge fusion: {counter} regions, {self.accumulated} adds and "
                                              f"{self.widened} conversions into matmuls, {self.gathered} input casts "
-                                             f"gathered (took {ms:.0f} milliseconds)"))
+                                             f"gathered, {self.deduped} repeated views removed (took {ms:.0f} milliseconds)"))
         self._precompile_trace(fused)
         return fused
 

@@ -1,0 +1,39 @@
+"""Repeated views computed once.
+
+Thunder's gradient rules restate views: the backward of a linear reshapes its output gradient to 2-D
+once for the input gradient and again, identically, for the weight gradient. Each such reshape or
+permute is a torch call in the final trace (about 60 per step of a 12-layer Llama's backward).
+`dedupe_views` keeps the first of identical view symbols (same symbol, same input, same arguments,
+same side of the forward / backward split) and points later readers at its result. Only views: a
+view of a tensor aliases it whichever copy is kept, so nothing in-place can tell them apart.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = ["dedupe_views"]
+
+
+def dedupe_views(bsyms: Sequence[Any]) -> tuple[list, int]:
+    """(bsyms without repeated view symbols, number removed)."""
+    from thunder.core.proxies import variableify
+
+    from .partition import is_view_bsym
+
+    first: dict[Any, Any] = {}  # the view's right-hand side -> its first result
+    swap: dict[Any, Any] = {}   # a removed view's result -> the first result
+    out = []
+    for b in bsyms:
+        if swap:
+            b = b.from_bsym_swap_proxies(swap, skip_inputs=False, skip_output=True)
+        # shallow_copy is left alone: it exists to give a tensor a second, distinct name.
+        if (len(b.flat_outs) == 1 and len(b.flat_proxy_args) == 1 and b.sym.name != "shallow_copy"
+                and is_view_bsym(b)):
+            rhs = b.rhs  # symbol, arguments and the backward flag
+            kept = first.get(rhs)
+            if kept is not None:
+                swap[variableify(b.flat_outs[0])] = kept
+                continue
+            first[rhs] = b.flat_outs[0]
+        out.append(b)
+    return out, len(swap)
