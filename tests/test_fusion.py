@@ -650,9 +650,9 @@ def test_widening_matmul_on_gpu_matches_float64(dtype: torch.dtype, shape: tuple
     assert (out.double() - ref).abs().max() <= ((a @ w).double() - ref).abs().max()
 
 
-def test_repeated_views_are_computed_once() -> None:
-    """Identical reshapes / permutes of one tensor: the first is kept and later readers use it; a view
-    with other arguments, or of another tensor, stays. The results equal eager's."""
+def test_repeated_views_and_conversions_are_computed_once() -> None:
+    """Identical reshapes / permutes / conversions of one tensor: the first is kept and later readers
+    use it; one with other arguments, or of another tensor, stays. The results equal eager's."""
     import thunder
     from thunder.core.trace import from_trace
     from thunder.executors.passes import transform_for_execution
@@ -661,17 +661,18 @@ def test_repeated_views_are_computed_once() -> None:
     from kforge.fusion.dedupe import dedupe_views
 
     def fn(x, y):
+        bf16 = torch.bfloat16
         return (x.reshape(6, 4) * 2, x.reshape(6, 4) + 1, x.reshape(4, 6) - 1, y.reshape(6, 4) * 3,
-                x.permute(1, 0) * 3, x.permute(1, 0) - 1)
+                x.permute(1, 0) * 3, x.permute(1, 0) - 1, x.to(bf16) * 2, x.to(bf16) + 1, x.to(torch.float16))
 
     x, y = randn(4, 6, device="cpu", seed=1), randn(4, 6, device="cpu", seed=2)
     jf = thunder.jit(fn)
     jf(x, y)
     tr = thunder.last_traces(jf)[0]
-    views = lambda bs: [b.sym.name for b in bs if b.sym.name in ("reshape", "permute")]  # noqa: E731
-    assert len(views(tr.bound_symbols)) == 6
+    views = lambda bs: [b.sym.name for b in bs if b.sym.name in ("reshape", "permute", "to")]  # noqa: E731
+    assert len(views(tr.bound_symbols)) == 9
     bsyms, n = dedupe_views(tr.bound_symbols)
-    assert n == 2 and len(views(bsyms)) == 4, views(bsyms)
+    assert n == 3 and len(views(bsyms)) == 6, views(bsyms)
     new = from_trace(tr)
     new.bound_symbols = bsyms
     run = transform_for_execution(new, executors_list=(torch_ex,)).python_callable()
@@ -679,15 +680,22 @@ def test_repeated_views_are_computed_once() -> None:
         assert torch.equal(o, r)
 
 
-def test_users_models_backward_has_no_repeated_views() -> None:
-    """The fake-traced plain Llama and nanoGPT: no two identical view symbols in the final traces."""
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+def test_users_models_have_no_repeated_views_or_casts(autocast: bool) -> None:
+    """The fake-traced plain Llama and nanoGPT: no two identical view symbols in the final traces, and
+    under autocast each RMSNorm output is cast to bf16 once however many projections read it (the
+    q / k / v and w1 / w3 casts were separate, each saved for its weight's gradient)."""
     import collections
 
     from conftest import fake_cuda_trace
     from kforge.zoo import nanogpt, plain_llama
 
     for make in (plain_llama.make, nanogpt.make):
-        ft = fake_cuda_trace(make, size="micro", batch=2, seq=16)
+        ft = fake_cuda_trace(make, size="micro", batch=2, seq=16, autocast=autocast)
+        if autocast and make is plain_llama.make:
+            norms = [b for b in ft.forward.bound_symbols if b.sym.name == "kforge_rmsnorm_forward"]
+            readers = collections.Counter(p.name for b in _fusions(ft.forward) for p in b.flat_proxy_args)
+            assert norms and all(readers[b.flat_outs[0].name] <= 1 for b in norms), readers
         for tr in (ft.forward, ft.backward):
             seen = collections.Counter((b.sym.name, str(b.args)) for b in tr.bound_symbols
                                        if b.sym.name in ("reshape", "permute", "transpose", "view"))
