@@ -216,6 +216,21 @@ def test_kernel_records_skip_device_annotations_and_place_unlinked_kforge_kernel
     ], got
 
 
+def test_kernel_records_keep_triton_kernels_named_like_their_cpu_range():
+    """Inductor opens a CPU range named after each Triton kernel it launches. The kernel on the device
+    timeline has that same name and no annotation flag: it is a kernel (category "fused"), not a
+    device-side copy of a range, while an unflagged annotation of a kforge range is still skipped."""
+    tri = "triton_poi_fused_add_mul_0"
+    launch = _evt(tri, start=5)
+    rng = _evt("kforge.gelu.forward", start=10)
+    events = [launch, rng,
+              _evt(tri, device=DeviceType.CUDA, us=7, start=1000),
+              _evt("kforge.gelu.forward", device=DeviceType.CUDA, us=20, start=2000),
+              _evt("void gelu_forward_kernel<bf16>(bf16*)", device=DeviceType.CUDA, us=15, start=2002)]
+    got = [(r.category, r.us) for r in kp.kernel_records(events)]
+    assert got == [("fused", 7.0), ("kforge", 15.0)], got
+
+
 def test_profile_on_cpu_runs_and_reports_no_kernels():
     calls = []
     report = kp.profile(lambda a: calls.append(a), 1, steps=3, warmup=1)
@@ -267,3 +282,13 @@ def test_gpt2_training_step_profile():
     # The launchers are restored: no program of jm keeps a wrapper.
     for g in kp._program_globals([jm]):
         assert not any(hasattr(v, "_kforge_range") for v in g.values())
+
+
+@gpu
+def test_torch_compile_kernels_are_counted():
+    """torch.compile's Triton kernels appear in the profile as "fused" kernels (Inductor names a CPU
+    range after each kernel it launches; those kernels were once taken for annotations and dropped)."""
+    x = torch.randn(4096, 1024, device="cuda")
+    fn = torch.compile(lambda x: (x * 2 + 1).relu().sum(-1))
+    report = kp.profile(fn, x, steps=3, warmup=2)
+    assert report.share("fused") > 0, report.summary()

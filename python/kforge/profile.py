@@ -279,7 +279,12 @@ def kernel_records(events: Iterable[Any]) -> list[KernelRecord]:
             cpu_ranges[e.name].append(e)
 
     def is_annotation(e: Any) -> bool:
-        return bool(getattr(e, "is_user_annotation", False)) or e.name in cpu_names
+        # Some device-side annotations come without the flag and are known by their CPU range's name.
+        # Inductor also opens a CPU range named after each Triton kernel it launches: a generated
+        # kernel's name is a kernel, never an annotation (else torch.compile's kernels all vanish).
+        if getattr(e, "is_user_annotation", False):
+            return True
+        return e.name in cpu_names and categorize(e.name) not in ("fused", "kforge.fusion")
 
     device = [e for e in events if e.device_type == DeviceType.CUDA]
     # kforge ranges on the device timeline, by start time: (start, end, name, CPU range event or None).
