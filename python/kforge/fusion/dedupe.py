@@ -35,7 +35,7 @@ def dedupe_views(bsyms: Sequence[Any]) -> tuple[list, int]:
         # shallow_copy is left alone: it exists to give a tensor a second, distinct name.
         if (len(b.flat_outs) == 1 and len(b.flat_proxy_args) == 1 and b.sym.name != "shallow_copy"
                 and (is_view_bsym(b) or is_conversion(b))):
-            rhs = b.rhs  # symbol, arguments and the backward flag
+            rhs = (b.rhs, id(b._executor))  # symbol, arguments, the backward flag; who runs it
             kept = first.get(rhs)
             if kept is not None:
                 swap[variableify(b.flat_outs[0])] = kept
