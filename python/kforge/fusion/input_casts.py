@@ -22,6 +22,7 @@ __all__ = ["gather_input_casts"]
 def _cast_op() -> Any:
     """kforge_cast_inputs(xs, dtype) -> [x.to(dtype) for x in xs]."""
     import torch
+    from thunder.core.dtypes import to_torch_dtype
     from thunder.core.proxies import TensorProxy
 
     from .._thunder import operator
@@ -30,8 +31,6 @@ def _cast_op() -> Any:
         return tuple(TensorProxy(like=x, dtype=dtype) for x in xs)
 
     def fn(xs: Sequence[Any], dtype: Any) -> tuple:
-        from thunder.core.dtypes import to_torch_dtype
-
         dt = to_torch_dtype(dtype)
         outs = [torch.empty_like(x, dtype=dt) for x in xs]
         torch._foreach_copy_(outs, list(xs))
