@@ -47,6 +47,8 @@ MAX_THREADS = {
     ("gelu_forward", "scalar"): 256,
     ("gelu_backward", "packs"): 256,
     ("gelu_backward", "scalar"): 256,
+    ("colsum_forward", "vec"): 256,      # 32 * kColsumRows, both kernels
+    ("colsum_forward", "scalar"): 256,
 }
 
 
@@ -85,7 +87,7 @@ def test_plan_ops_cover_the_multi_layout_launchers():
                "rmsnorm_backward", "softmax_forward", "softmax_backward", "causal_softmax_forward",
                "causal_softmax_backward", "cross_entropy_forward", "cross_entropy_backward",
                "cross_entropy_forward_backward", "gelu_forward", "gelu_backward", "rope_forward",
-               "rope_backward"):
+               "rope_backward", "colsum_forward"):
         assert op in ops
         assert hasattr(C, op), op  # a plan names a real launcher
 
@@ -159,6 +161,42 @@ def test_plan_bad_input():
     import torch
 
     assert C.plan("softmax_forward", [4, 4], torch.float32) == C.plan("softmax_forward", [4, 4], "float32")
+
+
+def test_plans_name_the_launchers_kernels(plans):
+    """The kernels a colsum plan names are the ones its launcher instantiates."""
+    names = set(C.name_expressions("colsum"))
+    ctype = {"float32": "float", "bfloat16": "bf16", "float16": "half"}
+    for query, p in plans["colsum_forward"]:
+        T = ctype[query[1]]
+        assert p["kernel"].replace("{T}", T) in names, (query, p)
+        assert p["final_kernel"].replace("{T}", T) in names, (query, p)
+
+
+def test_colsum_plans_cover_every_row_and_column(plans):
+    """The partial sums: (tiles, G) blocks of rows_per_chunk rows (a multiple of 32) cover the N rows
+    with no empty chunk and every column; the fold: final_grid blocks of the same shape over C."""
+    for (shape, dtype, aligned, sms, optin), p in plans["colsum_forward"]:
+        N, C_ = shape[0], shape[-1]
+        tiles, G, _z = p["grid"]
+        rpc, unit = p["rows_per_chunk"], (4 if dtype == "float32" else 8) if p["vec"] else 1
+        assert p["layout"] == ("vec" if p["vec"] else "scalar")
+        assert rpc % 32 == 0 and (G - 1) * rpc < N <= G * rpc and G <= p["chunks"], (shape, p)
+        assert (tiles - 1) * 32 * unit < C_ <= tiles * 32 * unit, (shape, p)
+        assert p["final_block"] == p["block"] == (32, 8, 1), p
+        fx, fy, fz = p["final_grid"]
+        assert (fx - 1) * 32 < C_ <= fx * 32 and fy == fz == 1, (shape, p)
+        if not aligned:
+            assert not p["vec"], (shape, p)
+
+
+def test_plan_errors_where_the_launcher_raises():
+    # colsum: gridDim.y holds at most 65535 row chunks (about 4 blocks per SM: only past 16383 SMs)
+    assert C.plan("colsum_forward", [1 << 22, 1], "float32", sms=16383)["grid"][1] <= 65535
+    with pytest.raises(ValueError, match=r"too many row chunks \(65536\)"):
+        C.plan("colsum_forward", [1 << 22, 1], "float32", sms=16384)
+    with pytest.raises(ValueError, match="last dim C too large"):
+        C.plan("colsum_forward", [2, 1 << 30], "float32")
 
 
 # ---- the testing override (variant / max_warps off the public bindings) ------------------------------

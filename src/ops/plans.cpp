@@ -6,6 +6,7 @@
 #include <map>
 
 #include "../runtime/torch_launch.h"
+#include "colsum_plan.h"
 #include "cross_entropy_plan.h"
 #include "gelu_plan.h"
 #include "layernorm_plan.h"
@@ -154,6 +155,20 @@ py::dict rope(const Query& q) {
   return base(p, rope_kernel_name(p));
 }
 
+// x viewed as (N, C): two launches, the partial sums (grid, block) then their fold (final_*).
+py::dict colsum(const Query& q) {
+  const int64_t C = last(q);
+  require(C <= std::numeric_limits<int>::max() / 2, "colsum", "last dim C too large");
+  const ColsumPlan p = plan_colsum(prod(q.shape) / C, C, q.elem_size, q.aligned, q.sms);
+  py::dict d = base(p, colsum_kernel_name(p, false));
+  d["vec"] = p.layout_id == ColsumLayout::vec;
+  d["chunks"] = p.chunks, d["rows_per_chunk"] = p.rows_per_chunk;
+  d["final_kernel"] = colsum_kernel_name(p, true);
+  d["final_grid"] = py::make_tuple(p.final_grid, 1, 1);
+  d["final_block"] = py::make_tuple(p.block_x, p.block_y, 1);
+  return d;
+}
+
 template <size_t N>
 std::vector<std::string> names(const char* const (&a)[N]) {
   return std::vector<std::string>(a, a + N);
@@ -180,6 +195,7 @@ const std::map<std::string, Entry>& table() {
       {"rope_backward", {names(kRopeLayouts), rope}},
       {"gelu_forward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, true); }}},
       {"gelu_backward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, false); }}},
+      {"colsum_forward", {names(kColsumLayouts), colsum}},
       {"cross_entropy_forward", {names(kCrossEntropyForwardLayouts), [](const Query& q) { return cross_entropy(q, "forward"); }}},
       {"cross_entropy_forward_backward", {names(kCrossEntropyForwardLayouts), [](const Query& q) { return cross_entropy(q, "forward_backward"); }}},
       {"cross_entropy_backward", {names(kCrossEntropyBackwardLayouts), [](const Query& q) { return cross_entropy(q, "backward"); }}},
@@ -222,7 +238,8 @@ KFORGE_BIND_OP(plans) {
       "(defaults: H100 SXM). Options by op: layernorm max_warps, variant, weight, bias (backward: "
       "whether their gradients are wanted); rmsnorm normalized_ndim, cast_before_weight, "
       "dresidual, variant; gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "
-      "(B, H, T, D)). layout is None where nothing is launched (empty input).");
+      "(B, H, T, D)). colsum launches twice: grid / block, then final_kernel on final_grid / "
+      "final_block. layout is None where nothing is launched (empty input).");
   m.def(
       "plan_layouts", [](const std::string& op) { return entry(op).layouts; }, py::arg("op"),
       "Every layout `op`'s plan can choose.");
