@@ -238,3 +238,25 @@ def test_call_layouts_from_the_launchers_plans():
             ln_ops.layernorm_forward(x, w, w, 1e-5)
         assert call_layouts([trc]) == {"kforge_layernorm_forward": Counter({want: 1})}, dtype
         assert kforge._C.plan("layernorm_forward", [64, 768], dtypes.to_torch_dtype(dtype))["layout"] == want
+
+
+def test_call_layouts_of_the_head_copies():
+    """split_qkv's n_head comes from the call, its backward's shape from the first given gradient;
+    merge_heads shows none (a view, no kernel, where its heads are token-major in memory)."""
+    import thunder.core.devices as devices
+    from thunder.core import dtypes
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+
+    from kforge.inspect import call_layouts
+    from kforge.ops import permute as permute_ops
+
+    trc = TraceCtx()
+    with tracectx(trc):
+        qkv = TensorProxy(shape=(8, 1024, 3 * 768), device=devices.Device("cuda:0"), dtype=dtypes.bfloat16,
+                          requires_grad=False)
+        q, k, v = permute_ops.split_qkv_forward(qkv, 12)
+        permute_ops.split_qkv_backward(None, k, v)
+        permute_ops.merge_heads_forward(q)
+    assert call_layouts([trc]) == {"kforge_split_qkv_forward": Counter({"lanes": 1}),
+                                   "kforge_split_qkv_backward": Counter({"lanes": 1})}

@@ -20,6 +20,10 @@ ROWS = [1, 3, 64, 4096, 1 << 20, (1 << 30) + 1, 1 << 31]
 COLS = [1, 7, 8, 64, 100, 256, 512, 768, 1000, 1024, 1025, 1536, 2048, 2056, 3000, 4096, 5000,
         8192, 16384, 50257]
 
+# The head copies: token-major input (with n_head) or head-major input, and the parts of a token row.
+PERMUTE = {"split_qkv_forward": (True, 3), "split_qkv_backward": (False, 3),
+           "merge_heads_forward": (False, 1), "merge_heads_backward": (True, 1)}
+
 # Threads per block the kernels are compiled for (their __launch_bounds__ / launch_params.cuh).
 MAX_THREADS = {
     ("layernorm_forward", "group"): 384,   # kGroupFwdWarps warps
@@ -47,7 +51,34 @@ MAX_THREADS = {
     ("gelu_forward", "scalar"): 256,
     ("gelu_backward", "packs"): 256,
     ("gelu_backward", "scalar"): 256,
+    ("colsum_forward", "vec"): 256,      # 32 * kColsumRows, both kernels
+    ("colsum_forward", "scalar"): 256,
+    **{(op, "lanes"): 256 for op in PERMUTE},  # __launch_bounds__(256, ...)
+    **{(op, "tiles"): 512 for op in PERMUTE},  # kMaxBlockX columns, or 256 threads for short rows
 }
+
+
+def permute_queries(op: str):
+    """(shape, options) of the input op's launcher takes: token-major (B, T, parts * NH * HS) with
+    n_head, or head-major (B, NH, T, HS) heads, contiguous, token-major views of a (B, T, parts * NH *
+    HS) tensor or with padded rows (head_strides: the outputs are always new contiguous tensors)."""
+    to_heads, parts = PERMUTE[op]
+    for B, T, NH, HS in itertools.product((1, 4), (1, 7, 4096, 1 << 20), (1, 12, 32), (1, 6, 64, 128)):
+        if to_heads:
+            yield (B, T, parts * NH * HS), {"n_head": NH}
+            continue
+        yield (B, NH, T, HS), {}
+        row = parts * NH * HS
+        yield (B, NH, T, HS), {"head_strides": (T * row, HS, row)}
+        yield (B, NH, T, HS), {"head_strides": (NH * T * (HS + 1), T * (HS + 1), HS + 1)}
+
+
+def queries(op: str):
+    if op in PERMUTE:
+        yield from permute_queries(op)
+        return
+    for shape in shapes(op):
+        yield shape, {}
 
 
 def shapes(op: str):
@@ -66,12 +97,13 @@ def shapes(op: str):
 
 def all_plans(op: str):
     """(query, plan) for every shape / dtype / alignment / device of the grid the op accepts."""
-    for shape, dtype, aligned, (sms, optin) in itertools.product(shapes(op), DTYPES, (True, False), DEVICES):
+    for (shape, options), dtype, aligned, (sms, optin) in itertools.product(
+            queries(op), DTYPES, (True, False), DEVICES):
         try:
-            p = C.plan(op, list(shape), dtype, aligned=aligned, sms=sms, smem_optin=optin)
+            p = C.plan(op, list(shape), dtype, aligned=aligned, sms=sms, smem_optin=optin, **options)
         except ValueError:  # rows past the op's longest (rmsnorm), as the launcher refuses them
             continue
-        yield (shape, dtype, aligned, sms, optin), p
+        yield (shape, dtype, aligned, sms, optin, options), p
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +117,7 @@ def test_plan_ops_cover_the_multi_layout_launchers():
                "rmsnorm_backward", "softmax_forward", "softmax_backward", "causal_softmax_forward",
                "causal_softmax_backward", "cross_entropy_forward", "cross_entropy_backward",
                "cross_entropy_forward_backward", "gelu_forward", "gelu_backward", "rope_forward",
-               "rope_backward"):
+               "rope_backward", "colsum_forward", *PERMUTE):
         assert op in ops
         assert hasattr(C, op), op  # a plan names a real launcher
 
@@ -103,13 +135,14 @@ def test_every_layout_is_reached(plans, op):
 
 @pytest.mark.parametrize("op", sorted(C.plan_ops()))
 def test_plans_within_limits(plans, op):
-    for (shape, dtype, aligned, sms, optin), p in plans[op]:
+    for (shape, dtype, aligned, sms, optin, options), p in plans[op]:
         gx, gy, gz = p["grid"]
         bx, by, bz = p["block"]
         threads = bx * by * bz
         assert 1 <= gx <= 2**31 - 1 and 1 <= gy <= 65535 and gz == 1, (shape, dtype, p)
         assert 1 <= threads <= 1024, (shape, dtype, p)
-        if not op.startswith("rope"):  # rope's per-token blocks fit the row's chunks and heads
+        # rope's per-token blocks and the permute tiles fit the row's chunks (and heads, tokens)
+        if not op.startswith("rope") and not (op in PERMUTE and p["layout"] == "tiles"):
             assert threads >= 32 and threads % 32 == 0, (shape, dtype, p)  # whole warps
         assert threads <= MAX_THREADS.get((op, p["layout"]), 1024), (shape, dtype, p)
         assert 0 <= p["smem"] <= optin, (shape, dtype, optin, p)
@@ -159,6 +192,96 @@ def test_plan_bad_input():
     import torch
 
     assert C.plan("softmax_forward", [4, 4], torch.float32) == C.plan("softmax_forward", [4, 4], "float32")
+
+
+def test_plans_name_the_launchers_kernels(plans):
+    """The kernels a colsum / permute plan names are the ones their launchers instantiate."""
+    exprs = {"colsum": set(C.name_expressions("colsum")), "permute": set(C.name_expressions("permute"))}
+    ctype = {"float32": "float", "bfloat16": "bf16", "float16": "half"}
+    for op in ("colsum_forward", *PERMUTE):
+        names = exprs["colsum" if op == "colsum_forward" else "permute"]
+        for query, p in plans[op]:
+            T = ctype[query[1]]
+            assert p["kernel"].replace("{T}", T) in names, (query, p)
+            if op == "colsum_forward":
+                assert p["final_kernel"].replace("{T}", T) in names, (query, p)
+
+
+def test_colsum_plans_cover_every_row_and_column(plans):
+    """The partial sums: (tiles, G) blocks of rows_per_chunk rows (a multiple of 32) cover the N rows
+    with no empty chunk and every column; the fold: final_grid blocks of the same shape over C."""
+    for (shape, dtype, aligned, sms, optin, _), p in plans["colsum_forward"]:
+        N, C_ = shape[0], shape[-1]
+        tiles, G, _z = p["grid"]
+        rpc, unit = p["rows_per_chunk"], (4 if dtype == "float32" else 8) if p["vec"] else 1
+        assert p["layout"] == ("vec" if p["vec"] else "scalar")
+        assert rpc % 32 == 0 and (G - 1) * rpc < N <= G * rpc and G <= p["chunks"], (shape, p)
+        assert (tiles - 1) * 32 * unit < C_ <= tiles * 32 * unit, (shape, p)
+        assert p["final_block"] == p["block"] == (32, 8, 1), p
+        fx, fy, fz = p["final_grid"]
+        assert (fx - 1) * 32 < C_ <= fx * 32 and fy == fz == 1, (shape, p)
+        if not aligned:
+            assert not p["vec"], (shape, p)
+
+
+def test_permute_plans_cover_every_token(plans):
+    """The lanes: K tokens per round in `lanes` lanes of `cols` threads (one 256-thread block per 256
+    of them); the tiles: the row's columns over blockIdx.x, 4 tokens per lane and tile."""
+    for op, (to_heads, parts) in PERMUTE.items():
+        for (shape, dtype, aligned, sms, optin, options), p in plans[op]:
+            B, T = shape[0], shape[1] if to_heads else shape[2]
+            row = shape[2] if to_heads else parts * shape[1] * shape[3]
+            assert p["cols"] == (row // (4 if dtype == "float32" else 8) if p["vec"] else row), (shape, p)
+            if not aligned:
+                assert not p["vec"], (shape, p)
+            if p["layout"] == "lanes":
+                assert p["K"] in (1, 2, 4) and p["lanes"] <= B * T, (shape, p)
+                assert p["grid"][0] == -(-p["lanes"] * p["cols"] // 256) and p["block"] == (256, 1, 1), p
+            else:
+                bx, by, _ = p["block"]
+                assert (p["grid"][0] - 1) * bx < p["cols"] <= p["grid"][0] * bx, (shape, p)
+                assert p["tiles_per_seq"] * 4 * by >= T and p["units"] == B * p["tiles_per_seq"], (shape, p)
+
+
+def test_permute_tiles_where_lane_strides_pass_4_gib():
+    """The lanes' byte strides are 32-bit: a head part of 2^32 elements (bfloat16: 8 GiB) runs the
+    tiles, as does a token row past 4 GiB; anything smaller the lanes."""
+    heads = [1, 32, 1 << 20, 128]  # (B, NH, T, HS): a head part of 2^32 elements
+    assert C.plan("merge_heads_forward", heads, "bfloat16")["layout"] == "tiles"
+    assert C.plan("split_qkv_backward", heads, "bfloat16")["layout"] == "tiles"
+    assert C.plan("split_qkv_forward", [1, 1 << 20, 3 * 4096], "bfloat16", n_head=32)["layout"] == "tiles"
+    assert C.plan("merge_heads_backward", [1, 1 << 20, 4096], "float32", n_head=32)["layout"] == "tiles"
+    assert C.plan("split_qkv_forward", [1, 1, 3 << 29], "float32", n_head=1)["layout"] == "tiles"
+    assert C.plan("split_qkv_forward", [4, 1, 3 << 20], "bfloat16", n_head=8)["layout"] == "lanes"
+    p = C.plan("split_qkv_forward", [8, 1024, 3 * 768], "bfloat16", n_head=12)
+    assert p["kernel"] == "permute_lanes_kernel<{T}, true, true, 4>" and p["vec"], p
+    p = C.plan("merge_heads_forward", [8, 12, 1024, 64], "bfloat16", aligned=False)
+    assert p["kernel"] == "permute_lanes_kernel<{T}, false, false, 4>", p
+
+
+def test_plan_errors_where_the_launcher_raises():
+    # colsum: gridDim.y holds at most 65535 row chunks (about 4 blocks per SM: only past 16383 SMs)
+    assert C.plan("colsum_forward", [1 << 22, 1], "float32", sms=16383)["grid"][1] <= 65535
+    with pytest.raises(ValueError, match=r"too many row chunks \(65536\)"):
+        C.plan("colsum_forward", [1 << 22, 1], "float32", sms=16384)
+    with pytest.raises(ValueError, match="last dim C too large"):
+        C.plan("colsum_forward", [2, 1 << 30], "float32")
+    # permute: the launchers' shape checks and int sizes
+    with pytest.raises(ValueError, match="n_head must be given"):
+        C.plan("split_qkv_forward", [2, 4, 24], "float32")
+    with pytest.raises(ValueError, match=r"not 3 \* n_head"):
+        C.plan("split_qkv_forward", [2, 4, 24], "float32", n_head=5)
+    with pytest.raises(ValueError, match="not a multiple of n_head"):
+        C.plan("merge_heads_backward", [2, 4, 24], "float32", n_head=5)
+    with pytest.raises(ValueError, match=r"must be \(B, NH, T, HS\)"):
+        C.plan("merge_heads_forward", [2, 4, 24], "float32")
+    with pytest.raises(ValueError, match="sizes too large"):
+        C.plan("split_qkv_forward", [1 << 16, 1 << 15, 3], "float32", n_head=1)
+    with pytest.raises(ValueError, match="sizes too large"):
+        C.plan("merge_heads_forward", [1, 1 << 16, 1, 1 << 15], "float32")
+    assert C.plan("merge_heads_forward", [1, 1 << 16, 1, (1 << 15) - 1], "float32")["layout"] == "tiles"
+    with pytest.raises(ValueError, match="head_strides"):
+        C.plan("split_qkv_forward", [2, 4, 24], "float32", n_head=2, head_strides=(96, 4, 8))
 
 
 # ---- the testing override (variant / max_warps off the public bindings) ------------------------------

@@ -144,6 +144,12 @@ def _plan_query(name: str, args: tuple) -> tuple[Any, dict] | None:
         q, k, cos = args[0], args[1], args[2]
         return q, {"kv_heads": k.shape[1], "interleaved": bool(arg(5, False)),
                    "f32_tables": cos.dtype != q.dtype}
+    if name == "split_qkv_forward":
+        return args[0], {"n_head": int(getattr(args[1], "value", args[1]))}
+    if name == "split_qkv_backward":  # (dq, dk, dv), None where that output was unused
+        return next(a for a in args if a is not None), {}
+    if name in ("merge_heads_forward", "merge_heads_backward"):
+        return None  # a view, no kernel, where the heads are token-major in memory (ops/permute.py)
     return args[0], {}
 
 

@@ -2,9 +2,10 @@
 // (B, NH, T, HS) -> (B, T, C), forward and backward (see kernels_src/permute.cu). Every copy runs
 // the persistent token lanes (permute_lanes_kernel), or the 64-bit tiles where the lanes' 32-bit
 // byte strides do not fit (a head part or token row past 4 GiB).
-#include "../runtime/torch_launch.h"
-
 #include <optional>
+
+#include "../runtime/torch_launch.h"
+#include "permute_plan.h"  // the dispatch: token lanes or tiles, grid, block
 
 namespace kforge {
 namespace {
@@ -28,14 +29,6 @@ Kernel& lanes_kernel(bool vec, bool to_heads, int k_index) {
   return lanes_kernels[(vec ? 6 : 0) + (to_heads ? 3 : 0) + k_index];
 }
 
-constexpr int64_t kTokensPerThread = 4;  // kPermuteK in kernels_src/permute.cu
-constexpr int64_t kMaxBlockX = 512;      // columns per block
-constexpr int64_t kTargetBlock = 256;    // threads per block when a token row is short
-
-constexpr int kLanesBlock = 256;
-// Blocks per SM pinned by permute_lanes_min_blocks(K) (__launch_bounds__) in kernels_src/permute.cu.
-int lanes_min_blocks(int K) { return K <= 2 ? 8 : 6; }
-
 // permute_div magic numbers of d (1 <= d < 2^31): s = ceil(log2 d), m = ceil(2^(31 + s) / d).
 struct Magic {
   uint32_t m;
@@ -48,59 +41,9 @@ Magic magic(int64_t d) {
   return {static_cast<uint32_t>(m), s};
 }
 
-// The token lanes (permute_lanes_kernel); false where their 32-bit byte strides, thread index or
-// token counter do not fit (then the tiles run).
-bool launch_lanes(bool split, bool vec, const at::Tensor& tokens,
-                  const std::vector<at::Tensor>& heads, int64_t B, int64_t T, int64_t NH,
-                  int64_t HS, int64_t sb, int64_t sh, int64_t st, const LaunchOn& on,
-                  const char* op) {
-  const int64_t es = tokens.element_size(), W = vec ? 16 / es : 1;
-  const int64_t parts = static_cast<int64_t>(heads.size());
-  const int64_t cols = parts * NH * HS / W, hsw = HS / W, ntok = B * T;
-  int64_t seq = T;
-  if (seq == 1) {  // (b, 0) -> (0, t = b): the token division only ever divides by seq >= 2
-    seq = B;
-    st = sb;
-    sb = 0;
-  }
-  const int64_t rowB = parts * NH * HS * es, sbB = sb * es, stB = st * es;
-  const int64_t u32max = int64_t(std::numeric_limits<uint32_t>::max());
-  if (rowB > u32max || sbB > u32max || stB > u32max || sbB < 0 || stB < 0) return false;
-  // K: the smallest of 1, 2, 4 that moves every token in one round of one wave, else 4 (rounds).
-  const int sms = sm_count(on.device);
-  auto lanes_max = [&](int K) {
-    return std::max<int64_t>(1, int64_t(sms) * lanes_min_blocks(K) * kLanesBlock / cols);
-  };
-  int K = 1;
-  while (K < 4 && ntok > K * lanes_max(K)) K *= 2;
-  const int64_t rounds = (ntok + K * lanes_max(K) - 1) / (K * lanes_max(K));
-  const int64_t lanes = (ntok + K * rounds - 1) / (K * rounds);  // <= lanes_max(K)
-  const int64_t threads = lanes * cols;
-  // 32-bit thread index (< 2^31, permute_div) and token counter (tf0 + K * lanes < 2^32).
-  if (threads + kLanesBlock > std::numeric_limits<int>::max() || ntok + K * lanes > u32max)
-    return false;
-  const Magic mc = magic(cols), mh = magic(hsw), mn = magic(NH);
-  // permute_div_hot of seq: shift s - 1 (seq >= 2); seq = 1 only with one token (tf = 0).
-  const Magic ms = seq >= 2 ? magic(seq) : Magic{0, 1};
-  void* h[3];
-  for (int p = 0; p < 3; ++p) h[p] = heads[std::min<int64_t>(p, parts - 1)].data_ptr();
-  const int k_index = K == 1 ? 0 : (K == 2 ? 1 : 2);
-  const Dim3 grid(ceil_div(threads, kLanesBlock)), block(kLanesBlock);
-  auto i32 = [](int64_t v) { return static_cast<int>(static_cast<uint32_t>(v)); };  // u32 bits
-  lanes_kernel(vec, split, k_index)
-      .launch(dtype_of(tokens, op), on.device, on.stream, grid, block, 0, tokens.data_ptr(), h[0],
-              h[1], h[2], i32(ntok), i32(lanes), i32(cols), i32(hsw), i32(NH), i32(seq),
-              i32(mc.m), i32(mc.s), i32(mh.m), i32(mh.s), i32(mn.m), i32(mn.s), i32(ms.m),
-              i32(ms.s - 1), static_cast<long long>(sh * es), i32(sbB), i32(stB), i32(rowB));
-  return true;
-}
-
 // Copies between token-major `tokens` (B, T, parts * NH * HS) and head-major `heads` (parts tensors
-// of shape (B, NH, T, HS)): tokens -> heads when `split`, else heads -> tokens.
-// The token lanes where they fit; else the tiles: the row's `cols` columns in the fewest chunks of
-// <= 512 threads (blockIdx.x), as many token lanes per block as fit in 256 threads (blockDim.y;
-// fewer for short sequences), 4 tokens per thread; blockIdx.y walks (b, token tile) units: at most
-// about two waves of blocks, each block the same number of units.
+// of shape (B, NH, T, HS)): tokens -> heads when `split`, else heads -> tokens; the token lanes or
+// the tiles as plan_permute says.
 void launch(bool split, const at::Tensor& tokens, const std::vector<at::Tensor>& heads, int64_t B,
             int64_t T, int64_t NH, int64_t HS, const char* op) {
   const int parts = static_cast<int>(heads.size());
@@ -109,33 +52,36 @@ void launch(bool split, const at::Tensor& tokens, const std::vector<at::Tensor>&
            "sizes too large: B*T = ", B * T, ", row = ", row);
   if (B * T == 0 || row == 0) return;
   LaunchOn on(tokens);
-  const int64_t V = 16 / tokens.element_size();
   // Head-side strides, shared by every part (heads_input made sure), last stride 1.
   const int64_t sb = heads[0].stride(0), sh = heads[0].stride(1), st = heads[0].stride(2);
-  bool vec = HS % V == 0 && aligned16(tokens) && sb % V == 0 && sh % V == 0 && st % V == 0;
-  for (const at::Tensor& h : heads) vec = vec && aligned16(h);
-  if (launch_lanes(split, vec, tokens, heads, B, T, NH, HS, sb, sh, st, on, op)) return;
-  const int64_t cols = vec ? row / V : row;
-  const int64_t nchunks = (cols + kMaxBlockX - 1) / kMaxBlockX;
-  const int64_t bx = (cols + nchunks - 1) / nchunks;
-  // Token lanes: fill ~256 threads, but no more than short sequences need.
-  const int64_t by = std::max<int64_t>(
-      1, std::min<int64_t>(kTargetBlock / bx, (T + kTokensPerThread - 1) / kTokensPerThread));
-  const int64_t tiles_per_seq = (T + kTokensPerThread * by - 1) / (kTokensPerThread * by);
-  const int64_t units = B * tiles_per_seq;
-  const int64_t per_sm = std::max<int64_t>(1, 2048 / (bx * by));  // resident blocks, at best
-  const int64_t cap = std::min<int64_t>(
-      65535, std::max<int64_t>(1, int64_t(sm_count(on.device)) * per_sm * 2 / nchunks));
-  const int64_t iters = (units + cap - 1) / cap;
-  const Dim3 grid(static_cast<unsigned>(nchunks), static_cast<unsigned>((units + iters - 1) / iters));
-  const Dim3 block(static_cast<unsigned>(bx), static_cast<unsigned>(by));
+  bool aligned = aligned16(tokens);
+  for (const at::Tensor& h : heads) aligned = aligned && aligned16(h);
+  const int64_t es = tokens.element_size();
+  const PermutePlan p =
+      plan_permute(split, parts, B, T, NH, HS, sb, sh, st, es, aligned, sm_count(on.device));
   void* h[3];
-  for (int p = 0; p < 3; ++p) h[p] = heads[std::min(p, parts - 1)].data_ptr();  // unused when p >= parts
+  for (int i = 0; i < 3; ++i) h[i] = heads[std::min(i, parts - 1)].data_ptr();  // unused when i >= parts
   const DType dt = dtype_of(tokens, op);
-  Kernel& k = split ? (vec ? to_heads_vec : to_heads_elem) : (vec ? to_tokens_vec : to_tokens_elem);
+  const Dim3 grid(static_cast<unsigned>(p.grid), static_cast<unsigned>(p.grid_y));
+  const Dim3 block(static_cast<unsigned>(p.block_x), static_cast<unsigned>(p.block_y));
+  if (p.layout_id == PermuteLayout::lanes) {
+    const Magic mc = magic(p.cols), mh = magic(p.hsw), mn = magic(NH);
+    // permute_div_hot of seq: shift s - 1 (seq >= 2); seq = 1 only with one token (tf = 0).
+    const Magic ms = p.seq >= 2 ? magic(p.seq) : Magic{0, 1};
+    const int k_index = p.K == 1 ? 0 : (p.K == 2 ? 1 : 2);
+    auto i32 = [](int64_t v) { return static_cast<int>(static_cast<uint32_t>(v)); };  // u32 bits
+    lanes_kernel(p.vec, split, k_index)
+        .launch(dt, on.device, on.stream, grid, block, 0, tokens.data_ptr(), h[0], h[1], h[2],
+                i32(B * T), i32(p.lanes), i32(p.cols), i32(p.hsw), i32(NH), i32(p.seq), i32(mc.m),
+                i32(mc.s), i32(mh.m), i32(mh.s), i32(mn.m), i32(mn.s), i32(ms.m), i32(ms.s - 1),
+                static_cast<long long>(sh * es), i32(p.sb_bytes), i32(p.st_bytes),
+                i32(p.row_bytes));
+    return;
+  }
+  Kernel& k = split ? (p.vec ? to_heads_vec : to_heads_elem) : (p.vec ? to_tokens_vec : to_tokens_elem);
   const int seq = static_cast<int>(T), nh = static_cast<int>(NH), hs = static_cast<int>(HS),
-            ncols = static_cast<int>(cols);
-  const long long tps = tiles_per_seq, nunits = units, lsb = sb, lsh = sh, lst = st;
+            ncols = static_cast<int>(p.cols);
+  const long long tps = p.tiles_per_seq, nunits = p.units, lsb = sb, lsh = sh, lst = st;
   if (split)
     k.launch(dt, on.device, on.stream, grid, block, 0, tokens.data_ptr(), h[0], h[1], h[2], seq, nh,
              hs, ncols, tps, nunits, lsb, lsh, lst);

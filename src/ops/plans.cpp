@@ -6,9 +6,11 @@
 #include <map>
 
 #include "../runtime/torch_launch.h"
+#include "colsum_plan.h"
 #include "cross_entropy_plan.h"
 #include "gelu_plan.h"
 #include "layernorm_plan.h"
+#include "permute_plan.h"
 #include "rmsnorm_plan.h"
 #include "rope_plan.h"
 #include "softmax_plan.h"
@@ -154,6 +156,58 @@ py::dict rope(const Query& q) {
   return base(p, rope_kernel_name(p));
 }
 
+// x viewed as (N, C): two launches, the partial sums (grid, block) then their fold (final_*).
+py::dict colsum(const Query& q) {
+  const int64_t C = last(q);
+  require(C <= std::numeric_limits<int>::max() / 2, "colsum", "last dim C too large");
+  const ColsumPlan p = plan_colsum(prod(q.shape) / C, C, q.elem_size, q.aligned, q.sms);
+  py::dict d = base(p, colsum_kernel_name(p, false));
+  d["vec"] = p.layout_id == ColsumLayout::vec;
+  d["chunks"] = p.chunks, d["rows_per_chunk"] = p.rows_per_chunk;
+  d["final_kernel"] = colsum_kernel_name(p, true);
+  d["final_grid"] = py::make_tuple(p.final_grid, 1, 1);
+  d["final_block"] = py::make_tuple(p.block_x, p.block_y, 1);
+  return d;
+}
+
+// The head copies, from the input their launcher takes: token-major qkv (B, T, 3C) / dout (B, T, C)
+// with n_head when to_heads, else head-major dq (B, NH, T, HS) / y. The head-side tensors are
+// contiguous unless head_strides gives their (batch, head, token) element strides (inputs only:
+// outputs are new contiguous tensors).
+py::dict permute(const Query& q, const std::string& op, bool to_heads, int64_t parts) {
+  int64_t B, T, NH, HS;
+  if (to_heads) {
+    require(q.shape.size() == 3, op, parts == 3 ? "qkv must be (B, T, 3C)" : "dout must be (B, T, C)");
+    NH = q.opt<int64_t>("n_head", 0);
+    require(NH > 0, op, "n_head must be given and positive");
+    require(q.shape[2] % (parts * NH) == 0, op,
+            parts == 3 ? "last dim is not 3 * n_head * head_size" : "last dim is not a multiple of n_head");
+    B = q.shape[0], T = q.shape[1], HS = q.shape[2] / (parts * NH);
+  } else {
+    require(q.shape.size() == 4, op, std::string(parts == 3 ? "dq" : "y") + " must be (B, NH, T, HS)");
+    B = q.shape[0], NH = q.shape[1], T = q.shape[2], HS = q.shape[3];
+  }
+  constexpr int64_t kInt = std::numeric_limits<int>::max();
+  require(B * T <= kInt && parts * NH * HS <= kInt, op, "sizes too large");
+  int64_t sb = NH * T * HS, sh = T * HS, st = HS;
+  if (q.options.contains("head_strides")) {
+    require(!to_heads, op, "head_strides: its heads are new contiguous outputs");
+    const auto s = q.options["head_strides"].cast<std::vector<int64_t>>();
+    require(s.size() == 3, op, "head_strides is (batch, head, token)");
+    sb = s[0], sh = s[1], st = s[2];
+  }
+  const PermutePlan p =
+      plan_permute(to_heads, parts, B, T, NH, HS, sb, sh, st, q.elem_size, q.aligned, q.sms);
+  py::dict d = base(p, permute_kernel_name(p));
+  d["vec"] = p.vec;
+  d["cols"] = p.cols;
+  if (p.layout_id == PermuteLayout::lanes)
+    d["K"] = p.K, d["lanes"] = p.lanes;
+  else
+    d["tiles_per_seq"] = p.tiles_per_seq, d["units"] = p.units;
+  return d;
+}
+
 template <size_t N>
 std::vector<std::string> names(const char* const (&a)[N]) {
   return std::vector<std::string>(a, a + N);
@@ -180,6 +234,11 @@ const std::map<std::string, Entry>& table() {
       {"rope_backward", {names(kRopeLayouts), rope}},
       {"gelu_forward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, true); }}},
       {"gelu_backward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, false); }}},
+      {"colsum_forward", {names(kColsumLayouts), colsum}},
+      {"split_qkv_forward", {names(kPermuteLayouts), [](const Query& q) { return permute(q, "split_qkv_forward", true, 3); }}},
+      {"split_qkv_backward", {names(kPermuteLayouts), [](const Query& q) { return permute(q, "split_qkv_backward", false, 3); }}},
+      {"merge_heads_forward", {names(kPermuteLayouts), [](const Query& q) { return permute(q, "merge_heads_forward", false, 1); }}},
+      {"merge_heads_backward", {names(kPermuteLayouts), [](const Query& q) { return permute(q, "merge_heads_backward", true, 1); }}},
       {"cross_entropy_forward", {names(kCrossEntropyForwardLayouts), [](const Query& q) { return cross_entropy(q, "forward"); }}},
       {"cross_entropy_forward_backward", {names(kCrossEntropyForwardLayouts), [](const Query& q) { return cross_entropy(q, "forward_backward"); }}},
       {"cross_entropy_backward", {names(kCrossEntropyBackwardLayouts), [](const Query& q) { return cross_entropy(q, "backward"); }}},
@@ -222,7 +281,10 @@ KFORGE_BIND_OP(plans) {
       "(defaults: H100 SXM). Options by op: layernorm max_warps, variant, weight, bias (backward: "
       "whether their gradients are wanted); rmsnorm normalized_ndim, cast_before_weight, "
       "dresidual, variant; gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "
-      "(B, H, T, D)). layout is None where nothing is launched (empty input).");
+      "(B, H, T, D)); split_qkv_forward / merge_heads_backward n_head, split_qkv_backward / "
+      "merge_heads_forward head_strides (their head-major input's (batch, head, token) strides; "
+      "default contiguous). colsum launches twice: grid / block, then final_kernel on final_grid / "
+      "final_block. layout is None where nothing is launched (empty input).");
   m.def(
       "plan_layouts", [](const std::string& op) { return entry(op).layouts; }, py::arg("op"),
       "Every layout `op`'s plan can choose.");
