@@ -638,12 +638,12 @@ def test_autocast_weight_gradients_come_from_widening_matmuls() -> None:
 def test_widening_matmul_on_gpu_matches_float64(dtype: torch.dtype, shape: tuple) -> None:
     """kforge_matmul_widen's CUDA path (cuBLAS mm with out_dtype float32), odd and strided operands:
     float32 results within fp32 accumulation error of float64, closer than eager's bf16-rounded product."""
-    from kforge.fusion.matmul_acc import _widen_op
+    from kforge.fusion.matmul_acc import widen_mm
 
     m, k, n = shape
     a = randn(k, m, dtype=dtype, seed=5).t()  # transposed: the weight gradient's g^T
     w = randn(k, n, dtype=dtype, seed=6)
-    out = _widen_op()(a, w)
+    out = widen_mm(a, w)
     ref = a.double() @ w.double()
     assert out.dtype == torch.float32 and out.shape == (m, n)
     assert_close(out, ref.float(), torch.float32, "widen", tol=2e-5)
@@ -765,12 +765,12 @@ def test_autocast_weight_casts_are_one_symbol() -> None:
 def test_cast_inputs_on_gpu_equal_torch() -> None:
     """kforge_cast_inputs on CUDA (torch._foreach_copy_ into fresh tensors): odd sizes, more tensors
     than one multi-tensor launch takes, a transposed input; each output equals x.to(dtype) exactly."""
-    from kforge.fusion.input_casts import _cast_op
+    from kforge.fusion.input_casts import cast_all
     from thunder.core import dtypes
 
     xs = [randn(n, seed=n) * 1e3 for n in range(1, 300, 7)] + [randn(65, 33, seed=1).t(), randn(4097, 3, seed=2)]
     for dt, tdt in ((dtypes.bfloat16, torch.bfloat16), (dtypes.float16, torch.float16)):
-        outs = _cast_op()(xs, dt)
+        outs = cast_all(xs, dt)
         assert len(outs) == len(xs)
         for o, x in zip(outs, xs):
             assert o.dtype == tdt and o.shape == x.shape and torch.equal(o, x.to(tdt))

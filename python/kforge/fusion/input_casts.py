@@ -15,14 +15,23 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
+import torch
+from thunder.core.dtypes import to_torch_dtype
+
 __all__ = ["gather_input_casts"]
+
+
+def cast_all(xs: Sequence[Any], dtype: Any) -> tuple:
+    """[x.to(dtype) for x in xs] as multi-tensor copies: kforge_cast_inputs's implementation."""
+    dt = dtype if isinstance(dtype, torch.dtype) else to_torch_dtype(dtype)
+    outs = [torch.empty_like(x, dtype=dt) for x in xs]
+    torch._foreach_copy_(outs, list(xs))
+    return tuple(outs)
 
 
 @functools.cache
 def _cast_op() -> Any:
     """kforge_cast_inputs(xs, dtype) -> [x.to(dtype) for x in xs]."""
-    import torch
-    from thunder.core.dtypes import to_torch_dtype
     from thunder.core.proxies import TensorProxy
 
     from .._thunder import operator
@@ -30,13 +39,7 @@ def _cast_op() -> Any:
     def meta(xs: Sequence[TensorProxy], dtype: Any) -> tuple:
         return tuple(TensorProxy(like=x, dtype=dtype) for x in xs)
 
-    def fn(xs: Sequence[Any], dtype: Any) -> tuple:
-        dt = to_torch_dtype(dtype)
-        outs = [torch.empty_like(x, dtype=dt) for x in xs]
-        torch._foreach_copy_(outs, list(xs))
-        return tuple(outs)
-
-    return operator("cast_inputs", meta=meta, fn=fn)
+    return operator("cast_inputs", meta=meta, fn=cast_all)
 
 
 def _cast_of_input(b: Any, inputs: set, devices: Sequence[str]) -> Any | None:

@@ -27,6 +27,8 @@ import functools
 import logging
 from typing import Any, Sequence
 
+import torch
+
 _log = logging.getLogger("kforge")
 
 __all__ = ["accumulate_matmuls", "widen_matmuls"]
@@ -48,10 +50,26 @@ def _accumulate_op() -> Any:
     return operator("matmul_accumulate", meta=meta, fn=fn)
 
 
+_mm_dtype_unsupported: set = set()  # devices whose torch has no mm.dtype kernel: eager's two steps there
+
+
+def widen_mm(a: Any, w: Any) -> Any:
+    """a @ w stored as float32 for 16-bit a and w: kforge_matmul_widen's implementation."""
+    if not a.is_cuda:  # the same arithmetic where there is no mm.dtype kernel
+        return torch.mm(a.float(), w.float())
+    if a.device not in _mm_dtype_unsupported:
+        try:  # cuBLAS: products of the 16-bit inputs summed in fp32, stored as fp32
+            return torch.mm(a, w, out_dtype=torch.float32)
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            _mm_dtype_unsupported.add(a.device)
+            _log.warning("kforge_matmul_widen: torch.mm(out_dtype=float32) failed on %s (%s); "
+                         "computing matmul then conversion", a.device, e)
+    return torch.mm(a, w).float()
+
+
 @functools.cache
 def _widen_op() -> Any:
     """kforge_matmul_widen(a, w) -> a @ w in float32, for 2-D bf16 / fp16 a and w."""
-    import torch
     from thunder.core import dtypes
     from thunder.core.proxies import TensorProxy
 
@@ -60,21 +78,7 @@ def _widen_op() -> Any:
     def meta(a: TensorProxy, w: TensorProxy) -> TensorProxy:
         return TensorProxy(like=a, shape=(a.shape[0], w.shape[1]), dtype=dtypes.float32)
 
-    unsupported: set = set()  # devices whose torch has no mm.dtype kernel: eager's two steps there
-
-    def fn(a: Any, w: Any) -> Any:
-        if not a.is_cuda:  # the same arithmetic where there is no mm.dtype kernel
-            return torch.mm(a.float(), w.float())
-        if a.device not in unsupported:
-            try:  # cuBLAS: products of the 16-bit inputs summed in fp32, stored as fp32
-                return torch.mm(a, w, out_dtype=torch.float32)
-            except (RuntimeError, NotImplementedError, TypeError) as e:
-                unsupported.add(a.device)
-                _log.warning("kforge_matmul_widen: torch.mm(out_dtype=float32) failed on %s (%s); "
-                             "computing matmul then conversion", a.device, e)
-        return torch.mm(a, w).float()
-
-    return operator("matmul_widen", meta=meta, fn=fn)
+    return operator("matmul_widen", meta=meta, fn=widen_mm)
 
 
 def is_conversion(b: Any) -> bool:
