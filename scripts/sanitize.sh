@@ -8,6 +8,7 @@
 #   TOOLS="memcheck" SELECTIONS="softmax layernorm" scripts/sanitize.sh
 #   DL="1" TOOLS="racecheck" scripts/sanitize.sh                  # one setting, one tool
 #   SANITIZE_TIMEOUT=900 scripts/sanitize.sh                      # seconds per run (default 1200)
+#   JOBS=8 scripts/sanitize.sh                                     # runs at once (default 1)
 #
 # Writes $OUT/sanitize/<tool>-<selection>-dl<0|1>.log (compute-sanitizer and pytest output), and the
 # summary $OUT/sanitize/summary.md and summary.json: errors per tool x kernel file (the kernel named
@@ -17,7 +18,9 @@
 # exit status. Exit status: 0 when every run is clean, 1 otherwise.
 #
 # Each selection runs in its own process: a memcheck error leaves the CUDA context unusable, so the
-# tests after it in the same process fail. No pytest-xdist (-p no:xdist): one process, one GPU
+# tests after it in the same process fail. JOBS > 1 runs that many processes side by side on the one
+# GPU (each its own context and its own sanitizer): the tools serialise each process's kernels, so
+# the GPU has room, and a run's errors do not depend on what else is running. No pytest-xdist (-p no:xdist): one process, one GPU
 # context the tool follows (--target-processes all still covers subprocesses of tests).
 # memcheck and initcheck run with PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor is then its own
 # cudaMalloc of its exact size, so a read or write just past a tensor is outside any allocation and
@@ -33,6 +36,7 @@ export PYTHONUNBUFFERED=1
 TOOLS=${TOOLS:-"memcheck racecheck synccheck initcheck"}
 DL=${DL:-"1 0"}
 SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-1200}
+JOBS=${JOBS:-1}
 SANITIZER=${SANITIZER:-compute-sanitizer}
 command -v "$SANITIZER" >/dev/null || SANITIZER=/usr/local/cuda/bin/compute-sanitizer
 [ -x "$(command -v "$SANITIZER")" ] || { echo "compute-sanitizer not found (set SANITIZER=)"; exit 2; }
@@ -72,7 +76,6 @@ run_one() {  # tool, selection name, pytest args, dl
   local extra=()
   # racecheck: report hazards found by its analysis (default mode); warnings count as hazards too.
   [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
-  echo "== $tool $name KFORGE_DEPENDENT_LAUNCH=$dl"
   local t0; t0=$(date +%s)
   # shellcheck disable=SC2086
   eval env "${envs[@]}" timeout "$SANITIZE_TIMEOUT" "$SANITIZER" --tool "$tool" --target-processes all \
@@ -80,21 +83,27 @@ run_one() {  # tool, selection name, pytest args, dl
     python3 -m pytest -q -rs -p no:cacheprovider -p no:xdist $args > "$log" 2>&1
   local rc=$?
   echo "rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$log"
-  echo "   rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1) $(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)"
+  echo "== $tool $name KFORGE_DEPENDENT_LAUNCH=$dl: rc=$rc $(( $(date +%s) - t0 )) s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1) $(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)"
+}
+
+start() {  # run_one in the background, at most JOBS at once
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+  run_one "$@" &
 }
 
 for tool in $TOOLS; do
   for dl in $DL; do
     if [ "$tool" = racecheck ]; then
-      for name in "${!RACE_SEL[@]}"; do run_one "$tool" "$name" "${RACE_SEL[$name]}" "$dl"; done
+      for name in "${!RACE_SEL[@]}"; do start "$tool" "$name" "${RACE_SEL[$name]}" "$dl"; done
     else
       for name in $SELECTIONS; do
         [ -n "${SEL[$name]:-}" ] || { echo "unknown selection $name"; continue; }
-        run_one "$tool" "$name" "${SEL[$name]}" "$dl"
+        start "$tool" "$name" "${SEL[$name]}" "$dl"
       done
     fi
   done
 done
+wait
 
 python3 - "$LOGS" <<'EOF'
 """Summary: errors per tool x kernel file, from the logs of this run."""
