@@ -9,6 +9,8 @@
 #   DL="1" TOOLS="racecheck" scripts/sanitize.sh                  # one setting, one tool
 #   SANITIZE_TIMEOUT=900 scripts/sanitize.sh                      # seconds per run (default 1200)
 #   JOBS=8 scripts/sanitize.sh                                     # runs at once (default 1)
+#   PYTEST_ARGS="-v" scripts/sanitize.sh                           # names each test before it runs
+#   SUMMARY_ONLY=1 OUT=dir scripts/sanitize.sh                     # summarise dir/sanitize/*.log again
 #
 # Writes $OUT/sanitize/<tool>-<selection>-dl<0|1>.log (compute-sanitizer and pytest output), and the
 # summary $OUT/sanitize/summary.md and summary.json: errors per tool x kernel file (the kernel named
@@ -37,9 +39,11 @@ TOOLS=${TOOLS:-"memcheck racecheck synccheck initcheck"}
 DL=${DL:-"1 0"}
 SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-1200}
 JOBS=${JOBS:-1}
+PYTEST_ARGS=${PYTEST_ARGS:-}
 SANITIZER=${SANITIZER:-compute-sanitizer}
 command -v "$SANITIZER" >/dev/null || SANITIZER=/usr/local/cuda/bin/compute-sanitizer
-[ -x "$(command -v "$SANITIZER")" ] || { echo "compute-sanitizer not found (set SANITIZER=)"; exit 2; }
+SUMMARY_ONLY=${SUMMARY_ONLY:-0}
+[ "$SUMMARY_ONLY" = 1 ] || [ -x "$(command -v "$SANITIZER")" ] || { echo "compute-sanitizer not found (set SANITIZER=)"; exit 2; }
 
 # Large tests (2^31 elements, many rows, model tie-outs, Thunder traces of whole models) stay out:
 # the sanitizer slows kernels 10-100x and they add no layout the small shapes miss.
@@ -78,9 +82,9 @@ run_one() {  # tool, selection name, pytest args, dl
   [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
   local t0; t0=$(date +%s)
   # shellcheck disable=SC2086
-  eval env "${envs[@]}" timeout "$SANITIZE_TIMEOUT" "$SANITIZER" --tool "$tool" --target-processes all \
+  eval env "${envs[@]}" timeout -k 15 "$SANITIZE_TIMEOUT" "$SANITIZER" --tool "$tool" --target-processes all \
     --error-exitcode 1 --print-limit 20 "${extra[@]}" \
-    python3 -m pytest -q -rs -p no:cacheprovider -p no:xdist $args > "$log" 2>&1
+    python3 -m pytest -q -rs -p no:cacheprovider -p no:xdist $PYTEST_ARGS $args > "$log" 2>&1
   local rc=$?
   echo "rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$log"
   echo "== $tool $name KFORGE_DEPENDENT_LAUNCH=$dl: rc=$rc $(( $(date +%s) - t0 )) s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1) $(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)"
@@ -91,19 +95,21 @@ start() {  # run_one in the background, at most JOBS at once
   run_one "$@" &
 }
 
-for tool in $TOOLS; do
-  for dl in $DL; do
-    if [ "$tool" = racecheck ]; then
-      for name in "${!RACE_SEL[@]}"; do start "$tool" "$name" "${RACE_SEL[$name]}" "$dl"; done
-    else
-      for name in $SELECTIONS; do
-        [ -n "${SEL[$name]:-}" ] || { echo "unknown selection $name"; continue; }
-        start "$tool" "$name" "${SEL[$name]}" "$dl"
-      done
-    fi
+if [ "$SUMMARY_ONLY" != 1 ]; then
+  for tool in $TOOLS; do
+    for dl in $DL; do
+      if [ "$tool" = racecheck ]; then
+        for name in "${!RACE_SEL[@]}"; do start "$tool" "$name" "${RACE_SEL[$name]}" "$dl"; done
+      else
+        for name in $SELECTIONS; do
+          [ -n "${SEL[$name]:-}" ] || { echo "unknown selection $name"; continue; }
+          start "$tool" "$name" "${SEL[$name]}" "$dl"
+        done
+      fi
+    done
   done
-done
-wait
+  wait
+fi
 
 python3 - "$LOGS" <<'EOF'
 """Summary: errors per tool x kernel file, from the logs of this run."""
@@ -119,6 +125,11 @@ for path in glob.glob("kernels_src/*.cu"):
 
 
 def file_of(frame: str) -> str:
+    src = re.search(r" in ([\w.-]+\.cu):\d+", frame)  # device functions inlined into a kernel
+    if src and src.group(1) in kernel_file.values():
+        return src.group(1)
+    if "at::native::" in frame or "at_cuda_detail" in frame:
+        return "PyTorch (at::native)"
     m = re.search(r"at\s+(?:void\s+)?([A-Za-z_]\w*)", frame)
     name = m.group(1) if m else ""
     if name.startswith("kf_fusion") or name.startswith("KF_KERNEL"):
@@ -126,8 +137,28 @@ def file_of(frame: str) -> str:
     return kernel_file.get(name, f"other: {name}" if name else "host / API")
 
 
-# A report starts with a line that is not a frame / detail line; its first "at" line names the kernel.
+# A report starts with a line that is not a frame / detail line. It is counted against the first of
+# its device frames ("at ..." and "Device Frame: ..." lines, or the header's own "at kernel+0x..")
+# that names a kernel file, a generated kernel or PyTorch: a device function of common.cuh inlined
+# into a kernel counts for that kernel's file. A report without a device frame is "host / API".
 DETAIL = re.compile(r"^=+\s+(at |by |Address|Saved host backtrace|Host Frame|in |Access|Device Frame|\S+\.so|#)")
+KNOWN = set(kernel_file.values()) | {"fusion (generated)", "PyTorch (at::native)"}
+
+
+def attribute(report: list[str]) -> str:
+    frames = []
+    for body in report:
+        if body.startswith("Device Frame:"):
+            frames.append("at " + body[len("Device Frame:"):].strip())
+        elif body.startswith("at "):
+            frames.append(body)
+    head = report[0]
+    if re.search(r"\bat\s+(?:void\s+)?[A-Za-z_]\w*\s*[<(+]", head):  # racecheck / synccheck headers
+        frames.insert(0, head[head.index(" at ") + 1:] if " at " in head else head)
+    files = [file_of(f) for f in frames]
+    return next((f for f in files if f in KNOWN), files[0] if files else "host / API")
+
+
 table, runs = defaultdict(lambda: defaultdict(int)), []
 for log in sorted(glob.glob(os.path.join(logs, "*.log"))):
     tool, rest = os.path.basename(log)[:-4].split("-", 1)
@@ -138,27 +169,22 @@ for log in sorted(glob.glob(os.path.join(logs, "*.log"))):
     rc = next((l for l in reversed(lines) if l.startswith("rc=")), "")
     runs.append({"log": os.path.basename(log), "tool": tool, "run": rest, "summary": summary.strip("= "),
                  "pytest": result.strip("= "), "status": rc})
-    current = None
+    reports: list[list[str]] = []
     for line in lines:
-        if not line.startswith("========="):
+        i = line.find("=========")  # pytest's progress dots may precede a report's first line
+        if i < 0:
             continue
+        line = line[i:]
         body = line.strip("= ").strip()
         if not body or "SUMMARY" in body or body.startswith("COMPUTE-SANITIZER") or body.startswith("Target application"):
             continue
         if DETAIL.match(line) or line.startswith("=========     "):
-            if current is not None and body.startswith("at "):
-                table[tool][file_of(body)] += 1
-                current = None
+            if reports:
+                reports[-1].append(body)
             continue
-        if current is not None:  # the previous report had no device frame
-            table[tool]["host / API"] += 1
-        current = body
-        # racecheck / synccheck headers name the kernel themselves ("... access at kernel+0x..").
-        if re.search(r"\bat\s+(?:void\s+)?[A-Za-z_]\w*\s*[<(+]", body):
-            table[tool][file_of(body[body.index(" at ") if " at " in body else 0:])] += 1
-            current = None
-    if current is not None:
-        table[tool]["host / API"] += 1
+        reports.append([body])
+    for report in reports:
+        table[tool][attribute(report)] += 1
 
 files = sorted({f for t in table.values() for f in t} | set(kernel_file.values()) | {"fusion (generated)"})
 tools = sorted(table) or ["memcheck", "racecheck", "synccheck", "initcheck"]

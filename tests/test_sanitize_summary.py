@@ -1,0 +1,65 @@
+"""scripts/sanitize.sh's summary (CPU): compute-sanitizer reports counted against the right kernel file.
+
+The logs below are cut from real runs: a device function of common.cuh inlined into cross_entropy's
+kernel, PyTorch's own kernels, a CUDA API error without a device frame, and a report whose first
+line follows pytest's progress dots.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+INITCHECK = """========= COMPUTE-SANITIZER
+.....========= Uninitialized __global__ memory read of size 16 bytes
+=========     at Pack128<T1> load128cs<bf16>(const T1 *)+0x440 in common.cuh:183
+=========     by thread (64,0,0) in block (8,0,0)
+=========     Address 0x7f2ee8000000
+=========     Device Frame: Pack128<T2> load_pack<(bool)1, bf16>(const T2 *)+0x420 in cross_entropy.cu:33
+=========     Device Frame: cross_entropy_forward_kernel+0x1a0 in cross_entropy.cu:120
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========         Host Frame: cuLaunchKernel [0x1] in libcuda.so.1
+=========
+========= Uninitialized __global__ memory read of size 8 bytes
+=========     at void at::native::reduce_kernel<(int)128, (int)4>(T3)+0x10 in Reduce.cuh:1
+=========     by thread (2,24,0) in block (1,103,0)
+=========
+========= Program hit cudaErrorMemoryAllocation (error 2) due to "out of memory" on CUDA API call to cudaMalloc.
+=========     Saved host backtrace up to driver entry point at error
+=========         Host Frame: cudaMalloc [0x1] in libcudart.so.13
+=========
+..                                                                       [100%]
+2 passed in 1.00s
+========= ERROR SUMMARY: 3 errors
+rc=1 seconds=12
+"""
+
+RACECHECK = """========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at softmax_forward_kernel+0x90 in softmax.cu:77
+=========     and Read access at softmax_forward_kernel+0xa0 in softmax.cu:80 [4 hazards]
+=========
+1 passed in 1.00s
+========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)
+rc=1 seconds=3
+"""
+
+
+def test_reports_are_counted_against_their_kernel_files(tmp_path):
+    logs = tmp_path / "sanitize"
+    logs.mkdir()
+    (logs / "initcheck-cross_entropy-dl1.log").write_text(INITCHECK)
+    (logs / "racecheck-race-dl1.log").write_text(RACECHECK)
+    env = dict(os.environ, OUT=str(tmp_path), SUMMARY_ONLY="1")
+    r = subprocess.run(["bash", "scripts/sanitize.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr  # not clean
+    summary = json.loads((logs / "summary.json").read_text())
+    assert summary["errors"]["initcheck"] == {"cross_entropy.cu": 1, "PyTorch (at::native)": 1, "host / API": 1}
+    assert summary["errors"]["racecheck"] == {"softmax.cu": 1}
+    runs = {r["log"]: r for r in summary["runs"]}
+    assert runs["initcheck-cross_entropy-dl1.log"]["pytest"].startswith("2 passed")
+    assert runs["racecheck-race-dl1.log"]["status"] == "rc=1 seconds=3"
+    assert "| cross_entropy.cu | 1 | 1 |" not in (logs / "summary.md").read_text()  # columns are per tool
+    assert "| softmax.cu | 0 | 1 |" in (logs / "summary.md").read_text()
