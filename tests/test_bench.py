@@ -11,6 +11,7 @@ backend leaves its error and the run goes on), the second process's plumbing. GP
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -450,8 +451,26 @@ def test_default_loss_picks_the_scalar():
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(names=[], model_specs=None, preset=None, size=None, setup=None, backends=None, batch=None, seq=None,
-                steps=None, warmup=None, cudagraphs=False, second_process=False, warm_caches=False, dry=False)
+                steps=None, warmup=None, cudagraphs=False, path=None, second_process=False, warm_caches=False,
+                dry=False)
     return argparse.Namespace(**{**base, **kw})
+
+
+def test_path_option_sends_plain_models_through_dynamo():
+    """--path dynamo: the plain Llama (a thunder.jit model by its factory) reaches kforge through
+    kforge.compile; the row says so and trains (CPU --dry run). Without --path the factory decides."""
+    assert models.resolve(_args()).path is None
+    cfg = models.resolve(_args(dry=True, names=["plain-llama"], backends="kforge", setup="bf16", path="dynamo"))
+    run = models.bench_models(cfg)
+    (row,) = run["rows"]
+    assert row.get("error") is None and row["path"] == "dynamo" and run["config"]["path"] == "dynamo"
+    assert math.isfinite(row["final_loss"])
+    (jit_row,) = models.bench_models(models.resolve(_args(dry=True, names=["plain-llama"], backends="kforge",
+                                                          setup="bf16")))["rows"]
+    assert jit_row["path"] == "jit"
+    case = models.zoo_case("hf-llama", "micro")
+    assert models.build(case, "bf16", batch=1, seq=8, device="cpu").mode == "dynamo"
+    assert models.build(case, "bf16", batch=1, seq=8, device="cpu", path="jit").mode == "jit"
 
 
 def test_resolve_presets_and_defaults():

@@ -86,6 +86,10 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     m.add_argument("--warmup", type=int, help="untimed steps before them, the first included (default 3)")
     m.add_argument("--cudagraphs", action="store_true",
                    help="torch.compile mode='reduce-overhead'; thunder / kforge with Thunder's CUDAGraphTransform")
+    m.add_argument("--path", choices=["jit", "dynamo"],
+                   help="how thunder and kforge reach every model: jit = thunder.jit / kforge.jit, dynamo = "
+                        "Thunder's Dynamo path (thunderfx / kforge.compile); default: each factory's own "
+                        "(zoo: hf-llama dynamo, the others jit)")
     m.add_argument("--second-process", action="store_true",
                    help="time the first step of kforge and torch.compile again in a fresh process (warm disk caches)")
     m.add_argument("--warm-caches", action="store_true",

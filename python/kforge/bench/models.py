@@ -142,7 +142,8 @@ def default_loss(out: Any) -> Any:
     return loss.reshape(())
 
 
-def build(case: ModelCase, setup: str, *, batch: int, seq: int, device: Any, seed: int = 0) -> Built:
+def build(case: ModelCase, setup: str, *, batch: int, seq: int, device: Any, seed: int = 0,
+          path: str | None = None) -> Built:
     """Call the case's factory for `setup` (bf16 weights; fp32 weights + bf16 autocast; fp32) and
     check what it returns. Factories that take no device / dtype get their model moved / cast here."""
     import torch
@@ -187,7 +188,7 @@ def build(case: ModelCase, setup: str, *, batch: int, seq: int, device: Any, see
         model, inputs = model.to(device), to_device(inputs, device)
     if "dtype" not in kw:
         model = model.to(dtype=weights)
-    mode = options.get("mode", "jit")
+    mode = path or options.get("mode", "jit")  # --path overrides the factory's choice
     if mode not in ("jit", "dynamo"):
         raise FactoryError(f"--model {case.spec}: mode must be 'jit' or 'dynamo', got {mode!r}")
     autocast = options["autocast"] if "autocast" in options else amp
@@ -344,11 +345,12 @@ def _error(e: BaseException) -> str:
 
 
 def second_process(case: ModelCase, setup: str, backend: str, *, batch: int, seq: int, device: str,
-                   cudagraphs: bool, env: dict[str, str], timeout: float = 1800) -> dict[str, Any]:
+                   cudagraphs: bool, env: dict[str, str], timeout: float = 1800,
+                   path: str | None = None) -> dict[str, Any]:
     """The first step of `backend` again, in a fresh Python process with the row's cache directories
     (`env`): what a second training run pays when the disk caches are warm."""
     spec = dict(label=case.label, spec=case.spec, size=case.size, setup=setup, backend=backend, batch=batch,
-                seq=seq, device=device, cudagraphs=cudagraphs)
+                seq=seq, device=device, cudagraphs=cudagraphs, path=path)
     child_env = dict(os.environ, **env)
     # The child imports the factory as this process did: same sys.path.
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -376,7 +378,8 @@ def _child(spec_json: str) -> int:
     case = ModelCase(spec["label"], spec["spec"], spec["size"])
     res: dict[str, Any] = {}
     try:
-        built = build(case, spec["setup"], batch=spec["batch"], seq=spec["seq"], device=spec["device"])
+        built = build(case, spec["setup"], batch=spec["batch"], seq=spec["seq"], device=spec["device"],
+                      path=spec.get("path"))
         row = train_row(built, spec["backend"], steps=0, warmup=1, cudagraphs=spec["cudagraphs"],
                         first_only=True)
         res = {"first_s": row["first_s"], "nvrtc_compiles": row.get("nvrtc_compiles")}
@@ -399,6 +402,7 @@ class ModelsConfig:
     steps: int = 10
     warmup: int = 3
     cudagraphs: bool = False
+    path: str | None = None
     second_process: bool = False
     dry: bool = False
     cold: bool = True
@@ -441,7 +445,7 @@ def resolve(args: Any) -> ModelsConfig:
     return ModelsConfig(
         cases=cases, setups=setups, backends=backends, **sizes,
         cudagraphs=bool(args.cudagraphs or preset.get("cudagraphs", False)),
-        second_process=bool(args.second_process), dry=dry, cold=not args.warm_caches,
+        path=getattr(args, "path", None), second_process=bool(args.second_process), dry=dry, cold=not args.warm_caches,
         preset=getattr(args, "preset", None))
 
 
@@ -473,7 +477,7 @@ def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[st
             if cache_root:
                 env = cold_caches(cache_root, f"{len(rows):03d}")
             torch.manual_seed(0)
-            built = build(case, setup, batch=cfg.batch, seq=cfg.seq, device=device)
+            built = build(case, setup, batch=cfg.batch, seq=cfg.seq, device=device, path=cfg.path)
             if path_of(backend, built.mode):
                 row["path"] = path_of(backend, built.mode)
             if isinstance(built.inputs, dict):
@@ -494,7 +498,7 @@ def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[st
                 torch.cuda.empty_cache()
         if cfg.second_process and backend in ("kforge", "torch.compile") and "error" not in row and not cfg.dry:
             row.update(second_process(case, setup, backend, batch=cfg.batch, seq=cfg.seq, device=device,
-                                      cudagraphs=row["cudagraphs"], env=env))
+                                      cudagraphs=row["cudagraphs"], env=env, path=cfg.path))
         if log:
             log(_row_line(row))
         rows.append(row)
@@ -502,7 +506,7 @@ def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[st
         shutil.rmtree(cache_root, ignore_errors=True)  # compiled artefacts of every row: up to GBs
     return {"kind": "models", "dry": cfg.dry, "rows": rows,
             "config": dict(setups=cfg.setups, backends=cfg.backends, batch=cfg.batch, seq=cfg.seq,
-                           steps=cfg.steps, warmup=cfg.warmup, cudagraphs=cfg.cudagraphs,
+                           steps=cfg.steps, warmup=cfg.warmup, cudagraphs=cfg.cudagraphs, path=cfg.path,
                            second_process=cfg.second_process, cold_caches=cfg.cold, preset=cfg.preset)}
 
 
