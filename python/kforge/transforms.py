@@ -1868,10 +1868,11 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     from thunder.dynamo.utils import get_torch_compile_kwargs
 
     from .fusion.zero_cotangents import ZeroCotangents
+    from .prologue import BatchedChecks
 
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    kwargs["transforms"] = [patterns, *transforms, ZeroCotangents()]
+    kwargs["transforms"] = [patterns, *transforms, ZeroCotangents(), BatchedChecks()]
     compile_kwargs = get_torch_compile_kwargs(**kwargs)
     backend = _compiler_class()(**{k: v for k, v in kwargs.items() if k not in compile_kwargs})
     compiled = ThunderFXCompiledObject(backend, torch.compile(model, backend=backend, **compile_kwargs))
@@ -1881,15 +1882,17 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
 
 
 def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterable[str] = ALL_KINDS, **kwargs: Any):
-    """`thunder.jit(fn)` with kforge first in the executor list and `LlamaPatternTransform(kinds=kinds)`
-    (every step by default), for models Thunder can trace whose steps are written out in torch ops
-    rather than through kforge's helpers. The transform is `fn.llama_patterns`."""
+    """`thunder.jit(fn)` with kforge first in the executor list, `LlamaPatternTransform(kinds=kinds)`
+    (every step by default) and the prologue's input checks batched (`kforge.prologue`), for models
+    Thunder can trace whose steps are written out in torch ops rather than through kforge's helpers.
+    The transform is `fn.llama_patterns`."""
     import thunder
 
     from .fusion.zero_cotangents import ZeroCotangents
+    from .prologue import BatchedChecks
 
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    jfn = thunder.jit(fn, transforms=[patterns, *transforms, ZeroCotangents()], **kwargs)
+    jfn = thunder.jit(fn, transforms=[patterns, *transforms, ZeroCotangents(), BatchedChecks()], **kwargs)
     jfn.llama_patterns = patterns
     return jfn

@@ -1,0 +1,163 @@
+"""kforge.prologue (CPU): Thunder's per-call input checks batched into one call.
+
+The batched check must accept and reject exactly what Thunder's per-item checks do: the same cache
+hits and misses when a module's numbers, parameters or inputs change, the same results, and for
+generated values (NaN, 1 / 1.0 / True, shapes, dtypes, devices, requires_grad) the same verdict.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import thunder
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kforge
+from kforge.prologue import BatchedChecks, check_all
+
+
+def _numbers_ok(n, v) -> bool:
+    """Thunder 0.2.6's check_number_type_and_value, restated."""
+    return type(n) == type(v) and (n == v or (n != n and v != v))
+
+
+_NUMBER = st.one_of(st.booleans(), st.integers(-3, 3), st.sampled_from([0.0, 1.0, -0.0, 2.5, math.nan, math.inf]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pairs=st.lists(st.tuples(_NUMBER, _NUMBER), max_size=12))
+def test_numbers_accepted_exactly_when_thunder_accepts_them(pairs):
+    """Generated (value read, value traced) pairs, equal or not, of mixed types and NaN: check_all
+    passes exactly when every pair passes Thunder's own check."""
+    numbers, values = [p[0] for p in pairs], [p[1] for p in pairs]
+    expected = all(_numbers_ok(n, v) for n, v in pairs)
+    if expected:
+        check_all(numbers, values, (), ())
+    else:
+        with pytest.raises(RuntimeError, match="to be equal to and have the type of"):
+            check_all(numbers, values, (), ())
+
+
+def test_distinct_nan_objects_and_lookalike_types():
+    nan_a, nan_b = float("nan"), float("nan")
+    check_all([nan_a, 1, True, 2.0], [nan_b, 1, True, 2.0], (), ())
+    for n, v in ((1, 1.0), (True, 1), (1.0, True), (0, False)):
+        with pytest.raises(RuntimeError):
+            check_all([n], [v], (), ())
+
+
+_SPEC = ((2, 3), "cpu", torch.float32, False)
+
+
+@pytest.mark.parametrize("change", ["none", "shape", "rank", "dtype", "requires_grad", "not a tensor"])
+def test_tensor_checks(change):
+    t = torch.zeros(2, 3)
+    if change == "shape":
+        t = torch.zeros(3, 2)
+    elif change == "rank":
+        t = torch.zeros(6)
+    elif change == "dtype":
+        t = t.double()
+    elif change == "requires_grad":
+        t.requires_grad_(True)
+    elif change == "not a tensor":
+        t = [[0.0] * 3] * 2
+    ok = torch.zeros(4)
+    args = ([], [], [ok, t], [((4,), "cpu", torch.float32, False), _SPEC])
+    if change == "none":
+        check_all(*args)
+        return
+    with pytest.raises(AssertionError, match="expected"):
+        check_all(*args)
+
+
+def test_device_compared_as_thunder_prints_it():
+    """'cpu' matches a CPU tensor; a device string no tensor has ('cuda:0' for a CPU tensor) fails."""
+    t = torch.zeros(2, 3)
+    check_all([], [], [t], [_SPEC])
+    with pytest.raises(AssertionError):
+        check_all([], [], [t], [((2, 3), "cuda:0", torch.float32, False)])
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8, eps=1e-5)
+        self.scale, self.use_norm = 0.5, True
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale
+        return self.norm(y) if self.use_norm else y
+
+
+def _prologue_names(jfn) -> list[str]:
+    return [b.sym.name for b in thunder.last_prologue_traces(jfn)[-1].bound_symbols]
+
+
+def test_kforge_jit_prologue_has_one_check_call():
+    jfn = kforge.jit(_Net())
+    jfn(torch.randn(4, 8))
+    names = _prologue_names(jfn)
+    assert names.count("kforge_check_inputs") == 1
+    assert "check_number_type_and_value" not in names and "check_tensor_metadata" not in names
+
+
+def test_same_cache_hits_and_misses_as_thunders_checks():
+    """A module and its input changed step by step (a number attribute, a bool, eps, a parameter's
+    requires_grad and dtype, the input's shape and requires_grad): after every change the jitted
+    function with batched checks misses / hits Thunder's cache exactly when plain thunder.jit does,
+    and both give eager's result."""
+    torch.manual_seed(0)
+    plain_net, batched_net = _Net(), _Net()
+    batched_net.load_state_dict(plain_net.state_dict())
+    plain = thunder.jit(plain_net)
+    batched = thunder.jit(batched_net, transforms=[BatchedChecks()])
+    x = torch.randn(4, 8)
+
+    def change(fn):
+        fn(plain_net), fn(batched_net)
+
+    steps = [
+        ("first call", lambda m: None, x),
+        ("same again", lambda m: None, x),
+        ("number attribute", lambda m: setattr(m, "scale", 0.25), x),
+        ("same value again", lambda m: setattr(m, "scale", 0.25), x),
+        ("bool attribute", lambda m: setattr(m, "use_norm", False), x),
+        ("bool back", lambda m: setattr(m, "use_norm", True), x),
+        ("eps", lambda m: setattr(m.norm, "eps", 1e-3), x),
+        ("requires_grad", lambda m: m.lin.weight.requires_grad_(False), x),
+        ("input shape", lambda m: None, torch.randn(5, 8)),
+        ("input requires_grad", lambda m: None, torch.randn(5, 8).requires_grad_(True)),
+        ("training flag", lambda m: m.eval(), x),
+        ("dtype", lambda m: m.double(), x.double()),
+    ]
+    for what, fn, inp in steps:
+        change(fn)
+        out_p, out_b = plain(inp), batched(inp)
+        ref = batched_net(inp)
+        assert (thunder.cache_misses(plain), thunder.cache_hits(plain)) == \
+               (thunder.cache_misses(batched), thunder.cache_hits(batched)), what
+        torch.testing.assert_close(out_b, ref, msg=what)
+        torch.testing.assert_close(out_p, out_b, msg=what)
+    assert thunder.cache_misses(batched) >= 8  # the changes above did reach the cache
+    assert "kforge_check_inputs" in _prologue_names(batched)
+
+
+def test_symbolic_values_cache_keeps_its_own_checks():
+    """With cache="symbolic values" shapes and numbers are proxies: those checks stay Thunder's own
+    (nothing to batch, or only what is constant), and calls with new sizes and scalars match eager
+    and plain thunder.jit, hit for hit."""
+    def fn(x, s):
+        return torch.nn.functional.gelu(x * s).sum(-1)
+
+    plain = thunder.jit(fn, cache="symbolic values")
+    batched = thunder.jit(fn, transforms=[BatchedChecks()], cache="symbolic values")
+    for n, s in ((4, 0.5), (6, 0.5), (6, 2.0), (4, 0.5)):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(batched(x, s), fn(x, s))
+        torch.testing.assert_close(plain(x, s), fn(x, s))
+        assert (thunder.cache_misses(plain), thunder.cache_hits(plain)) == \
+               (thunder.cache_misses(batched), thunder.cache_hits(batched))
