@@ -8,9 +8,9 @@
 // - Template on the storage type T (float, bf16, half); instantiated from the C++ launcher through
 //   NVRTC name expressions, e.g. "gelu_forward_kernel<bf16>".
 // - Index with size_t / long long wherever an offset can exceed 2^31 elements.
-// - 16-byte accesses: Pack128<T> (16 bytes as T elements) for element-wise kernels, Vec16<T> (the
-//   same 16 bytes as four 32-bit words) for kernels that hold rows in registers; scalar tails handle
-//   sizes that are not a multiple of them.
+// - 16-byte accesses: Pack128<T, H>, one unit with element and word views; H says whether the
+//   compiler holds it as T elements (element-wise kernels) or as four 32-bit words (kernels that
+//   hold rows in registers). Scalar tails handle sizes that are not a multiple of it.
 // - Every primitive a kernel shares with another lives here (words of packed 16-bit values, the
 //   16-byte units, splitting a row around 16-byte boundaries, opaque zeros, cp.async); a kernel
 //   file holds its op's math and layouts only.
@@ -159,17 +159,67 @@ KF_DEVICE void set_word(uint4& v, int i, u32 w) {
   else v.w = w;
 }
 
-// ---- 16-byte packed vector (elements) ----------------------------------------------------------
-// Pack128<T> holds 16 bytes of T (4 floats or 8 bf16/half). Loads/stores must be 16-byte aligned;
-// launchers check base pointer alignment and row strides before choosing a vectorised kernel.
-template <typename T>
+// ---- the 16-byte unit -----------------------------------------------------------------------------
+// Pack128<T, H>: what a thread moves in one 16-byte access, 16 bytes of T (4 floats or 8 bf16 /
+// half). Loads and stores must be 16-byte aligned; launchers check base pointers and row strides
+// before choosing a vectorised kernel. Every unit has both views of its bytes:
+//   elements: p[i] (a T&), f(i) (element i as fp32), set(i, x) (x rounded to nearest even);
+//   words:    word(i) (32-bit word i; two bf16 / half per word, element 0 in the low half, as Word<T>);
+//   whole:    size (elements), from(y) (a unit from `size` floats, rounded to nearest even), fill(v),
+//             words(x) (every word x).
+// H is only how the compiler is shown the 16 bytes (the type of the array it holds), yet that alone
+// changes the machine code ptxas emits, so each kernel keeps the one it was tuned with:
+// - Held::elems (default): T[size], the element-wise kernels; f(i) reads element i's own bits.
+// - Held::words: u32[4], the kernels that keep rows in registers: a unit costs four registers
+//   whatever T is and stays packed until its elements are used (16-bit values unpacked one per
+//   register would cost twice as many); f(i) shifts or masks its word (Word<T>::get), and opaque()
+//   works on the words.
+// Either H for every kernel changes the SASS of some (dev/cubin_diff.py; see
+// docs/experiments/common-primitives.md), hence the parameter rather than one storage.
+enum class Held { elems, words };
+template <typename T, Held H> struct Held128 { typedef T type[16 / sizeof(T)]; };
+template <typename T> struct Held128<T, Held::words> { typedef u32 type[4]; };
+
+template <typename T, Held H = Held::elems>
 struct __align__(16) Pack128 {
   static constexpr int size = 16 / sizeof(T);
-  T v[size];
-  KF_DEVICE T& operator[](int i) { return v[i]; }
-  KF_DEVICE const T& operator[](int i) const { return v[i]; }
-  KF_DEVICE float f(int i) const { return to_float(v[i]); }
-  KF_DEVICE void set(int i, float x) { v[i] = from_float<T>(x); }
+  static constexpr bool kWords = H == Held::words;
+  typename Held128<T, H>::type raw;
+  KF_DEVICE T& operator[](int i) { return reinterpret_cast<T*>(raw)[i]; }
+  KF_DEVICE const T& operator[](int i) const { return reinterpret_cast<const T*>(raw)[i]; }
+  KF_DEVICE u32& word(int i) { return reinterpret_cast<u32*>(raw)[i]; }
+  KF_DEVICE u32 word(int i) const { return reinterpret_cast<const u32*>(raw)[i]; }
+  KF_DEVICE float f(int i) const {
+    if constexpr (!kWords) return to_float((*this)[i]);
+    else if constexpr (size == 4) return __uint_as_float(word(i));
+    else return Word<T>::get(word(i >> 1), i & 1);
+  }
+  KF_DEVICE void set(int i, float x) { (*this)[i] = from_float<T>(x); }
+  static KF_DEVICE Pack128 from(const float (&y)[size]) {
+    Pack128 r;
+    if constexpr (kWords || sizeof(T) == 2) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r.word(i) = Word<T>::pack(&y[i * Word<T>::kElems]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < size; ++i) r.set(i, y[i]);
+    }
+    return r;
+  }
+  static KF_DEVICE Pack128 fill(float v) {
+    if constexpr (size == 4) return from({v, v, v, v});
+    else return from({v, v, v, v, v, v, v, v});
+  }
+  static KF_DEVICE Pack128 words(u32 x) {
+    if constexpr (kWords) {
+      return Pack128{{x, x, x, x}};
+    } else {
+      Pack128 r;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r.word(i) = x;
+      return r;
+    }
+  }
 };
 
 template <typename T> KF_DEVICE Pack128<T> load128(const T* p) {
@@ -218,45 +268,13 @@ KF_DEVICE void unpack128<bf16>(const Pack128<bf16>& p, float (&f)[8]) {
 }
 template <typename T>
 KF_DEVICE Pack128<T> pack128(const float (&f)[Pack128<T>::size]) {
-  Pack128<T> r;
-  if constexpr (sizeof(T) == 2) {
-    u32* w = reinterpret_cast<u32*>(&r);
-#pragma unroll
-    for (int j = 0; j < Pack128<T>::size / 2; ++j) w[j] = Word<T>::pack2(f[2 * j], f[2 * j + 1]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < Pack128<T>::size; ++i) r.set(i, f[i]);
-  }
-  return r;
+  return Pack128<T>::from(f);
 }
 
-// ---- 16-byte unit as words, and one-element unit -------------------------------------------------
-// What a thread moves in one access when it keeps rows in registers: Vec16<T> is 16 bytes as four
-// 32-bit words (two bf16 / half per word, so a unit costs 4 registers whatever T is, and stays packed
-// until its elements are used; 16-bit values unpacked one per register would cost twice as many);
-// Elem1<T> is one element (misaligned rows, or a row length that is not a multiple of the pack).
-// Both: size (elements), f(i) (element i as fp32), from(y) (a unit from `size` floats, rounded to
-// nearest even), fill(v). Unit<T, VEC> picks one.
-template <typename T>
-struct __align__(16) Vec16 {
-  static constexpr int size = 4 * Word<T>::kElems;
-  u32 w[4];
-  KF_DEVICE float f(int i) const {
-    if constexpr (size == 4) return __uint_as_float(w[i]);
-    else return Word<T>::get(w[i >> 1], i & 1);
-  }
-  static KF_DEVICE Vec16 from(const float (&y)[size]) {
-    Vec16 r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r.w[i] = Word<T>::pack(&y[i * Word<T>::kElems]);
-    return r;
-  }
-  static KF_DEVICE Vec16 fill(float v) {
-    if constexpr (size == 4) return from({v, v, v, v});
-    else return from({v, v, v, v, v, v, v, v});
-  }
-  static KF_DEVICE Vec16 words(u32 x) { return Vec16{{x, x, x, x}}; }  // every word x
-};
+// ---- one-element unit -----------------------------------------------------------------------------
+// Elem1<T> is one element (misaligned rows, or a row length that is not a multiple of the unit), with
+// Pack128's size, f(i), from(y) and fill(v). Unit<T, VEC> picks a row kernel's unit: a 16-byte one
+// held as words, or one element.
 template <typename T>
 struct Elem1 {
   static constexpr int size = 1;
@@ -266,29 +284,31 @@ struct Elem1 {
   static KF_DEVICE Elem1 fill(float v) { return Elem1{from_float<T>(v)}; }
 };
 template <bool VEC, typename T> struct UnitOf { using type = Elem1<T>; };
-template <typename T> struct UnitOf<true, T> { using type = Vec16<T>; };
+template <typename T> struct UnitOf<true, T> { using type = Pack128<T, Held::words>; };
 template <typename T, bool VEC> using Unit = typename UnitOf<VEC, T>::type;
 
-template <typename T> KF_DEVICE void set_words(Vec16<T>& r, int4 v) {
-  r.w[0] = (u32)v.x, r.w[1] = (u32)v.y, r.w[2] = (u32)v.z, r.w[3] = (u32)v.w;
+template <typename T, Held H> KF_DEVICE void set_words(Pack128<T, H>& r, int4 v) {
+  r.word(0) = (u32)v.x, r.word(1) = (u32)v.y, r.word(2) = (u32)v.z, r.word(3) = (u32)v.w;
 }
-KF_DEVICE int4 int4_of(const u32 (&w)[4]) { return make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]); }
-template <typename T> KF_DEVICE void load_unit(Vec16<T>& r, const T* p) {
+template <typename T, Held H> KF_DEVICE int4 int4_of(const Pack128<T, H>& r) {
+  return make_int4((int)r.word(0), (int)r.word(1), (int)r.word(2), (int)r.word(3));
+}
+template <typename T, Held H> KF_DEVICE void load_unit(Pack128<T, H>& r, const T* p) {
   set_words(r, *reinterpret_cast<const int4*>(p));
 }
 template <typename T> KF_DEVICE void load_unit(Elem1<T>& r, const T* p) { r.v = *p; }
 // Last read of data that is not needed again soon (evict-first for the 16-byte unit).
-template <typename T> KF_DEVICE void load_unit_last(Vec16<T>& r, const T* p) {
+template <typename T, Held H> KF_DEVICE void load_unit_last(Pack128<T, H>& r, const T* p) {
   set_words(r, __ldcs(reinterpret_cast<const int4*>(p)));
 }
 template <typename T> KF_DEVICE void load_unit_last(Elem1<T>& r, const T* p) { r.v = *p; }
-template <typename T> KF_DEVICE void store_unit(T* p, const Vec16<T>& r) {
-  *reinterpret_cast<int4*>(p) = int4_of(r.w);
+template <typename T, Held H> KF_DEVICE void store_unit(T* p, const Pack128<T, H>& r) {
+  *reinterpret_cast<int4*>(p) = int4_of(r);
 }
 template <typename T> KF_DEVICE void store_unit(T* p, const Elem1<T>& r) { *p = r.v; }
 // The same, marked evict-first (not read again by this kernel).
-template <typename T> KF_DEVICE void store_unit_last(T* p, const Vec16<T>& r) {
-  __stcs(reinterpret_cast<int4*>(p), int4_of(r.w));
+template <typename T, Held H> KF_DEVICE void store_unit_last(T* p, const Pack128<T, H>& r) {
+  __stcs(reinterpret_cast<int4*>(p), int4_of(r));
 }
 
 // ---- opaque zeros ---------------------------------------------------------------------------------
@@ -302,9 +322,9 @@ template <typename T> KF_DEVICE void store_unit_last(T* p, const Vec16<T>& r) {
 // An empty asm is not enough: ptxas sees through it. after(v, zero) is `zero` made to depend on v: an
 // opaque() with it cannot be scheduled before v is known (e.g. before a warp reduction finishes).
 KF_DEVICE long long kf_opaque_zero() { return threadIdx.x >= blockDim.x; }
-template <typename T> KF_DEVICE void opaque(Vec16<T>& r, u32 zero) {
+template <typename T, Held H> KF_DEVICE void opaque(Pack128<T, H>& r, u32 zero) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) asm("xor.b32 %0, %0, %1;" : "+r"(r.w[i]) : "r"(zero));
+  for (int i = 0; i < 4; ++i) asm("xor.b32 %0, %0, %1;" : "+r"(r.word(i)) : "r"(zero));
 }
 KF_DEVICE void opaque(Elem1<float>& r, u32 zero) {
   u32 b = __float_as_uint(r.v);
@@ -373,10 +393,10 @@ template <int N> KF_DEVICE void cp_async_wait() {  // at most N of this thread's
 }
 KF_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // Shared-memory accesses by address (volatile: ordered against the cp.async waits).
-template <typename T> KF_DEVICE Vec16<T> lds16(u32 a) {
-  Vec16<T> c;
+template <typename T> KF_DEVICE Pack128<T, Held::words> lds16(u32 a) {
+  Pack128<T, Held::words> c;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(c.w[0]), "=r"(c.w[1]), "=r"(c.w[2]), "=r"(c.w[3])
+               : "=r"(c.word(0)), "=r"(c.word(1)), "=r"(c.word(2)), "=r"(c.word(3))
                : "r"(a)
                : "memory");
   return c;

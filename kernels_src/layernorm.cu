@@ -40,7 +40,7 @@ using namespace kf_layernorm;
 // (<= 128 registers each); the others at 1024. The launcher respects both.
 #define KF_LN_BOUNDS __launch_bounds__(FITS ? 512 : 1024)
 
-// Units (common.cuh): Unit<T, VEC> is Vec16<T> (16 bytes as four words) or Elem1<T> (one element).
+// Units (common.cuh): Unit<T, VEC> is a 16-byte unit held as four words, or Elem1<T> (one element).
 // The ring backward stores dx evict-first (store_unit_last): 0.3 us faster so (bf16, 8192 x 768),
 // its stream then leaves more of L2 to the partial rows the parameter-gradient kernel reads next.
 
@@ -1038,7 +1038,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
                                    float* __restrict__ partial, int q, int rem, int C,
                                    int need_dweight, int need_dbias) {
   kf_wait_prior_grids();
-  using U = Vec16<T>;
+  using U = Pack128<T, Held::words>;
   constexpr int V = U::size, S = kRingSlots;
   static_assert(V == 8, "bf16 / half: 8 columns a thread, two float4 of each column sum");
   // Ring: per group S slots of [x units | dout units] (C / V 16-byte chunks each), unit u of a

@@ -36,9 +36,10 @@
 #include "common.cuh"
 
 // ---- chunks in registers ------------------------------------------------------------------------
-// A chunk is a Vec16<T> (common.cuh): 16 bytes as four 32-bit words, so it costs four registers
+// A chunk is a 16-byte unit held as four 32-bit words (common.cuh), so it costs four registers
 // whatever T is (16-bit values unpacked one per register would cost twice as many). Word<T> gives
 // the per-word conversions (kOne: a word of ones, round: a pair rounded to T and read back).
+template <typename T> using Chunk = Pack128<T, Held::words>;
 
 // Bits of one element (16-bit types in the low half) and back.
 KF_DEVICE u32 bits_of(float v) { return __float_as_uint(v); }
@@ -55,49 +56,49 @@ KF_DEVICE T of_bits(u32 b) {
   }
 }
 
-// Vec16<T> c of a row; STREAMING: evict-first (data read once). Not VEC: element-wise, zeros past D.
+// Chunk<T> c of a row; STREAMING: evict-first (data read once). Not VEC: element-wise, zeros past D.
 template <typename T, bool VEC, bool STREAMING>
-KF_DEVICE Vec16<T> load_chunk(const T* row, int c, int D) {
-  constexpr int V = Vec16<T>::size;
-  Vec16<T> r;
+KF_DEVICE Chunk<T> load_chunk(const T* row, int c, int D) {
+  constexpr int V = Chunk<T>::size;
+  Chunk<T> r;
   if constexpr (VEC) {
     const int4* p = reinterpret_cast<const int4*>(row + c * V);
     const int4 v = STREAMING ? __ldcs(p) : *p;
-    r.w[0] = (u32)v.x, r.w[1] = (u32)v.y, r.w[2] = (u32)v.z, r.w[3] = (u32)v.w;
+    r.word(0) = (u32)v.x, r.word(1) = (u32)v.y, r.word(2) = (u32)v.z, r.word(3) = (u32)v.w;
   } else {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) r.w[q] = 0u;
+    for (int q = 0; q < 4; ++q) r.word(q) = 0u;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const u32 b = c * V + i < D ? bits_of(row[c * V + i]) : 0u;
       if constexpr (V == 4)
-        r.w[i] = b;
+        r.word(i) = b;
       else
-        r.w[i >> 1] |= b << (16 * (i & 1));
+        r.word(i >> 1) |= b << (16 * (i & 1));
     }
   }
   return r;
 }
 
 template <typename T, bool VEC>
-KF_DEVICE void store_chunk(T* row, int c, int D, const Vec16<T>& p) {
-  constexpr int V = Vec16<T>::size;
+KF_DEVICE void store_chunk(T* row, int c, int D, const Chunk<T>& p) {
+  constexpr int V = Chunk<T>::size;
   if constexpr (VEC) {
     int4 v;
-    v.x = (int)p.w[0], v.y = (int)p.w[1], v.z = (int)p.w[2], v.w = (int)p.w[3];
+    v.x = (int)p.word(0), v.y = (int)p.word(1), v.z = (int)p.word(2), v.w = (int)p.word(3);
     *reinterpret_cast<int4*>(row + c * V) = v;
   } else {
 #pragma unroll
     for (int i = 0; i < V; ++i)
       if (c * V + i < D)
-        row[c * V + i] = of_bits<T>(V == 4 ? p.w[i] : p.w[i >> 1] >> (16 * (i & 1)));
+        row[c * V + i] = of_bits<T>(V == 4 ? p.word(i) : p.word(i >> 1) >> (16 * (i & 1)));
   }
 }
 
 // Weight chunk (default caching: every row reads it), or ones when there is no weight.
 template <typename T, bool VEC>
-KF_DEVICE Vec16<T> weight_chunk(const T* weight, int c, int D) {
-  return weight ? load_chunk<T, VEC, false>(weight, c, D) : Vec16<T>::words(Word<T>::kOne);
+KF_DEVICE Chunk<T> weight_chunk(const T* weight, int c, int D) {
+  return weight ? load_chunk<T, VEC, false>(weight, c, D) : Chunk<T>::words(Word<T>::kOne);
 }
 
 // opaque(chunk, zero) (common.cuh) makes the compiler forget what a chunk holds, so a row waits out
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
                            int zero, int cast_before_weight, const T* __restrict__ residual,
                            T* __restrict__ s) {
   kf_wait_prior_grids();
-  using E = Vec16<T>;
+  using E = Chunk<T>;
   constexpr int V = E::size;
   __shared__ float scratch[16];  // one per warp of the block (<= 256 threads), 8 spare
   const int nchunk = (D + V - 1) / V;
@@ -133,13 +134,13 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
   const bool live = row < rows;
   const T* xr = x + row * D;
 
-  Vec16<T> xc[K], rc[RES ? K : 1];
+  Chunk<T> xc[K], rc[RES ? K : 1];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int c = threadIdx.x + k * blockDim.x;
-    xc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(xr, c, D) : Vec16<T>::words(0u);
+    xc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(xr, c, D) : Chunk<T>::words(0u);
     if constexpr (RES)
-      rc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(residual + row * D, c, D) : Vec16<T>::words(0u);
+      rc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(residual + row * D, c, D) : Chunk<T>::words(0u);
   }
   if constexpr (RES) {
     T* sr = s + row * D;
@@ -179,12 +180,12 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
   T* yr = y + row * D;
   const bool cbw = cast_before_weight && sizeof(T) < 4;
   const int tx = blockDim.x;
-  Vec16<T> wnext = (int)threadIdx.x < nchunk ? weight_chunk<T, VEC>(weight, threadIdx.x, D) : Vec16<T>::words(0u);
+  Chunk<T> wnext = (int)threadIdx.x < nchunk ? weight_chunk<T, VEC>(weight, threadIdx.x, D) : Chunk<T>::words(0u);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     opaque(xc[k], zero);
     const int c = threadIdx.x + k * tx;
-    const Vec16<T> wc = wnext;
+    const Chunk<T> wc = wnext;
     if (k + 1 < K && c + tx < nchunk) wnext = weight_chunk<T, VEC>(weight, c + tx, D);
     if (c < nchunk) {
       float o[V];
@@ -225,10 +226,10 @@ KF_DEVICE void group_sum(float (&v)[R], float* scratch) {
 // dx of one chunk (RES: plus dres's chunk dc before the one rounding), and its dweight terms
 // dy * x_hat added to acc (CBW: x_hat rounded to T first, as the forward used it).
 template <typename T, bool VEC, bool CBW, bool RES>
-KF_DEVICE void backward_chunk(T* dxr, int c, int D, const Vec16<T>& xc, const Vec16<T>& gc,
-                              const Vec16<T>& wc, const Vec16<T>& dc, float r, float mean_gx,
-                              float (&acc)[Vec16<T>::size]) {
-  using E = Vec16<T>;
+KF_DEVICE void backward_chunk(T* dxr, int c, int D, const Chunk<T>& xc, const Chunk<T>& gc,
+                              const Chunk<T>& wc, const Chunk<T>& dc, float r, float mean_gx,
+                              float (&acc)[Chunk<T>::size]) {
+  using E = Chunk<T>;
   constexpr int V = E::size;
   float o[V], xh[V];
 #pragma unroll
@@ -263,17 +264,17 @@ __global__ void __launch_bounds__(MAXT, 1)
                             T* __restrict__ dx, float* __restrict__ dw_partial, long long rows, int D,
                             float inv_d, int zero, const T* __restrict__ dres) {
   kf_wait_prior_grids();
-  using E = Vec16<T>;
+  using E = Chunk<T>;
   constexpr int V = E::size;
   __shared__ float scratch[2][MAXT / 64 * 32 * R];  // [buffer][group][value][warp]
   extern __shared__ float fold[];
   const int nchunk = (D + V - 1) / V;
 
-  Vec16<T> wc[K];
+  Chunk<T> wc[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int c = threadIdx.x + k * blockDim.x;
-    wc[k] = c < nchunk ? weight_chunk<T, VEC>(weight, c, D) : Vec16<T>::words(0u);
+    wc[k] = c < nchunk ? weight_chunk<T, VEC>(weight, c, D) : Chunk<T>::words(0u);
   }
   float acc[K][V];
 #pragma unroll
@@ -286,7 +287,7 @@ __global__ void __launch_bounds__(MAXT, 1)
   int buf = 0;
   for (long long base = ((long long)blockIdx.x * blockDim.y + threadIdx.y) * R; base < rows;
        base += step) {
-    Vec16<T> xc[R][K], gc[R][K];
+    Chunk<T> xc[R][K], gc[R][K];
     float r[R], dot[R];
 #pragma unroll
     for (int k = 0; k < K; ++k) opaque(wc[k], zero);
@@ -299,8 +300,8 @@ __global__ void __launch_bounds__(MAXT, 1)
       for (int k = 0; k < K; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
         const bool ok = live && c < nchunk;
-        xc[j][k] = ok ? load_chunk<T, VEC, true>(x + row * D, c, D) : Vec16<T>::words(0u);
-        gc[j][k] = ok ? load_chunk<T, VEC, true>(dy + row * D, c, D) : Vec16<T>::words(0u);
+        xc[j][k] = ok ? load_chunk<T, VEC, true>(x + row * D, c, D) : Chunk<T>::words(0u);
+        gc[j][k] = ok ? load_chunk<T, VEC, true>(dy + row * D, c, D) : Chunk<T>::words(0u);
       }
     }
     // dot = sum(dy * w * x); mean(g * x_hat) = dot * rstd / D.
@@ -329,7 +330,7 @@ __global__ void __launch_bounds__(MAXT, 1)
           opaque(wc[k], zero);
           const int c = threadIdx.x + k * blockDim.x;
           if (c < nchunk) {
-            const Vec16<T> dc = RES ? load_chunk<T, VEC, true>(dres + row * D, c, D) : Vec16<T>::words(0u);
+            const Chunk<T> dc = RES ? load_chunk<T, VEC, true>(dres + row * D, c, D) : Chunk<T>::words(0u);
             backward_chunk<T, VEC, CBW, RES>(dxr, c, D, xc[j][k], gc[j][k], wc[k], dc, r[j],
                                              mean_gx, acc[k]);
           }
@@ -405,11 +406,11 @@ KF_DEVICE const char* plus(const char* p, u64 bytes) {
 }
 
 template <typename T>
-KF_DEVICE float reget(const Vec16<T>& c, int i, u32 lo_mul, u32 hi_mask) {
+KF_DEVICE float reget(const Chunk<T>& c, int i, u32 lo_mul, u32 hi_mask) {
   if constexpr (sizeof(T) == 4) {
-    return __uint_as_float(c.w[i]);
+    return __uint_as_float(c.word(i));
   } else if constexpr (Word<T>::kOne == Word<bf16>::kOne) {
-    const u32 w = c.w[i >> 1];
+    const u32 w = c.word(i >> 1);
     return __uint_as_float(i & 1 ? w & hi_mask : w * lo_mul);
   } else {
     return c.f(i);  // the chunk went through opaque() first
@@ -420,10 +421,10 @@ KF_DEVICE float reget(const Vec16<T>& c, int i, u32 lo_mul, u32 hi_mask) {
 // dot += g * x, dweight sums acc += dy * x_hat with x_hat = x * r (CBW: rounded to T first, as the
 // forward used it for the weight); a pair of elements at a time (CBW rounds pairs).
 template <typename T, int K, bool CBW>
-KF_DEVICE void rn_row_terms(const Vec16<T> (&xc)[K], const Vec16<T> (&gc)[K],
-                            const float (&w)[K][Vec16<T>::size], float r, float (&g)[K][Vec16<T>::size],
-                            float& dot, float (&acc)[K][Vec16<T>::size]) {
-  using E = Vec16<T>;
+KF_DEVICE void rn_row_terms(const Chunk<T> (&xc)[K], const Chunk<T> (&gc)[K],
+                            const float (&w)[K][Chunk<T>::size], float r, float (&g)[K][Chunk<T>::size],
+                            float& dot, float (&acc)[K][Chunk<T>::size]) {
+  using E = Chunk<T>;
 #pragma unroll
   for (int k = 0; k < K; ++k)
 #pragma unroll
@@ -451,7 +452,7 @@ __global__ void __launch_bounds__(MAXT, 1)
                                       long long rows, int D, float inv_d, u32 lo_mul, u32 hi_mask,
                                       int zero, const T* __restrict__ dres) {
   kf_wait_prior_grids();
-  using E = Vec16<T>;
+  using E = Chunk<T>;
   constexpr int V = E::size;
   constexpr bool kHalf = sizeof(T) == 2 && Word<T>::kOne != Word<bf16>::kOne;
   static_assert(MAXT <= 512, "16 warps per row at most");
@@ -473,9 +474,9 @@ __global__ void __launch_bounds__(MAXT, 1)
   float w[K][V], acc[K][V];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const Vec16<T> wc = !ok[k] ? Vec16<T>::words(0u)
+    const Chunk<T> wc = !ok[k] ? Chunk<T>::words(0u)
                      : weight ? load_chunk<T, true, false>(weight + threadIdx.x * V, k * tx, D)
-                              : Vec16<T>::words(Word<T>::kOne);
+                              : Chunk<T>::words(Word<T>::kOne);
 #pragma unroll
     for (int i = 0; i < V; ++i) w[k][i] = wc.f(i), acc[k][i] = 0.0f;
   }
@@ -508,7 +509,7 @@ __global__ void __launch_bounds__(MAXT, 1)
     char* cd = reinterpret_cast<char*>(dx + off);  // current row's dx
     const u64 rdelta = reinterpret_cast<u64>(dres) - reinterpret_cast<u64>(dx);  // RES: dres - dx
 
-    Vec16<T> bx[P][K], bg[P][K];
+    Chunk<T> bx[P][K], bg[P][K];
     float br[P];
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -531,7 +532,7 @@ __global__ void __launch_bounds__(MAXT, 1)
       for (int p = 0; p < P; ++p) {
         const float r = br[p];
         const u32 inc = t + P < n ? step : 0u;  // to row t + P, or stay on the group's last row
-        Vec16<T> dc[RES ? K : 1];
+        Chunk<T> dc[RES ? K : 1];
         if constexpr (RES)
 #pragma unroll
           for (int k = 0; k < K; ++k)
@@ -593,7 +594,7 @@ __global__ void __launch_bounds__(MAXT, 1)
           for (int q = 0; q < P; ++q) {
             sink |= __float_as_uint(br[q]);
 #pragma unroll
-            for (int k = 0; k < K; ++k) sink |= bx[q][k].w[0] | bg[q][k].w[0];
+            for (int k = 0; k < K; ++k) sink |= bx[q][k].word(0) | bg[q][k].word(0);
           }
           acc[0][0] = __uint_as_float(__float_as_uint(acc[0][0]) | (sink & (u32)zero));
           goto done;
@@ -662,7 +663,7 @@ __global__ void __launch_bounds__(NT, 1)
                                  T* __restrict__ dx, float* __restrict__ dw_partial, long long rows,
                                  int D, float inv_d, int zero, const T* __restrict__ dres) {
   kf_wait_prior_grids();
-  using E = Vec16<T>;
+  using E = Chunk<T>;
   constexpr int V = E::size;
   static_assert(NT <= 512 && NT % 64 == 0, "groups of <= 16 warps");
   __shared__ float red[2][NT / 4];  // [set][group * 16 + warp]: groups of >= 64 threads, <= NT / 64
@@ -689,7 +690,7 @@ __global__ void __launch_bounds__(NT, 1)
   for (int k = 0; k < K; ++k) {
     const int c = threadIdx.x + k * tx;
     ok[k] = c < nchunk;
-    const Vec16<T> wc = !ok[k]  ? Vec16<T>::words(0u)
+    const Chunk<T> wc = !ok[k]  ? Chunk<T>::words(0u)
                      : weight ? load_chunk<T, true, false>(weight, c, D)
                               : E::words(Word<T>::kOne);
 #pragma unroll
@@ -765,7 +766,7 @@ __global__ void __launch_bounds__(NT, 1)
   for (int t = 0; t < n; ++t) {
     cp_async_wait<S - 1>();  // row group t has landed (this thread's part of it)
     const u32 sa = my + (u32)s * stage_bytes;
-    Vec16<T> xc[K], gc[K];
+    Chunk<T> xc[K], gc[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       xc[k] = lds16<T>(sa + (u32)k * kstep);
@@ -778,14 +779,14 @@ __global__ void __launch_bounds__(NT, 1)
     rn_row_terms<T, K, CBW>(xc, gc, w, r, g, dot, acc);
     u32 dep = __float_as_uint(dot);
     if constexpr (RES) {
-      Vec16<T> dc[K];
+      Chunk<T> dc[K];
 #pragma unroll
       for (int k = 0; k < K; ++k) dc[k] = lds16<T>(sa + 2u * dyoff + (u32)k * kstep);
 #pragma unroll
       for (int k = 0; k < K; ++k) {
 #pragma unroll
         for (int i = 0; i < V; ++i) g[k][i] = fmaf(r, g[k][i], dc[k].f(i));  // h
-        dep |= dc[k].w[0];
+        dep |= dc[k].word(0);
       }
     }
     // Stage s is read (dep depends on every word of it): request row group t + S into it.
