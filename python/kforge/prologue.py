@@ -123,6 +123,7 @@ def _transform_class() -> type:
             new.set_provenance(TraceProvenance("kforge: the prologue's tensor and number checks in one call"))
             return new, computation_trc, epilogue_trc
 
+    BatchedChecks.__qualname__ = "BatchedChecks"  # defined here so that importing kforge needs no Thunder
     return BatchedChecks
 
 
