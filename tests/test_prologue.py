@@ -161,3 +161,17 @@ def test_symbolic_values_cache_keeps_its_own_checks():
         torch.testing.assert_close(plain(x, s), fn(x, s))
         assert (thunder.cache_misses(plain), thunder.cache_hits(plain)) == \
                (thunder.cache_misses(batched), thunder.cache_hits(batched))
+
+
+def test_kforge_compile_pieces_batch_their_checks():
+    """kforge.compile (Thunder's Dynamo path): the Thunder piece's prologue checks its tensors in one
+    call too, and the result matches eager, again after an input shape change (a new graph)."""
+    net = _Net()
+    compiled = kforge.compile(net)
+    for n in (4, 5):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(compiled(x), net(x))
+    prologues = [thunder.last_prologue_traces(fn)[-1]
+                 for info in compiled.backend.subgraph_infos for fn in info.thunder_compiled_fns]
+    names = [b.sym.name for p in prologues for b in p.bound_symbols]
+    assert prologues and "kforge_check_inputs" in names and "check_tensor_metadata" not in names
