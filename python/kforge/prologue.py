@@ -44,7 +44,7 @@ def check_all(numbers: Sequence[Any], values: Sequence[Any], tensors: Sequence[A
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         bad = next(t for t in tensors if not isinstance(t, torch.Tensor))
         raise AssertionError(f"expected Tensor, got {type(bad).__name__}")
-    got = [(tuple(t.shape), t.device, t.dtype, t.requires_grad) for t in tensors]
+    got = [(t.shape, t.device, t.dtype, t.requires_grad) for t in tensors]  # torch.Size == tuple
     want = _expected(tuple(specs))
     if got != want:
         for t, (shape, device, dtype, requires_grad) in zip(tensors, specs):
