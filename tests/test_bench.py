@@ -565,6 +565,38 @@ def test_dry_run_from_the_command_line(factories, tmp_path):
     assert "Error" not in out
 
 
+class _FakeTrainer:
+    def __init__(self, name, log, fail_at=None):
+        self.name, self.log, self.fail_at, self.times = name, log, fail_at, []
+
+    def timed(self, n):
+        if self.fail_at is not None and len(self.times) >= self.fail_at:
+            raise RuntimeError(f"{self.name} broke")
+        self.log.append((self.name, n))
+        self.times += [1.0] * n
+
+
+def test_interleave_alternates_blocks_and_keeps_going_past_a_failure():
+    log = []
+    a, b, c = _FakeTrainer("a", log), _FakeTrainer("b", log, fail_at=3), _FakeTrainer("c", log)
+    errors = models.interleave([a, b, c], steps=7, rounds=3)
+    # 7 steps in blocks of 3, 2, 2; the order turns round each block; b fails in its second block
+    assert log == [("a", 3), ("b", 3), ("c", 3), ("c", 2), ("a", 2), ("a", 2), ("c", 2)]
+    assert errors == [None, "RuntimeError: b broke", None]
+    assert len(a.times) == len(c.times) == 7
+    log.clear()
+    models.interleave([a], steps=2, rounds=5)  # never more rounds than steps
+    assert log == [("a", 1), ("a", 1)]
+
+
+def test_forget_regions_drops_region_structures():
+    from kforge.fusion import executor
+
+    executor._regions["k"] = object()
+    executor.forget_regions()
+    assert executor.regions() == []
+
+
 def test_second_process_plumbing_on_cpu(factories):
     case = models.ModelCase("m", "kf_bench_models:make")
     res = models.second_process(case, "fp32", "eager", batch=2, seq=4, device="cpu", cudagraphs=False, env={})
@@ -581,16 +613,24 @@ def test_models_on_gpu_records_timings(tmp_path):
     # one model: fresh kernel caches per row and a second process, under a parallel suite, stay well
     # inside the timeout (the rows' assertions are about nanogpt)
     rc, out, err = run_module("models", "nanogpt", "--size", "tiny", "--batch", "2", "--seq", "128",
-                              "--steps", "3", "--warmup", "2", "--setup", "bf16",
+                              "--steps", "7", "--warmup", "2", "--setup", "both",
                               "--backends", "eager,torch.compile,kforge", "--second-process", "--record", str(rec))
     assert rc == 0, err[-4000:]
     (run,) = records.load(str(rec))
     assert run["kind"] == "models" and run["gpu"] and run["device"] == "cuda"
-    by = {(r["model"], r["backend"]): r for r in run["rows"]}
-    assert by[("nanogpt", "eager")]["ms"] > 0 and by[("nanogpt", "torch.compile")]["ms"] > 0
-    assert by[("nanogpt", "torch.compile")].get("first_s_2nd") is not None
-    k = by[("nanogpt", "kforge")]
-    if "error" not in k:
-        assert k["ms"] > 0 and k["nvrtc_compiles"] > 0 and k["nvrtc_compiles_2nd"] == 0, k
+    assert run["config"]["timing"] == f"interleaved x{models.ROUNDS}"
+    for setup in ("bf16", "autocast"):
+        by = {r["backend"]: r for r in run["rows"] if r["setup"] == setup}
+        for r in by.values():
+            assert "error" not in r or r["backend"] == "kforge", r
+            if "error" not in r:
+                assert r["timed_steps"] == 7 and 0 < r["ms_min"] <= r["ms_p10"] <= r["ms"] <= r["ms_p90"], r
+                assert 0 < r["peak_gib"] < 8, r
+        assert by["torch.compile"].get("first_s_2nd") is not None
+        k = by["kforge"]
+        if "error" not in k:
+            # The second set-up's kforge row starts cold too, and writes every kernel it needs to its
+            # own disk cache: its second process compiles nothing.
+            assert k["nvrtc_compiles"] > 0 and k["nvrtc_compiles_2nd"] == 0, k
     text, _ = report.render(records.load(str(rec)), doc_path=str(tmp_path / "B.md"))
     assert "size tiny, B=2 T=128" in text

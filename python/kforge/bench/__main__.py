@@ -92,6 +92,10 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "(zoo: hf-llama dynamo, the others jit)")
     m.add_argument("--second-process", action="store_true",
                    help="time the first step of kforge and torch.compile again in a fresh process (warm disk caches)")
+    m.add_argument("--sequential", action="store_true",
+                   help="time each row alone, one after the other (default: the backends of one model and "
+                        "set-up stay alive together and their timed steps alternate in 5 blocks, so that "
+                        "drifts in host speed fall on all of them alike)")
     m.add_argument("--warm-caches", action="store_true",
                    help="keep the usual kforge / Inductor / Triton disk caches (default: fresh ones per row)")
     m.add_argument("--dry", action="store_true",

@@ -11,11 +11,16 @@ under `torch.autocast(bfloat16)`; fp32), on each backend:
   kforge         `kforge.jit(model)`; `kforge.compile(model)` on the Dynamo path (with --cudagraphs:
                  `transforms=[thunder.transforms.cudagraph.CUDAGraphTransform()]`, also for thunder)
 
-Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW), peak memory over
-the timed steps, the first step's wall time (trace + compile + one step; by default every row starts
+Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW) with their 10th and
+90th percentiles, peak memory over a few steps taken alone, the first step's wall time (trace + compile + one step; by default every row starts
 from empty kforge / Inductor / Triton disk caches), the final loss, and the error text of a backend
 that fails (the run goes on). --second-process times the first step of kforge and torch.compile again
 in a fresh process that finds the row's disk caches warm.
+
+The backends of one (model, set-up) are built and warmed up one after the other, stay alive together,
+and their timed steps alternate in blocks (`interleave`): the GPU machine's host speed drifts from
+minute to minute, and most of these steps are close to host-bound, so rows timed one after the other
+compare different hosts. --sequential times each row alone.
 
 The factory contract is `python -m kforge tieout --model`'s: a callable taking whichever of size,
 batch, seq, device, dtype, autocast and seed its signature names, returning (model, inputs) or
@@ -46,6 +51,11 @@ DEFAULT_SIZE = {"nanogpt": "124M", "plain-llama": "bench", "hf-llama": "bench"}
 # --dry builds every model at this size on the CPU.
 DRY_SIZE = "micro"
 OPTION_KEYS = {"loss_fn", "autocast", "mode"}
+# Timed steps of each backend are taken in this many alternating blocks (see `interleave`).
+ROUNDS = 5
+# Steps whose peak memory a row reports when its backends are timed interleaved (taken alone, right
+# after the warm-up).
+PEAK_STEPS = 3
 # The llm.c notebook's small case (--preset small).
 PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(models=["nanogpt"], size="124M", batch=4, seq=64, setup="fp32", cudagraphs=True),
@@ -236,10 +246,12 @@ def path_of(backend: str, mode: str) -> str | None:
 
 
 # ---- caches --------------------------------------------------------------------------------------
-def cold_caches(root: str, key: str) -> dict[str, str]:
+def cold_caches(root: str, key: str, *, drop_memory: bool = True) -> dict[str, str]:
     """Point kforge's, Inductor's and Triton's disk caches at fresh directories under root/key and
-    drop the in-memory compile caches, so the next first step compiles from nothing. Returns the
-    environment that gives a second process the same (then warm) directories."""
+    (drop_memory) drop the in-memory compile state: Dynamo's, Inductor's, kforge's kernel cache and
+    fusion regions, so the next first step compiles from nothing. drop_memory=False leaves compiled
+    models that are still to be timed intact. Returns the environment that gives a second process the
+    same (then warm) directories."""
     import torch
 
     base = os.path.join(root, key)
@@ -249,14 +261,18 @@ def cold_caches(root: str, key: str) -> dict[str, str]:
     for d in env.values():
         os.makedirs(d, exist_ok=True)
     os.environ.update(env)  # Inductor and Triton read these at each compile
-    torch._dynamo.reset()
-    with contextlib.suppress(Exception):
-        from torch._inductor.utils import clear_caches
-
-        clear_caches()
     import kforge
 
-    kforge._C.clear_memory_cache()
+    if drop_memory:
+        torch._dynamo.reset()
+        with contextlib.suppress(Exception):
+            from torch._inductor.utils import clear_caches
+
+            clear_caches()
+        kforge._C.clear_memory_cache()
+        from kforge.fusion import executor as fusion_executor
+
+        fusion_executor.forget_regions()
     kforge._C.set_cache(env["KFORGE_CACHE_DIR"], True)
     return env
 
@@ -278,66 +294,130 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
-def train_row(built: Built, backend: str, *, steps: int, warmup: int, cudagraphs: bool = False,
-              timed: bool = True, first_only: bool = False) -> dict[str, Any]:
-    """Wrap `built.model` for `backend` and train it: the first step (wrap + trace + compile + one
-    step, wall time), `warmup - 1` more untimed steps, then `steps` steps timed each with CUDA events
-    (median ms/step; peak memory over them). `timed=False` (the CPU dry run) stops after two steps,
-    `first_only` after the first."""
-    import torch
+class Trainer:
+    """One backend's wrapped model with its fused AdamW, ready to take training steps.
 
-    params = [p for p in built.model.parameters() if p.requires_grad]
-    device = params[0].device if params else torch.device("cpu")
-    on_cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=on_cuda)
-    autocast = (torch.autocast(device.type, dtype=built.autocast) if built.autocast is not None
-                else contextlib.nullcontext())
-    mark_step = cudagraphs and backend == "torch.compile"
-    row: dict[str, Any] = {}
-    compiles0 = _nvrtc_compiles()
+    `start()` wraps the model and takes the first step (wall time: trace + compile + one step) and the
+    untimed warm-up steps; `timed(n)` then takes n steps timed each with CUDA events. Several trainers
+    can be alive at once, so that `bench models` can alternate between them (see `interleave`)."""
 
-    _sync(device)
-    t0 = time.perf_counter()
-    fn = wrap(backend, built.model, built.mode, cudagraphs=cudagraphs)
+    def __init__(self, built: Built, backend: str, *, cudagraphs: bool = False) -> None:
+        import torch
 
-    def step() -> Any:
-        if mark_step:  # a new iteration for CUDA-graph trees: earlier outputs may be overwritten
+        self.built, self.backend = built, backend
+        params = [p for p in built.model.parameters() if p.requires_grad]
+        self.device = params[0].device if params else torch.device("cpu")
+        self.opt = torch.optim.AdamW(params, lr=1e-4, fused=self.device.type == "cuda")
+        self.autocast = (torch.autocast(self.device.type, dtype=built.autocast) if built.autocast is not None
+                         else contextlib.nullcontext())
+        self.cudagraphs = cudagraphs
+        self.mark_step = cudagraphs and backend == "torch.compile"
+        self.fn: Any = None
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self) -> Any:
+        import torch
+
+        if self.mark_step:  # a new iteration for CUDA-graph trees: earlier outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        with autocast:
-            loss = built.loss_fn(built.call(fn))
+        with self.autocast:
+            loss = self.built.loss_fn(self.built.call(self.fn))
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    loss = step().float().item()  # .item() waits for the step
-    row["first_s"] = time.perf_counter() - t0
-    compiles1 = _nvrtc_compiles()
-    if backend == "kforge" and compiles0 is not None and compiles1 is not None:
-        row["nvrtc_compiles"] = compiles1 - compiles0
-    row["first_loss"] = loss
+    def start(self, warmup: int) -> dict[str, Any]:
+        """Wrap, first step (timed on the wall clock), then `warmup - 1` untimed steps."""
+        row: dict[str, Any] = {}
+        compiles0 = _nvrtc_compiles()
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.fn = wrap(self.backend, self.built.model, self.built.mode, cudagraphs=self.cudagraphs)
+        loss = self.step().float().item()  # .item() waits for the step
+        row["first_s"] = time.perf_counter() - t0
+        compiles1 = _nvrtc_compiles()
+        if self.backend == "kforge" and compiles0 is not None and compiles1 is not None:
+            row["nvrtc_compiles"] = compiles1 - compiles0
+        row["first_loss"] = loss
+        for _ in range(max(warmup - 1, 0)):
+            self.step()
+        _sync(self.device)
+        return row
+
+    def timed(self, n: int) -> list[float]:
+        """n steps, each timed with CUDA events and waited for (ms); appended to `self.times`."""
+        import torch
+
+        out = []
+        for _ in range(n):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            loss_t = self.step()
+            e.record()
+            e.synchronize()
+            out.append(s.elapsed_time(e))
+            # Read before the next step: a CUDA-graph output is overwritten by the next replay.
+            self.losses.append(loss_t.float().item())
+        self.times += out
+        return out
+
+    def peak_gib(self, n: int, others: int) -> float:
+        """Peak memory of n timed steps, less `others` bytes: what the other live trainers held when
+        this one was built (they are idle meanwhile, so it stays constant)."""
+        import torch
+
+        _sync(self.device)
+        torch.cuda.reset_peak_memory_stats()
+        self.timed(n)
+        return (torch.cuda.max_memory_allocated() - others) / 2**30
+
+    def summary(self) -> dict[str, Any]:
+        t = self.times
+        q = statistics.quantiles(t, n=10) if len(t) >= 2 else [t[0]] * 9
+        return dict(ms=statistics.median(t), ms_min=min(t), ms_p10=q[0], ms_p90=q[-1], timed_steps=len(t),
+                    final_loss=self.losses[-1])
+
+
+def train_row(built: Built, backend: str, *, steps: int, warmup: int, cudagraphs: bool = False,
+              timed: bool = True, first_only: bool = False) -> dict[str, Any]:
+    """Wrap `built.model` for `backend` and train it alone: the first step (wrap + trace + compile +
+    one step, wall time), `warmup - 1` more untimed steps, then `steps` steps timed each with CUDA
+    events (median ms/step; peak memory over them). `timed=False` (the CPU dry run) stops after two
+    steps, `first_only` after the first."""
+    import torch
+
+    tr = Trainer(built, backend, cudagraphs=cudagraphs)
+    row = tr.start(0 if first_only else (1 if not timed else warmup))
     if first_only:
         return row
     if not timed:
-        row["final_loss"] = step().float().item()
+        row["final_loss"] = tr.step().float().item()
         return row
-    for _ in range(max(warmup - 1, 0)):
-        step()
-    _sync(device)
     torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for _ in range(steps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        loss_t = step()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-        # Read before the next step: a CUDA-graph output is overwritten by the next replay.
-        losses.append(loss_t.float().item())
-    row.update(ms=statistics.median(times), ms_min=min(times),
-               peak_gib=torch.cuda.max_memory_allocated() / 2**30, final_loss=losses[-1])
+    tr.timed(steps)
+    row.update(tr.summary(), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
     return row
+
+
+def interleave(trainers: list[Trainer], steps: int, rounds: int) -> list[str | None]:
+    """Time `steps` steps of every trainer in `rounds` alternating blocks (A B C, C B A, A B C ...), so
+    that a drift in the host's speed (other processes on the machine, clocks) falls on every backend
+    alike instead of on whichever row ran while it lasted. Returns each trainer's error text (None:
+    it ran); a trainer that fails is not stepped again."""
+    rounds = max(1, min(rounds, steps))
+    per = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+    errors: list[str | None] = [None] * len(trainers)
+    for r, n in enumerate(per):
+        order = list(range(len(trainers)))
+        for i in (order if r % 2 == 0 else order[::-1]):  # no backend always right after another
+            if errors[i] is None:
+                try:
+                    trainers[i].timed(n)
+                except Exception as e:
+                    errors[i] = _error(e)
+    return errors
 
 
 def _error(e: BaseException) -> str:
@@ -407,6 +487,8 @@ class ModelsConfig:
     dry: bool = False
     cold: bool = True
     preset: str | None = None
+    sequential: bool = False
+    rounds: int = ROUNDS
 
 
 def resolve(args: Any) -> ModelsConfig:
@@ -446,13 +528,14 @@ def resolve(args: Any) -> ModelsConfig:
         cases=cases, setups=setups, backends=backends, **sizes,
         cudagraphs=bool(args.cudagraphs or preset.get("cudagraphs", False)),
         path=getattr(args, "path", None), second_process=bool(args.second_process), dry=dry, cold=not args.warm_caches,
-        preset=getattr(args, "preset", None))
+        preset=getattr(args, "preset", None), sequential=bool(getattr(args, "sequential", False)))
 
 
 def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[str], None] | None = None) -> dict:
     """Run every (model, set-up, backend) of `cfg`; returns the run's rows ("kind": "models").
     Each row builds the model afresh from its factory; a backend that fails leaves its error in its
-    row and the run continues."""
+    row and the run continues. By default the backends of one (model, set-up) are timed interleaved
+    (`interleave`); `cfg.sequential` times each row alone, one after the other."""
     import torch
     from tqdm import tqdm
 
@@ -465,17 +548,55 @@ def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[st
         cudagraphs = False
         if log:
             log("--dry: CUDA graphs need a GPU; the rows run without them")
-    jobs = [(c, s, b) for c in cfg.cases for s in cfg.setups for b in cfg.backends]
     cache_root = tempfile.mkdtemp(prefix="kforge-bench-") if cfg.cold and not cfg.dry else None
-    rows = []
-    for case, setup, backend in tqdm(jobs, desc="models", unit="row", disable=not progress, leave=False):
+    bar = tqdm(total=len(cfg.cases) * len(cfg.setups) * len(cfg.backends), desc="models", unit="row",
+               disable=not progress, leave=False)
+    rows: list[dict[str, Any]] = []
+    for case in cfg.cases:
+        for setup in cfg.setups:
+            group = _bench_group(case, setup, cfg, device=device, cudagraphs=cudagraphs, cache_root=cache_root,
+                                 first_index=len(rows), log=log, bar=bar)
+            rows += group
+    bar.close()
+    if cache_root:
+        shutil.rmtree(cache_root, ignore_errors=True)  # compiled artefacts of every row: up to GBs
+    return {"kind": "models", "dry": cfg.dry, "rows": rows,
+            "config": dict(setups=cfg.setups, backends=cfg.backends, batch=cfg.batch, seq=cfg.seq,
+                           steps=cfg.steps, warmup=cfg.warmup, cudagraphs=cfg.cudagraphs, path=cfg.path,
+                           second_process=cfg.second_process, cold_caches=cfg.cold, preset=cfg.preset,
+                           timing="sequential" if cfg.sequential or cfg.dry else f"interleaved x{cfg.rounds}")}
+
+
+def _bench_group(case: ModelCase, setup: str, cfg: ModelsConfig, *, device: str, cudagraphs: bool,
+                 cache_root: str | None, first_index: int, log: Callable[[str], None] | None,
+                 bar: Any) -> list[dict[str, Any]]:
+    """The rows of one (model, set-up): every backend built, first-stepped and warmed up in turn
+    (from cold caches), then timed, interleaved unless sequential; then the second processes."""
+    import torch
+
+    interleaved = not cfg.sequential and not cfg.dry
+    rows: list[dict[str, Any]] = []
+    live: list[tuple[dict[str, Any], Trainer]] = []
+    envs: list[dict[str, str]] = []
+
+    def drop(tr: Trainer | None) -> None:
+        if tr is not None:
+            tr.built = tr.fn = tr.opt = None  # type: ignore[assignment]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    for backend in cfg.backends:
         row: dict[str, Any] = dict(model=case.label, size=case.size, setup=setup, backend=backend,
-                                   cudagraphs=cudagraphs and backend != "eager", batch=cfg.batch,
-                                   seq=cfg.seq)
+                                   cudagraphs=cudagraphs and backend != "eager", batch=cfg.batch, seq=cfg.seq)
         env: dict[str, str] = {}
+        tr: Trainer | None = None
         try:
             if cache_root:
-                env = cold_caches(cache_root, f"{len(rows):03d}")
+                # Compiled models still to be timed keep their in-memory state; a group starts from none.
+                env = cold_caches(cache_root, f"{first_index + len(rows):03d}", drop_memory=not live)
+            # What the idle trainers of this group hold, counted out of this row's peak.
+            others = torch.cuda.memory_allocated() if not cfg.dry else 0
             torch.manual_seed(0)
             built = build(case, setup, batch=cfg.batch, seq=cfg.seq, device=device, path=cfg.path)
             if path_of(backend, built.mode):
@@ -486,28 +607,58 @@ def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[st
                 shapes = [tuple(v.shape) for v in built.inputs if isinstance(v, torch.Tensor)]
             if shapes and len(shapes[0]) == 2:  # (B, T) token ids: the sequence the factory clipped to
                 row["batch"], row["seq"] = shapes[0]
-            row.update(train_row(built, backend, steps=cfg.steps, warmup=cfg.warmup,
-                                 cudagraphs=row["cudagraphs"], timed=not cfg.dry))
+            if cfg.dry:
+                row.update(train_row(built, backend, steps=cfg.steps, warmup=cfg.warmup,
+                                     cudagraphs=row["cudagraphs"], timed=False))
+            else:
+                tr = Trainer(built, backend, cudagraphs=row["cudagraphs"])
+                built = None
+                row.update(tr.start(cfg.warmup))
+                if interleaved:
+                    row["peak_gib"] = tr.peak_gib(PEAK_STEPS, others)
+                    tr.times.clear()
+                    live.append((row, tr))
+                    tr = None
+                else:
+                    row["peak_gib"] = tr.peak_gib(cfg.steps, others)
+                    row.update(tr.summary())
         except Exception as e:  # one failing backend must not stop the run
             row["error"] = _error(e)
         finally:
             built = None  # noqa: F841 - drop the model before the next row allocates
+            drop(tr)
+        if not interleaved:
             torch._dynamo.reset()  # compiled code holds the row's model
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        if cfg.second_process and backend in ("kforge", "torch.compile") and "error" not in row and not cfg.dry:
-            row.update(second_process(case, setup, backend, batch=cfg.batch, seq=cfg.seq, device=device,
-                                      cudagraphs=row["cudagraphs"], env=env, path=cfg.path))
-        if log:
-            log(_row_line(row))
+            _finish_row(row, case, setup, cfg, device=device, env=env, log=log)
         rows.append(row)
-    if cache_root:
-        shutil.rmtree(cache_root, ignore_errors=True)  # compiled artefacts of every row: up to GBs
-    return {"kind": "models", "dry": cfg.dry, "rows": rows,
-            "config": dict(setups=cfg.setups, backends=cfg.backends, batch=cfg.batch, seq=cfg.seq,
-                           steps=cfg.steps, warmup=cfg.warmup, cudagraphs=cfg.cudagraphs, path=cfg.path,
-                           second_process=cfg.second_process, cold_caches=cfg.cold, preset=cfg.preset)}
+        envs.append(env)
+        bar.update(1)
+    if interleaved:
+        trainers = [t for _, t in live]
+        errors = interleave(trainers, cfg.steps, cfg.rounds)
+        for (row, tr), err in zip(live, errors):
+            if err is not None:
+                row["error"] = err
+            elif tr.times:
+                row.update(tr.summary())
+        for _, tr in live:
+            drop(tr)
+        live.clear()
+        torch._dynamo.reset()
+        gc.collect()
+        for row, env in zip(rows, envs):
+            _finish_row(row, case, setup, cfg, device=device, env=env, log=log)
+    return rows
+
+
+def _finish_row(row: dict[str, Any], case: ModelCase, setup: str, cfg: ModelsConfig, *, device: str,
+                env: dict[str, str], log: Callable[[str], None] | None) -> None:
+    """The row's second process (when asked for) and its log line."""
+    if cfg.second_process and row["backend"] in ("kforge", "torch.compile") and "error" not in row and not cfg.dry:
+        row.update(second_process(case, setup, row["backend"], batch=cfg.batch, seq=cfg.seq, device=device,
+                                  cudagraphs=row["cudagraphs"], env=env, path=cfg.path))
+    if log:
+        log(_row_line(row))
 
 
 def _row_line(r: dict[str, Any]) -> str:

@@ -102,6 +102,12 @@ def _ratio(a: Any, b: Any) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
+def _spread(r: dict) -> str:
+    """The 10th-90th percentile range of a row's step times ("—" for runs that kept the median only)."""
+    lo, hi = r.get("ms_p10"), r.get("ms_p90")
+    return f"{lo:.2f}-{hi:.2f}" if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) else "—"
+
+
 def models_table(rows: list[dict], *, with_model: bool = False) -> str:
     from .models import backend_label
 
@@ -112,11 +118,11 @@ def models_table(rows: list[dict], *, with_model: bool = False) -> str:
         comp, eager = g.get("torch.compile", {}), g.get("eager", {})
         table.append(([r["model"]] if with_model else []) + [
             SETUP_TITLES.get(r["setup"], r["setup"]), backend_label(r), r.get("path", ""),
-            f"{r['batch']}x{r['seq']}", fmt(r.get("ms"), 2),
+            f"{r['batch']}x{r['seq']}", fmt(r.get("ms"), 2), _spread(r),
             fmt(_ratio(r.get("ms"), comp.get("ms")), 2), fmt(_ratio(r.get("ms"), eager.get("ms")), 2),
             fmt(r.get("peak_gib"), 2), fmt(r.get("first_s"), 1), fmt(r.get("first_s_2nd"), 1),
             fmt(r.get("final_loss"), 4), _cell(r.get("error") or r.get("error_2nd"))])
-    headers = ["set-up", "backend", "path", "B x T", "ms/step", "× compile", "× eager", "peak GiB",
+    headers = ["set-up", "backend", "path", "B x T", "ms/step", "p10-p90", "× compile", "× eager", "peak GiB",
                "first step s", "2nd process first step s", "loss", "error"]
     return md_table(table, (["model"] if with_model else []) + headers)
 
@@ -540,7 +546,12 @@ HOW_MEASURED = """\
   printed; each group measures its own copy bandwidth.
 - **users' models** (`bench models`): models written as people write them (`kforge.zoo`), trained
   with forward, backward and fused AdamW; ms/step is the median of CUDA-event-timed steps after the
-  warm-up, peak memory is `torch.cuda.max_memory_allocated` over the timed steps. `first step s` is
+  warm-up, `p10-p90` the 10th to 90th percentile of those steps. The backends of one model and set-up
+  are timed interleaved: all of them stay alive and their timed steps alternate in 5 blocks, so that
+  the host's speed, which drifts on a shared machine and matters because these steps are nearly
+  host-bound, is the same for each (runs before that timed rows one after the other and show no
+  p10-p90). Peak memory is `torch.cuda.max_memory_allocated` over 3 steps taken alone after the
+  warm-up, less what the other live backends hold. `first step s` is
   the wall time of wrapping the model and its first step (trace + compile), every row starting from
   empty kforge / Inductor / Triton disk caches; `2nd process first step s` is the same in a fresh
   process that finds that row's disk caches warm. `× compile` / `× eager`: ms/step over

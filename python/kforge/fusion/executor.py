@@ -89,6 +89,18 @@ def regions() -> list[FusedRegion]:
         return list(_regions.values())
 
 
+def forget_regions() -> None:
+    """Drop this process's region structures and their loaded kernels, so that the next trace builds
+    and compiles (or loads from the disk cache) its regions afresh; traces built before keep theirs.
+    For benchmarks that time a cold first step: the kernel handles these objects hold would otherwise
+    skip the compile and the disk cache."""
+    with _lock:
+        for fut in _pending.values():
+            fut.cancel()
+        _regions.clear()
+        _pending.clear()
+
+
 def _sm_count(device: int) -> int:
     import torch
 
