@@ -1848,6 +1848,15 @@ def executors() -> list:
     return _executors()
 
 
+def _install_lookasides() -> None:
+    """kforge's lookaside for module calls in Thunder's interpreter (`kforge.lookasides`), unless
+    KFORGE_MODULE_CALL_LOOKASIDE is off."""
+    from . import _env, lookasides
+
+    if _env.flag("KFORGE_MODULE_CALL_LOOKASIDE"):
+        lookasides.install()
+
+
 def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterable[str] = ALL_KINDS,
               **kwargs: Any):
     """`thunder.dynamo.thunderfx(model)` (torch.compile with Thunder as its backend) with kforge first
@@ -1870,6 +1879,7 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     from .fusion.zero_cotangents import ZeroCotangents
     from .prologue import BatchedChecks
 
+    _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
     kwargs["transforms"] = [patterns, *transforms, ZeroCotangents(), BatchedChecks()]
@@ -1891,6 +1901,7 @@ def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterabl
     from .fusion.zero_cotangents import ZeroCotangents
     from .prologue import BatchedChecks
 
+    _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
     jfn = thunder.jit(fn, transforms=[patterns, *transforms, ZeroCotangents(), BatchedChecks()], **kwargs)

@@ -1,0 +1,103 @@
+"""kforge's lookaside for Thunder's interpreter: module calls without the hook bookkeeping.
+
+`thunder.jit` runs the model's Python in its own interpreter, about 40 us per bytecode instruction on a
+development CPU. Every `module(x)` goes through `torch.nn.Module._call_impl`, whose first statement
+tests eight hook dictionaries for emptiness. Interpreted, each test is Thunder's `bool` and `len`
+lookasides, Python functions of Thunder's own that the interpreter runs too, each global name in them
+(`hasattr`, `getattr`, `len`, `isinstance`) two interpreted dictionary lookups: about 100 ms per
+module call, more than half the time `thunder.jit` needs to trace a plain-PyTorch Llama
+(docs/experiments/users-models.md, "The first step: Thunder's interpreter").
+
+The lookaside here replaces `_call_impl` for the interpreter with what it does when no hook is
+set: `self.forward(*args, **kwargs)`, the attribute read and the call interpreted as before (so the
+provenance of `forward`, of the arguments and of everything the forward reads is unchanged, and with
+it the prologue and every trace). It takes that shortcut only when the module has no hooks, no global
+module hooks are registered, `torch.jit` is not tracing, Thunder's sharp-edge checks are off
+(the default; they would have warned about the hook dictionaries) and the interpreter is not recording
+its history; otherwise it interprets `_call_impl` itself, instruction by instruction, as Thunder does.
+It is active only for compilations that use kforge's executor (`kforge.jit`, `kforge.compile`,
+`thunder.jit(executors=kforge.executors())`); other `thunder.jit` calls in the process see Thunder's
+own behaviour. `kforge.jit` / `kforge.compile` install it (`KFORGE_MODULE_CALL_LOOKASIDE=0`: not);
+`uninstall()` takes it out again.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.modules.module as _module
+
+__all__ = ["install", "installed", "uninstall"]
+
+_CALL_IMPL = torch.nn.Module._call_impl
+
+
+def _copy_of(fn: types.FunctionType) -> types.FunctionType:
+    """A function object with `fn`'s code, globals, defaults and names, but not `fn` itself: the
+    interpreter runs it as it would run `fn`, without finding the lookaside registered for `fn`."""
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__, out.__qualname__, out.__module__ = fn.__kwdefaults__, fn.__qualname__, fn.__module__
+    return out
+
+
+_CALL_IMPL_INTERPRETED = _copy_of(_CALL_IMPL)
+
+
+def _hookless(module: torch.nn.Module) -> bool:
+    """`_call_impl`'s own test for its shortcut to `forward`, on the real (unwrapped) objects."""
+    return not (module._backward_hooks or module._backward_pre_hooks or module._forward_hooks
+                or module._forward_pre_hooks or _module._global_backward_pre_hooks
+                or _module._global_backward_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks or torch._C._get_tracing_state())
+
+
+def _kforge_compilation() -> bool:
+    """Whether the compilation being traced uses kforge's executor and Thunder's defaults for sharp
+    edges and interpreter history."""
+    from thunder.core.compile_data import get_compile_data
+    from thunder.core.interpreter import get_interpreterruntimectx
+    from thunder.core.jit_ext import get_jit_ctx
+    from thunder.core.options import SHARP_EDGES_OPTIONS
+
+    from ._thunder import executor
+
+    cd = get_compile_data()
+    return (cd is not None and executor in cd.executors_list
+            and get_jit_ctx().sharp_edges is SHARP_EDGES_OPTIONS.ALLOW
+            and not get_interpreterruntimectx()._record_history)
+
+
+def _call_impl_lookaside(self, *args, **kwargs):
+    """The interpreter's `Module._call_impl(self, *args, **kwargs)`; every argument is Thunder's
+    WrappedValue (the value and its provenance)."""
+    from thunder.core.interpreter import INTERPRETER_SIGNALS, _interpret_call, unwrap, wrap_const
+
+    if not (_hookless(unwrap(self)) and _kforge_compilation()):
+        return _interpret_call(_CALL_IMPL_INTERPRETED, self, *args, **kwargs)
+    forward = _interpret_call(getattr, self, wrap_const("forward"))
+    if forward is INTERPRETER_SIGNALS.EXCEPTION_RAISED:
+        return forward
+    return _interpret_call(forward, *args, **kwargs)
+
+
+def install() -> bool:
+    """Registers the lookaside for `torch.nn.Module._call_impl` with Thunder's interpreter (once per
+    process). False, and nothing registered, where something else already holds that entry."""
+    from thunder.core.jit_ext import _general_jit_lookaside_map
+
+    current = _general_jit_lookaside_map.setdefault(_CALL_IMPL, _call_impl_lookaside)
+    return current is _call_impl_lookaside
+
+
+def installed() -> bool:
+    from thunder.core.jit_ext import _general_jit_lookaside_map
+
+    return _general_jit_lookaside_map.get(_CALL_IMPL) is _call_impl_lookaside
+
+
+def uninstall() -> None:
+    """Removes kforge's lookaside; Thunder interprets `_call_impl` again (the next trace onwards)."""
+    from thunder.core.jit_ext import _general_jit_lookaside_map
+
+    if installed():
+        del _general_jit_lookaside_map[_CALL_IMPL]

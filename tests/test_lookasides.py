@@ -1,0 +1,162 @@
+"""kforge.lookasides (CPU): module calls traced without `Module._call_impl`'s hook tests.
+
+The lookaside must leave every trace Thunder makes unchanged (computation, backward and prologue,
+character for character apart from the timing in their headers), run hooks exactly as before, and
+stay out of compilations that do not use kforge's executor or that ask for sharp-edge checks.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import thunder
+import torch
+from conftest import fake_cuda_trace
+
+import kforge
+from kforge import lookasides
+from kforge.zoo import nanogpt, plain_llama
+
+
+@pytest.fixture
+def restore_lookaside():
+    """Whatever a test does to the registration, the process continues as it was."""
+    was = lookasides.installed()
+    yield
+    (lookasides.install if was else lookasides.uninstall)()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.scale = 0.5
+
+    def forward(self, x, *, residual=True):
+        y = self.lin(self.norm(x)) * self.scale
+        return x + y if residual else y
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block(x, residual=i > 0)
+        return self.head(x).sum()
+
+
+def _texts(jfn) -> str:
+    traces = [*thunder.last_traces(jfn), *thunder.last_backward_traces(jfn), *thunder.last_prologue_traces(jfn)]
+    return re.sub(r"\(took \d+ milliseconds\)", "", "\n=====\n".join(str(t) for t in traces))
+
+
+def _jit_and_run(make_model):
+    torch.manual_seed(0)
+    jfn = kforge.jit(make_model())
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    loss = jfn(x)
+    loss.backward()
+    return jfn, loss.detach(), x.grad
+
+
+def test_traces_identical_on_cpu(restore_lookaside, monkeypatch):
+    """A small module tree (ModuleList, keyword arguments, module attributes read as numbers):
+    the same traces, loss and gradient with and without the lookaside."""
+    lookasides.uninstall()
+    monkeypatch.setenv("KFORGE_MODULE_CALL_LOOKASIDE", "0")
+    jfn, loss, grad = _jit_and_run(_Net)
+    assert not lookasides.installed()
+    before = _texts(jfn)
+    monkeypatch.delenv("KFORGE_MODULE_CALL_LOOKASIDE")
+    jfn, loss2, grad2 = _jit_and_run(_Net)
+    assert lookasides.installed()
+    assert _texts(jfn) == before
+    torch.testing.assert_close(loss2, loss, rtol=0, atol=0)
+    torch.testing.assert_close(grad2, grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make, kwargs", [
+    (plain_llama.make, dict(size="micro", batch=2, seq=16)),
+    (plain_llama.make, dict(size="micro", batch=2, seq=16, autocast=True)),
+    (nanogpt.make, dict(size="micro", batch=2, seq=16)),
+], ids=["plain_llama", "plain_llama-autocast", "nanogpt"])
+def test_zoo_traces_identical_as_on_a_gpu(restore_lookaside, monkeypatch, make, kwargs):
+    """The zoo's models traced as on a GPU: every trace identical, kforge's symbols included."""
+    lookasides.uninstall()
+    monkeypatch.setenv("KFORGE_MODULE_CALL_LOOKASIDE", "0")
+    without = fake_cuda_trace(make, **kwargs)
+    assert not lookasides.installed()
+    monkeypatch.delenv("KFORGE_MODULE_CALL_LOOKASIDE")
+    with_ = fake_cuda_trace(make, **kwargs)
+    assert lookasides.installed()
+    assert _texts(with_.fn) == _texts(without.fn)
+    assert with_.symbols() == without.symbols()
+
+
+def _spy_gate(monkeypatch) -> list[bool]:
+    """The lookaside's verdicts on whether a module call may skip `_call_impl`."""
+    seen: list[bool] = []
+    gate = lookasides._kforge_compilation
+
+    def spy():
+        seen.append(gate())
+        return seen[-1]
+
+    monkeypatch.setattr(lookasides, "_kforge_compilation", spy)
+    return seen
+
+
+def test_only_kforge_compilations_take_the_shortcut(restore_lookaside, monkeypatch):
+    lookasides.install()
+    seen = _spy_gate(monkeypatch)
+    x = torch.randn(2, 5, 8)
+    thunder.jit(_Net())(x)
+    assert seen and not any(seen), "a thunder.jit without kforge's executor took the shortcut"
+    seen.clear()
+    kforge.jit(_Net())(x)
+    assert seen and all(seen)
+    seen.clear()
+    kforge.jit(_Net(), sharp_edges="warn")(x)
+    assert seen and not any(seen), "sharp-edge checks asked for, shortcut taken"
+
+
+def test_hooks_run_as_in_eager(restore_lookaside):
+    """Modules with forward pre-hooks and hooks, and a global forward hook: the lookaside hands
+    them to `_call_impl` itself, and the jitted result is eager's."""
+    lookasides.install()
+    torch.manual_seed(0)
+    net = _Net()
+    net.blocks[1].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    net.head.register_forward_hook(lambda m, args, out: out + 1)
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(kforge.jit(net)(x), net(x))
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: out)
+    try:
+        torch.testing.assert_close(kforge.jit(net)(x), net(x))
+    finally:
+        handle.remove()
+
+
+def test_install_respects_a_foreign_entry_and_uninstalls(restore_lookaside):
+    from thunder.core.jit_ext import _general_jit_lookaside_map
+
+    call_impl = torch.nn.Module._call_impl
+    lookasides.uninstall()
+    assert call_impl not in _general_jit_lookaside_map
+    foreign = object()
+    _general_jit_lookaside_map[call_impl] = foreign
+    try:
+        assert lookasides.install() is False
+        assert _general_jit_lookaside_map[call_impl] is foreign and not lookasides.installed()
+        lookasides.uninstall()
+        assert _general_jit_lookaside_map[call_impl] is foreign
+    finally:
+        del _general_jit_lookaside_map[call_impl]
+    assert lookasides.install() is True and lookasides.installed()
+    lookasides.uninstall()
+    assert call_impl not in _general_jit_lookaside_map
