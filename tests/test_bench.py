@@ -589,6 +589,19 @@ def test_interleave_alternates_blocks_and_keeps_going_past_a_failure():
     assert log == [("a", 1), ("a", 1)]
 
 
+def test_step_summary_percentiles_stay_within_the_steps():
+    from types import SimpleNamespace
+
+    import random
+
+    rng = random.Random(0)
+    for n in (1, 2, 7, 20):
+        times = [rng.uniform(10, 30) for _ in range(n)]
+        s = models.Trainer.summary(SimpleNamespace(times=times, losses=[2.5]))
+        assert min(times) == s["ms_min"] <= s["ms_p10"] <= s["ms"] <= s["ms_p90"] <= max(times), (n, s)
+        assert s["timed_steps"] == n and s["final_loss"] == 2.5
+
+
 def test_forget_regions_drops_region_structures():
     from kforge.fusion import executor
 

@@ -375,7 +375,7 @@ class Trainer:
 
     def summary(self) -> dict[str, Any]:
         t = self.times
-        q = statistics.quantiles(t, n=10) if len(t) >= 2 else [t[0]] * 9
+        q = statistics.quantiles(t, n=10, method="inclusive") if len(t) >= 2 else [t[0]] * 9
         return dict(ms=statistics.median(t), ms_min=min(t), ms_p10=q[0], ms_p90=q[-1], timed_steps=len(t),
                     final_loss=self.losses[-1])
 
