@@ -610,6 +610,24 @@ def test_forget_regions_drops_region_structures():
     assert executor.regions() == []
 
 
+def test_cold_caches_start_like_a_fresh_process(tmp_path, monkeypatch):
+    from kforge import frontend
+    from kforge.fusion import executor
+
+    orig = kforge.cache_dir()
+    for k in ("KFORGE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.setenv(k, os.environ.get(k, ""))  # restored afterwards
+    monkeypatch.setattr(frontend, "_warming", True)
+    executor._regions["k"] = object()
+    env = models.cold_caches(str(tmp_path), "000", drop_memory=False)
+    assert frontend._warming and executor.regions()  # live models keep what they use
+    env = models.cold_caches(str(tmp_path), "001")
+    # Every kernel source compiles again into the new directory, as in a second process's start.
+    assert not frontend._warming and executor.regions() == []
+    assert all(os.path.isdir(d) and d.startswith(str(tmp_path / "001")) for d in env.values())
+    kforge._C.set_cache(orig, True)
+
+
 def test_second_process_plumbing_on_cpu(factories):
     case = models.ModelCase("m", "kf_bench_models:make")
     res = models.second_process(case, "fp32", "eager", batch=2, seq=4, device="cpu", cudagraphs=False, env={})

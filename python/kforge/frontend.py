@@ -103,6 +103,14 @@ def _compile_kernels_in_background() -> None:
     pool.shutdown(wait=False)
 
 
+def forget_background_compiles() -> None:
+    """Let the next kforge.jit / kforge.compile start compiling kforge's kernel sources again, as in a
+    fresh process: for benchmarks that time a cold first step after dropping the kernel caches (the
+    kernels would otherwise reach the new disk cache only when first launched, some never)."""
+    global _warming
+    _warming = False
+
+
 def jit(fn: Callable, /, *, fusion: bool | None = None, transforms: Sequence[Any] = (), **kwargs: Any):
     """`thunder.jit(fn)` with `kforge.executors()` and kforge's pattern transforms, which find the
     mission's steps (RMSNorm, RoPE, GQA, SwiGLU, ...) as users write them in plain torch ops and hand

@@ -248,8 +248,8 @@ def path_of(backend: str, mode: str) -> str | None:
 # ---- caches --------------------------------------------------------------------------------------
 def cold_caches(root: str, key: str, *, drop_memory: bool = True) -> dict[str, str]:
     """Point kforge's, Inductor's and Triton's disk caches at fresh directories under root/key and
-    (drop_memory) drop the in-memory compile state: Dynamo's, Inductor's, kforge's kernel cache and
-    fusion regions, so the next first step compiles from nothing. drop_memory=False leaves compiled
+    (drop_memory) drop the in-memory compile state: Dynamo's, Inductor's, kforge's kernel cache, fusion
+    regions and the once-per-process background compile of kforge's kernel sources, so the next first step compiles from nothing. drop_memory=False leaves compiled
     models that are still to be timed intact. Returns the environment that gives a second process the
     same (then warm) directories."""
     import torch
@@ -270,9 +270,11 @@ def cold_caches(root: str, key: str, *, drop_memory: bool = True) -> dict[str, s
 
             clear_caches()
         kforge._C.clear_memory_cache()
+        from kforge import frontend
         from kforge.fusion import executor as fusion_executor
 
         fusion_executor.forget_regions()
+        frontend.forget_background_compiles()
     kforge._C.set_cache(env["KFORGE_CACHE_DIR"], True)
     return env
 
