@@ -550,6 +550,11 @@ def test_dry_run_of_every_zoo_model(monkeypatch):
             assert r["first_s"] >= 0 and 2 < r["final_loss"] < 7 and r.get("ms") is None
     thunder_rows = [r for r in rows if r["backend"] == "thunder"]
     assert all(r["path"] == "jit" for r in thunder_rows)
+    for r in thunder_rows:  # the first step's phases, from Thunder's compile statistics
+        phases = r["first_trace_s"] + r["first_transforms_s"] + r["first_forward_s"]
+        assert min(r["first_trace_s"], r["first_transforms_s"], r["first_forward_s"]) > 0, r
+        assert phases <= r["first_s"], r
+    assert all("first_trace_s" not in r for r in rows if r["backend"] == "eager")
 
 
 def test_dry_run_from_the_command_line(factories, tmp_path):
@@ -631,7 +636,9 @@ def test_cold_caches_start_like_a_fresh_process(tmp_path, monkeypatch):
 def test_second_process_plumbing_on_cpu(factories):
     case = models.ModelCase("m", "kf_bench_models:make")
     res = models.second_process(case, "fp32", "eager", batch=2, seq=4, device="cpu", cudagraphs=False, env={})
-    assert "error_2nd" not in res and res["first_s_2nd"] >= 0
+    assert "error_2nd" not in res and res["first_s_2nd"] >= 0 and "first_trace_s_2nd" not in res
+    th = models.second_process(case, "fp32", "thunder", batch=2, seq=4, device="cpu", cudagraphs=False, env={})
+    assert "error_2nd" not in th and 0 < th["first_trace_s_2nd"] < th["first_s_2nd"], th
     bad = models.second_process(models.ModelCase("m", "kf_bench_models:bad_mode"), "fp32", "eager", batch=2, seq=4,
                                 device="cpu", cudagraphs=False, env={})
     assert "mode must be" in bad["error_2nd"]

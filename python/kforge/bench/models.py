@@ -296,6 +296,27 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
+def first_step_phases(fn: Any) -> dict[str, float]:
+    """Where a thunder.jit function's first call went, from Thunder's compile statistics (seconds):
+    `first_trace_s` the interpreter running the model's Python (acquiring the initial trace);
+    `first_transforms_s` from there to the forward's first run (the transforms, fusion passes,
+    autodiff, prologue); `first_forward_s` that run (kernels compiled or loaded on first launch).
+    The rest of `first_s` is wrapping, the backward's and the optimizer's first runs. Empty for
+    anything that is not a thunder.jit function (eager, torch.compile, the Dynamo path)."""
+    try:
+        import thunder
+
+        cs = thunder.compile_stats(fn)
+        t0, t1 = cs.last_trace_tracing_start, cs.last_trace_tracing_stop
+        e0, e1 = cs.last_trace_host_execution_start, cs.last_trace_host_execution_stop
+    except Exception:  # not a Thunder-compiled function
+        return {}
+    if cs is None or cs.cache_misses != 1 or min(t0, t1, e0, e1) < 0 or not t0 <= t1 <= e0 <= e1:
+        return {}
+    return {"first_trace_s": (t1 - t0) / 1e9, "first_transforms_s": (e0 - t1) / 1e9,
+            "first_forward_s": (e1 - e0) / 1e9}
+
+
 class Trainer:
     """One backend's wrapped model with its fused AdamW, ready to take training steps.
 
@@ -339,6 +360,7 @@ class Trainer:
         self.fn = wrap(self.backend, self.built.model, self.built.mode, cudagraphs=self.cudagraphs)
         loss = self.step().float().item()  # .item() waits for the step
         row["first_s"] = time.perf_counter() - t0
+        row.update(first_step_phases(self.fn))
         compiles1 = _nvrtc_compiles()
         if self.backend == "kforge" and compiles0 is not None and compiles1 is not None:
             row["nvrtc_compiles"] = compiles1 - compiles0
@@ -444,7 +466,8 @@ def second_process(case: ModelCase, setup: str, backend: str, *, batch: int, seq
     for line in reversed(r.stdout.splitlines()):
         if line.startswith("{"):
             out = json.loads(line)
-            res = {"first_s_2nd": out.get("first_s"), "nvrtc_compiles_2nd": out.get("nvrtc_compiles")}
+            res = {f"{k}_2nd": v for k, v in out.items() if k.startswith("first_")}
+            res["nvrtc_compiles_2nd"] = out.get("nvrtc_compiles")
             if out.get("error"):
                 res["error_2nd"] = out["error"]
             return {k: v for k, v in res.items() if v is not None}
@@ -464,7 +487,8 @@ def _child(spec_json: str) -> int:
                       path=spec.get("path"))
         row = train_row(built, spec["backend"], steps=0, warmup=1, cudagraphs=spec["cudagraphs"],
                         first_only=True)
-        res = {"first_s": row["first_s"], "nvrtc_compiles": row.get("nvrtc_compiles")}
+        res = {k: v for k, v in row.items() if k.startswith("first_") and k != "first_loss"}
+        res["nvrtc_compiles"] = row.get("nvrtc_compiles")
     except Exception as e:  # reported by the parent in the row
         res = {"error": _error(e)}
     print(json.dumps(res))
@@ -668,7 +692,12 @@ def _row_line(r: dict[str, Any]) -> str:
     if r.get("error"):
         return f"{what}: {r['error'][:160]}"
     ms = f"{r['ms']:.2f} ms/step, " if r.get("ms") is not None else ""
-    return f"{what}: {ms}first step {r.get('first_s', 0):.1f} s, loss {r.get('final_loss', float('nan')):.4f}"
+    phases = ""
+    if r.get("first_trace_s") is not None:
+        phases = (f" (trace {r['first_trace_s']:.1f} s, transforms {r['first_transforms_s']:.1f} s, "
+                  f"first forward {r['first_forward_s']:.1f} s)")
+    return (f"{what}: {ms}first step {r.get('first_s', 0):.1f} s{phases}, "
+            f"loss {r.get('final_loss', float('nan')):.4f}")
 
 
 def backend_label(row: dict[str, Any]) -> str:

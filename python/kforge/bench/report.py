@@ -554,7 +554,9 @@ HOW_MEASURED = """\
   warm-up, less what the other live backends hold. `first step s` is
   the wall time of wrapping the model and its first step (trace + compile), every row starting from
   empty kforge / Inductor / Triton disk caches; `2nd process first step s` is the same in a fresh
-  process that finds that row's disk caches warm. `× compile` / `× eager`: ms/step over
+  process that finds that row's disk caches warm. For thunder.jit / kforge.jit rows the record also
+  splits both into Thunder's trace, its transforms and the forward's first run
+  (`first_trace_s`, `first_transforms_s`, `first_forward_s`, from Thunder's compile statistics). `× compile` / `× eager`: ms/step over
   torch.compile's / eager's of the same set-up. Backends: eager; `torch.compile(model)`;
   `thunder.jit(model)` with Thunder's defaults (Thunder's Dynamo path `thunderfx` for models
   thunder.jit cannot trace); `kforge.jit(model)` (`kforge.compile(model)` on the Dynamo path).
