@@ -334,6 +334,35 @@ def test_profile_gpu_gpt2(tmp_path):
     assert {"forward", "backward", "optimizer"} <= {r["region"] for r in data["by_region"]}
 
 
+def test_profile_cudagraphs_option_puts_thunders_graph_transform_in():
+    import argparse
+
+    import thunder
+    from thunder.transforms.cudagraph import CUDAGraphTransform
+
+    from kforge.__main__ import build_workload, compile_workload, parser
+
+    args = parser().parse_args(["profile", "gpt2", "--size", "tiny", "--device", "cpu", "--cudagraphs"])
+    assert args.cudagraphs and isinstance(args, argparse.Namespace)
+    w = build_workload(args)
+    for backend in ("kforge", "thunder"):
+        with_graphs = compile_workload(w, backend, cudagraphs=True)
+        assert any(isinstance(t, CUDAGraphTransform) for t in thunder.compile_data(with_graphs).transforms), backend
+        plain = compile_workload(w, backend)
+        assert not any(isinstance(t, CUDAGraphTransform) for t in thunder.compile_data(plain).transforms), backend
+
+
+@gpu
+def test_profile_gpu_under_cuda_graphs(tmp_path):
+    for backend in ("kforge", "torch.compile"):
+        rc, out, err = run_cli("profile", "gpt2", "--size", "tiny", "--steps", "3", "--backend", backend,
+                               "--cudagraphs", "--json", str(tmp_path / "p.json"))
+        assert rc == 0, err
+        assert "CUDA graphs]" in out
+        cats = {c["category"]: c for c in json.loads((tmp_path / "p.json").read_text())["by_category"]}
+        assert cats["matmul"]["ms"] > 0, (backend, cats)
+
+
 # ---- polish: help texts, usage lines, pipes, progress, one-line errors ----------------------------------
 def _all_parsers():
     """(name, parser) of `python -m kforge`, `python -m kforge.bench` and every subcommand of each."""

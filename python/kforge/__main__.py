@@ -235,26 +235,32 @@ def build_workload(args: argparse.Namespace) -> Workload:
     return Workload(f"hf-llama-{size}", model, {"input_ids": idx, "labels": idx}, "dynamo")
 
 
-def compile_workload(w: Workload, backend: str = "kforge") -> Any:
+def compile_workload(w: Workload, backend: str = "kforge", *, cudagraphs: bool = False) -> Any:
     """The model compiled for `backend`: kforge (thunder.jit, or kforge.transforms.thunderfx on the
-    Dynamo path), thunder (Thunder's default executors), torch.compile, or eager."""
+    Dynamo path), thunder (Thunder's default executors), torch.compile, or eager. `cudagraphs`:
+    torch.compile's mode="reduce-overhead"; Thunder's CUDAGraphTransform for thunder and kforge."""
     import torch
 
     if backend == "eager":
         return w.model
     if backend == "torch.compile":
-        return torch.compile(w.model)
+        return torch.compile(w.model, mode="reduce-overhead") if cudagraphs else torch.compile(w.model)
     import thunder
 
+    extra: dict[str, Any] = {}
+    if cudagraphs:
+        from thunder.transforms.cudagraph import CUDAGraphTransform
+
+        extra["transforms"] = [CUDAGraphTransform()]
     if backend == "kforge":
         from .frontend import compile as kforge_compile, jit as kforge_jit
 
-        return kforge_jit(w.model) if w.mode == "jit" else kforge_compile(w.model)
+        return kforge_jit(w.model, **extra) if w.mode == "jit" else kforge_compile(w.model, **extra)
     if w.mode == "jit":
-        return thunder.jit(w.model, executors=thunder.get_default_executors())
+        return thunder.jit(w.model, executors=thunder.get_default_executors(), **extra)
     from thunder.dynamo import thunderfx as plain_thunderfx
 
-    return plain_thunderfx(w.model, executors=thunder.get_default_executors())
+    return plain_thunderfx(w.model, executors=thunder.get_default_executors(), **extra)
 
 
 def loss_of(out: Any, loss_fn: Callable | None = None):
@@ -323,12 +329,18 @@ def cmd_tieout(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _train_step(w: Workload, compiled: Any) -> Callable[[], None]:
+def _train_step(w: Workload, compiled: Any, *, mark_step: bool = False) -> Callable[[], None]:
+    """One training step of `compiled`; `mark_step`: a new iteration for torch.compile's CUDA-graph
+    trees first (reduce-overhead)."""
+    import torch
+
     from .tieout import adamw
 
     opt = adamw(list(w.model.parameters()), lr=1e-4)
 
     def step() -> None:
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
         loss_of(w.call(compiled, **w.train_kwargs), w.loss_fn).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -345,9 +357,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print("kforge profile needs a CUDA GPU; none is visible.", file=sys.stderr)
         return 2
     w = build_workload(args)
-    compiled = compile_workload(w, args.backend)
-    report = profile(_train_step(w, compiled), steps=args.steps, warmup=args.warmup, trace_file=args.trace)
-    print(f"{w.name} [{args.backend}, {w.mode}]: forward + backward + AdamW step")
+    compiled = compile_workload(w, args.backend, cudagraphs=args.cudagraphs)
+    mark = args.cudagraphs and args.backend == "torch.compile"
+    report = profile(_train_step(w, compiled, mark_step=mark), steps=args.steps, warmup=args.warmup, trace_file=args.trace)
+    graphs = ", CUDA graphs" if args.cudagraphs else ""
+    print(f"{w.name} [{args.backend}, {w.mode}{graphs}]: forward + backward + AdamW step")
     print(report.summary())
     print()
     print(report.table(top=args.top))
@@ -527,6 +541,8 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--steps", type=int, default=5, help="profiled steps (default 5)")
     pr.add_argument("--warmup", type=int, default=2, help="steps run before them, compiling included (default 2)")
     pr.add_argument("--top", type=int, default=20, help="rows of the per-op table")
+    pr.add_argument("--cudagraphs", action="store_true",
+                    help="torch.compile mode='reduce-overhead'; thunder / kforge with Thunder's CUDAGraphTransform")
     pr.add_argument("--trace", metavar="FILE", help="also write a Chrome trace (Perfetto)")
     pr.add_argument("--json", metavar="FILE", help="write the summary as JSON")
 
