@@ -1,8 +1,10 @@
-"""kforge.lookasides (CPU): module calls traced without `Module._call_impl`'s hook tests.
+"""kforge.lookasides (CPU): module calls traced without `Module._call_impl`'s hook tests, Tensor
+methods without Thunder's DTensor dispatch wrapper interpreted.
 
-The lookaside must leave every trace Thunder makes unchanged (computation, backward and prologue,
-character for character apart from the timing in their headers), run hooks exactly as before, and
-stay out of compilations that do not use kforge's executor or that ask for sharp-edge checks.
+The lookasides must leave every trace Thunder makes unchanged (computation, backward and prologue,
+line for line apart from the timing in their headers and the source comments, which name the
+model's lines instead of Thunder's wrapper), run hooks exactly as before, and stay out of
+compilations that do not use kforge's executor or that ask for sharp-edge checks.
 """
 from __future__ import annotations
 
@@ -50,9 +52,20 @@ class _Net(torch.nn.Module):
         return self.head(x).sum()
 
 
-def _texts(jfn) -> str:
+def _all_texts(jfn) -> str:
     traces = [*thunder.last_traces(jfn), *thunder.last_backward_traces(jfn), *thunder.last_prologue_traces(jfn)]
     return re.sub(r"\(took \d+ milliseconds\)", "", "\n=====\n".join(str(t) for t in traces))
+
+
+def _texts(jfn) -> str:
+    """Every trace's code: source comments (where each line came from) and blank lines left out."""
+    return "\n".join(line for line in _all_texts(jfn).splitlines()
+                     if line.strip() and not line.lstrip().startswith("#"))
+
+
+def _thunder_wrapper_lines(jfn) -> int:
+    """Source comments that point into Thunder's DTensor dispatch wrapper instead of the model."""
+    return _all_texts(jfn).count("dtensor_torch_and_prims.py")
 
 
 def _jit_and_run(make_model):
@@ -68,11 +81,11 @@ def test_traces_identical_on_cpu(restore_lookaside, monkeypatch):
     """A small module tree (ModuleList, keyword arguments, module attributes read as numbers):
     the same traces, loss and gradient with and without the lookaside."""
     lookasides.uninstall()
-    monkeypatch.setenv("KFORGE_MODULE_CALL_LOOKASIDE", "0")
+    monkeypatch.setenv("KFORGE_LOOKASIDES", "0")
     jfn, loss, grad = _jit_and_run(_Net)
     assert not lookasides.installed()
     before = _texts(jfn)
-    monkeypatch.delenv("KFORGE_MODULE_CALL_LOOKASIDE")
+    monkeypatch.delenv("KFORGE_LOOKASIDES")
     jfn, loss2, grad2 = _jit_and_run(_Net)
     assert lookasides.installed()
     assert _texts(jfn) == before
@@ -88,14 +101,16 @@ def test_traces_identical_on_cpu(restore_lookaside, monkeypatch):
 def test_zoo_traces_identical_as_on_a_gpu(restore_lookaside, monkeypatch, make, kwargs):
     """The zoo's models traced as on a GPU: every trace identical, kforge's symbols included."""
     lookasides.uninstall()
-    monkeypatch.setenv("KFORGE_MODULE_CALL_LOOKASIDE", "0")
+    monkeypatch.setenv("KFORGE_LOOKASIDES", "0")
     without = fake_cuda_trace(make, **kwargs)
     assert not lookasides.installed()
-    monkeypatch.delenv("KFORGE_MODULE_CALL_LOOKASIDE")
+    monkeypatch.delenv("KFORGE_LOOKASIDES")
     with_ = fake_cuda_trace(make, **kwargs)
     assert lookasides.installed()
     assert _texts(with_.fn) == _texts(without.fn)
     assert with_.symbols() == without.symbols()
+    # Tensor methods: the comments name the model's own lines, no longer Thunder's wrapper
+    assert _thunder_wrapper_lines(without.fn) > 0 and _thunder_wrapper_lines(with_.fn) == 0
 
 
 def _spy_gate(monkeypatch) -> list[bool]:
@@ -140,6 +155,29 @@ def test_hooks_run_as_in_eager(restore_lookaside):
         torch.testing.assert_close(kforge.jit(net)(x), net(x))
     finally:
         handle.remove()
+
+
+def test_dispatch_wrappers_found_and_interpreted_outside_kforge(restore_lookaside, monkeypatch):
+    """Thunder's DTensor dispatch wrappers: each one gets a lookaside; a plain thunder.jit (no
+    kforge executor) still interprets them, and its traces keep naming the wrapper's line."""
+    wrappers = lookasides._dispatch_wrappers()
+    names = {getattr(w, "__qualname__", "") for w in wrappers}
+    assert len(wrappers) >= 10 and names == {lookasides._DISPATCH_QUALNAME}
+    lookasides.install()
+    from thunder.core.jit_ext import _general_jit_lookaside_map
+
+    assert all(_general_jit_lookaside_map[w] is lookasides._our_entries()[w] for w in wrappers)
+
+    def f(x):
+        return x.transpose(0, 1).reshape(-1) * 2
+
+    x = torch.randn(3, 4)
+    plain = thunder.jit(f)
+    torch.testing.assert_close(plain(x), f(x))
+    assert _thunder_wrapper_lines(plain) > 0
+    ours = kforge.jit(f)
+    torch.testing.assert_close(ours(x), f(x))
+    assert _thunder_wrapper_lines(ours) == 0
 
 
 def test_install_respects_a_foreign_entry_and_uninstalls(restore_lookaside):

@@ -1,4 +1,5 @@
-"""kforge's lookaside for Thunder's interpreter: module calls without the hook bookkeeping.
+"""kforge's lookasides for Thunder's interpreter: module calls without the hook bookkeeping, and
+Tensor methods without Thunder's DTensor dispatch wrapper being interpreted.
 
 `thunder.jit` runs the model's Python in its own interpreter, about 40 us per bytecode instruction on a
 development CPU. Every `module(x)` goes through `torch.nn.Module._call_impl`, whose first statement
@@ -17,8 +18,20 @@ module hooks are registered, `torch.jit` is not tracing, Thunder's sharp-edge ch
 its history; otherwise it interprets `_call_impl` itself, instruction by instruction, as Thunder does.
 It is active only for compilations that use kforge's executor (`kforge.jit`, `kforge.compile`,
 `thunder.jit(executors=kforge.executors())`); other `thunder.jit` calls in the process see Thunder's
-own behaviour. `kforge.jit` / `kforge.compile` install it (`KFORGE_MODULE_CALL_LOOKASIDE=0`: not);
+own behaviour. `kforge.jit` / `kforge.compile` install it (`KFORGE_LOOKASIDES=0`: not);
 `uninstall()` takes it out again.
+
+A second group of lookasides runs Thunder's DTensor dispatch wrappers opaquely. Thunder 0.2.6 sends
+17 torch functions and Tensor methods (`transpose`, `reshape`, `linear`, `add`, `mul`, `exp`, ...)
+through a small Python wrapper that flattens the arguments to decide between the single-device and
+the DTensor symbol. Called as a function (`torch.transpose(x, 1, 2)`) the wrapper already runs
+opaquely; called as a method (`x.transpose(1, 2)`, how models are written) the interpreter finds it
+in the Tensor-method table and interprets it, `tree_flatten` and all: 15 % of the trace time of a
+plain Llama or nanoGPT. Run opaquely, the wrapper makes the same decision on the same values and
+records the same symbol; the traces differ in their source comments only, which now name the
+model's line instead of the wrapper's (`dtensor_torch_and_prims.py`). The same conditions as above
+apply (kforge's executor, default sharp edges, no interpreter history); otherwise the wrapper is
+interpreted as Thunder does.
 """
 from __future__ import annotations
 
@@ -28,6 +41,8 @@ import torch
 import torch.nn.modules.module as _module
 
 __all__ = ["install", "installed", "uninstall"]
+
+_DISPATCH_QUALNAME = "dispatch_to_impl.<locals>.wrapper"  # thunder/torch/experimental/dtensor_torch_and_prims.py
 
 _CALL_IMPL = torch.nn.Module._call_impl
 
@@ -80,24 +95,75 @@ def _call_impl_lookaside(self, *args, **kwargs):
     return _interpret_call(forward, *args, **kwargs)
 
 
+def _dispatch_wrappers() -> list:
+    """Thunder's DTensor dispatch wrappers, from its torch-function and Tensor-method tables."""
+    import importlib
+
+    import thunder.torch as ttorch
+
+    methods = importlib.import_module("thunder.torch.langctx")._method_name_to_fn_map
+    found: dict[int, object] = {}
+    for fn in (*ttorch._torch_to_thunder_function_map.values(), *methods.values()):
+        if getattr(fn, "__qualname__", "") == _DISPATCH_QUALNAME:
+            found[id(fn)] = fn
+    return list(found.values())
+
+
+def _dispatch_lookaside(wrapper):
+    """The interpreter's call of one dispatch wrapper: opaque (as Thunder runs the function form),
+    the source location of the model's line recorded in the symbol's header as for any torch
+    function; interpreted, as Thunder would, outside kforge's compilations."""
+    from thunder.core.interpreter import _interpret_call
+    from thunder.core.jit_ext import (ensure_recursive_proxies, interpreter_needs_wrap,
+                                      record_source_loc_in_symbol_header)
+
+    opaque = ensure_recursive_proxies(interpreter_needs_wrap(record_source_loc_in_symbol_header(wrapper)))
+    interpreted = _copy_of(wrapper)
+
+    def lookaside(*args, **kwargs):
+        if _kforge_compilation():
+            return opaque(*args, **kwargs)
+        return _interpret_call(interpreted, *args, **kwargs)
+
+    lookaside.__qualname__ = f"kforge.lookasides.dispatch[{getattr(wrapper, '__qualname__', '?')}]"
+    return lookaside
+
+
+_entries: dict | None = None  # the function each lookaside stands in for -> the lookaside
+
+
+def _our_entries() -> dict:
+    global _entries
+    if _entries is None:
+        _entries = {_CALL_IMPL: _call_impl_lookaside}
+        for w in _dispatch_wrappers():
+            _entries[w] = _dispatch_lookaside(w)
+    return _entries
+
+
 def install() -> bool:
-    """Registers the lookaside for `torch.nn.Module._call_impl` with Thunder's interpreter (once per
-    process). False, and nothing registered, where something else already holds that entry."""
+    """Registers kforge's lookasides with Thunder's interpreter (once per process): module calls and
+    the DTensor dispatch wrappers. False where something else already holds one of those entries
+    (that one stays as it is; the others are registered)."""
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
-    current = _general_jit_lookaside_map.setdefault(_CALL_IMPL, _call_impl_lookaside)
-    return current is _call_impl_lookaside
+    ok = True
+    for fn, lookaside in _our_entries().items():
+        ok &= _general_jit_lookaside_map.setdefault(fn, lookaside) is lookaside
+    return ok
 
 
 def installed() -> bool:
+    """Whether every lookaside of kforge's is registered."""
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
-    return _general_jit_lookaside_map.get(_CALL_IMPL) is _call_impl_lookaside
+    return all(_general_jit_lookaside_map.get(fn) is la for fn, la in _our_entries().items())
 
 
 def uninstall() -> None:
-    """Removes kforge's lookaside; Thunder interprets `_call_impl` again (the next trace onwards)."""
+    """Removes kforge's lookasides; Thunder interprets those functions again (the next trace onwards)."""
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
-    if installed():
-        del _general_jit_lookaside_map[_CALL_IMPL]
+    for fn, lookaside in _our_entries().items():
+        if _general_jit_lookaside_map.get(fn) is lookaside:
+            del _general_jit_lookaside_map[fn]

@@ -1849,11 +1849,11 @@ def executors() -> list:
 
 
 def _install_lookasides() -> None:
-    """kforge's lookaside for module calls in Thunder's interpreter (`kforge.lookasides`), unless
-    KFORGE_MODULE_CALL_LOOKASIDE is off."""
+    """kforge's lookasides in Thunder's interpreter (`kforge.lookasides`), unless KFORGE_LOOKASIDES
+    is off."""
     from . import _env, lookasides
 
-    if _env.flag("KFORGE_MODULE_CALL_LOOKASIDE"):
+    if _env.flag("KFORGE_LOOKASIDES"):
         lookasides.install()
 
 
