@@ -148,6 +148,9 @@ class _Partitioner:
         self.members: dict[int, list[int]] = {i: [i] for i in range(n)}   # home members
         self.absorbed: dict[int, list[int]] = {}         # group -> duplicated producers
         self.reasons: dict[int, str] = {}
+        # Per node, computed once: merging asks them of the same nodes for every candidate region.
+        self._is_view: dict[int, bool] = {}
+        self._copies: dict[int, bool] = {}
 
     # -- regions ------------------------------------------------------------------------------------
     def all_members(self, g: int) -> list[int]:
@@ -208,7 +211,6 @@ class _Partitioner:
         return False
 
     def check(self, ms: list[int]) -> str | None:
-        bs, ins, outs = self.region(ms)
         keep = self.peel(ms)
         if not keep:
             return None  # views only: nothing to lower, merging is harmless
@@ -305,9 +307,22 @@ class _Partitioner:
                     break
 
     # -- 3. peeling ---------------------------------------------------------------------------------------
+    def is_view(self, i: int) -> bool:
+        v = self._is_view.get(i)
+        if v is None:
+            v = self._is_view[i] = is_view_bsym(self.nodes[i].bsym)
+        return v
+
     def copies(self, i: int) -> bool:
         """Node i is a reshape torch would have to copy (of a transposed or expanded view): as a
-        kernel of ours it is a vectorised copy, or better, part of a region."""
+        kernel of ours it is a vectorised copy, or better, part of a region. Depends on the node and
+        the views feeding it only, so it is answered once per node."""
+        c = self._copies.get(i)
+        if c is None:
+            c = self._copies[i] = self._replays_as_copy(i)
+        return c
+
+    def _replays_as_copy(self, i: int) -> bool:
         import torch
 
         b = self.nodes[i].bsym
@@ -317,7 +332,7 @@ class _Partitioner:
         chain, j = [], i
         while True:  # the views feeding it, back to a tensor torch holds contiguous
             node = self.nodes[j]
-            if not is_view_bsym(node.bsym):
+            if not self.is_view(j):
                 break
             chain = _prims(node.bsym) + chain
             src = node.bsym.flat_proxy_args[0] if node.bsym.flat_proxy_args else None
@@ -347,9 +362,9 @@ class _Partitioner:
             changed = False
             inside = set(keep)
             for i in list(keep):
-                b = self.nodes[i].bsym
-                if not is_view_bsym(b) or self.copies(i):
+                if not self.is_view(i) or self.copies(i):
                     continue
+                b = self.nodes[i].bsym
                 read_inside = any(c in inside and c != i
                                   for o in b.flat_proxy_outs for c in self.consumers.get(o.name, ()))
                 if not read_inside:
