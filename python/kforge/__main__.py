@@ -236,31 +236,13 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 
 def compile_workload(w: Workload, backend: str = "kforge", *, cudagraphs: bool = False) -> Any:
-    """The model compiled for `backend`: kforge (thunder.jit, or kforge.transforms.thunderfx on the
-    Dynamo path), thunder (Thunder's default executors), torch.compile, or eager. `cudagraphs`:
-    torch.compile's mode="reduce-overhead"; Thunder's CUDAGraphTransform for thunder and kforge."""
-    import torch
+    """The model compiled for `backend` as `bench models` wraps it (`kforge.bench.models.wrap`):
+    kforge (kforge.jit, or kforge.compile on the Dynamo path), thunder (Thunder's defaults),
+    torch.compile, or eager. `cudagraphs`: torch.compile's mode="reduce-overhead"; Thunder's
+    CUDAGraphTransform for thunder and kforge."""
+    from .bench.models import wrap
 
-    if backend == "eager":
-        return w.model
-    if backend == "torch.compile":
-        return torch.compile(w.model, mode="reduce-overhead") if cudagraphs else torch.compile(w.model)
-    import thunder
-
-    extra: dict[str, Any] = {}
-    if cudagraphs:
-        from thunder.transforms.cudagraph import CUDAGraphTransform
-
-        extra["transforms"] = [CUDAGraphTransform()]
-    if backend == "kforge":
-        from .frontend import compile as kforge_compile, jit as kforge_jit
-
-        return kforge_jit(w.model, **extra) if w.mode == "jit" else kforge_compile(w.model, **extra)
-    if w.mode == "jit":
-        return thunder.jit(w.model, executors=thunder.get_default_executors(), **extra)
-    from thunder.dynamo import thunderfx as plain_thunderfx
-
-    return plain_thunderfx(w.model, executors=thunder.get_default_executors(), **extra)
+    return wrap(backend, w.model, w.mode, cudagraphs=cudagraphs)
 
 
 def loss_of(out: Any, loss_fn: Callable | None = None):
