@@ -239,7 +239,7 @@ def compile_workload(w: Workload, backend: str = "kforge", *, cudagraphs: bool =
     """The model compiled for `backend` as `bench models` wraps it (`kforge.bench.models.wrap`):
     kforge (kforge.jit, or kforge.compile on the Dynamo path), thunder (Thunder's defaults),
     torch.compile, or eager. `cudagraphs`: torch.compile's mode="reduce-overhead"; Thunder's
-    CUDAGraphTransform for thunder and kforge."""
+    CUDAGraphTransform for thunder; kforge.cudagraphs for kforge."""
     from .bench.models import wrap
 
     return wrap(backend, w.model, w.mode, cudagraphs=cudagraphs)
@@ -524,7 +524,8 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--warmup", type=int, default=2, help="steps run before them, compiling included (default 2)")
     pr.add_argument("--top", type=int, default=20, help="rows of the per-op table")
     pr.add_argument("--cudagraphs", action="store_true",
-                    help="torch.compile mode='reduce-overhead'; thunder / kforge with Thunder's CUDAGraphTransform")
+                    help="torch.compile mode='reduce-overhead'; thunder with Thunder's CUDAGraphTransform; "
+                         "kforge with kforge.jit(cudagraphs=True)")
     pr.add_argument("--trace", metavar="FILE", help="also write a Chrome trace (Perfetto)")
     pr.add_argument("--json", metavar="FILE", help="write the summary as JSON")
 

@@ -111,29 +111,37 @@ def forget_background_compiles() -> None:
     _warming = False
 
 
-def jit(fn: Callable, /, *, fusion: bool | None = None, transforms: Sequence[Any] = (), **kwargs: Any):
+def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False,
+        transforms: Sequence[Any] = (), **kwargs: Any):
     """`thunder.jit(fn)` with `kforge.executors()` and kforge's pattern transforms, which find the
     mission's steps (RMSNorm, RoPE, GQA, SwiGLU, ...) as users write them in plain torch ops and hand
-    them to kforge's operators. Other keyword arguments go to `thunder.jit` (`executors=` overrides
-    the list). `fn.llama_patterns` is the pattern transform (its `rewrites` say what was replaced).
-    Raises TypeError, naming the argument, for a non-callable `fn`, a non-bool `fusion` or
-    `transforms` that is not a list of Thunder transforms."""
+    them to kforge's operators. `cudagraphs=True` adds `kforge.cudagraphs.CUDAGraphs()` (forward and
+    backward replayed as CUDA graphs: static shapes, forward and backward alternating). Other keyword
+    arguments go to `thunder.jit` (`executors=` overrides the list). `fn.llama_patterns` is the
+    pattern transform (its `rewrites` say what was replaced). Raises TypeError, naming the argument,
+    for a non-callable `fn`, a non-bool `fusion` or `cudagraphs`, or `transforms` that is not a list
+    of Thunder transforms."""
+    from .cudagraphs import _check, with_cudagraphs
     from .transforms import jit as _jit
 
     _check_args("kforge.jit", fn, fusion, transforms, kwargs)
+    _check("kforge.jit", cudagraphs)
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
-    return _jit(fn, transforms=transforms, **kwargs)
+    return _jit(fn, transforms=with_cudagraphs(transforms, cudagraphs), **kwargs)
 
 
-def compile(model: Callable, /, *, fusion: bool | None = None, transforms: Sequence[Any] = (), **kwargs: Any):
+def compile(model: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False,
+            transforms: Sequence[Any] = (), **kwargs: Any):
     """`torch.compile(model)` with Thunder as its backend (Thunder's Dynamo path), `kforge.executors()`
     and the pattern transforms: for models `thunder.jit` cannot trace, such as Hugging Face's
-    LlamaForCausalLM. Other keyword arguments go to Thunder / torch.compile. Raises TypeError as
-    `kforge.jit` does for bad arguments."""
+    LlamaForCausalLM. `cudagraphs` as in `kforge.jit`. Other keyword arguments go to Thunder /
+    torch.compile. Raises TypeError as `kforge.jit` does for bad arguments."""
+    from .cudagraphs import _check, with_cudagraphs
     from .transforms import thunderfx
 
     _check_args("kforge.compile", model, fusion, transforms, kwargs)
+    _check("kforge.compile", cudagraphs)
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
-    return thunderfx(model, transforms=transforms, **kwargs)
+    return thunderfx(model, transforms=with_cudagraphs(transforms, cudagraphs), **kwargs)

@@ -85,7 +85,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     m.add_argument("--steps", type=int, help="timed steps per row (default 10)")
     m.add_argument("--warmup", type=int, help="untimed steps before them, the first included (default 3)")
     m.add_argument("--cudagraphs", action="store_true",
-                   help="torch.compile mode='reduce-overhead'; thunder / kforge with Thunder's CUDAGraphTransform")
+                   help="torch.compile mode='reduce-overhead'; thunder with Thunder's CUDAGraphTransform; "
+                        "kforge with kforge.jit(cudagraphs=True)")
     m.add_argument("--path", choices=["jit", "dynamo"],
                    help="how thunder and kforge reach every model: jit = thunder.jit / kforge.jit, dynamo = "
                         "Thunder's Dynamo path (thunderfx / kforge.compile); default: each factory's own "

@@ -9,7 +9,8 @@ under `torch.autocast(bfloat16)`; fp32), on each backend:
   thunder        `thunder.jit(model)` with Thunder's defaults; `thunder.dynamo.thunderfx(model)` for
                  models on the Dynamo path (factory option mode="dynamo", e.g. hf-llama)
   kforge         `kforge.jit(model)`; `kforge.compile(model)` on the Dynamo path (with --cudagraphs:
-                 `transforms=[thunder.transforms.cudagraph.CUDAGraphTransform()]`, also for thunder)
+                 `cudagraphs=True`, kforge.cudagraphs' runner; thunder gets
+                 `transforms=[thunder.transforms.cudagraph.CUDAGraphTransform()]`)
 
 Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW) with their 10th and
 90th percentiles, peak memory over a few steps taken alone, the first step's wall time (trace + compile + one step; by default every row starts
@@ -233,7 +234,8 @@ def wrap(backend: str, model: Any, mode: str = "jit", *, cudagraphs: bool = Fals
     if backend == "kforge":
         import kforge
 
-        return kforge.compile(model, **extra) if mode == "dynamo" else kforge.jit(model, **extra)
+        # kforge's runner (kforge.cudagraphs): Thunder's transform, gradients handed out without a copy
+        return kforge.compile(model, cudagraphs=cudagraphs) if mode == "dynamo" else kforge.jit(model, cudagraphs=cudagraphs)
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 
@@ -615,6 +617,8 @@ def _bench_group(case: ModelCase, setup: str, cfg: ModelsConfig, *, device: str,
     for backend in cfg.backends:
         row: dict[str, Any] = dict(model=case.label, size=case.size, setup=setup, backend=backend,
                                    cudagraphs=cudagraphs and backend != "eager", batch=cfg.batch, seq=cfg.seq)
+        if row["cudagraphs"] and backend == "kforge":
+            row["graph_runner"] = "kforge.cudagraphs"  # earlier records: Thunder's CUDAGraphTransform
         env: dict[str, str] = {}
         tr: Trainer | None = None
         try:
@@ -701,12 +705,15 @@ def _row_line(r: dict[str, Any]) -> str:
 
 
 def backend_label(row: dict[str, Any]) -> str:
-    """The backend as the tables name it: with --cudagraphs, torch.compile (reduce-overhead) and
-    thunder / kforge + CUDAGraphTransform."""
+    """The backend as the tables name it: with --cudagraphs, torch.compile (reduce-overhead),
+    thunder + CUDAGraphTransform and kforge + kforge.cudagraphs (rows recorded before kforge had its
+    own runner: kforge + CUDAGraphTransform)."""
     b = row["backend"]
     if not row.get("cudagraphs"):
         return b
-    return "torch.compile (reduce-overhead)" if b == "torch.compile" else f"{b} + CUDAGraphTransform"
+    if b == "torch.compile":
+        return "torch.compile (reduce-overhead)"
+    return f"{b} + {row.get('graph_runner', 'CUDAGraphTransform')}"
 
 
 if __name__ == "__main__":
