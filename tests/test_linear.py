@@ -242,3 +242,82 @@ def test_claimed_under_autocast(autocast):
     fwd = [b.sym.name for b in traced.forward.bound_symbols]
     bwd = [b.sym.name for b in traced.backward.bound_symbols]
     assert "kforge_linear_forward" in fwd and "kforge_linear_backward" in bwd, (fwd, bwd)
+
+
+# ---- fp32 layers read by an add: the bias goes to the add (LinearBiasSplit) ---------------------------
+class _Block(torch.nn.Module):
+    """x + proj(gelu(fc(x))) with an extra layer whose output is read by a view (not split)."""
+
+    def __init__(self, c: int = 32):
+        super().__init__()
+        self.fc, self.proj, self.qkv = torch.nn.Linear(c, 4 * c), torch.nn.Linear(4 * c, c), torch.nn.Linear(c, 3 * c)
+
+    def forward(self, x):
+        y = x + self.proj(F.gelu(self.fc(x)))
+        return y, self.qkv(y).view(*y.shape[:-1], 3, -1)
+
+
+def _block_factory(dtype=torch.float32, autocast=False, device="cuda", **_):
+    from kforge.zoo._build import build
+
+    torch.manual_seed(0)
+    m = build(_Block, device=device, dtype=torch.float32 if autocast else dtype)
+    x = torch.randn(2, 5, 32, device=device, dtype=torch.float32 if autocast else dtype, requires_grad=True)
+    return m, (x,), {"autocast": torch.bfloat16 if autocast else None}
+
+
+def _linears(trace):
+    """(layers with a bias, layers without) among the trace's F.linear / prims.linear symbols."""
+    with_bias = without = 0
+    for b in trace.bound_symbols:
+        if b.sym.name == "linear":
+            x, w, bias = op._layer(b)
+            with_bias += bias is not None
+            without += bias is None
+    return with_bias, without
+
+
+@pytest.mark.parametrize("dtype, autocast, fusion, split", [
+    (torch.float32, False, True, 1),    # only proj (read by the residual add); fc feeds gelu, qkv a view
+    (torch.bfloat16, False, True, 0),   # 16-bit layers keep cuBLAS's bias epilogue
+    (torch.float32, True, True, 0),     # under autocast the layers run in bf16
+    (torch.float32, False, False, 0),   # without kforge's fusion executor the add would be a torch kernel
+], ids=["fp32", "bf16", "autocast", "no-fusion"])
+def test_bias_split_only_where_the_add_fuses(dtype, autocast, fusion, split):
+    from kforge.ops.linear import LinearBiasSplit
+
+    def jit(fn):
+        jfn = kforge.jit(fn, fusion=fusion)
+        (t,) = [t for t in thunder.compile_data(jfn).transforms if isinstance(t, LinearBiasSplit)]
+        jit.t = t
+        return jfn
+
+    ft = conftest.fake_cuda_trace(functools.partial(_block_factory, dtype=dtype, autocast=autocast), jit=jit)
+    assert jit.t.splits == split
+    traces = thunder.last_traces(ft.fn)
+    # after the pre-prologue transforms: layers with a bias, layers without
+    after = next(tr for tr in traces if "linear bias split" in str(tr.get_provenance())) if split else traces[0]
+    assert _linears(after) == (3 - split, split)
+
+
+@gpu
+def test_bias_split_layers_match_eager():
+    """fp32 on a GPU: the split block's outputs and every gradient against eager (the split changes
+    where the bias is added, not the values beyond rounding)."""
+    import copy
+
+    from kforge.ops.linear import LinearBiasSplit
+
+    m, (x,), _ = _block_factory(device="cuda")
+    jm = kforge.jit(copy.deepcopy(m))
+    xj = x.detach().clone().requires_grad_()
+    (y, q), (ry, rq) = jm(xj), m(x)
+    ((y * 1.5).sum() + q.sum()).backward()
+    ((ry * 1.5).sum() + rq.sum()).backward()
+    (t,) = [t for t in thunder.compile_data(jm).transforms if isinstance(t, LinearBiasSplit)]
+    assert t.splits == 1
+    torch.testing.assert_close(y, ry, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q, rq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xj.grad, x.grad, rtol=1e-5, atol=1e-5)
+    for (name, p), rp in zip(jm.named_parameters(), m.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad, rtol=1e-4, atol=1e-5, msg=name)

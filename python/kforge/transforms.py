@@ -1877,12 +1877,13 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     from thunder.dynamo.utils import get_torch_compile_kwargs
 
     from .fusion.zero_cotangents import ZeroCotangents
+    from .ops.linear import LinearBiasSplit
     from .prologue import BatchedChecks
 
     _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    kwargs["transforms"] = [patterns, *transforms, ZeroCotangents(), BatchedChecks()]
+    kwargs["transforms"] = [patterns, LinearBiasSplit(), *transforms, ZeroCotangents(), BatchedChecks()]
     compile_kwargs = get_torch_compile_kwargs(**kwargs)
     backend = _compiler_class()(**{k: v for k, v in kwargs.items() if k not in compile_kwargs})
     compiled = ThunderFXCompiledObject(backend, torch.compile(model, backend=backend, **compile_kwargs))
@@ -1899,11 +1900,13 @@ def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterabl
     import thunder
 
     from .fusion.zero_cotangents import ZeroCotangents
+    from .ops.linear import LinearBiasSplit
     from .prologue import BatchedChecks
 
     _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    jfn = thunder.jit(fn, transforms=[patterns, *transforms, ZeroCotangents(), BatchedChecks()], **kwargs)
+    transforms = [patterns, LinearBiasSplit(), *transforms, ZeroCotangents(), BatchedChecks()]
+    jfn = thunder.jit(fn, transforms=transforms, **kwargs)
     jfn.llama_patterns = patterns
     return jfn

@@ -31,6 +31,7 @@ import thunder.torch as ltorch
 from thunder.core import prims
 from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
+from thunder.core.transform_common import Transform
 from thunder.core.transforms import get_grad, put_grad
 
 from .._thunder import Claim, OpSpec, operator, same_dtype_device, tensor_problem
@@ -168,3 +169,83 @@ def _grad(a: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> Te
 # autocast lm_head runs unpadded (GPT-2 124M: three ~5 ms GEMMs per step instead of ~1 ms ones).
 SPEC = OpSpec("linear", (Claim(ltorch.linear, _checker, _execution, _grad, applies=_applies),
                          Claim(prims.linear, _checker, _execution, _grad, applies=_applies)))
+
+
+# ---- fp32 linear layers whose output feeds a residual add: the bias goes to the add ---------------
+# For fp32 `F.linear(x, w, b)` PyTorch calls cuBLASLt's GEMM with a bias epilogue, whose kernel choice
+# differs from the plain GEMM's. At GPT-2's MLP down-projection at B=4, T=64 (x 256 x 3072, w 768 x
+# 3072, fp32, H200) it is a SIMT CUTLASS kernel at 99 us against 57 us for the plain GEMM
+# (docs/experiments/linear.md); bf16 layers get the fast kernel with or without bias. Where every
+# reader of the output is an add / sub / mul that kforge's fusion executor will take, the bias add
+# costs nothing there: the layer becomes `linear(x, w) + b` before autograd, and the broadcast add
+# fuses with its reader (the bias gradient is the same sum over leading dims either way).
+_SPLIT_READERS = frozenset({"torch.add", "torch.sub", "torch.mul"})
+
+
+def _layer(b: Any) -> tuple[Any, Any, Any]:
+    """(x, weight, bias) of an `F.linear` bound symbol, however its arguments were passed."""
+    args = list(b.args) + [None] * 3
+    return args[0], args[1], args[2] if len(b.args) >= 3 else b.kwargs.get("bias")
+
+
+class LinearBiasSplit(Transform):
+    """A Thunder transform (pre-prologue, on the computation trace): fp32 CUDA `F.linear` layers with
+    a bias whose output is read only by adds / subs / muls become `F.linear(x, w) + b`, when kforge's
+    fusion executor is in the executor list and no torch.autocast is active. `splits` counts the
+    layers rewritten by the last trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.splits = 0
+
+    def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
+        return prologue_trace, self.rewrite(computation_trace, kwargs.get("executors_list")), epilogue_trace
+
+    def rewrite(self, trace: Any, executors_list: Any = None) -> Any:
+        """`trace` with the layers split (or `trace` itself if none is)."""
+        from thunder.core.proxies import variableify
+        from thunder.core.trace import TraceProvenance, from_trace, tracectx
+
+        from ..fusion import get_fusion_executor
+
+        self.splits = 0
+        if executors_list is None or get_fusion_executor() not in executors_list:
+            return trace
+        if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
+            return trace  # the layer runs in 16 bits after Thunder's autocast rule
+        readers: dict[str, list[Any]] = {}
+        for b in trace.bound_symbols:
+            for p in b.flat_proxy_args:
+                readers.setdefault(p.name, []).append(b)
+        new = from_trace(trace)
+        bsyms: list[Any] = []
+        for b in trace.bound_symbols:
+            if not self._splits(b, readers):
+                bsyms.append(b)
+                continue
+            x, w, bias = _layer(b)
+            new.push_scope([])
+            with tracectx(new):
+                out = ltorch.add(ltorch.linear(x, w, None), bias)
+            made = new.pop_scope()
+            swap = {variableify(out): b.output}
+            bsyms.extend(m.from_bsym_swap_proxies(swap) for m in made)
+            self.splits += 1
+        if not self.splits:
+            return trace
+        new.bound_symbols = bsyms
+        new.set_provenance(TraceProvenance(f"kforge linear bias split ({self.splits} layers)"))
+        return new
+
+    @staticmethod
+    def _splits(b: Any, readers: dict[str, list[Any]]) -> bool:
+        if b.sym.id != ltorch.linear.id:
+            return False
+        x, w, bias = _layer(b)
+        if not all(isinstance(t, TensorProxy) for t in (x, w, bias)) or bias.ndim != 1:
+            return False
+        if any(dtypes.to_torch_dtype(t.dtype) != torch.float32 or t.device.type != "cuda" for t in (x, w, bias)):
+            return False
+        out = b.output
+        users = readers.get(out.name, [])
+        return bool(users) and all(u.sym.id in _SPLIT_READERS for u in users)
