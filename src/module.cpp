@@ -34,6 +34,7 @@ py::dict stats_to_dict(const CacheStats& s) {
     x["source"] = e.source;
     x["compile_ms"] = e.compile_ms;
     x["cubin_bytes"] = e.cubin_bytes;
+    x["parts"] = e.parts;
     entries.append(x);
   }
   d["entries"] = entries;

@@ -212,6 +212,64 @@ def test_header_change_invalidates_cache(tmp_path, fresh_cache):
     assert kforge.cache_info()["nvrtc_compiles"] == 2
 
 
+COMPILE_PARTS = """
+import json, kforge
+lowered = kforge._C.compile_source("parts", {src!r}, {exprs!r}, 90)
+info = kforge.cache_info()
+info["lowered"] = lowered
+print(json.dumps(info))
+"""
+
+
+def test_many_expressions_compile_in_parts_as_one_entry(tmp_path):
+    """A program's name expressions go to NVRTC in parts of at most 20 (per element type, on their own
+    threads) and come back as one cache entry: every lowered name in expression order, one compile,
+    one disk file, and a second process loads all parts from it. Each kernel's lowered name is the one
+    NVRTC gives it compiled alone."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "parts.cu").write_text(
+        "template <int N> __global__ void add_n(float* x) { x[threadIdx.x] += N; }\n")
+    exprs = [f"add_n<{i}>" for i in range(47)]  # three parts: 20, 20, 7
+    cache = tmp_path / "cache"
+    first = run_py(COMPILE_PARTS.format(src=str(src), exprs=exprs), cache)
+    assert first["nvrtc_compiles"] == 1 and len(list(cache.iterdir())) == 1
+    assert [e["parts"] for e in first["entries"]] == [3]
+    assert len(first["lowered"]) == 47 and len(set(first["lowered"])) == 47
+    alone = run_py(COMPILE_PARTS.format(src=str(src), exprs=exprs[30:31]), tmp_path / "cache-alone")
+    assert alone["lowered"] == [first["lowered"][30]]
+    second = run_py(COMPILE_PARTS.format(src=str(src), exprs=exprs), cache)
+    assert second["nvrtc_compiles"] == 0 and second["disk_hits"] == 1
+    assert second["lowered"] == first["lowered"] and [e["parts"] for e in second["entries"]] == [3]
+
+
+@pytest.mark.parametrize("name", ["gelu", "rmsnorm"])
+def test_shipped_kernels_split_by_element_type(name, fresh_cache):
+    """A shipped program's {T} kernels are compiled per element type, in runs of 20 (rmsnorm: 38
+    float, 58 bf16 and 58 half expressions when this was written, 8 parts)."""
+    kforge._C.compile(name, 90)
+    (entry,) = [e for e in kforge.cache_info()["entries"] if e["name"] == name]
+    exprs = kforge._C.name_expressions(name)
+    per_type = [sum(f"<{t}" in e or f", {t}" in e for e in exprs) for t in ("float", "bf16", "half")]
+    assert sum(per_type) == len(exprs)  # every expression names one element type
+    assert entry["parts"] == sum(-(-n // 20) for n in per_type if n) > 1
+
+
+@gpu
+def test_kernels_of_every_part_launch(fresh_cache):
+    """rmsnorm's expressions span several parts (one module each): a kernel from each element type
+    launches and computes (its forward against torch's)."""
+    import torch.nn.functional as F
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(64, 96, device="cuda", dtype=dtype)
+        w = torch.randn(96, device="cuda", dtype=dtype)
+        from kforge.ops.rmsnorm import rms_norm
+
+        ref = F.rms_norm(x.float(), (96,), w.float(), 1e-5)
+        torch.testing.assert_close(rms_norm(x, w, 1e-5).float(), ref, rtol=2e-2, atol=2e-2)
+
+
 # ---- errors -------------------------------------------------------------------------------------------
 def test_compile_error_names_kernel_and_carries_log(tmp_path, fresh_cache):
     (tmp_path / "broken.cu").write_text(

@@ -44,7 +44,7 @@ struct ProgramOptions {
 
 class Program;
 namespace detail {
-struct Compiled;  // CUBIN + lowered names of one program for one architecture
+struct Compiled;  // CUBINs + lowered names of one program for one architecture
 }
 
 // Launch geometry (cuda.h's Dim3 lives in the runtime headers, which the runtime does not need).
@@ -106,6 +106,7 @@ struct CacheEntryInfo {
   std::string source;  // "nvrtc", "disk" or "memory"
   double compile_ms = 0;
   int64_t cubin_bytes = 0;
+  int parts = 1;  // NVRTC programs (CUBINs) the program was compiled as
 };
 
 class Program {
@@ -128,15 +129,18 @@ class Program {
   std::vector<std::string> compile_for_arch(int arch);
   // Loaded CUfunction for name expression `index` on `device`.
   CUfunction function(int index, int device);
-  int add_expression(const std::string& expr);
+  // `dtype`: the element type the expression instantiates (Kernel's "{T}"), -1 for none. The
+  // expressions of each element type are compiled as their own NVRTC programs (runs of up to 20),
+  // in parallel, as one cache entry: a program's compile takes about as long as its largest part.
+  int add_expression(const std::string& expr, int dtype = -1);
   void forget_compiled();  // drop the memory-cache shortcut (loaded modules stay)
 
  private:
   std::shared_ptr<detail::Compiled> compiled(int arch);
 
   struct Module {
-    CUmodule module;
-    std::vector<std::string> lowered;
+    std::vector<CUmodule> parts;  // one per compiled part (see add_expression)
+    std::shared_ptr<detail::Compiled> compiled;
   };
   std::string name_;
   ProgramOptions options_;
@@ -144,6 +148,7 @@ class Program {
   std::string source_;        // the source text when given (from_source), else read from the file
   bool has_source_ = false;
   std::vector<std::string> exprs_;
+  std::vector<int> expr_dtype_;  // per expression: its element type, -1 for none or several
   std::mutex mu_;
   std::map<int, std::shared_ptr<detail::Compiled>> by_arch_;
   std::map<int, Module> modules_;  // per device, loaded into its primary context
