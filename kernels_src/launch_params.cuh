@@ -86,4 +86,6 @@ constexpr int kEmbIdxPerThread = 8;  // indices a thread tests per scan step (20
 constexpr int kEmbListCap = 4096;    // matched tokens a block keeps in shared memory
 constexpr int kEmbMaxRows = 128;     // vocabulary rows a block owns (list keys are 8-bit)
 constexpr int kEmbMinRows = 8;       // one row per warp: fewer only by splitting the channels
+constexpr int kEmbMaxBlockItems = 8; // items (32 lanes' columns) of a row a block: one per warp
+constexpr int kEmbHotRow = 128;      // tokens from which a row is summed by the whole block
 }

@@ -82,7 +82,9 @@ def check(out: torch.Tensor, grad: torch.Tensor, idx: torch.Tensor, V: int, padd
 # ---- GPU: the launcher ----------------------------------------------------------------------------
 # (index shape, C, V, distribution): GPT-2 / Llama sizes (several blocks' rows, one wave), 2-D
 # position indices, odd C (the element-wise path), V not a multiple of any row tile, one token,
-# repeats, one index for every token (a block's list overflows past 4096 tokens), a tiny vocabulary.
+# repeats, one index for every token (past the 4096-token list: a crowded row summed in rounds), a
+# tiny vocabulary, rows of 128+ tokens (split over the warps), a skewed vocabulary past the list
+# (ranges of rows, split and crowded rows), a crowded row of 9 items (two column chunks).
 CASES = [
     ((8, 1024), 768, 32000, "uniform"),
     ((8, 1024), 768, 50304, "zipf"),
@@ -98,6 +100,9 @@ CASES = [
     ((4, 2500), 768, 50, "same"),
     ((64, 256), 384, 65, "uniform"),
     ((3, 2049), 40, 200, "repeats"),
+    ((700,), 300, 3, "uniform"),
+    ((4, 8192), 64, 1000, "zipf"),
+    ((10000,), 1100, 2, "same"),
 ]
 
 
@@ -289,7 +294,7 @@ def test_plan_covers_every_row_and_column():
         pack = 4 if dtype == "float32" else 8
         assert p["vec"] == (aligned and c % pack == 0) and p["layout"] == ("vec" if p["vec"] else "scalar")
         rows, items, bi = p["rows"], p["items"], p["block_items"]
-        assert rows in (8, 16, 32, 64, 128) and 1 <= bi <= items, p
+        assert rows in (8, 16, 32, 64, 128) and 1 <= bi <= min(items, 8), p  # an item per warp at most
         assert items == -(-(c // pack if p["vec"] else c) // 32)
         tiles, chunks, z = p["grid"]
         assert (tiles - 1) * rows < v <= tiles * rows and (chunks - 1) * bi < items <= chunks * bi and z == 1, p
@@ -309,10 +314,16 @@ def test_plan_known_choices():
     assert (p["rows"], p["grid"]) == (128, (393, 1, 1))
     p = _C.plan("embedding_backward", [1024, 768], "bfloat16", num_weights=1024)
     assert (p["rows"], p["grid"], p["block_items"]) == (8, (128, 3, 1), 1)
+    p = _C.plan("embedding_backward", [8192, 4096], "float32", num_weights=32000)
+    assert (p["rows"], p["grid"], p["items"], p["block_items"]) == (128, (250, 4, 1), 32, 8)
     with pytest.raises(ValueError, match="num_weights must be given"):
         _C.plan("embedding_backward", [4, 4], "float32")
     with pytest.raises(ValueError, match="2\\^31 - 1 tokens"):
         _C.plan("embedding_backward", [1 << 31, 1], "float32", num_weights=4)
+    # gridDim.y: 65535 chunks of 8 items of 32 columns, the element-wise path's widest row
+    assert _C.plan("embedding_backward", [2, 65535 * 256], "float32", num_weights=4, aligned=False)["grid"][1] == 65535
+    with pytest.raises(ValueError, match="last dim C too large"):
+        _C.plan("embedding_backward", [2, 65535 * 256 + 1], "float32", num_weights=4)
 
 
 def test_checker_accepts_and_declines():
@@ -411,7 +422,7 @@ def test_cpu_tensors_fall_back_to_torch():
 
 
 # ---- property-based (hypothesis) ----------------------------------------------------------------
-_DIM = st.one_of(st.integers(0, 5), st.sampled_from([2**30 - 1, 2**30, 2**31]))
+_DIM = st.one_of(st.integers(0, 5), st.sampled_from([65535 * 256, 65535 * 256 + 1, 2**31 - 1, 2**31]))
 
 
 @settings(max_examples=200)
@@ -425,7 +436,7 @@ def test_checker_never_accepts_what_the_launcher_refuses(ishape, C, extra, gdtyp
                                                          scale, sparse):
     """Generated grad / indices proxies and arguments: whatever the checker accepts passes every check
     of embedding_backward's launcher (CUDA on one device, float grad, int64 / int32 indices, grad
-    shape indices.shape + (C,), num_weights >= 1, at most 2^31 - 1 tokens, C <= 2^30 - 1) and is
+    shape indices.shape + (C,), num_weights >= 1, at most 2^31 - 1 tokens, C <= 65535 * 256) and is
     the kernel's case (no scale_grad_by_freq, dense)."""
     gshape = ishape + (C,) if extra == 0 else (ishape + (C, 2) if extra == 1 else ishape[:-1] + (C,))
     with tracectx(TraceCtx()):
@@ -436,5 +447,5 @@ def test_checker_never_accepts_what_the_launcher_refuses(ishape, C, extra, gdtyp
     for s in ishape:
         n *= s
     assert gdev == idev == "cuda" and gdtype in ALL_DTYPES and idtype in (torch.int64, torch.int32)
-    assert gshape == ishape + (C,) and 1 <= n <= 2**31 - 1 and 1 <= C <= 2**30 - 1
+    assert gshape == ishape + (C,) and 1 <= n <= 2**31 - 1 and 1 <= C <= 65535 * 256
     assert V >= 1 and isinstance(pad, int) and not scale and not sparse

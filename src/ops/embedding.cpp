@@ -30,9 +30,9 @@ at::Tensor embedding_backward(const at::Tensor& grad_, const at::Tensor& indices
            indices_.sizes());
   KF_CHECK(num_weights >= 0, kBwd, "num_weights must be >= 0, got ", num_weights);
   const int64_t C = grad.size(-1), N = indices_.numel();
-  // Tokens are ints in the kernel's lists; C bounded as colsum's (2^30 - 1).
+  // Tokens are ints in the kernel's lists.
   KF_CHECK(N <= std::numeric_limits<int>::max(), kBwd, "at most 2^31 - 1 tokens, got ", N);
-  KF_CHECK(C <= std::numeric_limits<int>::max() / 2, kBwd, "last dim C=", C, " too large");
+  KF_CHECK(C <= kEmbeddingMaxC, kBwd, "last dim C=", C, " exceeds ", kEmbeddingMaxC);
   LaunchOn on(grad);
   at::Tensor out = new_output({num_weights, C}, grad.options());
   if (num_weights == 0 || C == 0) return out;

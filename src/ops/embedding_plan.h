@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <string>
 
-#include "launch_params.cuh"  // kernels_src/: kEmbThreads, kEmbMaxRows, kEmbMinRows, shared with embedding.cu
+#include "launch_params.cuh"  // kernels_src/: kf_embedding, shared with embedding.cu
 #include "plan.h"
 
 namespace kforge {
@@ -29,6 +29,10 @@ struct EmbeddingPlan : PlanWith<EmbeddingLayout> {
 
 inline const char* const kEmbeddingLayouts[] = {"vec", "scalar"};
 
+// The widest row: gridDim.y holds at most 65535 chunks of kEmbMaxBlockItems items of 32 columns
+// (element-wise; 16-byte units go further). kforge/ops/embedding.py's checker says the same.
+constexpr int64_t kEmbeddingMaxC = 65535LL * 32 * kf_embedding::kEmbMaxBlockItems;
+
 // N tokens, rows of C columns of elem_size bytes, V rows of dW (N >= 0, C, V >= 1: the launcher
 // launches nothing for an empty dW); aligned: grad 16-byte aligned.
 inline EmbeddingPlan plan_embedding_backward(int64_t N, int64_t C, int64_t V, int64_t elem_size,
@@ -42,9 +46,10 @@ inline EmbeddingPlan plan_embedding_backward(int64_t N, int64_t C, int64_t V, in
   p.set_layout(vec ? EmbeddingLayout::vec : EmbeddingLayout::scalar);
   p.items = cdiv(vec ? C / pack : C, 32);
   // Every block scans all N indices, so blocks are made as large as keeps about two per SM busy:
-  // halve the rows a block owns (down to one per warp), then split each row's items.
+  // halve the rows a block owns (down to one per warp), then split each row's items (at most one
+  // per warp in any case: a row of many tokens keeps one running sum per warp).
   const int64_t target = 2 * sms;
-  p.rows = kEmbMaxRows, p.block_items = p.items;
+  p.rows = kEmbMaxRows, p.block_items = std::min<int64_t>(p.items, kEmbMaxBlockItems);
   auto blocks = [&] { return cdiv(V, p.rows) * cdiv(p.items, p.block_items); };
   while (blocks() < target && (p.rows > kEmbMinRows || p.block_items > 1)) {
     if (p.rows > kEmbMinRows) p.rows /= 2;

@@ -178,7 +178,7 @@ py::dict embedding(const Query& q) {
   const int64_t V = q.opt<int64_t>("num_weights", 0);
   require(V >= 1, "embedding_backward", "num_weights must be >= 1 (nothing is launched for 0)");
   require(N <= std::numeric_limits<int>::max(), "embedding_backward", "at most 2^31 - 1 tokens");
-  require(C <= std::numeric_limits<int>::max() / 2, "embedding_backward", "last dim C too large");
+  require(C <= kEmbeddingMaxC, "embedding_backward", "last dim C too large");
   const EmbeddingPlan p = plan_embedding_backward(N, C, V, q.elem_size, q.aligned, q.sms);
   py::dict d = base(p, embedding_kernel_name(p, q.opt<bool>("int32_indices", false)));
   d["vec"] = p.layout_id == EmbeddingLayout::vec;

@@ -6,7 +6,8 @@ indices and about 19 small kernels (radix sort, unique, scans, segment sums, sca
 launch in which each block owns a tile of vocabulary rows, lists the tokens that fall in it (in token
 order) and sums their gradient rows in fp32 registers, writing every row of the (num_weights, C)
 result once: rows without tokens are zeros, tokens equal to padding_idx add nothing. The sum order is
-fixed (ascending token), so results are bitwise reproducible. Kernel: kernels_src/embedding.cu.
+fixed by the indices alone (ascending token; a frequent token's row in eight runs added in order), so
+results are bitwise reproducible, on any GPU. Kernel: kernels_src/embedding.cu.
 
 Claims `thunder.torch.embedding_backward` in backward traces (it has no gradient of its own); the
 forward gather stays Thunder's. A non-contiguous grad is copied to contiguous by the launcher.
@@ -26,6 +27,8 @@ from .. import _C
 from .._thunder import Claim, OpSpec, operator, tensor_problem
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
+# The launcher's widest row (src/ops/embedding_plan.h, kEmbeddingMaxC): 65535 grid rows of 256 columns.
+_MAX_C = 65535 * 256
 
 
 def _backward_meta(grad: TensorProxy, indices: TensorProxy, num_weights: int, padding_idx: int) -> TensorProxy:
@@ -67,8 +70,8 @@ def _checker(grad: Any, indices: Any, num_weights: Any, padding_idx: Any, scale_
         return f"padding_idx={padding_idx!r} is not an int"
     if indices.numel > 2**31 - 1:  # the launcher's limit: tokens are ints in the kernel
         return f"{indices.numel} tokens exceed 2^31 - 1"
-    if grad.shape[-1] > 2**30 - 1:
-        return f"last dim {grad.shape[-1]} exceeds 2^30 - 1"
+    if grad.shape[-1] > _MAX_C:
+        return f"last dim {grad.shape[-1]} exceeds {_MAX_C}"
     return None
 
 
