@@ -11,6 +11,7 @@ results are bitwise reproducible, on any GPU. Kernel: kernels_src/embedding.cu.
 
 Claims `thunder.torch.embedding_backward` in backward traces (it has no gradient of its own); the
 forward gather stays Thunder's. A non-contiguous grad is copied to contiguous by the launcher.
+Indices outside [0, num_weights) add nothing (torch's kernel asserts on the device instead).
 Declined: not CUDA, grad dtype other than fp32 / bf16 / fp16, indices neither int64 nor int32,
 scale_grad_by_freq, sparse, grad's shape other than indices.shape + (C,).
 """
@@ -27,7 +28,7 @@ from .. import _C
 from .._thunder import Claim, OpSpec, operator, tensor_problem
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
-# The launcher's widest row (src/ops/embedding_plan.h, kEmbeddingMaxC): 65535 grid rows of 256 columns.
+# The launcher's widest row (src/ops/embedding_plan.h, kEmbeddingMaxC): 65535 column chunks of 256.
 _MAX_C = 65535 * 256
 
 
