@@ -78,3 +78,14 @@ constexpr int kGeluP = 2;
 constexpr int kGeluB = 256;
 constexpr int kGeluMinBlocks = 8;
 }
+
+// ---- embedding (kernels_src/embedding.cu, src/ops/embedding.cpp) ----------------------------------
+namespace kf_embedding {
+constexpr int kEmbThreads = 256;     // block size: 8 warps
+constexpr int kEmbIdxPerThread = 8;  // indices a thread tests per scan step (2048 a block-step)
+constexpr int kEmbListCap = 4096;    // matched tokens a block keeps in shared memory
+constexpr int kEmbMaxRows = 128;     // vocabulary rows a block owns (list keys are 8-bit)
+constexpr int kEmbMinRows = 8;       // one row per warp: fewer only by splitting the channels
+constexpr int kEmbMaxBlockItems = 8; // items (32 lanes' columns) of a row a block: one per warp
+constexpr int kEmbHotRow = 128;      // tokens from which a row is summed by the whole block
+}

@@ -53,6 +53,8 @@ MAX_THREADS = {
     ("gelu_backward", "scalar"): 256,
     ("colsum_forward", "vec"): 256,      # 32 * kColsumRows, both kernels
     ("colsum_forward", "scalar"): 256,
+    ("embedding_backward", "vec"): 256,  # kEmbThreads
+    ("embedding_backward", "scalar"): 256,
     **{(op, "lanes"): 256 for op in PERMUTE},  # __launch_bounds__(256, ...)
     **{(op, "tiles"): 512 for op in PERMUTE},  # kMaxBlockX columns, or 256 threads for short rows
 }
@@ -76,6 +78,10 @@ def permute_queries(op: str):
 def queries(op: str):
     if op in PERMUTE:
         yield from permute_queries(op)
+        return
+    if op == "embedding_backward":  # grad (N, C) and the rows of dW
+        for shape, V in itertools.product(shapes(op), (1, 65, 1000, 50304)):
+            yield shape, {"num_weights": V}
         return
     for shape in shapes(op):
         yield shape, {}
@@ -117,7 +123,7 @@ def test_plan_ops_cover_the_multi_layout_launchers():
                "rmsnorm_backward", "softmax_forward", "softmax_backward", "causal_softmax_forward",
                "causal_softmax_backward", "cross_entropy_forward", "cross_entropy_backward",
                "cross_entropy_forward_backward", "gelu_forward", "gelu_backward", "rope_forward",
-               "rope_backward", "colsum_forward", *PERMUTE):
+               "rope_backward", "colsum_forward", "embedding_backward", *PERMUTE):
         assert op in ops
         assert hasattr(C, op), op  # a plan names a real launcher
 

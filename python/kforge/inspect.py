@@ -148,6 +148,12 @@ def _plan_query(name: str, args: tuple) -> tuple[Any, dict] | None:
         return args[0], {"n_head": int(getattr(args[1], "value", args[1]))}
     if name == "split_qkv_backward":  # (dq, dk, dv), None where that output was unused
         return next(a for a in args if a is not None), {}
+    if name == "embedding_backward":  # (grad, indices, num_weights, padding_idx)
+        import torch
+        from thunder.core import dtypes
+
+        return args[0], {"num_weights": int(args[2]),
+                         "int32_indices": dtypes.to_torch_dtype(args[1].dtype) is torch.int32}
     if name in ("merge_heads_forward", "merge_heads_backward"):
         return None  # a view, no kernel, where the heads are token-major in memory (ops/permute.py)
     return args[0], {}

@@ -8,6 +8,7 @@
 #include "../runtime/torch_launch.h"
 #include "colsum_plan.h"
 #include "cross_entropy_plan.h"
+#include "embedding_plan.h"
 #include "gelu_plan.h"
 #include "layernorm_plan.h"
 #include "permute_plan.h"
@@ -170,6 +171,21 @@ py::dict colsum(const Query& q) {
   return d;
 }
 
+// grad (..., C) of the tokens, num_weights rows of dW (required), int32_indices: the kernel for them.
+py::dict embedding(const Query& q) {
+  const int64_t C = last(q), N = prod(q.shape) / C;
+  require(q.options.contains("num_weights"), "embedding_backward", "num_weights must be given");
+  const int64_t V = q.opt<int64_t>("num_weights", 0);
+  require(V >= 1, "embedding_backward", "num_weights must be >= 1 (nothing is launched for 0)");
+  require(N <= std::numeric_limits<int>::max(), "embedding_backward", "at most 2^31 - 1 tokens");
+  require(C <= kEmbeddingMaxC, "embedding_backward", "last dim C too large");
+  const EmbeddingPlan p = plan_embedding_backward(N, C, V, q.elem_size, q.aligned, q.sms);
+  py::dict d = base(p, embedding_kernel_name(p, q.opt<bool>("int32_indices", false)));
+  d["vec"] = p.layout_id == EmbeddingLayout::vec;
+  d["rows"] = p.rows, d["items"] = p.items, d["block_items"] = p.block_items;
+  return d;
+}
+
 // The head copies, from the input their launcher takes: token-major qkv (B, T, 3C) / dout (B, T, C)
 // with n_head when to_heads, else head-major dq (B, NH, T, HS) / y. The head-side tensors are
 // contiguous unless head_strides gives their (batch, head, token) element strides (inputs only:
@@ -235,6 +251,7 @@ const std::map<std::string, Entry>& table() {
       {"gelu_forward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, true); }}},
       {"gelu_backward", {names(kGeluLayouts), [](const Query& q) { return gelu(q, false); }}},
       {"colsum_forward", {names(kColsumLayouts), colsum}},
+      {"embedding_backward", {names(kEmbeddingLayouts), embedding}},
       {"split_qkv_forward", {names(kPermuteLayouts), [](const Query& q) { return permute(q, "split_qkv_forward", true, 3); }}},
       {"split_qkv_backward", {names(kPermuteLayouts), [](const Query& q) { return permute(q, "split_qkv_backward", false, 3); }}},
       {"merge_heads_forward", {names(kPermuteLayouts), [](const Query& q) { return permute(q, "merge_heads_forward", false, 1); }}},
@@ -284,7 +301,7 @@ KFORGE_BIND_OP(plans) {
       "(B, H, T, D)); split_qkv_forward / merge_heads_backward n_head, split_qkv_backward / "
       "merge_heads_forward head_strides (their head-major input's (batch, head, token) strides; "
       "default contiguous). colsum launches twice: grid / block, then final_kernel on final_grid / "
-      "final_block. layout is None where nothing is launched (empty input).");
+      "final_block. embedding_backward: shape is grad's, num_weights (required), int32_indices. layout is None where nothing is launched (empty input).");
   m.def(
       "plan_layouts", [](const std::string& op) { return entry(op).layouts; }, py::arg("op"),
       "Every layout `op`'s plan can choose.");
