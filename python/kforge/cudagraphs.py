@@ -49,7 +49,7 @@ class _Handout:
     Thunder's cache holds them), which outputs it hands out as aliases, and their storages' use
     counts while only the runner holds them."""
 
-    __slots__ = ("graph", "inputs", "outputs", "aliased", "baseline")
+    __slots__ = ("graph", "inputs", "outputs", "aliased", "aliasing", "baseline")
 
     def __init__(self, entry: tuple, alias: bool) -> None:
         self.graph, self.inputs, self.outputs = entry
@@ -59,6 +59,7 @@ class _Handout:
         # tensor) passed through is someone else's memory.
         self.aliased = tuple(alias and isinstance(o, torch.Tensor)
                              and o.untyped_storage().data_ptr() not in in_storages for o in outs)
+        self.aliasing = any(self.aliased)
         self.baseline = tuple(_storage_uses(o) if a else 0 for o, a in zip(outs, self.aliased))
 
     def held(self) -> bool:
@@ -67,7 +68,7 @@ class _Handout:
         return any(a and _storage_uses(o) > b for o, a, b in zip(outs, self.aliased, self.baseline))
 
     def hand_out(self) -> Any:
-        if not any(self.aliased):
+        if not self.aliasing:
             return self.outputs
         outs = self.outputs
         seq = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -94,7 +95,7 @@ class GraphRunner(CUDAGraphRunner):
             h = self._lookup(fn_name, args, rebuild=False)
             copies = self._fits(h, args)
             assert copies is not None, f"{fn_name}: the graph built for these arguments does not fit them"
-        if any(h.aliased) and h.held():
+        if h.aliasing and h.held():
             # Last call's outputs are still held (accumulated gradients, a kept view): leave them to
             # their holders and capture a graph that hands out its buffers as Thunder's runner does.
             self.stats["retired"] += 1

@@ -592,7 +592,8 @@ std::shared_ptr<Compiled> Program::compiled(int arch) {
     c->cubins.assign(parts.size(), "");
     c->lowered.assign(exprs_.size(), "");
     std::vector<std::string> errors(parts.size());
-    std::vector<bool> compile_failed(parts.size(), false);
+    // char, not bool: the parts' threads write their own element (vector<bool> packs them in words).
+    std::vector<char> compile_failed(parts.size(), 0);
     auto compile_part = [&](size_t p) {
       NvrtcSlot slot;
       try {
@@ -623,7 +624,7 @@ std::shared_ptr<Compiled> Program::compiled(int arch) {
         if (log_size) api.GetProgramLog(prog, &log[0]);
         while (!log.empty() && (log.back() == '\0' || log.back() == '\n')) log.pop_back();
         if (r != NVRTC_SUCCESS) {
-          compile_failed[p] = true;
+          compile_failed[p] = 1;
           errors[p] = "kforge: NVRTC failed to compile kernel \"" + name_ + "\" (" + dir + "/" + file +
                       ") for " + arch_name + ": " + api.GetErrorString(r) + "\nNVRTC log:\n" + log;
           return;

@@ -207,20 +207,18 @@ class LinearBiasSplit(Transform):
         from thunder.core.trace import TraceProvenance, from_trace, tracectx
 
         from ..fusion import get_fusion_executor
+        from ..transforms import _Graph
 
         self.splits = 0
         if executors_list is None or get_fusion_executor() not in executors_list:
             return trace
         if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
             return trace  # the layer runs in 16 bits after Thunder's autocast rule
-        readers: dict[str, list[Any]] = {}
-        for b in trace.bound_symbols:
-            for p in b.flat_proxy_args:
-                readers.setdefault(p.name, []).append(b)
+        g = _Graph(trace)
         new = from_trace(trace)
         bsyms: list[Any] = []
         for b in trace.bound_symbols:
-            if not self._splits(b, readers):
+            if not self._splits(b, g):
                 bsyms.append(b)
                 continue
             x, w, bias = _layer(b)
@@ -238,7 +236,7 @@ class LinearBiasSplit(Transform):
         return new
 
     @staticmethod
-    def _splits(b: Any, readers: dict[str, list[Any]]) -> bool:
+    def _splits(b: Any, g: Any) -> bool:
         if b.sym.id != ltorch.linear.id:
             return False
         x, w, bias = _layer(b)
@@ -247,5 +245,5 @@ class LinearBiasSplit(Transform):
         if any(dtypes.to_torch_dtype(t.dtype) != torch.float32 or t.device.type != "cuda" for t in (x, w, bias)):
             return False
         out = b.output
-        users = readers.get(out.name, [])
+        users = g.consumers(out)
         return bool(users) and all(u.sym.id in _SPLIT_READERS for u in users)
