@@ -190,6 +190,30 @@ def test_kernel_records_attribute_ops_and_regions():
     json.dumps(report.to_dict())
 
 
+def test_count_outside_matmul_and_attention():
+    """The fusion executor's measure: kernels per step that are neither matmuls nor attention. Helper
+    kernels inside a kforge attention range count as attention; memsets are counted apart, each
+    labelled with the op that launched it (a split-K GEMM's workspace fill is not a stray zeros)."""
+    gemm = "nvjet_sm90_tst_64x64_64x13_2x4_h_bz_splitK_NTT"
+    helper = "void at::native::vectorized_elementwise_kernel<4, convert_dq>(...)"
+    fusion = "kf_fusion_0123456789abcdef"
+    attn_range = _evt("kforge.attention.backward", user=True, kernels=[helper])
+    mm = _evt("aten::mm", kernels=[gemm, "Memset (Device)"])
+    zeros = _evt("aten::zero_", kernels=["Memset (Device)"])
+    fuse = _evt("kforge_fusion", kernels=[fusion])
+    events = [attn_range, mm, zeros, fuse,
+              _evt(helper, device=DeviceType.CUDA, us=3), _evt("Memset (Device)", device=DeviceType.CUDA, us=1),
+              _evt(gemm, device=DeviceType.CUDA, us=9), _evt("Memset (Device)", device=DeviceType.CUDA, us=1),
+              _evt(fusion, device=DeviceType.CUDA, us=2)]
+    recs = kp.kernel_records(events)
+    labels = [r.label for r in recs if r.category == "memcpy/memset"]
+    assert labels == ["Memset (aten::mm)", "Memset (aten::zero_)"], labels
+    out = kp.summarize(recs, steps=1).outside_matmul_attention()
+    assert out["kernels"] == 1 and out["by_category"] == {"kforge.fusion": 1}, out
+    assert out["memcpy_memset"] == 2 and out["memcpy_memset_by_op"]["Memset (aten::zero_)"] == 1, out
+    assert "outside matmul and attention: 1 (kforge.fusion 1); memcpy / memset: 2" in kp.summarize(recs, steps=1).summary()
+
+
 def test_kernel_records_skip_device_annotations_and_place_unlinked_kforge_kernels():
     """record_function ranges mirrored on the device timeline are not kernels (they would count twice);
     a kforge kernel the profiler did not link to a CPU op takes its label and region from the kforge

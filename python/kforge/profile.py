@@ -314,6 +314,10 @@ def kernel_records(events: Iterable[Any]) -> list[KernelRecord]:
             if parent is None and span[3] is not None:
                 region = _region(span[3])
         label = kf or (range_name_for_kernel(e.name) if cat == "kforge" else short_name(e.name))
+        if kf is None and cat == "memcpy/memset" and parent is not None:
+            # A memset's name says nothing of who asked for it (cuBLAS split-K workspaces, torch.zeros,
+            # a fill): label it with the launching op so the table tells them apart.
+            label = f"{label} ({parent.name})"
         out.append(KernelRecord(e.name, float(e.time_range.elapsed_us()), cat, label, region))
     return out
 
@@ -382,6 +386,23 @@ class ProfileReport:
             rows.append(row)
         return rows
 
+    def outside_matmul_attention(self) -> dict:
+        """Per step: kernels that are neither matmuls nor attention (what a fusion executor is there to
+        cut), by category, and memcpy / memset activities apart by launching op. Helper kernels launched
+        inside a kforge attention range (the SDPA backend's own conversions and fills) are attention."""
+        s = max(self.steps, 1)
+        kernels: Counter = Counter()
+        copies: Counter = Counter()
+        for r in self.records:
+            if r.category in ("matmul", "attention") or r.label.startswith("kforge.attention"):
+                continue
+            if r.category == "memcpy/memset":
+                copies[r.label] += 1
+            else:
+                kernels[r.category] += 1
+        return dict(kernels=sum(kernels.values()) / s, by_category={k: n / s for k, n in kernels.most_common()},
+                    memcpy_memset=sum(copies.values()) / s, memcpy_memset_by_op={k: n / s for k, n in copies.most_common()})
+
     def table(self, top: int = 20, tablefmt: str = "simple") -> str:
         """Three tables: per category, per region (ms per category) and the `top` ops."""
         from tabulate import tabulate
@@ -410,15 +431,21 @@ class ProfileReport:
                     + (f" on {self.device}" if self.device else "") + " (profiling kernels needs a CUDA GPU)")
         step = f", step {self.step_ms:.2f} ms (unprofiled)" if self.step_ms else ""
         busy = f", GPU busy {100 * self.kernel_ms / self.step_ms:.0f}% of the step" if self.step_ms else ""
+        out = self.outside_matmul_attention()
+        parts = ", ".join(f"{k} {n:.0f}" for k, n in out["by_category"].items())
+        copies = ", ".join(f"{k} {n:.0f}" for k, n in list(out["memcpy_memset_by_op"].items())[:4])
         return (f"{self.kernel_ms:.2f} ms of kernels per step{step}{busy}; kforge kernels "
                 f"{100 * self.share('kforge'):.1f}%, matmul {100 * self.share('matmul'):.1f}%, "
                 f"attention {100 * self.share('attention'):.1f}% of kernel time"
-                + (f" [{self.device}, {self.steps} steps]" if self.device else ""))
+                + (f" [{self.device}, {self.steps} steps]" if self.device else "")
+                + f"\nkernels per step outside matmul and attention: {out['kernels']:.0f}"
+                + (f" ({parts})" if parts else "")
+                + f"; memcpy / memset: {out['memcpy_memset']:.0f}" + (f" ({copies})" if copies else ""))
 
     def to_dict(self) -> dict:
         return dict(steps=self.steps, step_ms=self.step_ms, kernel_ms=self.kernel_ms, device=self.device,
                     by_category=self.by_category(), by_region=self.by_region(), by_op=self.by_op(None),
-                    notes=self.notes)
+                    outside_matmul_attention=self.outside_matmul_attention(), notes=self.notes)
 
     def __str__(self) -> str:
         out = self.summary()
