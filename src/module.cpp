@@ -103,6 +103,19 @@ PYBIND11_MODULE(_C, m) {
     return names;
   });
   m.def(
+      "kernel_coverage",
+      [] {
+        std::vector<std::tuple<std::string, std::string, bool>> out;
+        for (Program* p : all_programs()) {
+          std::vector<bool> used = p->resolved_expressions();
+          const auto& exprs = p->name_expressions();
+          for (size_t i = 0; i < exprs.size(); ++i) out.emplace_back(p->name(), exprs[i], used[i]);
+        }
+        return out;
+      },
+      "[(program, name expression, launched)] for every shipped kernel instantiation: launched means "
+      "its handle was resolved on some device in this process (on its first launch).");
+  m.def(
       "compile",
       [](const std::string& name, int arch) {
         Program* p = find_program(name);

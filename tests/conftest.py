@@ -47,6 +47,23 @@ except ImportError:  # hypothesis is in requirements.txt; the tests that use it 
     pass
 
 
+def pytest_sessionfinish(session, exitstatus):
+    # scripts/sanitize.sh sets KFORGE_KERNEL_COVERAGE to a file per sanitizer run: which shipped kernel
+    # instantiations this process launched, so the matrix can say which ones no selection reached.
+    path = os.environ.get("KFORGE_KERNEL_COVERAGE")
+    if not path:
+        return
+    import json
+
+    try:
+        import kforge._C as C
+    except ImportError:
+        return
+    rows = [{"program": p, "expression": e, "launched": bool(u)} for p, e, u in C.kernel_coverage()]
+    with open(path, "w") as f:
+        json.dump(rows, f)
+
+
 def pytest_collection_modifyitems(config, items):
     # Under pytest-xdist with --dist loadgroup the bigmem tests share one worker, so they run one at a
     # time instead of several at once exhausting the GPU's memory for every other worker.

@@ -270,6 +270,28 @@ def test_kernels_of_every_part_launch(fresh_cache):
         torch.testing.assert_close(rms_norm(x, w, 1e-5).float(), ref, rtol=2e-2, atol=2e-2)
 
 
+def test_kernel_coverage_lists_every_instantiation():
+    """kernel_coverage() (what the sanitizer matrix reads) has one row per name expression of every
+    shipped program, each marked launched or not."""
+    rows = kforge._C.kernel_coverage()
+    assert {p for p, _, _ in rows} == set(kforge._C.programs())
+    assert len(rows) == len(set((p, e) for p, e, _ in rows)) > 300
+    assert ("axpy", "axpy_kernel<float>") in {(p, e) for p, e, _ in rows}
+    if not torch.cuda.is_available():
+        assert not any(u for _, _, u in rows)  # nothing launches without a GPU
+
+
+@gpu
+def test_kernel_coverage_marks_what_launched():
+    def launched():
+        return {(p, e) for p, e, u in kforge._C.kernel_coverage() if u}
+
+    before = launched()
+    kforge._C.axpy(torch.ones(5, device="cuda", dtype=torch.float16), torch.ones(5, device="cuda", dtype=torch.float16))
+    assert launched() - before <= {("axpy", "axpy_kernel<half>")}
+    assert ("axpy", "axpy_kernel<half>") in launched()
+
+
 # ---- errors -------------------------------------------------------------------------------------------
 def test_compile_error_names_kernel_and_carries_log(tmp_path, fresh_cache):
     (tmp_path / "broken.cu").write_text(

@@ -63,3 +63,30 @@ def test_reports_are_counted_against_their_kernel_files(tmp_path):
     assert runs["racecheck-race-dl1.log"]["status"] == "rc=1 seconds=3"
     assert "| cross_entropy.cu | 1 | 1 |" not in (logs / "summary.md").read_text()  # columns are per tool
     assert "| softmax.cu | 0 | 1 |" in (logs / "summary.md").read_text()
+
+
+def test_summary_reports_kernel_coverage_per_tool(tmp_path):
+    """Each run's coverage file (tests/conftest.py writes it) says which instantiations it launched;
+    the summary unions them per tool and names the ones no run of that tool reached."""
+    logs = tmp_path / "sanitize"
+    logs.mkdir()
+    exprs = [("gelu", "gelu_forward_kernel<float>"), ("gelu", "gelu_forward_kernel<bf16>"),
+             ("rope", "rope_forward_kernel<float>")]
+
+    def write(name, launched):
+        (logs / f"{name}.log").write_text("========= ERROR SUMMARY: 0 errors\n1 passed in 1.00s\nrc=0 seconds=1\n")
+        (logs / f"{name}.coverage.json").write_text(json.dumps(
+            [{"program": p, "expression": e, "launched": e in launched} for p, e in exprs]))
+
+    write("memcheck-elementwise-dl1", {"gelu_forward_kernel<float>"})
+    write("memcheck-movement-dl1", {"rope_forward_kernel<float>"})
+    write("initcheck-elementwise-dl1", set())
+    env = dict(os.environ, OUT=str(tmp_path), SUMMARY_ONLY="1")
+    r = subprocess.run(["bash", "scripts/sanitize.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cov = json.loads((logs / "summary.json").read_text())["coverage"]
+    assert cov["memcheck"]["launched"] == 2 and cov["memcheck"]["of"] == 3
+    assert cov["memcheck"]["missed"] == {"gelu": ["gelu_forward_kernel<bf16>"]}
+    assert cov["initcheck"]["launched"] == 0 and set(cov["initcheck"]["missed"]) == {"gelu", "rope"}
+    assert "| memcheck | 2 | 3 | gelu 1 |" in (logs / "summary.md").read_text()

@@ -458,7 +458,13 @@ int Program::add_expression(const std::string& expr, int dtype) {
     }
   exprs_.push_back(expr);
   expr_dtype_.push_back(dtype);
+  resolved_.push_back(0);
   return static_cast<int>(exprs_.size()) - 1;
+}
+
+std::vector<bool> Program::resolved_expressions() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::vector<bool>(resolved_.begin(), resolved_.end());
 }
 
 void Program::forget_compiled() {
@@ -722,6 +728,7 @@ CUfunction Program::function(int index, int device) {
   CUfunction fn;
   check_cu(cu.ModuleGetFunction(&fn, mod->second.parts.at(c.part.at(index)), c.lowered.at(index).c_str()),
            "kforge: kernel " + exprs_.at(index) + " not found in module " + name_);
+  resolved_.at(index) = 1;
   return fn;
 }
 

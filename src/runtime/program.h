@@ -134,6 +134,9 @@ class Program {
   // in parallel, as one cache entry: a program's compile takes about as long as its largest part.
   int add_expression(const std::string& expr, int dtype = -1);
   void forget_compiled();  // drop the memory-cache shortcut (loaded modules stay)
+  // Per name expression: resolved on some device in this process, i.e. launched (a Kernel resolves
+  // its handle on its first launch). What the sanitizer runs read as their kernel coverage.
+  std::vector<bool> resolved_expressions();
 
  private:
   std::shared_ptr<detail::Compiled> compiled(int arch);
@@ -149,6 +152,7 @@ class Program {
   bool has_source_ = false;
   std::vector<std::string> exprs_;
   std::vector<int> expr_dtype_;  // per expression: its element type, -1 for none or several
+  std::vector<char> resolved_;   // per expression: its handle was resolved (see resolved_expressions)
   std::mutex mu_;
   std::map<int, std::shared_ptr<detail::Compiled>> by_arch_;
   std::map<int, Module> modules_;  // per device, loaded into its primary context
