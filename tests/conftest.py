@@ -48,9 +48,9 @@ except ImportError:  # hypothesis is in requirements.txt; the tests that use it 
 
 
 def pytest_sessionfinish(session, exitstatus):
-    # scripts/sanitize.sh sets KFORGE_KERNEL_COVERAGE to a file per sanitizer run: which shipped kernel
+    # scripts/sanitize.sh sets KERNEL_COVERAGE_FILE to a file per sanitizer run: which shipped kernel
     # instantiations this process launched, so the matrix can say which ones no selection reached.
-    path = os.environ.get("KFORGE_KERNEL_COVERAGE")
+    path = os.environ.get("KERNEL_COVERAGE_FILE")
     if not path:
         return
     import json

@@ -24,7 +24,7 @@ C = kforge._C
 # kforge._C functions that are not op launchers (the runtime's own API).
 RUNTIME = {"configure", "set_cache", "set_log_handler", "set_poison_outputs", "cache_info",
            "clear_memory_cache", "reset_cache_stats", "nvrtc_version", "nvrtc_library", "nvrtc_supported_archs",
-           "device_arch", "programs", "compile", "compile_source", "compile_generated", "name_expressions",
+           "device_arch", "programs", "kernel_coverage", "compile", "compile_source", "compile_generated", "name_expressions",
            "plan", "plan_layouts", "plan_ops"}  # plans: host arithmetic, no tensors (tests/test_plan.py)
 
 

@@ -250,14 +250,15 @@ def test_tiny_model_trains_like_eager(dtype):
 @given(n=st.sampled_from([1, 2, 31, 2047, 2048, 2049, 4097, 9000]), C=st.one_of(st.integers(1, 20), st.sampled_from(
        [64, 67, 768, 1000])), V=st.one_of(st.integers(1, 40), st.sampled_from([127, 128, 129, 1000, 50304])),
        dist=st.sampled_from(["uniform", "repeats", "same", "zipf"]), pad=st.sampled_from([-1, 0, 1]),
-       dtype=st.sampled_from(ALL_DTYPES), split=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_property_matches_float64(n, C, V, dist, pad, dtype, split, seed):
+       dtype=st.sampled_from(ALL_DTYPES), split=st.booleans(), i32=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_property_matches_float64(n, C, V, dist, pad, dtype, split, i32, seed):
     """Generated token counts (around the 2048-index scan steps and the 4096-token list), widths
-    (the 16-byte and element-wise paths), vocabularies (around the row tiles), distributions and
-    padding: within tolerance of float64, every row written. Fails on a dropped or doubled token, a
-    wrong row or column, or an unwritten (NaN-poisoned) element."""
+    (the 16-byte and element-wise paths), int64 and int32 indices, vocabularies (around the row
+    tiles), distributions and padding: within tolerance of float64, every row written. Fails on a
+    dropped or doubled token, a wrong row or column, or an unwritten (NaN-poisoned) element."""
     shape = (2, n // 2) if split and n % 2 == 0 else (n,)
     idx = make_indices(shape, V, dist, seed=seed)
+    idx = idx.int() if i32 else idx
     grad = randn(*shape, C, dtype=dtype, seed=seed + 1)
     check(_C.embedding_backward(grad, idx, V, pad), grad, idx, V, pad)
 
@@ -457,3 +458,20 @@ def test_checker_never_accepts_what_the_launcher_refuses(ishape, C, extra, gdtyp
     assert gdev == idev == "cuda" and gdtype in ALL_DTYPES and idtype in (torch.int64, torch.int32)
     assert gshape == ishape + (C,) and 1 <= n <= 2**31 - 1 and 1 <= C <= 65535 * 256
     assert V >= 1 and isinstance(pad, int) and not scale and not sparse
+
+
+@gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("i32", [False, True], ids=["int64", "int32"])
+@pytest.mark.parametrize("C", [67, 64], ids=["elem", "vec"])
+def test_every_instantiation(dtype, i32, C):
+    """int64 / int32 indices x element-wise / 16-byte rows x dtype: within tolerance of float64, and
+    that instantiation launched."""
+    idx = make_indices((3, 41), 50, "repeats", seed=3)
+    idx = idx.int() if i32 else idx
+    grad = randn(3, 41, C, dtype=dtype, seed=4)
+    check(_C.embedding_backward(grad, idx, 50, -1), grad, idx, 50, -1)
+    t = {torch.float32: "float", torch.bfloat16: "bf16", torch.float16: "half"}[dtype]
+    expr = f"embedding_backward_kernel<{t}, {'int' if i32 else 'long long'}, {'true' if C == 64 else 'false'}>"
+    assert expr in {e for p, e, u in _C.kernel_coverage() if p == "embedding" and u}, expr

@@ -18,7 +18,7 @@ from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
 from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers
-from kforge import _thunder
+from kforge import _testing, _thunder
 from kforge import profile as kp
 from kforge.ops import permute as pm
 from kforge.ops.permute import merge_heads, split_qkv
@@ -557,13 +557,19 @@ def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, n
 @given(B=st.sampled_from([1, 2, 3]), T=st.sampled_from([1, 2, 5, 33, 129]), NH=st.sampled_from([1, 2, 3, 5, 12]),
        HS=st.one_of(st.integers(1, 9), st.sampled_from([15, 16, 17, 63, 64, 65])),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-       view=st.sampled_from(["contiguous", "misaligned", "strided"]), seed=st.integers(0, 2**31 - 1))
-def test_property_matches_reference(B, T, NH, HS, dtype, view, seed):
+       view=st.sampled_from(["contiguous", "misaligned", "strided"]), tiles=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_property_matches_reference(B, T, NH, HS, dtype, view, tiles, seed):
     """Generated (B, T, NH, HS), dtypes and views (offset by one element: the element-wise path; a
-    column slice of a wider buffer / heads of the transposed layout: copied or read in place): split
-    and merge, forward and backward, are exact copies (float64 adds nothing to a permutation: every
-    element equal to the explicit indexing reference). Fails on any misplaced or unwritten
-    (NaN-poisoned) element."""
+    column slice of a wider buffer / heads of the transposed layout: copied or read in place), in the
+    token lanes and (forced, as past 4 GiB) the tiles: split and merge, forward and backward, are
+    exact copies (float64 adds nothing to a permutation: every element equal to the explicit indexing
+    reference). Fails on any misplaced or unwritten (NaN-poisoned) element."""
+    with _testing.override("permute", variant=1 if tiles else 0):
+        _check_every_permute(B, T, NH, HS, dtype, view, seed)
+
+
+def _check_every_permute(B, T, NH, HS, dtype, view, seed):
     C = NH * HS
 
     def laid_out(x):
@@ -586,3 +592,19 @@ def test_property_matches_reference(B, T, NH, HS, dtype, view, seed):
     dout = laid_out(randn(B, T, C, dtype=dtype, seed=seed + 5))
     assert_same(kforge._C.merge_heads_backward(dout, NH),
                 dout.reshape(B, T, NH, HS).permute(0, 2, 1, 3).contiguous(), "merge backward")
+
+
+@gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("aligned", [True, False], ids=["vec", "elem"])
+def test_tiles_every_instantiation(dtype, aligned):
+    """The tiles (the plan's layout past 4 GiB), forced at a small odd shape, both directions, 16-byte
+    and element-wise: exact copies, and each of the four tile kernels of this dtype launched."""
+    with _testing.override("permute", variant=1):
+        _check_every_permute(2, 37, 3, 16, dtype, "contiguous" if aligned else "misaligned", seed=7)
+    t = {torch.float32: "float", torch.bfloat16: "bf16", torch.float16: "half"}[dtype]
+    v = "true" if aligned else "false"
+    launched = {e for p, e, u in kforge._C.kernel_coverage() if p == "permute" and u}
+    for k in ("permute_tokens_to_heads_kernel", "permute_heads_to_tokens_kernel"):
+        assert f"{k}<{t}, {v}>" in launched

@@ -307,7 +307,7 @@ def test_public_bindings_take_no_variant_or_max_warps():
 def test_testing_override_sets_and_restores():
     from kforge._testing import override
 
-    assert set(C._testing_override_ops()) == {"layernorm_forward", "layernorm_backward", "rmsnorm_backward"}
+    assert set(C._testing_override_ops()) == {"layernorm_forward", "layernorm_backward", "rmsnorm_backward", "permute"}
     assert C._testing_override("layernorm_backward") == (0, 0)
     with override("layernorm_backward", variant=1, max_warps=6):
         assert C._testing_override("layernorm_backward") == (1, 6)
@@ -325,9 +325,9 @@ def test_testing_override_sets_and_restores():
 def test_testing_override_rejects_bad_values():
     from kforge._testing import override
 
-    for op in ("layernorm_forward", "layernorm_backward", "rmsnorm_backward"):
-        for v in (-1, 2):
-            with pytest.raises(kforge.KforgeError, match=rf"{op}: variant must be in \[0, 1\], got {v}"):
+    for op, last in (("layernorm_forward", 1), ("layernorm_backward", 1), ("rmsnorm_backward", 2), ("permute", 1)):
+        for v in (-1, last + 1):
+            with pytest.raises(kforge.KforgeError, match=rf"{op}: variant must be in \[0, {last}\], got {v}"):
                 with override(op, variant=v):
                     pass
         assert C._testing_override(op) == (0, 0)

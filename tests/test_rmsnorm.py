@@ -9,6 +9,7 @@ errors. (The dev/ probes' patched kernels: dev/tests.)
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import pytest
@@ -110,7 +111,8 @@ def check_random(shape, dtype, cast_before_weight, variant):
 SHAPES = [(8, 4096), (3, 5, 4100), (2, 256), (17, 768), (1, 1, 4096), (1000, 64), (5, 3), (4, 2056),
           (3, 512), (5, 2048), (3, 8192), (5, 6000)]
 # Backward kernels (the launcher's testing `variant`, see rms_backward): 0 the default (the ring
-# where it applies, then rmsnorm_dweight_kernel), 1 the kernels for what the ring does not take.
+# where it applies, then rmsnorm_dweight_kernel), 1 the kernels for what the ring does not take
+# (2, the plain kernel for 16-byte rows too, runs in the property and every-instantiation tests).
 VARIANTS = [0, 1]
 variants = pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"v{v}")
 
@@ -956,7 +958,7 @@ def _rms_D(V: int):
 @pytest.mark.sanitize_race
 @settings(max_examples=30)
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-       rows=st.sampled_from([1, 3, 37, 300]), cast_before_weight=st.booleans(), variant=st.sampled_from([0, 1]),
+       rows=st.sampled_from([1, 3, 37, 300]), cast_before_weight=st.booleans(), variant=st.sampled_from([0, 1, 2]),
        weight=st.booleans(), strided=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_property_matches_float64(data, dtype, rows, cast_before_weight, variant, weight, strided, seed):
     """Generated rows (lengths around every switch point), dtypes, weight or none, both casts, both
@@ -1006,3 +1008,83 @@ def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, n
     assert 1 <= D <= 2048 * 16 // dtype.itemsize and 0 not in shape
     assert w in ("none", "ok") and not (helper and w == "none")
     assert (eps is None and not helper) or (isinstance(eps, (int, float)) and not isinstance(eps, bool))
+
+
+# ---- every instantiation, at the smallest input that picks it ---------------------------------------
+_PLAN_DTYPES = {"float32": (torch.float32, "float"), "bfloat16": (torch.bfloat16, "bf16"),
+                "float16": (torch.float16, "half")}
+# Row lengths around every plan switch (chunks per thread, warp / block, ring shapes, the longest rows).
+_PLAN_D = sorted({*range(1, 41), *(b + d for b in (64, 128, 256, 512, 768, 1024, 2048, 4096, 8192)
+                                   for d in (-1, 0, 1)), 2056, 4100, 6000, 12288, 16384})
+
+
+@functools.lru_cache(maxsize=None)
+def smallest_case_per_kernel() -> dict:
+    """{name expression: (op, rows, D, dtype name, aligned, cast_before_weight, dresidual, variant)}:
+    for every instantiation the launchers' plans can pick (kforge._C.plan, host arithmetic: no GPU),
+    the smallest input that picks it. rmsnorm_dweight_kernel<T, D % 4 == 0> runs after every
+    backward outside the ring when there is a weight."""
+    found: dict = {}
+
+    def keep(name, case):
+        if name not in found or case[1] * case[2] < found[name][1] * found[name][2]:
+            found[name] = case
+
+    for (dt, (_, tname)), D, rows, aligned, cbw in itertools.product(
+            _PLAN_DTYPES.items(), _PLAN_D, (1, 3, 64), (True, False), (True, False)):
+        shape = [rows, D]
+        if D * _PLAN_DTYPES[dt][0].itemsize > 2048 * 16:  # longer than any kernel takes
+            continue
+        for opname in ("rmsnorm_forward", "add_rmsnorm_forward"):
+            p = kforge._C.plan(opname, shape, dt, aligned=aligned, cast_before_weight=cbw)
+            keep(p["kernel"].replace("{T}", tname), (opname, rows, D, dt, aligned, cbw, False, 0))
+        for res, variant in itertools.product((False, True), range(3)):
+            p = kforge._C.plan("rmsnorm_backward", shape, dt, aligned=aligned, cast_before_weight=cbw,
+                               dresidual=res, variant=variant)
+            case = ("rmsnorm_backward", rows, D, dt, aligned, cbw, res, variant)
+            keep(p["kernel"].replace("{T}", tname), case)
+            if p["layout"] != "ring":
+                keep(f"rmsnorm_dweight_kernel<{tname}, {'true' if D % 4 == 0 else 'false'}>", case)
+    return found
+
+
+def test_every_instantiation_is_picked_by_some_plan():
+    """CPU: each of rmsnorm.cu's name expressions is the plan's choice for some input (under a
+    testing variant at least), so the sanitizer runs and the test below can reach it. An
+    instantiation no plan picks is dead weight in every NVRTC compile."""
+    exprs = {e for p, e, _ in kforge._C.kernel_coverage() if p == "rmsnorm"}
+    found = smallest_case_per_kernel()
+    assert set(found) <= exprs, sorted(set(found) - exprs)
+    assert exprs <= set(found), sorted(exprs - set(found))
+    assert max(c[1] * c[2] for c in found.values()) <= 16384  # small enough for the sanitizers
+
+
+def _instantiation_cases():
+    try:
+        return sorted(smallest_case_per_kernel().items())
+    except Exception:  # collection must not fail where the extension cannot load; the test above reports it
+        return []
+
+
+@gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("expr,case", _instantiation_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_instantiation_matches_float64(expr, case):
+    """Each instantiation at the smallest input its plan picks it for: forward and backward against
+    float64 (check / check_add), and the kernel the plan names is the one that launched (a launcher
+    dispatching elsewhere than its plan fails here)."""
+    opname, rows, D, dt, aligned, cbw, res, variant = case
+    dtype = _PLAN_DTYPES[dt][0]
+
+    def laid_out(t):  # one element off 16 bytes: the element-wise paths
+        return t if aligned else torch.empty(t.numel() + 1, dtype=dtype, device="cuda")[1:].view(t.shape).copy_(t)
+
+    x, dy = laid_out(randn(rows, D, dtype=dtype, seed=1)), laid_out(randn(rows, D, dtype=dtype, seed=2))
+    w = randn(D, dtype=dtype, scale=0.5, seed=3) + 1
+    if opname == "add_rmsnorm_forward" or res:
+        check_add(x, laid_out(randn(rows, D, dtype=dtype, seed=4)), w, dy,
+                  laid_out(randn(rows, D, dtype=dtype, seed=5)) if res else None, cbw, what=expr, variant=variant)
+    else:
+        check(x, w, dy, cbw, what=expr, variant=variant)
+    launched = {e for p, e, u in kforge._C.kernel_coverage() if p == "rmsnorm" and u}
+    assert expr in launched, f"{expr} did not launch for {case}"

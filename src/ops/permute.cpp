@@ -25,6 +25,10 @@ Kernel to_tokens_elem(prog, "permute_heads_to_tokens_kernel<{T}, false>");
 Kernel lanes_kernels[12] = {KF_PERMUTE_LANES(false, false), KF_PERMUTE_LANES(false, true),
                             KF_PERMUTE_LANES(true, false), KF_PERMUTE_LANES(true, true)};
 #undef KF_PERMUTE_LANES
+// Variant 1 runs the tiles, which the plan keeps for rows or head parts past 4 GiB, at any size:
+// tests and the sanitizer runs reach them with small shapes.
+TestingOverride permute_override("permute", 2, /*has_max_warps=*/false);
+
 Kernel& lanes_kernel(bool vec, bool to_heads, int k_index) {
   return lanes_kernels[(vec ? 6 : 0) + (to_heads ? 3 : 0) + k_index];
 }
@@ -58,7 +62,8 @@ void launch(bool split, const at::Tensor& tokens, const std::vector<at::Tensor>&
   for (const at::Tensor& h : heads) aligned = aligned && aligned16(h);
   const int64_t es = tokens.element_size();
   const PermutePlan p =
-      plan_permute(split, parts, B, T, NH, HS, sb, sh, st, es, aligned, sm_count(on.device));
+      plan_permute(split, parts, B, T, NH, HS, sb, sh, st, es, aligned, sm_count(on.device),
+                   permute_override.get_variant() == 1);
   void* h[3];
   for (int i = 0; i < 3; ++i) h[i] = heads[std::min(i, parts - 1)].data_ptr();  // unused when i >= parts
   const DType dt = dtype_of(tokens, op);

@@ -89,16 +89,17 @@ inline bool plan_lanes(PermutePlan& p, int64_t parts, int64_t B, int64_t T, int6
 // <= 512 threads (blockIdx.x), as many token lanes per block as fit in 256 threads (blockDim.y;
 // fewer for short sequences), 4 tokens per thread; blockIdx.y walks (b, token tile) units: at most
 // about two waves of blocks, each block the same number of units.
+// force_tiles: the tiles whatever the sizes (the testing override, so small shapes reach them).
 inline PermutePlan plan_permute(bool to_heads, int64_t parts, int64_t B, int64_t T, int64_t NH,
                                 int64_t HS, int64_t sb, int64_t sh, int64_t st, int64_t elem_size,
-                                bool aligned, int64_t sms) {
+                                bool aligned, int64_t sms, bool force_tiles = false) {
   using namespace permute_plan;
   PermutePlan p;
   p.to_heads = to_heads;
   const int64_t V = 16 / elem_size, row = parts * NH * HS;
   p.vec = HS % V == 0 && aligned && sb % V == 0 && sh % V == 0 && st % V == 0;
   p.cols = p.vec ? row / V : row;
-  if (plan_lanes(p, parts, B, T, NH, HS, sb, st, elem_size, sms)) return p;
+  if (!force_tiles && plan_lanes(p, parts, B, T, NH, HS, sb, st, elem_size, sms)) return p;
   const int64_t cols = p.cols;
   const int64_t nchunks = (cols + kMaxBlockX - 1) / kMaxBlockX;
   const int64_t bx = (cols + nchunks - 1) / nchunks;

@@ -25,7 +25,8 @@ constexpr int kMaxChunks = 2048;
 enum BwdVariant : int64_t {
   kDefault = 0,   // the ring where it applies, else the fallbacks
   kFallback = 1,  // never the ring: the kernels that take the inputs the ring does not (tests)
-  kNumVariants = 2,
+  kPlain = 2,     // the plain kernel even for 16-byte rows (its fallback past 4 GiB a grid step; tests)
+  kNumVariants = 3,
 };
 
 // rmsnorm_backward_kernel's R (rows per group at a time) for K chunks per thread: what fits in
@@ -116,7 +117,7 @@ inline RmsnormPlan plan_rmsnorm_backward(int64_t rows, int64_t D, int64_t elem_s
   // memory beyond the device's limit, or a tensor too large for the kernel's 32-bit row step. res:
   // stages of three arrays (x, dy, dres) instead of two; the longest stages need an H100's opt-in
   // shared memory (sm_80 takes the pipelined kernel there).
-  if (variant != kFallback && vec && nchunk <= kRingMaxChunks) {
+  if (variant == kDefault && vec && nchunk <= kRingMaxChunks) {
     const RingShape sh = nchunk > 512 ? kRingLong : kRingShort;
     int tx = (nchunk + sh.K - 1) / sh.K;
     if (tx <= 32) {
@@ -151,7 +152,7 @@ inline RmsnormPlan plan_rmsnorm_backward(int64_t rows, int64_t D, int64_t elem_s
   // one block per SM, fewer when the rows do not need them; the kernel advances its pointers by a
   // 32-bit step per row and counts a group's rows in an int.
   const size_t fold_per_thread = size_t(V) * sizeof(float);  // the block's dweight fold
-  if (vec && nchunk <= kPipeMaxChunks) {
+  if (variant != kPlain && vec && nchunk <= kPipeMaxChunks) {
     const int K = nchunk <= 32 ? 1 : 2;
     const unsigned tx = round32((nchunk + K - 1) / K);
     const unsigned groups = kBwdThreads / tx;
