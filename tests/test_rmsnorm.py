@@ -441,8 +441,8 @@ def test_launcher_rejects_cpu_tensors():
 
 
 def test_launcher_rejects_unknown_variant():
-    for v in (-1, 2):
-        with pytest.raises(kforge.KforgeError, match=r"variant must be in \[0, 1\]"):
+    for v in (-1, 3):
+        with pytest.raises(kforge.KforgeError, match=r"variant must be in \[0, 2\]"):
             rms_backward(torch.randn(2, 8), torch.randn(2, 8), None, torch.randn(2),
                                        variant=v)
 
