@@ -83,11 +83,17 @@ declare -A RACE_SEL=(
   [race_nonfinite]="tests/test_nonfinite.py -k \"not 50257 and not 20000\""
 )
 SELECTIONS=${SELECTIONS:-"${!SEL[*]}"}
+# `cover` (never in the default list): the tests listed in $COVER, one node id a line; the summary
+# writes $LOGS/cover.txt from the coverage files, the first test to launch each instantiation. A
+# TOOLS=none run then gives the few hundred tests that reach every instantiation, for racecheck,
+# synccheck and initcheck (and dependent launch off) in minutes rather than hours.
+COVER=${COVER:-$LOGS/cover.txt}
 
 run_one() {  # tool, selection name, pytest args, dl
   local tool=$1 name=$2 args=$3 dl=$4
   local log="$LOGS/$tool-$name-dl$dl.log"
   local envs=(KFORGE_DEPENDENT_LAUNCH="$dl" KERNEL_COVERAGE_FILE="$LOGS/$tool-$name-dl$dl.coverage.json")
+  [ "$name" = cover ] && envs+=(SANITIZE_NODEIDS_FILE="$COVER")
   case "$tool" in memcheck|initcheck) envs+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1);; esac
   local extra=()
   # racecheck: report hazards found by its analysis (default mode); warnings count as hazards too.
@@ -115,6 +121,11 @@ if [ "$SUMMARY_ONLY" != 1 ]; then
         for name in "${!RACE_SEL[@]}"; do start "$tool" "$name" "${RACE_SEL[$name]}" "$dl"; done
       else
         for name in $SELECTIONS; do
+          if [ "$name" = cover ]; then
+            [ -s "$COVER" ] || { echo "cover: no node ids in $COVER (run TOOLS=none first)"; continue; }
+            start "$tool" cover "tests/" "$dl"
+            continue
+          fi
           [ -n "${SEL[$name]:-}" ] || { echo "unknown selection $name"; continue; }
           start "$tool" "$name" "${SEL[$name]}" "$dl"
         done
@@ -211,7 +222,7 @@ md += [f"| {r['log']} | {r['summary']} | {r['pytest']} | {r['status']} |" for r 
 
 # Coverage: which shipped kernel instantiations (program, name expression) each tool's runs launched,
 # from the files the test processes wrote (tests/conftest.py, KERNEL_COVERAGE_FILE).
-launched, every = defaultdict(set), set()
+launched, every, first_test = defaultdict(set), set(), {}
 for path in sorted(glob.glob(os.path.join(logs, "*.coverage.json"))):
     seen = launched[os.path.basename(path).split("-", 1)[0]]  # a tool that launched nothing still gets a row
     for row in json.load(open(path)):
@@ -219,6 +230,8 @@ for path in sorted(glob.glob(os.path.join(logs, "*.coverage.json"))):
         every.add(key)
         if row["launched"]:
             seen.add(key)
+        if row.get("first_test"):
+            first_test.setdefault(key, row["first_test"])
 coverage = {}
 if every:
     md += ["", "## Kernel instantiations launched", "",
@@ -230,6 +243,10 @@ if every:
         coverage[tool] = {"launched": len(launched[tool]), "of": len(every), "missed": missed}
         md.append(f"| {tool} | {len(launched[tool])} | {len(every)} | "
                   + (", ".join(f"{p} {len(v)}" for p, v in sorted(missed.items())) or "none") + " |")
+if first_test:  # the `cover` selection: the first test to launch each instantiation
+    cover = sorted(set(first_test.values()))
+    open(os.path.join(logs, "cover.txt"), "w").write("\n".join(cover) + "\n")
+    md += ["", f"cover.txt: {len(cover)} tests launch {len(first_test)} of the {len(every)} instantiations."]
 open(os.path.join(logs, "summary.md"), "w").write("\n".join(md) + "\n")
 json.dump({"errors": {t: dict(v) for t, v in table.items()}, "runs": runs, "coverage": coverage},
           open(os.path.join(logs, "summary.json"), "w"), indent=1)

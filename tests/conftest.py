@@ -47,9 +47,33 @@ except ImportError:  # hypothesis is in requirements.txt; the tests that use it 
     pass
 
 
+# scripts/sanitize.sh sets KERNEL_COVERAGE_FILE to a file per run: which shipped kernel
+# instantiations this process launched, and for each the first test that launched it, so the matrix
+# can say which ones no selection reached and run the tests that reach them all (its `cover`
+# selection, SANITIZE_NODEIDS_FILE below) under the slower tools.
+_FIRST_TEST: dict = {}
+
+
+def _launched() -> set:
+    try:
+        import kforge._C as C
+    except ImportError:
+        return set()
+    return {(p, e) for p, e, u in C.kernel_coverage() if u}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not os.environ.get("KERNEL_COVERAGE_FILE"):
+        yield
+        return
+    before = _launched()
+    yield
+    for key in _launched() - before:
+        _FIRST_TEST.setdefault(key, item.nodeid)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    # scripts/sanitize.sh sets KERNEL_COVERAGE_FILE to a file per sanitizer run: which shipped kernel
-    # instantiations this process launched, so the matrix can say which ones no selection reached.
     path = os.environ.get("KERNEL_COVERAGE_FILE")
     if not path:
         return
@@ -59,12 +83,22 @@ def pytest_sessionfinish(session, exitstatus):
         import kforge._C as C
     except ImportError:
         return
-    rows = [{"program": p, "expression": e, "launched": bool(u)} for p, e, u in C.kernel_coverage()]
+    rows = [{"program": p, "expression": e, "launched": bool(u), "first_test": _FIRST_TEST.get((p, e))}
+            for p, e, u in C.kernel_coverage()]
     with open(path, "w") as f:
         json.dump(rows, f)
 
 
 def pytest_collection_modifyitems(config, items):
+    # SANITIZE_NODEIDS_FILE (scripts/sanitize.sh's `cover` selection): only the tests listed there,
+    # one node id a line (ids hold spaces and brackets a shell -k expression would mangle).
+    keep_file = os.environ.get("SANITIZE_NODEIDS_FILE")
+    if keep_file:
+        with open(keep_file) as f:
+            keep = {line.strip() for line in f if line.strip()}
+        selected = [it for it in items if it.nodeid in keep]
+        config.hook.pytest_deselected(items=[it for it in items if it.nodeid not in keep])
+        items[:] = selected
     # Under pytest-xdist with --dist loadgroup the bigmem tests share one worker, so they run one at a
     # time instead of several at once exhausting the GPU's memory for every other worker.
     for item in items:

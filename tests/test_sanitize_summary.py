@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,7 +77,8 @@ def test_summary_reports_kernel_coverage_per_tool(tmp_path):
     def write(name, launched):
         (logs / f"{name}.log").write_text("========= ERROR SUMMARY: 0 errors\n1 passed in 1.00s\nrc=0 seconds=1\n")
         (logs / f"{name}.coverage.json").write_text(json.dumps(
-            [{"program": p, "expression": e, "launched": e in launched} for p, e in exprs]))
+            [{"program": p, "expression": e, "launched": e in launched,
+              "first_test": f"tests/test_{p}.py::test_x[{e}]" if e in launched else None} for p, e in exprs]))
 
     write("memcheck-elementwise-dl1", {"gelu_forward_kernel<float>"})
     write("memcheck-movement-dl1", {"rope_forward_kernel<float>"})
@@ -90,3 +92,20 @@ def test_summary_reports_kernel_coverage_per_tool(tmp_path):
     assert cov["memcheck"]["missed"] == {"gelu": ["gelu_forward_kernel<bf16>"]}
     assert cov["initcheck"]["launched"] == 0 and set(cov["initcheck"]["missed"]) == {"gelu", "rope"}
     assert "| memcheck | 2 | 3 | gelu 1 |" in (logs / "summary.md").read_text()
+    # the `cover` selection: the first test to launch each instantiation, one node id a line
+    assert (logs / "cover.txt").read_text().splitlines() == [
+        "tests/test_gelu.py::test_x[gelu_forward_kernel<float>]", "tests/test_rope.py::test_x[rope_forward_kernel<float>]"]
+
+
+def test_nodeids_file_selects_exactly_those_tests(tmp_path):
+    """SANITIZE_NODEIDS_FILE (the `cover` selection) keeps exactly the listed tests, ids with spaces
+    and brackets included."""
+    ids = ["tests/test_sanitize_summary.py::test_reports_are_counted_against_their_kernel_files"]
+    f = tmp_path / "cover.txt"
+    f.write_text("\n".join(ids) + "\n")
+    env = dict(os.environ, SANITIZE_NODEIDS_FILE=str(f))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        "--collect-only", "tests/test_sanitize_summary.py"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [l for l in r.stdout.splitlines() if "::" in l] == ids, r.stdout
