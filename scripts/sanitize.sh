@@ -49,6 +49,16 @@ PYTEST_ARGS=${PYTEST_ARGS:-}
 SANITIZER=${SANITIZER:-compute-sanitizer}
 command -v "$SANITIZER" >/dev/null || SANITIZER=/usr/local/cuda/bin/compute-sanitizer
 SUMMARY_ONLY=${SUMMARY_ONLY:-0}
+# Memory: a sanitizer process needs room of its own beside the tests' tensors (the caching allocator
+# off for memcheck / initcheck). At most one run per 24 GiB of GPU memory: 3 on an H100 (6 ran it out
+# of memory), 5 on an H200 (8 ran out in the 8193 x 8193 softmax tests). MAX_JOBS_OK=1 lifts the cap.
+if [ "$SUMMARY_ONLY" != 1 ] && [ "$TOOLS" != none ] && [ "${MAX_JOBS_OK:-0}" != 1 ] && command -v nvidia-smi >/dev/null; then
+  mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  if [ -n "$mem_mib" ]; then
+    cap=$(( mem_mib / 1024 / 24 )); [ "$cap" -ge 1 ] || cap=1
+    [ "$JOBS" -le "$cap" ] || { echo "JOBS=$JOBS -> $cap: $(( mem_mib / 1024 )) GiB of GPU memory (MAX_JOBS_OK=1 to keep $JOBS)"; JOBS=$cap; }
+  fi
+fi
 [ "$SUMMARY_ONLY" = 1 ] || [ "$TOOLS" = none ] || [ -x "$(command -v "$SANITIZER")" ] || { echo "compute-sanitizer not found (set SANITIZER=)"; exit 2; }
 
 # Large tests (2^31 elements, many rows, model tie-outs, Thunder traces of whole models) stay out:
@@ -57,8 +67,10 @@ NOT_LARGE="not bigmem and not large and not 2_31 and not 2_pow_31 and not many_r
 and not llama_size and not gpt2 and not llama and not users_models and not cuda_graph and not side_stream"
 
 # Selections: name -> pytest arguments, each under about 5 minutes under memcheck on an H200 (rmsnorm
-# as one run took about 9; its add_ tests, over 6.3 minutes on an H100, are two runs by variant). The -m sanitize tests are small-shape tests written for these runs
-# (property tests around every layout switch, NaN / inf, exact-allocation reads).
+# as one run took about 9; its add_ tests, over 6.3 minutes on an H100, are two runs by variant).
+# The -m sanitize tests are small-shape tests written for these runs (property tests around every
+# layout switch, every instantiation at the smallest input its plan picks, NaN / inf, exact-allocation
+# reads).
 declare -A SEL=(
   [softmax]="tests/test_softmax.py -k \"$NOT_LARGE and not thunder and not 50257 and not 16385 and not 16384\""
   [softmax_8193]="tests/test_softmax.py -k \"causal_softmax_never_uses_masked_entries or reads_only_its_rows\""

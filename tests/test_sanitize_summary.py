@@ -109,3 +109,22 @@ def test_nodeids_file_selects_exactly_those_tests(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert [l for l in r.stdout.splitlines() if "::" in l] == ids, r.stdout
+
+
+def test_jobs_capped_by_gpu_memory(tmp_path):
+    """At most one sanitizer run per 24 GiB of GPU memory (6 at once ran an 80 GB H100 out of memory):
+    JOBS=8 becomes 3 on an H100, and MAX_JOBS_OK=1 keeps it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 81559\n")
+    smi.chmod(0o755)
+    base = dict(os.environ, OUT=str(tmp_path), PATH=f"{bin_dir}:{os.environ['PATH']}", SANITIZER="/bin/true",
+                TOOLS="memcheck", SELECTIONS="runtime", DL="1", JOBS="8")
+    for extra, line in (({}, "JOBS=8 -> 3: 79 GiB of GPU memory"), ({"MAX_JOBS_OK": "1"}, None)):
+        r = subprocess.run(["bash", "scripts/sanitize.sh"], cwd=ROOT, env=dict(base, **extra), capture_output=True,
+                           text=True, timeout=300)
+        if line:
+            assert line in r.stdout, r.stdout + r.stderr
+        else:
+            assert "JOBS=8 ->" not in r.stdout, r.stdout
