@@ -52,14 +52,21 @@ except ImportError:  # hypothesis is in requirements.txt; the tests that use it 
 # can say which ones no selection reached and run the tests that reach them all (its `cover`
 # selection, SANITIZE_NODEIDS_FILE below) under the slower tools.
 _FIRST_TEST: dict = {}
+# Kernels' element type names (kernels_src/common.cuh), as name expressions spell them.
+KERNEL_TYPE = {torch.float32: "float", torch.bfloat16: "bf16", torch.float16: "half"}
 
 
-def _launched() -> set:
+def launched(program: str | None = None) -> set:
+    """Name expressions launched in this process: (program, expression) pairs, or the expressions of
+    `program` alone (kforge._C.kernel_coverage)."""
     try:
         import kforge._C as C
     except ImportError:
         return set()
-    return {(p, e) for p, e, u in C.kernel_coverage() if u}
+    rows = C.kernel_coverage()
+    if program is None:
+        return {(p, e) for p, e, u in rows if u}
+    return {e for p, e, u in rows if u and p == program}
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -67,13 +74,13 @@ def pytest_runtest_protocol(item, nextitem):
     if not os.environ.get("KERNEL_COVERAGE_FILE"):
         yield
         return
-    before = _launched()
+    before = launched()
     yield
-    for key in _launched() - before:
+    for key in launched() - before:
         _FIRST_TEST.setdefault(key, item.nodeid)
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_unconfigure(config):
     path = os.environ.get("KERNEL_COVERAGE_FILE")
     if not path:
         return

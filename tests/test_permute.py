@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from thunder.core.trace import TraceCtx, tracectx
 
+import conftest
 import kforge
 from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers
 from kforge import _testing, _thunder
@@ -603,8 +604,8 @@ def test_tiles_every_instantiation(dtype, aligned):
     and element-wise: exact copies, and each of the four tile kernels of this dtype launched."""
     with _testing.override("permute", variant=1):
         _check_every_permute(2, 37, 3, 16, dtype, "contiguous" if aligned else "misaligned", seed=7)
-    t = {torch.float32: "float", torch.bfloat16: "bf16", torch.float16: "half"}[dtype]
+    t = conftest.KERNEL_TYPE[dtype]
     v = "true" if aligned else "false"
-    launched = {e for p, e, u in kforge._C.kernel_coverage() if p == "permute" and u}
+    launched = conftest.launched("permute")
     for k in ("permute_tokens_to_heads_kernel", "permute_heads_to_tokens_kernel"):
         assert f"{k}<{t}, {v}>" in launched

@@ -1011,8 +1011,7 @@ def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, n
 
 
 # ---- every instantiation, at the smallest input that picks it ---------------------------------------
-_PLAN_DTYPES = {"float32": (torch.float32, "float"), "bfloat16": (torch.bfloat16, "bf16"),
-                "float16": (torch.float16, "half")}
+_PLAN_DTYPES = {str(t).removeprefix("torch."): (t, name) for t, name in conftest.KERNEL_TYPE.items()}
 # Row lengths around every plan switch (chunks per thread, warp / block, ring shapes, the longest rows).
 _PLAN_D = sorted({*range(1, 41), *(b + d for b in (64, 128, 256, 512, 768, 1024, 2048, 4096, 8192)
                                    for d in (-1, 0, 1)), 2056, 4100, 6000, 12288, 16384})
@@ -1086,5 +1085,4 @@ def test_every_instantiation_matches_float64(expr, case):
                   laid_out(randn(rows, D, dtype=dtype, seed=5)) if res else None, cbw, what=expr, variant=variant)
     else:
         check(x, w, dy, cbw, what=expr, variant=variant)
-    launched = {e for p, e, u in kforge._C.kernel_coverage() if p == "rmsnorm" and u}
-    assert expr in launched, f"{expr} did not launch for {case}"
+    assert expr in conftest.launched("rmsnorm"), f"{expr} did not launch for {case}"

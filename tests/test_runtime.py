@@ -283,8 +283,7 @@ def test_kernel_coverage_lists_every_instantiation():
 
 @gpu
 def test_kernel_coverage_marks_what_launched():
-    def launched():
-        return {(p, e) for p, e, u in kforge._C.kernel_coverage() if u}
+    from conftest import launched
 
     before = launched()
     kforge._C.axpy(torch.ones(5, device="cuda", dtype=torch.float16), torch.ones(5, device="cuda", dtype=torch.float16))
