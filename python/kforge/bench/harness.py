@@ -280,29 +280,32 @@ def bench_model(which: str, args) -> dict:
 
 # ---- launch overhead -------------------------------------------------------------------------------
 def bench_launch(args) -> dict:
-    """Host microseconds per launch from Python: kforge's axpy vs torch.add on 1024 elements."""
+    """Host microseconds per launch from Python: kforge's axpy vs torch.add on 1024 elements, and a
+    fusion region's generated kernel vs torch.add."""
     import kforge
 
-    x, y = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
-    rows = []
-    for name, fn in (("kforge._C.axpy", lambda: kforge._C.axpy(x, y, 1.0)),
-                     ("torch.add", lambda: torch.add(x, y, alpha=1.0))):
-        for _ in range(200):
-            fn()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(5):
-            n = 20000
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            samples.append((time.perf_counter() - t) / n * 1e6)
-            torch.cuda.synchronize()
-        rows.append({"launcher": name, "host_us_per_launch": statistics.median(samples)})
-    from ..fusion.bench import launch_rows
+    from ..fusion.bench import launch_callables
 
-    rows += launch_rows()
-    return {"kind": "launch", "rows": rows}
+    x, y = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
+    calls = [("kforge._C.axpy", lambda: kforge._C.axpy(x, y, 1.0)),
+             ("torch.add", lambda: torch.add(x, y, alpha=1.0)), *launch_callables()]
+    return {"kind": "launch", "rows": [{"launcher": name, "host_us_per_launch": _host_us(fn)} for name, fn in calls]}
+
+
+def _host_us(fn: Callable[[], object], n: int = 20000, repeats: int = 5) -> float:
+    """Median over `repeats` of the host microseconds per call of `fn` in a loop of `n` calls (the
+    GPU drains between loops, so the queue never fills and blocks the host)."""
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter() - t) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
 
 
 # ---- output --------------------------------------------------------------------------------------

@@ -45,8 +45,9 @@ def _heads_to_tokens(x):
     return x.transpose(1, 2).contiguous()
 
 
-def _region_kernel(fn: Callable, args: tuple) -> Callable:
-    """The GeneratedKernel of `fn`'s single region, called on `args` (built with Thunder on them)."""
+def _region_kernel(fn: Callable, args: tuple) -> tuple[Callable, list[int]]:
+    """(the GeneratedKernel of `fn`'s single region, built with Thunder on `args`; the positions in
+    `args` of the kernel's tensor arguments, in the kernel's order)."""
     import thunder
     from thunder.core.proxies import TensorProxy
 
@@ -59,10 +60,8 @@ def _region_kernel(fn: Callable, args: tuple) -> Callable:
     if len(fusions) != 1:
         raise AssertionError(f"expected one region, got {len(fusions)}")
     b = fusions[0]
-    kernel = b._call_ctx[b.sym.name]
     names = [a.name for a in trace.args]
-    order = [names.index(a.name) for a in b.args if isinstance(a, TensorProxy)]
-    return lambda *xs: kernel(*(xs[i] for i in order))
+    return b._call_ctx[b.sym.name], [names.index(a.name) for a in b.args if isinstance(a, TensorProxy)]
 
 
 def bench_cases(dtype: torch.dtype, quick: bool) -> list:
@@ -76,8 +75,8 @@ def bench_cases(dtype: torch.dtype, quick: bool) -> list:
 
         def kforge(*xs):
             if "k" not in holder:
-                holder["k"] = _region_kernel(fn, xs)
-            return holder["k"](*xs)
+                holder["k"], holder["order"] = _region_kernel(fn, xs)
+            return holder["k"](*(xs[i] for i in holder["order"]))
 
         cases.append(BenchCase(f"fusion.{name}", direction, shape, make, kforge=kforge, eager=fn, bytes=nbytes))
 
@@ -91,6 +90,14 @@ def bench_cases(dtype: torch.dtype, quick: bool) -> list:
     add("silu_mul", f"{rows}x{ffn}", _silu_mul, lambda: (rnd(rows, ffn), rnd(rows, ffn)), 3 * rows * ffn * es)
     add("add", f"{rows}x768", _add, lambda: (rnd(rows, 768), rnd(rows, 768)), 3 * rows * 768 * es)
     add("bias_grad", f"{rows}x3072", _bias_grad, lambda: (rnd(rows, 3072),), (rows + 1) * 3072 * es, "reduce")
+    if not quick:
+        # The same regions at a size where a plain copy reaches its peak (a Llama-7B layer's RoPE at
+        # T = 2048; a 32k-token bias gradient): the model-size rows above include launch ramp and tail.
+        bl, hl, tl, dl = 8, 32, 2048, 128
+        nl = bl * hl * tl * dl
+        add("rope", f"{bl}x{hl}x{tl}x{dl}", _rope, lambda: (rnd(bl, hl, tl, dl), rnd(tl, dl), rnd(tl, dl)),
+            (2 * nl + 2 * tl * dl) * es)
+        add("bias_grad", "32768x4096", _bias_grad, lambda: (rnd(32768, 4096),), (32768 + 1) * 4096 * es, "reduce")
     if dtype == torch.float32:
         add("residual_bias_grad", "8x1024x768", _residual_bias_grad, lambda: (rnd(8, 1024, 768), rnd(8, 1024, 768)),
             8 * 1024 * 768 * (4 * 3 + 2) + 768 * 4, "reduce")
@@ -99,28 +106,11 @@ def bench_cases(dtype: torch.dtype, quick: bool) -> list:
     return cases
 
 
-def launch_rows() -> list[dict]:
-    """Host microseconds per call of a generated kernel (what a Thunder trace calls per region),
-    beside torch.add on the same 1024 elements."""
-    import statistics
-    import time
-
+def launch_callables() -> list[tuple[str, Callable[[], object]]]:
+    """(name, call) pairs for `bench launch`: a generated kernel called as a Thunder trace calls a
+    region (the kernel object itself, arguments in its order), beside torch.add on the same 1024
+    elements."""
     x, y = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
-    k = _region_kernel(_add, (x, y))
-    rows = []
-    for name, fn in (("kforge.fusion GeneratedKernel (a + b)", lambda: k(x, y)), ("torch.add", lambda: torch.add(x, y))):
-        for _ in range(200):
-            fn()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(20000):
-                fn()
-            samples.append((time.perf_counter() - t0) / 20000 * 1e6)
-            torch.cuda.synchronize()
-        rows.append({"launcher": name, "host_us_per_launch": statistics.median(samples)})
-    return rows
-
-
-
+    k, order = _region_kernel(_add, (x, y))
+    a, b = ((x, y)[i] for i in order)
+    return [("kforge.fusion GeneratedKernel (a + b)", lambda: k(a, b)), ("torch.add", lambda: torch.add(x, y))]
