@@ -218,6 +218,38 @@ def test_vector_loads_where_contiguous() -> None:
     assert ks.source.count("kf_load_run") == 1, ks.source  # y only
 
 
+def test_index_math_and_rounding_of_rope() -> None:
+    """bf16 RoPE: a load at the output's own coordinates of a same-shape contiguous input is `e0`
+    itself (no division chain), the cat picks its half once per run (the half boundary is whole
+    runs), and the negation of a bf16 value is not rounded again (it is exact): three roundings,
+    one per product and one for the sum."""
+    from kforge.fusion import codegen
+
+    x, cos, sin = CASES["rope"][1](torch.bfloat16, "cpu")
+    region = _region_of(_rope, (x, cos, sin))
+    src = codegen.generate(region, codegen.default_key(region)).source
+    body = src[src.index("{"):]
+    assert "kf_load_run<bf16, 8>(in0 + e0)" in body, src
+    assert "(((e0 % 64)) < 32 ?" in body and "(e0 + v) % 64" not in body, src
+    assert body.count("kf_round<bf16>") == 3, src
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_exact_values_are_not_rounded_again(dtype: torch.dtype) -> None:
+    """abs / neg / max of 16-bit inputs widened to fp32 are 16-bit numbers: narrowing them back needs
+    no rounding; a product does."""
+    from kforge.fusion import codegen
+
+    ctype = {torch.bfloat16: "bf16", torch.float16: "half"}[dtype]
+
+    def fn(x, y):
+        return torch.maximum(-x.float(), y.float().abs()).to(dtype), (x.float() * y.float()).to(dtype)
+
+    region, _ = _ir_of(fn, randn(7, 24, dtype=dtype, device="cpu"), randn(7, 24, dtype=dtype, device="cpu"))
+    src = codegen.generate(region, codegen.default_key(region)).source
+    assert src[src.index("{"):].count(f"kf_round<{ctype}>") == 1, src
+
+
 def test_unsupported_is_explained() -> None:
     from kforge.fusion import codegen, ir as fir
 
@@ -472,6 +504,7 @@ def test_two_outputs_of_one_value_are_written_once() -> None:
     ("unsqueeze", [("reshape", (2, 1, 3, 4, 5))]),
     ("slice_transpose_reshape", [("slice", (0, 0, 1, 0), (1, 1, 1, 1), (2, 3, 3, 5)), ("permute", (0, 2, 1, 3)),
                                  ("reshape", (2, 9, 5))]),
+    ("contiguous", [("permute", (0, 2, 1, 3)), ("contiguous",)]),
     ("expand", None), ("transpose_neg", None), ("cast", None)])
 def test_movement_view_plans(case: str, plan) -> None:
     """Regions that only move elements of one input get a view plan (the launcher returns a view
@@ -481,12 +514,13 @@ def test_movement_view_plans(case: str, plan) -> None:
     fns = {
         "bhtd_to_btc": lambda x: x.transpose(1, 2).reshape(2, 5, 12),
         "unsqueeze": lambda x: x.unsqueeze(1),
+        "contiguous": lambda x: x.transpose(1, 2).contiguous(),
         "slice_transpose_reshape": lambda x: x[:, :, 1:4].transpose(1, 2).reshape(2, 9, 5),
         "expand": lambda x: x[:, :1].expand(2, 3, 4, 5).transpose(1, 2).reshape(2, 4, 15),
         "transpose_neg": lambda x: (-x).transpose(1, 2).reshape(2, 5, 12),
         "cast": lambda x: x.transpose(1, 2).reshape(2, 5, 12).to(torch.float16),
     }
-    shape = (2, 3, 5, 4) if case == "bhtd_to_btc" else (2, 3, 4, 5)
+    shape = (2, 3, 5, 4) if case in ("bhtd_to_btc", "contiguous") else (2, 3, 4, 5)
     region, _ = _ir_of(fns[case], randn(*shape, device="cpu"))
     got = fir.view_plan(region)
     if plan is None:
@@ -1037,6 +1071,38 @@ def test_movement_region_view_or_copy(physical: str) -> None:
     assert torch.equal(out, fn(x).clone()) and torch.equal(out.double(), base.double().reshape(B, T, H * D))
     shares = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     assert shares == (physical != "head_major"), physical
+
+
+@gpu
+@pytest.mark.parametrize("case,shares", [("transpose_view", True), ("transpose_copy", False),
+                                         ("plain_view", True), ("plain_copy", False)])
+def test_contiguous_output_is_contiguous(case: str, shares: bool) -> None:
+    """`.contiguous()` of a movement-only region: a view where that view is contiguous (as torch
+    returns self), else a copy kernel; contiguous and equal to torch's either way."""
+    B, H, T, D = 2, 4, 32, 16
+    base = randn(B, T, H, D, dtype=torch.bfloat16)
+    # transpose_*: (B, T, H, D) -> (B, H, T, D), contiguous in memory only when the input is BHTD.
+    x = base.transpose(1, 2) if case in ("transpose_view", "plain_copy") else base
+    if case.startswith("transpose"):
+        fn = lambda g: g.transpose(1, 2).contiguous()  # noqa: E731
+    else:
+        fn = lambda g: g.contiguous()  # noqa: E731
+    out, trace = _run_fused(fn, (x,))
+    assert out.is_contiguous() and torch.equal(out, fn(x)), case
+    assert (out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()) == shares, case
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 16, 64), (1, 5, 7, 24), (2, 2, 3, 8)], ids=str)
+def test_rope_bitwise_equals_eager(shape: tuple, dtype: torch.dtype) -> None:
+    """The generated RoPE rounds where eager PyTorch rounds (each product and the sum; the negation
+    is exact), so the two agree bit for bit."""
+    b, h, t, d = shape
+    args = (randn(b, h, t, d, dtype=dtype, seed=1), randn(t, d, dtype=dtype, seed=2), randn(t, d, dtype=dtype, seed=3))
+    out, trace = _run_fused(_rope, args)
+    assert any(b_.sym.name.startswith("kforgeFusion") for b_ in trace.bound_symbols), "nothing was fused"
+    assert torch.equal(out, _rope(*args))
 
 
 @gpu

@@ -148,6 +148,16 @@ bool GeneratedKernel::try_view(const at::Tensor& t, at::Tensor& out) const {
         }
         sizes.assign(s.shape.begin(), s.shape.end());
         break;
+      case ViewStep::kContiguous: {
+        if (std::find(sizes.begin(), sizes.end(), 0) != sizes.end()) break;  // no elements: contiguous
+        int64_t expected = 1;
+        for (size_t d = sizes.size(); d-- > 0;) {
+          if (sizes[d] == 1) continue;
+          if (strides[d] != expected) return false;
+          expected *= sizes[d];
+        }
+        break;
+      }
     }
   }
   out = t.as_strided(sizes, strides, offset);
@@ -338,6 +348,8 @@ void bind_generated(py::module_& m) {
                  } else if (kind == "reshape") {
                    s.kind = ViewStep::kReshape;
                    s.shape = st[1].cast<std::vector<int64_t>>();
+                 } else if (kind == "contiguous") {
+                   s.kind = ViewStep::kContiguous;
                  } else if (kind == "slice") {
                    s.kind = ViewStep::kSlice;
                    s.perm_or_start = st[1].cast<std::vector<int64_t>>();

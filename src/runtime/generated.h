@@ -33,7 +33,8 @@ struct GeneratedVariant {
 // One step of a movement-only region applied to sizes / strides / offset: a permute, a reshape (a
 // view only where torch's reshape would not copy), or a slice (start and step per dim).
 struct ViewStep {
-  enum Kind { kPermute, kReshape, kSlice } kind;
+  // kContiguous: the view so far must be contiguous (a .contiguous() in the trace), else no view.
+  enum Kind { kPermute, kReshape, kSlice, kContiguous } kind;
   std::vector<int64_t> perm_or_start, step, shape;
 };
 

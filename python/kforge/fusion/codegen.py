@@ -89,6 +89,9 @@ class Idx:
     t0: str
     kind: str = "const"
     aligned: bool = False
+    # Set by `unravel`: (lin.t, lin.t0, stride, size, outermost) of the linear index this coordinate
+    # was taken from, so `linear_terms` can fold an unravel-ravel round trip back into `lin`.
+    origin: tuple | None = None
 
     @staticmethod
     def const(text: str) -> "Idx":
@@ -158,8 +161,37 @@ def unravel(lin: Idx, shape: Sequence[int], vec: int) -> list[Idx]:
                 kind, aligned = "other", False
         else:
             kind, aligned = "other", False
-        out.append(Idx(t, t0, kind, aligned))
+        out.append(Idx(t, t0, kind, aligned, (lin.t, lin.t0, st, s, first)))
     return out
+
+
+def _folded_prefix(coords: Sequence[Idx], shape: Sequence[int], strides: Sequence[int]) -> tuple[Idx, int] | None:
+    """The leading coordinates of a contiguous `shape` that are the leading coordinates of one
+    `unravel(lin, ...)` with the same strides, summed as one term: sum c_i * st_i over dims 0..k is
+    (lin / st_k) * st_k (lin itself when they are every coordinate). (term, dims consumed) or None.
+    Saves the division / modulo chains a same-shape load or store would otherwise spell out."""
+    dims = [i for i, s in enumerate(shape) if s != 1]
+    if not dims:
+        return None
+    first = coords[dims[0]].origin
+    if first is None or not first[4]:
+        return None
+    last = None
+    for i in dims:
+        o = coords[i].origin
+        if o is None or o[:2] != first[:2] or o[2] != strides[i] or o[3] != shape[i]:
+            break
+        last = i
+    if last is None:
+        return None
+    lt, lt0, st = first[0], first[1], strides[last]
+    if last == dims[-1] and st == 1:
+        return Idx(lt, lt0, coords[last].kind, coords[last].aligned), len(shape)
+    c = coords[last]
+    # The prefix term is constant along a run when the last folded dim's stride is a multiple of the
+    # run (its coordinate was "const" in the run for the same reason).
+    kind = "const" if c.kind == "const" else "other"
+    return Idx(f"(({lt} / {st}) * {st})", f"(({lt0} / {st}) * {st})", kind), last + 1
 
 
 def ravel(coords: Sequence[Idx], shape: Sequence[int], vec: int) -> Idx:
@@ -167,7 +199,16 @@ def ravel(coords: Sequence[Idx], shape: Sequence[int], vec: int) -> Idx:
     strides = contiguous_strides(shape)
     terms_t, terms_t0, kinds = [], [], []
     lane_unit = None
-    for c, s, st in zip(coords, shape, strides):
+    start = 0
+    folded = _folded_prefix(coords, shape, strides)
+    if folded is not None:
+        term, start = folded
+        if start == len(shape):
+            return term
+        terms_t.append(term.t)
+        terms_t0.append(term.t0)
+        kinds.append(term.kind)
+    for c, s, st in zip(coords[start:], shape[start:], strides[start:]):
         if s == 1 or c.t == "0":
             continue
         terms_t.append(c.t if st == 1 else f"{c.t} * {st}")
@@ -309,7 +350,12 @@ class _Emitter:
         contiguous = self.layout[idx][0] == "c"
         strides = contiguous_strides(v.shape) if contiguous else [f"st{idx}_{d}" for d in range(v.ndim)]
         terms = []
-        for c, s, st in zip(coords, v.shape, strides):
+        start = 0
+        folded = _folded_prefix(coords, v.shape, strides) if contiguous else None
+        if folded is not None:
+            term, start = folded
+            terms.append(term.t0 if lane0 else term.t)
+        for c, s, st in zip(coords[start:], v.shape[start:], strides[start:]):
             t = c.t0 if lane0 else c.t
             if s == 1 or t == "0":
                 continue
@@ -394,7 +440,7 @@ class _Emitter:
         src, dst = rtype(a.dtype), rtype(v.dtype)
         if dst == "float":
             e = e if src == "float" else f"(float)({e})"
-            return e if v.dtype == "f32" else f"kf_round<{CTYPE[v.dtype]}>({e})"
+            return e if v.dtype == "f32" or _exact_in(a, v.dtype) else f"kf_round<{CTYPE[v.dtype]}>({e})"
         if dst == "bool":
             return f"({e} != 0)" if src != "bool" else e
         if src == "float":
@@ -425,7 +471,8 @@ class _Emitter:
         else:
             xs = [self._operand(a, coords, compute) for a in v.args]
             e = _math(op, xs, compute, v)
-        if out_r == "float" and v.dtype != "f32":
+        if out_r == "float" and v.dtype != "f32" and not (
+                op in _SELECTING and all(_exact_in(a, v.dtype) for a in (v.args[1:] if op == "where" else v.args))):
             e = f"kf_round<{CTYPE[v.dtype]}>({e})"
         if v.dtype == "i32" and out_r == "long long":
             e = f"(long long)(int)({e})"
@@ -441,9 +488,11 @@ class _Emitter:
             pc[dim] = _clamp_into(_add_const(c, -off, self.vec), sz, self.vec)
             parts.append((off, sz, self.emit(p, pc)))
             off += sz
+        # A lane coordinate whose run never straddles a part boundary picks its part once per run.
+        ct = c.t0 if c.kind == "lane" and c.aligned and all((o + z) % self.vec == 0 for o, z, _ in parts) else c.t
         e = parts[-1][2]
         for off, sz, pe in reversed(parts[:-1]):
-            e = f"(({c.t}) < {off + sz} ? {pe} : {e})"
+            e = f"(({ct}) < {off + sz} ? {pe} : {e})"
         return e
 
     def _pad(self, v: Value, coords: list[Idx]) -> str:
@@ -455,7 +504,9 @@ class _Emitter:
                 continue
             raw = _add_const(c, -lo, self.vec)
             if dil == 0:
-                conds.append(f"(unsigned long long)({raw.t}) < {s}ULL")
+                # Uniform over an aligned run when the padded extent is whole runs (see _cat).
+                rt = raw.t0 if raw.kind == "lane" and raw.aligned and s % self.vec == 0 else raw.t
+                conds.append(f"(unsigned long long)({rt}) < {s}ULL")
                 ac.append(_clamp_into(raw, s, self.vec))
             else:
                 step = dil + 1
@@ -585,6 +636,36 @@ _FLOAT_FN = {
 _CALL1 = {"neg": "(-{})", "reciprocal": "(1.0f / {})", "sign": "kf_sign({})"}
 # Binary ops that are one call: torch's NaN-propagating max / min, Python's remainder (fused.cuh).
 _CALL2 = {"maximum": "kf_max", "minimum": "kf_min", "atan2": "atan2f", "fmod": "fmodf", "remainder": "kf_remainder"}
+
+
+_SELECTING = ("neg", "abs", "maximum", "minimum", "where")  # results are (+-) one of the operands
+
+
+def _exact_in(v: Any, d: str) -> bool:
+    """Whether value `v`, as the emitted code holds it in a float register, is exactly a number of
+    the 16-bit float dtype `d`: rounding it to `d` then changes nothing (bf16 -> f32 -> neg -> bf16).
+    Conservative: False when unsure."""
+    if not isinstance(v, Value):
+        return False
+    op = v.op
+    if op == "input":
+        return v.dtype == d
+    if op in _VIEW_HANDLERS:
+        return _exact_in(v.args[0], d)
+    if op == "cat":
+        return all(_exact_in(p, d) for p in v.args)
+    if op in ("scalar", "const", "full", "iota", "reduce", "pad"):
+        return False
+    if v.dtype == d:
+        return True  # a convert or an elementwise op producing `d` rounds to it (or is exact already)
+    if v.dtype != "f32":
+        return False
+    if op == "convert":
+        return _exact_in(v.args[0], d)
+    if op in _SELECTING:
+        vals = v.args[1:] if op == "where" else v.args
+        return all(_exact_in(a, d) for a in vals)
+    return False
 
 
 def _math(op: str, x: list[str], compute: str, v: Value) -> str:

@@ -424,7 +424,15 @@ def _stride_order(L: _Lowerer, bsym: Any) -> Value:
     order = tuple(int(d) for d in bsym.args[1])
     if order != tuple(range(a.ndim - 1, -1, -1)):
         raise Unsupported(f"stride_order {order}: only the contiguous order (a kernel's outputs are contiguous)")
-    return a  # a region's outputs are contiguous: .contiguous() is the copy the region makes anyway
+    # A computed value is written contiguous by the kernel anyway. A value that is only movement of
+    # an input may become a view of it (`view_plan`) or the input itself: marked, so the launcher
+    # returns a view only where that view is contiguous, as torch's contiguous() returns self.
+    m = a
+    while m.op in ("transpose", "reshape", "squeeze", "broadcast_in_dim", "slice", "flip", "copy"):
+        m = m.args[0]
+    if m.op == "input":
+        return L.b.add("reshape", a.shape, a.dtype, (a,), {"contiguous": True})
+    return a
 
 
 def _cat(L: _Lowerer, bsym: Any) -> Value:
@@ -656,7 +664,8 @@ def view_plan(ir: RegionIR) -> tuple[int, list[tuple]] | None:
     """How the region's one computed output is a view of one input, when every op between them only
     moves elements (transpose, reshape, squeeze, unsqueeze-like broadcast, slice): (argument index,
     steps), steps ("permute", perm) / ("reshape", shape) / ("slice", start, step, shape) applied in
-    order to the input's sizes and strides. Whether each reshape is a view depends on the run-time
+    order to the input's sizes and strides, ("contiguous",) where the view must be contiguous there
+    (a `.contiguous()` in the trace). Whether each reshape is a view depends on the run-time
     strides (the launcher checks, as torch's reshape does); None when the region computes anything."""
     ko = ir.kernel_outputs()
     if len(ko) != 1:
@@ -668,7 +677,7 @@ def view_plan(ir: RegionIR) -> tuple[int, list[tuple]] | None:
         if v.op == "transpose":
             steps.append(("permute", tuple(v.attrs["perm"])))
         elif v.op in ("reshape", "squeeze"):
-            steps.append(("reshape", v.shape))
+            steps.append(("contiguous",) if v.attrs.get("contiguous") else ("reshape", v.shape))
         elif v.op == "broadcast_in_dim":
             bd = v.attrs["bdims"]
             if (any(a.shape[j] != v.shape[d] for j, d in enumerate(bd))
