@@ -323,6 +323,24 @@ def test_latest_run_per_table_and_gpu():
     assert status == "**not met**" and "2 of 3" in figures and "layernorm fwd bf16 8192x768 70 %" in figures
 
 
+def test_fusion_targets_read_the_generated_kernel_and_large_regions():
+    """Issue 17's targets: the generated kernel's launch row (not axpy's), and fusion rows that move
+    at least 200 MB (model-size rows and other ops are left out)."""
+    launch = _run("launch", [dict(launcher="kforge._C.axpy", host_us_per_launch=4.0),
+                             dict(launcher="torch.add", host_us_per_launch=7.0),
+                             dict(launcher="kforge.fusion GeneratedKernel (a + b)", host_us_per_launch=5.4),
+                             dict(launcher="torch.add", host_us_per_launch=6.1)])
+    status, figures = report._fusion_launch_target(report.current_tables([launch]))
+    assert status == "**not met**" and figures.startswith("5.40 µs (torch.add 6.10)"), figures
+    big = dict(_op("fusion.rope", 70.0, 90), bytes=268_000_000)
+    small = dict(_op("fusion.rope", 7.0, 60), shape="8x12x1024x64", bytes=25_000_000)
+    red = dict(_op("fusion.bias_grad", 60.0, 84, d="reduce"), shape="32768x4096", bytes=268_000_000)
+    other = dict(_op("layernorm", 9.0, 50), bytes=900_000_000)
+    tables = report.current_tables([_run("ops", [big, small, red, other])])
+    status, figures = report._ops_pct(None, 85, prefix="fusion.", min_bytes=200_000_000)(tables)
+    assert status == "**not met**" and "1 of 2" in figures and "fusion.bias_grad reduce" in figures, figures
+
+
 def _users_run(k_ms: float, c_ms: float, e_ms: float, *, cudagraphs: bool = False) -> dict:
     def row(backend, ms, peak, first, **kw):
         return dict(model="nanogpt", size="124M", setup="bf16", backend=backend, batch=8, seq=1024, ms=ms,

@@ -261,6 +261,22 @@ def _launch_target(tables: list[Table]) -> tuple[str, str]:
     return _status(ok), "; ".join(parts)
 
 
+def _fusion_launch_target(tables: list[Table]) -> tuple[str, str]:
+    ts = [t for t in _tables(tables, "launch") if any(r["launcher"].startswith("kforge.fusion") for r in t.rows)]
+    if not ts:
+        return "no run", ""
+    parts, ok = [], True
+    for t in ts:
+        rows = t.rows
+        i = next(i for i, r in enumerate(rows) if r["launcher"].startswith("kforge.fusion"))
+        k = rows[i]["host_us_per_launch"]
+        # its torch.add row follows it (the same 1024 elements)
+        add = rows[i + 1]["host_us_per_launch"] if i + 1 < len(rows) else None
+        ok &= k <= 5
+        parts.append(f"{fmt(k, 2)} µs (torch.add {fmt(add, 2)}), {_where(t)}")
+    return _status(ok), "; ".join(parts)
+
+
 def _model_rows(tables: list[Table], model: str, attention: str) -> list[tuple[Table, dict[str, dict]]]:
     return [(t, {r["backend"]: r for r in t.rows}) for t in _tables(tables, "model")
             if t.key[1] == model and t.key[2] == attention]
@@ -312,12 +328,15 @@ def _gpt2_sdpa_peak(tables: list[Table]) -> tuple[str, str]:
 HELPER_OPS = ("colsum", "residual", "embedding")
 
 
-def _ops_pct(ops: Sequence[str] | None, threshold: float, exclude: Sequence[str] = ()
-             ) -> Callable[[list[Table]], tuple[str, str]]:
+def _ops_pct(ops: Sequence[str] | None, threshold: float, exclude: Sequence[str] = (), *, prefix: str = "",
+             min_bytes: int = 0) -> Callable[[list[Table]], tuple[str, str]]:
+    """Rows of the ops tables (ops named in `ops`, or all; or those whose name starts with `prefix`;
+    moving at least `min_bytes`) at `threshold` % of copy bandwidth or more."""
     def check(tables: list[Table]) -> tuple[str, str]:
         # fwd+bwd rows time a forward and a backward together: not one kernel.
         rows = [(t, r) for t in _tables(tables, "ops") if (ops is None or t.key[1] in ops)
-                and t.key[1] not in exclude for r in t.rows if r["dir"] in ("fwd", "bwd")]
+                and t.key[1] not in exclude for r in t.rows if r["dir"] in ("fwd", "bwd", "reduce")
+                and r["op"].startswith(prefix) and (r.get("bytes") or 0) >= min_bytes]
         rows = [(t, r) for t, r in rows if r.get("kforge_pct_copy") is not None]
         if not rows:
             return "no run", ""
@@ -419,6 +438,9 @@ TARGETS: list[Target] = [
     Target("small batch (B=4, T=64): thunder + kforge with CUDA graphs ≤ torch.compile reduce-overhead (issue 18)",
            _users_rule(lambda by: _le(by, "kforge", "torch.compile"), cudagraphs=True)),
     Target("launch overhead < 10 µs host time per launch", _launch_target),
+    Target("fusion: host time per fused-region launch ≤ 5 µs (issue 17)", _fusion_launch_target),
+    Target("fusion: regions moving ≥ 200 MB at ≥ 85 % of copy bandwidth (issue 17)",
+           _ops_pct(None, 85, prefix="fusion.", min_bytes=200_000_000)),
     Target("GPT-2 manual attention: thunder + kforge faster than eager", _faster_than_eager("gpt2", "manual")),
     Target("GPT-2 SDPA: thunder + kforge ≤ 35 ms/step", _gpt2_sdpa_ms),
     Target("GPT-2 SDPA: peak memory ≤ eager", _gpt2_sdpa_peak),
