@@ -13,6 +13,8 @@ each new entry as the programs' source and, per global, a recipe that rebuilds i
     program             another Thunder-built program (a fusion region run by torch), recursively
     kforge_region       a kforge fusion kernel: its region IR, rebuilt with `region_callable`
     kforge_torch_region a kforge fusion region run by torch: its program
+    kforge_zero_aware   a kforge fusion region that accepts absent gradients: its kernel and the
+                        region IR for each subset of absent arguments
     compiled            the model or function being compiled (the prologue reads its parameters)
 
 An entry with any other kind of global is not written (the reason is logged). In a new process
@@ -148,11 +150,13 @@ def _file_hash_at(path: str, mtime_ns: int, size: int) -> str:
 
 
 def _file_hash(path: str) -> str | None:
-    """sha256 of a source file's bytes, None for code that has no file (<string>, <frozen ...>)."""
+    """sha256 of a source file's bytes; for code whose file is not on disk (a notebook cell), of the
+    source linecache holds; None when there is neither."""
     try:
         st = os.stat(path)
     except OSError:
-        return None
+        lines = linecache.getlines(path)
+        return hashlib.sha256("".join(lines).encode()).hexdigest() if lines else None
     return _file_hash_at(path, st.st_mtime_ns, st.st_size)
 
 
@@ -174,7 +178,8 @@ def _kforge_tree_hash() -> str:
 def _files_of(cd: Any, entry: Any) -> dict[str, str | None]:
     """{path: content hash} of the files whose code tracing ran, plus the compiled model's own file
     and those the first traces name as the origin of their symbols (in case the interpreter hook
-    saw nothing, e.g. tracing started before `attach`)."""
+    saw nothing, e.g. tracing started before `attach`). Raises Unserializable when one of them has
+    no source (code compiled from a string)."""
     files = set(getattr(cd, "_kforge_traced_files", ()) or ())
     target = cd.fn
     for obj in (target, type(target)):
@@ -187,7 +192,11 @@ def _files_of(cd: Any, entry: Any) -> dict[str, str | None]:
             for b in t.bound_symbols:
                 if getattr(b, "source_filename", None):
                     files.add(b.source_filename)
-    return {p: _file_hash(p) for p in sorted(files) if not p.startswith("<")}
+    out = {p: _file_hash(p) for p in sorted(files)}
+    unknown = [p for p, h in out.items() if h is None]
+    if unknown:  # code that ran without a source to hash: a change to it could not be detected
+        raise Unserializable(f"tracing ran code without a source file: {', '.join(unknown)}")
+    return out
 
 
 # ---- the key ---------------------------------------------------------------------------------------
@@ -346,16 +355,18 @@ def _value_ok(v: Any) -> bool:
 
 def _kforge_regions(entry: Any) -> dict[int, tuple[Any, int]]:
     """id(fusion kernel) -> (its region IR, device index), from the fusion symbols of the entry's
-    final forward / backward traces."""
+    forward / backward traces (the symbols that call a GeneratedKernel; later passes copy them
+    with their call context)."""
+    from . import _C
     from .fusion.executor import _device_of, lower_fusion
 
     out: dict[int, tuple[Any, int]] = {}
     for traces in (entry.computation_traces, entry.backward_traces):
-        for t in traces[-3:]:  # the fusion pass's result and the passes after it
+        for t in reversed(traces):
             for b in t.bound_symbols:
-                fr = getattr(b, "_kforge_region", None)
-                if fr is not None and id(fr.kernel) not in out:
-                    out[id(fr.kernel)] = (lower_fusion(b), _device_of(b) or 0)
+                for v in (b._call_ctx or {}).values() if b.sym.is_fusion else ():
+                    if isinstance(v, _C.GeneratedKernel) and id(v) not in out:
+                        out[id(v)] = (lower_fusion(b), _device_of(b) or 0)
     return out
 
 
@@ -401,6 +412,7 @@ def _executor_op(name: str, v: Any, executors: Iterable[Any]) -> tuple | None:
 
 def _recipe(name: str, v: Any, source: str, compiled: Any, regions: dict, executors: tuple = ()) -> tuple:
     from .fusion.executor import _TorchRegion
+    from .fusion.zero_cotangents import ZeroAware
 
     if name == "__function_obj":
         # Thunder sets it to the trace's function; of the printed programs only the prologue reads it
@@ -414,6 +426,8 @@ def _recipe(name: str, v: Any, source: str, compiled: Any, regions: dict, execut
     if id(v) in regions:
         ir, device = regions[id(v)]
         return ("kforge_region", pickle.dumps(ir), device)
+    if isinstance(v, ZeroAware):
+        return _zero_aware_recipe(v, source, compiled, regions, executors)
     if isinstance(v, _TorchRegion):
         return ("kforge_torch_region", serialize_program(v.program, compiled, regions, executors))
     ref = _ref(v)
@@ -431,6 +445,28 @@ def _recipe(name: str, v: Any, source: str, compiled: Any, regions: dict, execut
             pass
     what = getattr(v, "__qualname__", None) or type(v).__qualname__
     raise Unserializable(f"global {name!r} ({type(v).__module__}.{what}) has no recipe")
+
+
+_MAX_ZERO_POSITIONS = 4  # a plan per subset of the arguments that may be absent: 15 at most
+
+
+def _zero_aware_recipe(v: Any, source: str, compiled: Any, regions: dict, executors: tuple) -> tuple:
+    """A fusion region that accepts absent (None) gradients: its kernel, and for every subset of
+    the arguments that may be absent the region IR with them as 0 (what it would lower lazily)."""
+    import itertools
+
+    from .fusion.executor import _device_index
+
+    if v.bsym is None or len(v.positions) > _MAX_ZERO_POSITIONS:
+        raise Unserializable(f"zero-aware region {v.name} with {len(v.positions)} optional arguments")
+    inner = _recipe("region", v.fn, source, compiled, regions, executors)
+    plans = {}
+    for k in range(1, len(v.positions) + 1):
+        for absent in itertools.combinations(v.positions, k):
+            ir = v.plan(absent)
+            plans[absent] = None if ir is None else pickle.dumps(ir)
+    return ("kforge_zero_aware", inner, v.positions, v.nargs, pickle.dumps(v.specs), plans,
+            _device_index(v.bsym.args, v.bsym.output))
 
 
 def _rebuild(recipe: tuple, compiled: Any, built_regions: list) -> Any:
@@ -460,6 +496,17 @@ def _rebuild(recipe: tuple, compiled: Any, built_regions: list) -> Any:
         if fr is not None:
             built_regions.append((fr, recipe[2]))
         return fn
+    if kind == "kforge_zero_aware":
+        from .fusion.executor import region_callable
+        from .fusion.zero_cotangents import ZeroAware
+
+        _, inner, positions, nargs, specs, plans, device = recipe
+        za = ZeroAware(_rebuild(inner, compiled, built_regions), None, positions)
+        za.nargs, za.specs = nargs, pickle.loads(specs)
+        for absent, ir in plans.items():
+            za._variants[absent] = (za._materializing(absent) if ir is None
+                                    else region_callable(pickle.loads(ir), device)[0])
+        return za
     if kind == "kforge_torch_region":
         from .fusion.executor import _TorchRegion
 
@@ -511,7 +558,10 @@ def save_entry(fn: Any, entry: Any) -> dict[str, Any]:
 def _entry_path(directory: str, record: dict[str, Any]) -> str:
     # named after the prologue (which states the inputs it accepts): a retrace for the same inputs
     # replaces a stale or corrupt file instead of adding one
-    digest = hashlib.sha256(record["programs"]["prologue_fn"]["source"].encode()).hexdigest()[:24]
+    # (its header comment holds the time the pass took: left out)
+    source = record["programs"]["prologue_fn"]["source"]
+    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("#"))
+    digest = hashlib.sha256(code.encode()).hexdigest()[:24]
     return os.path.join(directory, f"entry-{digest}.pkl")
 
 
@@ -527,10 +577,14 @@ def _prune(directory: str) -> None:
     files = sorted((os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".pkl")),
                    key=lambda p: os.stat(p).st_mtime_ns)
     for p in files[:-_MAX_ENTRIES]:
-        try:
-            os.remove(p)
-        except OSError:
-            pass
+        _remove(p)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _stale(record: dict[str, Any], key: dict[str, Any]) -> str | None:
@@ -604,8 +658,9 @@ def _load(fn: Any, directory: str, key: dict[str, Any]) -> list:
             why = _stale(record, key)
         except Exception as e:  # truncated, corrupted, written by an incompatible kforge
             _count("corrupt")
-            warnings.warn(f"kforge trace cache: {path} is unusable ({type(e).__name__}: {e}); tracing instead",
-                          KforgeCacheWarning, stacklevel=3)
+            warnings.warn(f"kforge trace cache: {path} is unusable ({type(e).__name__}: {e}); removed, "
+                          f"tracing instead", KforgeCacheWarning, stacklevel=3)
+            _remove(path)  # warned once, not in every process that follows
             continue
         if why is not None:
             _count("skipped_stale")
