@@ -120,7 +120,8 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False
     arguments go to `thunder.jit` (`executors=` overrides the list). `fn.llama_patterns` is the
     pattern transform (its `rewrites` say what was replaced). Raises TypeError, naming the argument,
     for a non-callable `fn`, a non-bool `fusion` or `cudagraphs`, or `transforms` that is not a list
-    of Thunder transforms."""
+    of Thunder transforms. With KFORGE_TRACE_CACHE=1, the programs Thunder compiles are kept on disk
+    and a later process starts from them (`kforge.trace_cache`)."""
     from .cudagraphs import _check, with_cudagraphs
     from .transforms import jit as _jit
 
@@ -128,7 +129,12 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False
     _check("kforge.jit", cudagraphs)
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
-    return _jit(fn, transforms=with_cudagraphs(transforms, cudagraphs), **kwargs)
+    jfn = _jit(fn, transforms=with_cudagraphs(transforms, cudagraphs), **kwargs)
+    if _env.flag("KFORGE_TRACE_CACHE"):
+        from . import trace_cache
+
+        jfn = trace_cache.attach(jfn)
+    return jfn
 
 
 def compile(model: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False,

@@ -200,13 +200,19 @@ def _torch_callable(bsyms: Sequence[BoundSymbol], inputs: Sequence[Any], outputs
     trace._siginfo = SigInfo("kforge_fusion_fallback")
     trace._siginfo.args = [(a.name, None) for a in inputs]
     extrace = transform_for_execution(trace, executors_list=(torch_ex,))
-    fn = extrace.python_callable(include_decorators=False)
+    return _TorchRegion(extrace.python_callable(include_decorators=False))
 
-    def run(*args: Any) -> tuple:
-        out = fn(*args)
+
+class _TorchRegion:
+    """A region run by Thunder's torch executor: `program` is its trace's Python program (a class
+    rather than a closure, so that kforge.trace_cache can find the program and rebuild it)."""
+
+    def __init__(self, program: Any) -> None:
+        self.program = program
+
+    def __call__(self, *args: Any) -> tuple:
+        out = self.program(*args)
         return tuple(out) if isinstance(out, (list, tuple)) else (out,)
-
-    return run
 
 
 class KforgeFusionExecutor(FusionExecutor):

@@ -44,10 +44,13 @@ def _accumulate_op() -> Any:
     def meta(c: TensorProxy, a: TensorProxy, w: TensorProxy) -> TensorProxy:
         return TensorProxy(like=c)
 
-    def fn(c: Any, a: Any, w: Any) -> Any:
-        return c.addmm_(a, w)
+    return operator("matmul_accumulate", meta=meta, fn=accumulate_mm)
 
-    return operator("matmul_accumulate", meta=meta, fn=fn)
+
+def accumulate_mm(c: Any, a: Any, w: Any) -> Any:
+    """c += a @ w in place: kforge_matmul_accumulate's implementation (at module level, so that a
+    program calling it can name it: kforge.trace_cache)."""
+    return c.addmm_(a, w)
 
 
 _mm_dtype_unsupported: set = set()  # devices whose torch has no mm.dtype kernel: eager's two steps there

@@ -64,6 +64,27 @@ class ZeroAware:
         self.name = getattr(fn, "name", None)
         self._variants: dict[tuple, Any] = {}
         self._lock = threading.Lock()
+        if bsym is not None:
+            from thunder.core.dtypes import to_torch_dtype
+
+            # what zeros for an absent argument look like (kept apart from the proxies, so that
+            # kforge.trace_cache can rebuild this object without the trace)
+            self.nargs = len(bsym.args)
+            self.specs = {i: (tuple(bsym.args[i].shape), to_torch_dtype(bsym.args[i].dtype),
+                              bsym.args[i].device.device_str()) for i in self.positions}
+
+    def plan(self, absent: tuple) -> Any:
+        """The region IR with the arguments `absent` as 0, or None when no kernel can run it (the
+        region then runs on zeros made for them)."""
+        from . import codegen, ir as fir
+
+        b = self.bsym
+        try:
+            region = fir.lower(b.subsymbols, list(b.args), list(b.output), zeros=absent)
+            codegen.schedule(region)
+            return region
+        except fir.Unsupported:
+            return None
 
     def __call__(self, *args: Any) -> Any:
         absent = tuple(i for i in self.positions if args[i] is None)
@@ -89,11 +110,9 @@ class ZeroAware:
     def _materializing(self, absent: tuple) -> Any:
         """The region as traced, with zeros made for the absent arguments (what autograd would do)."""
         import torch
-        from thunder.core.dtypes import to_torch_dtype
 
-        specs = {i: (tuple(self.bsym.args[i].shape), to_torch_dtype(self.bsym.args[i].dtype),
-                     self.bsym.args[i].device.device_str()) for i in absent}
-        n = len(self.bsym.args)
+        specs = {i: self.specs[i] for i in absent}
+        n = self.nargs
 
         def run(*present: Any) -> Any:
             it = iter(present)

@@ -1,0 +1,269 @@
+"""kforge.trace_cache (CPU): Thunder's compiled programs written by one process, restored by the next.
+
+Two-process tests run a small CPU model (Thunder's torch executor runs it) in subprocesses sharing
+a cache directory: the second process must not run Thunder's tracing, and must produce the first
+process's outputs and gradients bit for bit; a changed model file, changed inputs or a corrupt
+cache file must lead to tracing (and correct results) instead. The GPU-shaped programs of a fake
+CUDA trace (kforge operators, fusion kernels) are serialized and rebuilt without running them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+from conftest import fake_cuda_trace
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODEL = '''
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.ln = torch.nn.LayerNorm(16)
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.ln(self.l1(x)))
+        return torch.softmax(self.l2(h), -1) * 2.0
+'''
+
+# Runs one training step of the model (two with STEPS=2), with Thunder's tracing entry counted by
+# a wrapper installed before kforge's own, and prints what happened as one JSON line.
+SCRIPT = '''
+import json, sys, warnings
+import torch
+import thunder
+
+calls = [0]
+general_jit = thunder.thunder_general_jit
+
+
+def counted(*args, **kwargs):
+    calls[0] += 1
+    return general_jit(*args, **kwargs)
+
+
+thunder.thunder_general_jit = counted
+import kforge
+from kforge import trace_cache
+
+sys.path.insert(0, sys.argv[1])
+import model
+
+shape, dtype, out = eval(sys.argv[2]), getattr(torch, sys.argv[3]), sys.argv[4]
+torch.manual_seed(0)
+net = model.Net().to(dtype)
+x = torch.randn(*shape, dtype=dtype)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jnet = kforge.jit(net)
+    for _ in range(int(sys.argv[5])):
+        net.zero_grad()
+        y = jnet(x)
+        (y * torch.arange(y.numel(), dtype=dtype).reshape(y.shape)).sum().backward()
+ref = model.Net().to(dtype)
+ref.load_state_dict(net.state_dict())
+y_ref = ref(x)
+torch.save({"y": y, "grads": [p.grad for p in net.parameters()]}, out)
+warned = [str(w.message) for w in caught if issubclass(w.category, kforge.KforgeCacheWarning)]
+print(json.dumps({"general_jit_calls": calls[0], "stats": trace_cache.stats(), "warnings": warned,
+                  "max_err": (y - y_ref).abs().max().item()}))
+'''
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A model package, the driver script and a cache directory in tmp_path; `run(...)` runs one
+    process and returns its JSON report and saved tensors."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "model.py").write_text(textwrap.dedent(MODEL))
+    (tmp_path / "run.py").write_text(SCRIPT)
+    env = dict(os.environ, KFORGE_CACHE_DIR=str(tmp_path / "cache"), KFORGE_TRACE_CACHE="1",
+               PYTHONPATH=os.path.join(REPO, "python"))
+    counter = [0]
+
+    def run(shape=(3, 8), dtype="float32", steps=1, **extra_env):
+        counter[0] += 1
+        out = tmp_path / f"out{counter[0]}.pt"
+        r = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "pkg"), repr(shape), dtype,
+                            str(out), str(steps)], capture_output=True, text=True, env={**env, **extra_env},
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-4000:]
+        report = json.loads(r.stdout.strip().splitlines()[-1])
+        return report, torch.load(out)
+
+    run.tmp = tmp_path
+    return run
+
+
+def _entries(tmp) -> list:
+    root = tmp / "cache" / "traces"
+    return sorted(root.rglob("entry-*.pkl")) if root.exists() else []
+
+
+def _same(a: dict, b: dict) -> bool:
+    return torch.equal(a["y"], b["y"]) and all(torch.equal(p, q) for p, q in zip(a["grads"], b["grads"], strict=True))
+
+
+def test_second_process_restores_without_tracing(project):
+    first, out1 = project(steps=2)
+    assert first["general_jit_calls"] == 1 and first["stats"]["saved"] == 1 and first["stats"]["restored"] == 0
+    assert len(_entries(project.tmp)) == 1
+    second, out2 = project(steps=2)
+    assert second["general_jit_calls"] == 0, second
+    assert second["stats"]["restored"] == 1 and second["stats"]["traced"] == 0
+    assert second["warnings"] == []
+    assert _same(out1, out2)
+    assert second["max_err"] < 1e-5
+
+
+def test_off_by_default(project):
+    report, _ = project(KFORGE_TRACE_CACHE="")
+    assert report["general_jit_calls"] == 1 and report["stats"]["saved"] == 0
+    assert _entries(project.tmp) == []
+
+
+def test_changed_model_source_traces_again(project):
+    project()
+    path = project.tmp / "pkg" / "model.py"
+    path.write_text(path.read_text().replace("* 2.0", "* 3.0"))
+    report, out = project()
+    assert report["general_jit_calls"] == 1 and report["stats"]["restored"] == 0
+    assert report["stats"]["skipped_stale"] == 1
+    assert report["max_err"] < 1e-5  # the new source's result, not the cached one's
+    again, out2 = project()
+    assert again["general_jit_calls"] == 0 and _same(out, out2)
+
+
+@pytest.mark.parametrize("shape,dtype", [((5, 8), "float32"), ((3, 8), "float64")])
+def test_changed_inputs_trace_again(project, shape, dtype):
+    project()
+    report, _ = project(shape=shape, dtype=dtype)
+    # the stored entry is restored, its prologue rejects the inputs, Thunder traces
+    assert report["stats"]["restored"] == 1 and report["general_jit_calls"] == 1
+    assert report["max_err"] < 1e-5
+    assert len(_entries(project.tmp)) == 2
+    third, _ = project(shape=shape, dtype=dtype)
+    assert third["general_jit_calls"] == 0 and third["stats"]["restored"] == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_file_warns_once_and_traces(project, damage):
+    _, out1 = project()
+    (path,) = _entries(project.tmp)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"not a pickle" + data[:100])
+    report, out2 = project()
+    assert report["general_jit_calls"] == 1 and report["stats"]["corrupt"] == 1
+    assert len(report["warnings"]) == 1 and "trace cache" in report["warnings"][0], report["warnings"]
+    assert _same(out1, out2)
+    again, _ = project()  # the retrace replaced the file
+    assert again["general_jit_calls"] == 0 and again["warnings"] == []
+
+
+# ---- in one process ----------------------------------------------------------------------------------
+def test_key_names_what_tracing_depends_on():
+    import kforge
+    from kforge import trace_cache
+
+    net = torch.nn.Linear(2, 2)
+    base = trace_cache.key_parts(kforge.jit(net))
+    no_fusion = trace_cache.key_parts(kforge.jit(net, fusion=False))
+    assert base != no_fusion and base["executors"] != no_fusion["executors"]
+    opts = trace_cache.key_parts(kforge.jit(net, skip_inplace_alias_updates=True))
+    assert opts["compile_options"] != base["compile_options"]
+    assert base["model"] == "torch.nn.modules.linear.Linear"
+    with pytest.raises(trace_cache.Unserializable, match="constant values"):
+        trace_cache.key_parts(kforge.jit(net, cache="no caching"))
+
+
+def test_global_without_recipe_is_refused():
+    import thunder
+
+    from kforge import trace_cache
+
+    jfn = thunder.jit(lambda x: x * 2)
+    jfn(torch.ones(2))
+    entry = thunder.compile_stats(jfn).interpreter_cache[0]
+    program = trace_cache._program_of(entry.computation_fn)
+    program.__globals__["odd"] = lambda y: y  # a closure no recipe can name
+    with pytest.raises(trace_cache.Unserializable, match="'odd'"):
+        trace_cache.serialize_program(entry.computation_fn)
+
+
+def _equivalent(original, rebuilt, original_keys: dict, name: str) -> None:
+    """`rebuilt` stands for `original` in another process: the same object for anything named by
+    import, a fusion kernel of the same region structure, a program of the same code, an equal value."""
+    from kforge import trace_cache
+    from kforge.fusion.codegen import schedule
+    from kforge.fusion.executor import _Passthrough, _TorchRegion, regions, structural_key
+    from kforge.fusion.zero_cotangents import ZeroAware
+
+    if original is rebuilt:
+        return
+    if type(original).__name__ == "GeneratedKernel":
+        keys = {id(fr.kernel): fr.key for fr in regions()}
+        assert type(rebuilt) is type(original) and keys[id(rebuilt)] == original_keys[id(original)], name
+    elif isinstance(original, ZeroAware):
+        assert isinstance(rebuilt, ZeroAware) and rebuilt.positions == original.positions, name
+        assert rebuilt.specs == original.specs and rebuilt.nargs == original.nargs, name
+        _equivalent(original.fn, rebuilt.fn, original_keys, name)
+        for absent, run in rebuilt._variants.items():  # each built as the original would build it
+            expect = original.plan(absent)
+            if isinstance(run, _Passthrough):
+                assert expect is not None and schedule(expect).kind == "passthrough", name
+                continue
+            got = {id(fr.kernel): fr.key for fr in regions()}.get(id(run))
+            assert (expect is None) == (got is None), name
+            assert expect is None or got == structural_key(expect), name
+    elif isinstance(original, _TorchRegion):
+        src = [trace_cache._source(trace_cache._program_of(r.program)) for r in (original, rebuilt)]
+        assert isinstance(rebuilt, _TorchRegion) and src[0] == src[1], name
+    elif isinstance(original, types.FunctionType):
+        assert original.__code__.co_code == rebuilt.__code__.co_code, name
+    else:
+        assert not isinstance(original, (types.ModuleType, types.BuiltinFunctionType)), name
+        assert type(original) is type(rebuilt) and original == rebuilt, name
+
+
+@pytest.mark.parametrize("zoo", ["plain_llama", "nanogpt"])
+def test_fake_gpu_programs_round_trip(zoo):
+    """The programs of a Llama traced as on a GPU (kforge operators, fusion kernels, Thunder's torch
+    and Python executors): every global is serialized, pickled, and rebuilt to an equivalent object
+    after the fusion regions are forgotten, so the kernels are rebuilt from their IR."""
+    import thunder
+
+    from kforge import trace_cache
+    from kforge.fusion.executor import forget_regions, regions
+    import importlib
+
+    ft = fake_cuda_trace(importlib.import_module(f"kforge.zoo.{zoo}").make, size="micro")
+    entry = thunder.compile_stats(ft.fn).interpreter_cache[0]
+    compiled = thunder.compile_data(ft.fn).fn
+    record = pickle.loads(pickle.dumps(trace_cache.save_entry(ft.fn, entry)))
+    kinds = {r[0] for p in record["programs"].values() for r in p["ctx"].values()}
+    assert {"kforge_region", "ref", "module", "compiled"} <= kinds, kinds
+    original_keys = {id(fr.kernel): fr.key for fr in regions()}
+    forget_regions()
+    built: list = []
+    for field, rec in record["programs"].items():
+        original = trace_cache._program_of(getattr(entry, field)).__globals__
+        rebuilt = trace_cache._program_of(trace_cache.rebuild_program(rec, compiled, built))
+        assert trace_cache._source(rebuilt) == rec["source"]
+        for name in rec["ctx"]:
+            if name == "__function_obj" and original[name] is not compiled:  # unread outside the prologue
+                assert rebuilt.__globals__[name] is None and name not in rec["source"]
+                continue
+            _equivalent(original[name], rebuilt.__globals__[name], original_keys, f"{field}: {name}")
+    assert built and {fr.key for fr, _ in built} <= set(original_keys.values())
