@@ -130,9 +130,9 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
     jfn = _jit(fn, transforms=with_cudagraphs(transforms, cudagraphs), **kwargs)
-    if _env.flag("KFORGE_TRACE_CACHE"):
-        from . import trace_cache
+    from . import trace_cache
 
+    if trace_cache.enabled():
         jfn = trace_cache.attach(jfn)
     return jfn
 

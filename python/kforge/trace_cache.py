@@ -77,8 +77,11 @@ class Unserializable(Exception):
 
 
 def enabled() -> bool:
-    """Whether KFORGE_TRACE_CACHE asks kforge.jit to keep Thunder's compiled programs on disk."""
-    return _env.flag("KFORGE_TRACE_CACHE")
+    """Whether KFORGE_TRACE_CACHE asks kforge.jit to keep Thunder's compiled programs on disk (and
+    KFORGE_DISK_CACHE leaves kforge's disk cache on)."""
+    from ._runtime import disk_cache_enabled
+
+    return _env.flag("KFORGE_TRACE_CACHE") and disk_cache_enabled()
 
 
 def stats() -> dict[str, int]:

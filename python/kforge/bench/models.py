@@ -470,6 +470,7 @@ def second_process(case: ModelCase, setup: str, backend: str, *, batch: int, seq
             out = json.loads(line)
             res = {f"{k}_2nd": v for k, v in out.items() if k.startswith("first_")}
             res["nvrtc_compiles_2nd"] = out.get("nvrtc_compiles")
+            res["traces_restored_2nd"] = out.get("traces_restored")
             if out.get("error"):
                 res["error_2nd"] = out["error"]
             return {k: v for k, v in res.items() if v is not None}
@@ -489,8 +490,11 @@ def _child(spec_json: str) -> int:
                       path=spec.get("path"))
         row = train_row(built, spec["backend"], steps=0, warmup=1, cudagraphs=spec["cudagraphs"],
                         first_only=True)
-        res = {k: v for k, v in row.items() if k.startswith("first_") and k != "first_loss"}
+        # first_loss too: the same seed gives the first process's loss (a restored program included)
+        res = {k: v for k, v in row.items() if k.startswith("first_")}
         res["nvrtc_compiles"] = row.get("nvrtc_compiles")
+        if "kforge.trace_cache" in sys.modules:
+            res["traces_restored"] = sys.modules["kforge.trace_cache"].stats()["restored"]
     except Exception as e:  # reported by the parent in the row
         res = {"error": _error(e)}
     print(json.dumps(res))
@@ -512,6 +516,7 @@ class ModelsConfig:
     cudagraphs: bool = False
     path: str | None = None
     second_process: bool = False
+    trace_cache: bool = False
     dry: bool = False
     cold: bool = True
     preset: str | None = None
@@ -556,6 +561,7 @@ def resolve(args: Any) -> ModelsConfig:
         cases=cases, setups=setups, backends=backends, **sizes,
         cudagraphs=bool(args.cudagraphs or preset.get("cudagraphs", False)),
         path=getattr(args, "path", None), second_process=bool(args.second_process), dry=dry, cold=not args.warm_caches,
+        trace_cache=bool(getattr(args, "trace_cache", False)),
         preset=getattr(args, "preset", None), sequential=bool(getattr(args, "sequential", False)))
 
 
@@ -576,6 +582,8 @@ def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[st
         cudagraphs = False
         if log:
             log("--dry: CUDA graphs need a GPU; the rows run without them")
+    if cfg.trace_cache:
+        os.environ["KFORGE_TRACE_CACHE"] = "1"  # read by kforge.jit here and in the second processes
     cache_root = tempfile.mkdtemp(prefix="kforge-bench-") if cfg.cold and not cfg.dry else None
     bar = tqdm(total=len(cfg.cases) * len(cfg.setups) * len(cfg.backends), desc="models", unit="row",
                disable=not progress, leave=False)
@@ -592,6 +600,7 @@ def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[st
             "config": dict(setups=cfg.setups, backends=cfg.backends, batch=cfg.batch, seq=cfg.seq,
                            steps=cfg.steps, warmup=cfg.warmup, cudagraphs=cfg.cudagraphs, path=cfg.path,
                            second_process=cfg.second_process, cold_caches=cfg.cold, preset=cfg.preset,
+                           trace_cache=cfg.trace_cache,
                            timing="sequential" if cfg.sequential or cfg.dry else f"interleaved x{cfg.rounds}")}
 
 

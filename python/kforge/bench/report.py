@@ -418,7 +418,9 @@ def _kforge_warm(by: dict[str, dict]) -> tuple[bool | None, str]:
     n = r.get("nvrtc_compiles_2nd")
     c = by.get("torch.compile", {}).get("first_s_2nd")
     ok = n == 0
+    restored = r.get("traces_restored_2nd")
     return ok, (f"{r['first_s_2nd']:.1f} s, {n if n is not None else '?'} NVRTC compiles"
+                + (f", {restored} Thunder programs restored" if restored else "")
                 + (f" (torch.compile {c:.1f} s)" if c is not None else ""))
 
 
