@@ -164,8 +164,10 @@ def _fmt_arg(a: Any) -> str:
     return repr(a)
 
 
-def format_ir(ir: RegionIR) -> str:
-    """The region as text, one value per line (what `kforge.inspect` and tests print)."""
+def format_ir(ir: RegionIR, names: bool = True) -> str:
+    """The region as text, one value per line (what `kforge.inspect` and tests print). names=False
+    leaves out the trace's proxy names (generated sources: equal structures then have equal text,
+    so a cached kernel is found whatever the proxies were called)."""
     lines = []
     outs: dict[int, list[int]] = {}
     for i, v in enumerate(ir.outputs):
@@ -175,7 +177,7 @@ def format_ir(ir: RegionIR) -> str:
         args = ", ".join(_fmt_arg(a) for a in v.args)
         body = f"{v.op}({args}{', ' if args and attrs else ''}{attrs})"
         tail = "  -> " + ", ".join(f"out{i}" for i in outs[v.id]) if v.id in outs else ""
-        name = f"  # {v.name}" if v.name else ""
+        name = f"  # {v.name}" if v.name and names else ""
         lines.append(f"%{v.id}: {v.dtype}{list(v.shape)} = {body}{tail}{name}")
     return "\n".join(lines)
 
