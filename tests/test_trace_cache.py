@@ -89,8 +89,10 @@ def project(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "model.py").write_text(textwrap.dedent(MODEL))
     (tmp_path / "run.py").write_text(SCRIPT)
-    env = dict(os.environ, KFORGE_CACHE_DIR=str(tmp_path / "cache"), KFORGE_TRACE_CACHE="1",
-               PYTHONPATH=os.path.join(REPO, "python"))
+    # The child finds kforge here and everything else where this process found it (Thunder may be
+    # installed off the default path, as on the GPU machine).
+    path = os.pathsep.join([os.path.join(REPO, "python"), *(p for p in sys.path if p)])
+    env = dict(os.environ, KFORGE_CACHE_DIR=str(tmp_path / "cache"), KFORGE_TRACE_CACHE="1", PYTHONPATH=path)
     counter = [0]
 
     def run(shape=(3, 8), dtype="float32", steps=1, **extra_env):
