@@ -625,7 +625,6 @@ def _timed_prologue(pro: Callable, cs: Any) -> Callable:
 def _restore_record(record: dict[str, Any], fn: Any) -> Any:
     import thunder
 
-    from .fusion.executor import _precompile
     from .fusion.zero_cotangents import _FILL, install
 
     cd, cs = thunder.compile_data(fn), thunder.compile_stats(fn)
@@ -634,14 +633,9 @@ def _restore_record(record: dict[str, Any], fn: Any) -> Any:
     bwd = record["programs"]["backward_fn"]
     if bwd is not None and _FILL in bwd["ctx"]:
         install()  # what ZeroCotangents sets up when it rewrites a backward during tracing
-    by_device: dict[int, list] = {}
-    for fr, device in built:
-        by_device.setdefault(device, []).append(fr)
-    for device, frs in by_device.items():
-        try:  # compiling ahead is an optimisation: the first launch compiles otherwise
-            _precompile(frs, device)
-        except Exception:
-            pass
+    # No compiling ahead here: the first process compiled every kernel its steps launched, and each
+    # loads from the disk cache at its first launch. Regions it never launched (a zero-aware
+    # region's inner kernel when its variants ran) would only be compiled for nothing.
     return thunder.CacheEntry(_timed_prologue(progs["prologue_fn"], cs), [], progs["computation_fn"], [],
                               progs["epilogue_fn"], [], progs["backward_fn"], [],
                               record["return_none_instead_of_grads"])
