@@ -2,9 +2,11 @@
 
     python3 dev/trace_cache_probe.py [model] [setup]     (default: plain-llama bf16, bench size, B=8 T=1024)
 
-Runs `kforge.bench.models`'s first-step child twice with KFORGE_TRACE_CACHE=1 and one fresh cache
-directory: the first process traces and writes, the second restores. Each prints its first-step
-JSON line, and kforge's INFO log lines (every NVRTC compile is logged) are printed per process.
+Runs the bench's first step (kforge.jit) in two processes with KFORGE_TRACE_CACHE=1 and one fresh
+cache directory: the first traces and writes, the second restores. Each prints its first-step time,
+loss, NVRTC compile count and trace-cache counters, then every fusion region (structure digest,
+layout keys, program names); kforge's INFO log lines that name a compile or the trace cache follow.
+Extra arguments after the set-up name programs whose region IR to print.
 """
 from __future__ import annotations
 
