@@ -77,8 +77,16 @@ ref.load_state_dict(net.state_dict())
 y_ref = ref(x)
 torch.save({"y": y, "grads": [p.grad for p in net.parameters()]}, out)
 warned = [str(w.message) for w in caught if issubclass(w.category, kforge.KforgeCacheWarning)]
+from kforge.inspect import inspect
+
+try:
+    inspect(jnet)
+    inspected = ""
+except ValueError as e:
+    inspected = str(e)
 print(json.dumps({"general_jit_calls": calls[0], "stats": trace_cache.stats(), "warnings": warned,
-                  "max_err": (y - y_ref).abs().max().item()}))
+                  "max_err": (y - y_ref).abs().max().item(), "restored": trace_cache.has_restored(jnet),
+                  "inspect_error": inspected}))
 '''
 
 
@@ -128,6 +136,9 @@ def test_second_process_restores_without_tracing(project):
     assert second["warnings"] == []
     assert _same(out1, out2)
     assert second["max_err"] < 1e-5
+    # a restored model has no traces: inspect says why instead of "call it first"
+    assert not first["restored"] and first["inspect_error"] == "", first
+    assert second["restored"] and "restored from kforge's trace cache" in second["inspect_error"], second
 
 
 def test_off_by_default(project):

@@ -498,6 +498,11 @@ def inspect(
                 claimed += c
                 declined += d
     if not f_traces:
+        from . import trace_cache
+
+        if trace_cache.has_restored(fn):
+            raise ValueError("kforge.inspect: the compiled function runs programs restored from kforge's trace "
+                             "cache, which keeps no traces; trace it afresh (KFORGE_TRACE_CACHE=0) to inspect it")
         raise ValueError("kforge.inspect: the compiled function has no traces yet; call it first")
     if declines is not None:
         declined = Counter({(s, r): n for s, rs in declines.items() for r, n in rs.items()})

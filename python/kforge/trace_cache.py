@@ -56,7 +56,7 @@ from typing import Any
 from . import _env
 from ._runtime import KforgeCacheWarning, cache_dir
 
-__all__ = ["enabled", "attach", "key_parts", "save_entry", "serialize_program", "rebuild_program",
+__all__ = ["enabled", "attach", "has_restored", "key_parts", "save_entry", "serialize_program", "rebuild_program",
            "Unserializable", "stats", "traces_dir"]
 
 logger = logging.getLogger("kforge")
@@ -70,6 +70,8 @@ _stats = {"traced": 0, "restored": 0, "saved": 0, "skipped_stale": 0, "corrupt":
 _lock = threading.Lock()
 _recording: contextvars.ContextVar[set | None] = contextvars.ContextVar("kforge_trace_files", default=None)
 _hooked = False
+# Thunder CompileStats objects that hold entries restored from disk (they carry no traces).
+_restored_into: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 class Unserializable(Exception):
@@ -94,6 +96,17 @@ def stats() -> dict[str, int]:
 def _count(name: str, n: int = 1) -> None:
     with _lock:
         _stats[name] += n
+
+
+def has_restored(fn: Any) -> bool:
+    """Whether the thunder.jit function `fn` was given entries restored from disk (which have no
+    traces: `thunder.last_traces(fn)` is empty after a restored call)."""
+    try:
+        import thunder
+
+        return thunder.compile_stats(fn) in _restored_into
+    except Exception:  # not a Thunder function
+        return False
 
 
 def traces_dir() -> str:
@@ -709,7 +722,10 @@ def attach(fn: Any) -> Any:
         logger.info("kforge trace cache: not used for %r: %s", fn, e)
         return fn
     directory = os.path.join(traces_dir(), _key_digest(key))
-    cs.interpreter_cache.extend(_load(fn, directory, key))
+    restored = _load(fn, directory, key)
+    if restored:
+        cs.interpreter_cache.extend(restored)
+        _restored_into.add(cs)
 
     def saving(call: Callable) -> Callable:
         @functools.wraps(call)
