@@ -641,8 +641,7 @@ def _restore_record(record: dict[str, Any], fn: Any) -> Any:
     from .fusion.zero_cotangents import _FILL, install
 
     cd, cs = thunder.compile_data(fn), thunder.compile_stats(fn)
-    built: list = []
-    progs = {k: None if r is None else rebuild_program(r, cd.fn, built) for k, r in record["programs"].items()}
+    progs = {k: None if r is None else rebuild_program(r, cd.fn) for k, r in record["programs"].items()}
     bwd = record["programs"]["backward_fn"]
     if bwd is not None and _FILL in bwd["ctx"]:
         install()  # what ZeroCotangents sets up when it rewrites a backward during tracing

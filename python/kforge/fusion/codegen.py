@@ -90,7 +90,7 @@ class Idx:
     kind: str = "const"
     aligned: bool = False
     # Set by `unravel`: (lin.t, lin.t0, stride, size, outermost) of the linear index this coordinate
-    # was taken from, so `linear_terms` can fold an unravel-ravel round trip back into `lin`.
+    # was taken from, so `_folded_prefix` can fold an unravel-ravel round trip back into `lin`.
     origin: tuple | None = None
 
     @staticmethod
@@ -472,7 +472,7 @@ class _Emitter:
             xs = [self._operand(a, coords, compute) for a in v.args]
             e = _math(op, xs, compute, v)
         if out_r == "float" and v.dtype != "f32" and not (
-                op in _SELECTING and all(_exact_in(a, v.dtype) for a in (v.args[1:] if op == "where" else v.args))):
+                op in _SELECTING and all(_exact_in(a, v.dtype) for a in _selected(v))):
             e = f"kf_round<{CTYPE[v.dtype]}>({e})"
         if v.dtype == "i32" and out_r == "long long":
             e = f"(long long)(int)({e})"
@@ -641,6 +641,11 @@ _CALL2 = {"maximum": "kf_max", "minimum": "kf_min", "atan2": "atan2f", "fmod": "
 _SELECTING = ("neg", "abs", "maximum", "minimum", "where")  # results are (+-) one of the operands
 
 
+def _selected(v: Value) -> tuple:
+    """The operands a selecting op's result is taken from (where's condition is not one)."""
+    return v.args[1:] if v.op == "where" else v.args
+
+
 def _exact_in(v: Any, d: str) -> bool:
     """Whether value `v`, as the emitted code holds it in a float register, is exactly a number of
     the 16-bit float dtype `d`: rounding it to `d` then changes nothing (bf16 -> f32 -> neg -> bf16).
@@ -663,8 +668,7 @@ def _exact_in(v: Any, d: str) -> bool:
     if op == "convert":
         return _exact_in(v.args[0], d)
     if op in _SELECTING:
-        vals = v.args[1:] if op == "where" else v.args
-        return all(_exact_in(a, d) for a in vals)
+        return all(_exact_in(a, d) for a in _selected(v))
     return False
 
 

@@ -430,7 +430,7 @@ def _stride_order(L: _Lowerer, bsym: Any) -> Value:
     # an input may become a view of it (`view_plan`) or the input itself: marked, so the launcher
     # returns a view only where that view is contiguous, as torch's contiguous() returns self.
     m = a
-    while m.op in ("transpose", "reshape", "squeeze", "broadcast_in_dim", "slice", "flip", "copy"):
+    while m.op in VIEW_OPS:
         m = m.args[0]
     if m.op == "input":
         return L.b.add("reshape", a.shape, a.dtype, (a,), {"contiguous": True})

@@ -97,15 +97,12 @@ class ZeroAware:
         return run(*(a for i, a in enumerate(args) if i not in absent))
 
     def _specialize(self, absent: tuple) -> Any:
-        from . import ir as fir
         from .executor import _device_index, region_callable
 
-        b = self.bsym
-        try:
-            region = fir.lower(b.subsymbols, list(b.args), list(b.output), zeros=absent)
-            return region_callable(region, _device_index(b.args, b.output))[0]
-        except fir.Unsupported:
+        region = self.plan(absent)
+        if region is None:
             return self._materializing(absent)
+        return region_callable(region, _device_index(self.bsym.args, self.bsym.output))[0]
 
     def _materializing(self, absent: tuple) -> Any:
         """The region as traced, with zeros made for the absent arguments (what autograd would do)."""
