@@ -13,6 +13,11 @@ import os
 import pytest
 import torch
 
+# kforge.jit's trace cache (on by default) would hand a later test the programs an earlier one traced,
+# without their traces, and skip the tracing the test is there to exercise: off for the suite;
+# tests/test_trace_cache.py turns it on in its own processes.
+os.environ["KFORGE_TRACE_CACHE"] = "0"
+
 HAS_GPU = torch.cuda.is_available()
 NO_GPU_REASON = "needs a CUDA GPU (run the GPU suite on the GPU machine)"
 

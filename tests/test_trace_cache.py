@@ -41,7 +41,7 @@ class Net(torch.nn.Module):
 # Runs one training step of the model (two with STEPS=2), with Thunder's tracing entry counted by
 # a wrapper installed before kforge's own, and prints what happened as one JSON line.
 SCRIPT = '''
-import json, sys, warnings
+import json, os, sys, warnings
 import torch
 import thunder
 
@@ -65,9 +65,35 @@ shape, dtype, out = eval(sys.argv[2]), getattr(torch, sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
 net = model.Net().to(dtype)
 x = torch.randn(*shape, dtype=dtype)
+kwargs = eval(os.environ.get("JIT_KWARGS", "{}"))
+runner = None
+if os.environ.get("STAND_IN_GRAPHS"):
+    # kforge.jit(cudagraphs=True)'s transform with a runner whose "graph" reruns the region into the
+    # captured outputs' memory (a CPU stand-in for capture and replay)
+    from kforge.cudagraphs import CUDAGraphs, GraphRunner
+
+    class Replay:
+        def __init__(self, fn, inputs, outputs):
+            self.fn, self.inputs, self.outputs = fn, inputs, outputs
+
+        def replay(self):
+            for o, f in zip(self.outputs, self.fn(*self.inputs)):
+                # an expanded view is no memory of its own (its base is another output or an input)
+                if o is not f and isinstance(o, torch.Tensor) and 0 not in o.stride():
+                    o.copy_(f)
+
+    class StandIn(GraphRunner):
+        def build_cuda_graph(self, fn, args, mask):
+            inputs = tuple(a if m or not isinstance(a, torch.Tensor) else a.clone() for a, m in zip(args, mask))
+            outputs = fn(*inputs)
+            return Replay(fn, inputs, outputs), inputs, outputs
+
+    graphs = CUDAGraphs()
+    graphs.cuda_graph_runner = runner = StandIn()
+    kwargs["transforms"] = [graphs]
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    jnet = kforge.jit(net)
+    jnet = kforge.jit(net, **kwargs)
     for _ in range(int(sys.argv[5])):
         net.zero_grad()
         y = jnet(x)
@@ -86,7 +112,8 @@ except ValueError as e:
     inspected = str(e)
 print(json.dumps({"general_jit_calls": calls[0], "stats": trace_cache.stats(), "warnings": warned,
                   "max_err": (y - y_ref).abs().max().item(), "restored": trace_cache.has_restored(jnet),
-                  "inspect_error": inspected}))
+                  "inspect_error": inspected, "graphs": None if runner is None else
+                  {"stats": runner.stats, "aliased": len(runner.alias_names), "regions": len(runner.python_callables)}}))
 '''
 
 
@@ -106,9 +133,9 @@ def project(tmp_path):
     def run(shape=(3, 8), dtype="float32", steps=1, **extra_env):
         counter[0] += 1
         out = tmp_path / f"out{counter[0]}.pt"
+        run_env = {k: v for k, v in {**env, **extra_env}.items() if v is not None}  # None: unset
         r = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "pkg"), repr(shape), dtype,
-                            str(out), str(steps)], capture_output=True, text=True, env={**env, **extra_env},
-                           timeout=300)
+                            str(out), str(steps)], capture_output=True, text=True, env=run_env, timeout=300)
         assert r.returncode == 0, r.stderr[-4000:]
         report = json.loads(r.stdout.strip().splitlines()[-1])
         return report, torch.load(out)
@@ -141,10 +168,47 @@ def test_second_process_restores_without_tracing(project):
     assert second["restored"] and "restored from kforge's trace cache" in second["inspect_error"], second
 
 
-def test_off_by_default(project):
-    report, _ = project(KFORGE_TRACE_CACHE="")
-    assert report["general_jit_calls"] == 1 and report["stats"]["saved"] == 0
+def test_on_by_default(project):
+    """Unset (and empty), KFORGE_TRACE_CACHE means on: the second process restores."""
+    report, _ = project(KFORGE_TRACE_CACHE=None)
+    assert report["stats"]["saved"] == 1 and len(_entries(project.tmp)) == 1
+    again, _ = project(KFORGE_TRACE_CACHE="")
+    assert again["general_jit_calls"] == 0 and again["stats"]["restored"] == 1
+
+
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_turned_off(project, how):
+    """KFORGE_TRACE_CACHE=0, or kforge.jit(trace_cache=False) over KFORGE_TRACE_CACHE=1: nothing
+    written, nothing restored, the traces are there for inspect."""
+    extra = dict(KFORGE_TRACE_CACHE="0") if how == "env" else dict(JIT_KWARGS="{'trace_cache': False}")
+    for _ in range(2):
+        report, _ = project(**extra)
+        assert report["general_jit_calls"] == 1 and report["stats"]["saved"] == 0
+        assert report["stats"]["restored"] == 0 and report["inspect_error"] == ""
     assert _entries(project.tmp) == []
+
+
+def test_cuda_graph_regions_are_restored(project):
+    """kforge.jit(cudagraphs=True): the graphed regions' programs are written with their static-input
+    masks and registered in the second process's runner, whose backward regions still hand out
+    their buffers (aliases); two steps give the first process's results bit for bit."""
+    first, out1 = project(steps=2, STAND_IN_GRAPHS="1")
+    assert first["stats"]["saved"] == 1 and first["graphs"]["regions"] >= 2, first
+    assert first["graphs"]["aliased"] >= 1 and first["graphs"]["stats"]["replays"] >= 4
+    second, out2 = project(steps=2, STAND_IN_GRAPHS="1")
+    assert second["general_jit_calls"] == 0 and second["stats"]["restored"] == 1, second
+    assert second["graphs"]["regions"] == first["graphs"]["regions"]
+    assert second["graphs"]["aliased"] == first["graphs"]["aliased"]
+    assert second["graphs"]["stats"]["replays"] == first["graphs"]["stats"]["replays"]
+    assert second["graphs"]["stats"]["retired"] == 0
+    assert _same(out1, out2) and second["max_err"] < 1e-5
+
+
+def test_bad_trace_cache_argument():
+    import kforge
+
+    with pytest.raises(TypeError, match="kforge.jit: trace_cache must be True, False or None"):
+        kforge.jit(torch.nn.Linear(2, 2), trace_cache="yes")
 
 
 def test_changed_model_source_traces_again(project):
@@ -280,3 +344,39 @@ def test_fake_gpu_programs_round_trip(zoo):
                 continue
             _equivalent(original[name], rebuilt.__globals__[name], original_keys, f"{field}: {name}")
     assert built and {fr.key for fr, _ in built} <= set(original_keys.values())
+
+
+def test_fake_gpu_cuda_graph_programs_round_trip():
+    """A Llama traced as on a GPU under kforge.jit(cudagraphs=True): its programs call graphed
+    regions, whose own programs call kforge's fusion kernels. Each region is written with its
+    static-input mask and the kernels it holds; rebuilt, it is registered in a fresh runner under a
+    new name, with the backward regions still aliased."""
+    import thunder
+
+    import kforge
+    from kforge import trace_cache
+    from kforge.cudagraphs import CUDAGraphs
+    from kforge.fusion.executor import forget_regions
+    from kforge.zoo import plain_llama
+
+    ft = fake_cuda_trace(plain_llama.make, jit=lambda fn: kforge.jit(fn, cudagraphs=True), size="micro",
+                         batch=2, seq=16)
+    entry = thunder.compile_stats(ft.fn).interpreter_cache[0]
+    compiled = thunder.compile_data(ft.fn).fn
+    (t,) = [t for t in thunder.compile_data(ft.fn).transforms if isinstance(t, CUDAGraphs)]
+    record = pickle.loads(pickle.dumps(trace_cache.save_entry(ft.fn, entry)))
+    graphs = [r for p in record["programs"].values() if p for r in p["ctx"].values() if r[0] == "cuda_graph"]
+    assert len(graphs) == len(t.runner.python_callables), (len(graphs), len(t.runner.python_callables))
+    inner = {r[0] for g in graphs for r in g[1]["ctx"].values()}
+    assert "kforge_region" in inner, inner
+    assert sum(g[3] for g in graphs) == len(t.runner.alias_names) >= 1
+    forget_regions()
+    fresh = CUDAGraphs().runner
+    fresh.name_counter = 7  # names continue this runner's count, whatever the first process called them
+    built: list = []
+    for rec in record["programs"].values():
+        if rec is not None:
+            trace_cache.rebuild_program(rec, compiled, built, fresh)
+    assert sorted(fresh.python_callables) == sorted(f"CUDAGraph{7 + i}" for i in range(len(graphs)))
+    assert {m for _, m in fresh.python_callables.values()} == {g[2] for g in graphs}
+    assert len(fresh.alias_names) == len(t.runner.alias_names) and built

@@ -112,28 +112,32 @@ def forget_background_compiles() -> None:
 
 
 def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False,
-        transforms: Sequence[Any] = (), **kwargs: Any):
+        transforms: Sequence[Any] = (), trace_cache: bool | None = None, **kwargs: Any):
     """`thunder.jit(fn)` with `kforge.executors()` and kforge's pattern transforms, which find the
     mission's steps (RMSNorm, RoPE, GQA, SwiGLU, ...) as users write them in plain torch ops and hand
     them to kforge's operators. `cudagraphs=True` adds `kforge.cudagraphs.CUDAGraphs()` (forward and
     backward replayed as CUDA graphs: static shapes, forward and backward alternating). Other keyword
     arguments go to `thunder.jit` (`executors=` overrides the list). `fn.llama_patterns` is the
     pattern transform (its `rewrites` say what was replaced). Raises TypeError, naming the argument,
-    for a non-callable `fn`, a non-bool `fusion` or `cudagraphs`, or `transforms` that is not a list
-    of Thunder transforms. With KFORGE_TRACE_CACHE=1, the programs Thunder compiles are kept on disk
-    and a later process starts from them (`kforge.trace_cache`)."""
+    for a non-callable `fn`, a non-bool `fusion`, `cudagraphs` or `trace_cache`, or `transforms` that
+    is not a list of Thunder transforms. `trace_cache` (default: KFORGE_TRACE_CACHE, on): the
+    programs Thunder compiles are kept on disk and a later process starts from them instead of
+    tracing again (`kforge.trace_cache`); restored programs carry no Thunder traces, so pass False
+    to inspect `thunder.last_traces`."""
     from .cudagraphs import _check, with_cudagraphs
     from .transforms import jit as _jit
 
     _check_args("kforge.jit", fn, fusion, transforms, kwargs)
     _check("kforge.jit", cudagraphs)
+    if trace_cache is not None and not isinstance(trace_cache, bool):
+        raise TypeError(f"kforge.jit: trace_cache must be True, False or None, got {trace_cache!r}")
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
     jfn = _jit(fn, transforms=with_cudagraphs(transforms, cudagraphs), **kwargs)
-    from . import trace_cache
+    from . import trace_cache as tc
 
-    if trace_cache.enabled():
-        jfn = trace_cache.attach(jfn)
+    if tc.enabled() if trace_cache is None else (trace_cache and tc.disk_usable()):
+        jfn = tc.attach(jfn)
     return jfn
 
 

@@ -502,7 +502,8 @@ def inspect(
 
         if trace_cache.has_restored(fn):
             raise ValueError("kforge.inspect: the compiled function runs programs restored from kforge's trace "
-                             "cache, which keeps no traces; trace it afresh (KFORGE_TRACE_CACHE=0) to inspect it")
+                             "cache, which keeps no traces; compile it with kforge.jit(model, trace_cache=False) "
+                             "(or KFORGE_TRACE_CACHE=0) to inspect it")
         raise ValueError("kforge.inspect: the compiled function has no traces yet; call it first")
     if declines is not None:
         declined = Counter({(s, r): n for s, rs in declines.items() for r, n in rs.items()})

@@ -1,4 +1,5 @@
-"""Thunder's compiled programs on disk, so that a second process skips tracing (KFORGE_TRACE_CACHE=1).
+"""Thunder's compiled programs on disk, so that a second process skips tracing (on by default for
+`kforge.jit`; `kforge.jit(model, trace_cache=False)` or KFORGE_TRACE_CACHE=0 turns it off).
 
 The first call of a `thunder.jit` function runs Thunder's interpreter over the model's Python and
 then its transforms: seconds to tens of seconds for a Llama, spent again by every new process. What
@@ -15,6 +16,8 @@ each new entry as the programs' source and, per global, a recipe that rebuilds i
     kforge_torch_region a kforge fusion region run by torch: its program
     kforge_zero_aware   a kforge fusion region that accepts absent gradients: its kernel and the
                         region IR for each subset of absent arguments
+    cuda_graph          a region of Thunder's CUDAGraphTransform (kforge.jit(cudagraphs=True)): its
+                        program and static-input mask, registered in the restoring function's runner
     compiled            the model or function being compiled (the prologue reads its parameters)
 
 An entry with any other kind of global is not written (the reason is logged). In a new process
@@ -32,7 +35,9 @@ Thunder's interpreter ran while tracing the entry (recorded by wrapping the inte
 set-up). A changed model file, a new kforge, another GPU: the entry is skipped and the model traced.
 An unreadable or corrupt file: one `KforgeCacheWarning`, then tracing; the file is replaced.
 
-Restored entries carry no traces: `thunder.last_traces(fn)` is empty after a restored first call.
+Restored entries carry no traces: `thunder.last_traces(fn)` is empty after a restored first call
+(`kforge.inspect` says so; jit with `trace_cache=False` to see them). Not covered: `kforge.compile`
+(Thunder's Dynamo path traces each of Dynamo's graphs in every process).
 """
 from __future__ import annotations
 
@@ -56,8 +61,8 @@ from typing import Any
 from . import _env
 from ._runtime import KforgeCacheWarning, cache_dir
 
-__all__ = ["enabled", "attach", "has_restored", "key_parts", "save_entry", "serialize_program", "rebuild_program",
-           "Unserializable", "stats", "traces_dir"]
+__all__ = ["enabled", "disk_usable", "attach", "has_restored", "key_parts", "save_entry", "serialize_program",
+           "rebuild_program", "Unserializable", "stats", "traces_dir"]
 
 logger = logging.getLogger("kforge")
 
@@ -72,6 +77,7 @@ _recording: contextvars.ContextVar[set | None] = contextvars.ContextVar("kforge_
 _hooked = False
 # Thunder CompileStats objects that hold entries restored from disk (they carry no traces).
 _restored_into: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_unwritable_warned = False
 
 
 class Unserializable(Exception):
@@ -79,11 +85,18 @@ class Unserializable(Exception):
 
 
 def enabled() -> bool:
-    """Whether KFORGE_TRACE_CACHE asks kforge.jit to keep Thunder's compiled programs on disk (and
-    KFORGE_DISK_CACHE leaves kforge's disk cache on)."""
+    """Whether kforge.jit keeps Thunder's compiled programs on disk by default: KFORGE_TRACE_CACHE
+    (default on) and KFORGE_DISK_CACHE (kforge's disk cache, default on) both on."""
     from ._runtime import disk_cache_enabled
 
     return _env.flag("KFORGE_TRACE_CACHE") and disk_cache_enabled()
+
+
+def disk_usable() -> bool:
+    """Whether kforge's disk cache is on (KFORGE_DISK_CACHE): the trace cache lives in it."""
+    from ._runtime import disk_cache_enabled
+
+    return disk_cache_enabled()
 
 
 def stats() -> dict[str, int]:
@@ -377,12 +390,19 @@ def _kforge_regions(entry: Any) -> dict[int, tuple[Any, int]]:
     from .fusion.executor import _device_of, lower_fusion
 
     out: dict[int, tuple[Any, int]] = {}
+
+    def walk(bsyms: Iterable[Any]) -> None:
+        for b in bsyms:
+            if not b.sym.is_fusion:
+                continue
+            for v in (b._call_ctx or {}).values():
+                if isinstance(v, _C.GeneratedKernel) and id(v) not in out:
+                    out[id(v)] = (lower_fusion(b), _device_of(b) or 0)
+            walk(b.subsymbols)  # a CUDA-graph region holds the fusion symbols it captures
+
     for traces in (entry.computation_traces, entry.backward_traces):
         for t in reversed(traces):
-            for b in t.bound_symbols:
-                for v in (b._call_ctx or {}).values() if b.sym.is_fusion else ():
-                    if isinstance(v, _C.GeneratedKernel) and id(v) not in out:
-                        out[id(v)] = (lower_fusion(b), _device_of(b) or 0)
+            walk(t.bound_symbols)
     return out
 
 
@@ -446,6 +466,12 @@ def _recipe(name: str, v: Any, source: str, compiled: Any, regions: dict, execut
         return _zero_aware_recipe(v, source, compiled, regions, executors)
     if isinstance(v, _TorchRegion):
         return ("kforge_torch_region", serialize_program(v.program, compiled, regions, executors))
+    graph = _graph_call(v)
+    if graph is not None:
+        runner, fn_name = graph
+        program, mask = runner.python_callables[fn_name]
+        return ("cuda_graph", serialize_program(program, compiled, regions, executors), mask,
+                fn_name in getattr(runner, "alias_names", ()))
     ref = _ref(v)
     if ref is not None:
         return ref
@@ -461,6 +487,31 @@ def _recipe(name: str, v: Any, source: str, compiled: Any, regions: dict, execut
             pass
     what = getattr(v, "__qualname__", None) or type(v).__qualname__
     raise Unserializable(f"global {name!r} ({type(v).__module__}.{what}) has no recipe")
+
+
+def _graph_call(v: Any) -> tuple[Any, str] | None:
+    """(runner, region name) when `v` is the callable Thunder's CUDAGraphTransform puts in a program
+    for one graphed region (a closure over its runner and the region's name), else None."""
+    if not isinstance(v, types.FunctionType) or not v.__closure__:
+        return None
+    from thunder.transforms.cudagraph import CUDAGraphRunner
+
+    cells = dict(zip(v.__code__.co_freevars, (c.cell_contents for c in v.__closure__)))
+    runner, name = cells.get("self"), cells.get("fn_name")
+    if isinstance(runner, CUDAGraphRunner) and isinstance(name, str) and name in runner.python_callables:
+        return runner, name
+    return None
+
+
+def _graph_runner(fn: Any) -> Any:
+    """The CUDA-graph runner of the thunder.jit function `fn`'s CUDAGraphTransform, or None."""
+    import thunder
+    from thunder.transforms.cudagraph import CUDAGraphTransform
+
+    cd = thunder.compile_data(fn)
+    runners = [t.cuda_graph_runner for t in (cd.transforms if cd is not None else ()) or ()
+               if isinstance(t, CUDAGraphTransform)]
+    return runners[0] if len(runners) == 1 else None
 
 
 _MAX_ZERO_POSITIONS = 4  # a plan per subset of the arguments that may be absent: 15 at most
@@ -485,7 +536,7 @@ def _zero_aware_recipe(v: Any, source: str, compiled: Any, regions: dict, execut
             _device_index(v.bsym.args, v.bsym.output))
 
 
-def _rebuild(recipe: tuple, compiled: Any, built_regions: list) -> Any:
+def _rebuild(recipe: tuple, compiled: Any, built_regions: list, runner: Any = None) -> Any:
     kind = recipe[0]
     if kind == "module":
         return importlib.import_module(recipe[1])
@@ -504,7 +555,7 @@ def _rebuild(recipe: tuple, compiled: Any, built_regions: list) -> Any:
             raise LookupError(f"executor {recipe[1]!r} has no operator {recipe[2]!r} in this process")
         return impl
     if kind == "program":
-        return rebuild_program(recipe[1], compiled, built_regions)
+        return rebuild_program(recipe[1], compiled, built_regions, runner)
     if kind == "kforge_region":
         from .fusion.executor import region_callable
 
@@ -517,7 +568,7 @@ def _rebuild(recipe: tuple, compiled: Any, built_regions: list) -> Any:
         from .fusion.zero_cotangents import ZeroAware
 
         _, inner, positions, nargs, specs, plans, device = recipe
-        za = ZeroAware(_rebuild(inner, compiled, built_regions), None, positions)
+        za = ZeroAware(_rebuild(inner, compiled, built_regions, runner), None, positions)
         za.nargs, za.specs = nargs, pickle.loads(specs)
         for absent, ir in plans.items():
             za._variants[absent] = (za._materializing(absent) if ir is None
@@ -526,21 +577,40 @@ def _rebuild(recipe: tuple, compiled: Any, built_regions: list) -> Any:
     if kind == "kforge_torch_region":
         from .fusion.executor import _TorchRegion
 
-        return _TorchRegion(rebuild_program(recipe[1], compiled, built_regions))
+        return _TorchRegion(rebuild_program(recipe[1], compiled, built_regions, runner))
+    if kind == "cuda_graph":
+        if runner is None:
+            raise LookupError("the entry has CUDA-graph regions, the function no CUDAGraphTransform")
+        _, program, mask, alias = recipe
+        # A fresh name in this runner: its own traces (other shapes) number their regions from the
+        # same counter, and the program reaches the region through its own global, not this name.
+        name = f"CUDAGraph{runner.name_counter}"
+        runner.name_counter += 1
+        runner.python_callables[name] = (rebuild_program(program, compiled, built_regions, runner), mask)
+        if alias and hasattr(runner, "alias_names"):
+            runner.alias_names.add(name)
+
+        def graphed(*args: Any) -> Any:
+            return runner.call_cuda_graph(name, *args)
+
+        graphed.__name__ = graphed.__qualname__ = f"{name}_fn"
+        return graphed
     raise ValueError(f"unknown recipe kind {kind!r}")
 
 
 _restored_counter = 0
 
 
-def rebuild_program(record: dict[str, Any], compiled: Any = None, built_regions: list | None = None) -> Callable:
+def rebuild_program(record: dict[str, Any], compiled: Any = None, built_regions: list | None = None,
+                    runner: Any = None) -> Callable:
     """The program `serialize_program` described, compiled from its source with its globals rebuilt.
-    `built_regions` collects the (FusedRegion, device) of kforge fusion kernels made on the way."""
+    `built_regions` collects the (FusedRegion, device) of kforge fusion kernels made on the way;
+    `runner`: the CUDA-graph runner that replays graphed regions (their programs are registered in it)."""
     global _restored_counter
     import thunder
 
     built_regions = [] if built_regions is None else built_regions
-    ctx = {name: _rebuild(r, compiled, built_regions) for name, r in record["ctx"].items()}
+    ctx = {name: _rebuild(r, compiled, built_regions, runner) for name, r in record["ctx"].items()}
     ctx["thunder"] = thunder
     with _lock:
         _restored_counter += 1
@@ -641,7 +711,8 @@ def _restore_record(record: dict[str, Any], fn: Any) -> Any:
     from .fusion.zero_cotangents import _FILL, install
 
     cd, cs = thunder.compile_data(fn), thunder.compile_stats(fn)
-    progs = {k: None if r is None else rebuild_program(r, cd.fn) for k, r in record["programs"].items()}
+    runner = _graph_runner(fn)
+    progs = {k: None if r is None else rebuild_program(r, cd.fn, None, runner) for k, r in record["programs"].items()}
     bwd = record["programs"]["backward_fn"]
     if bwd is not None and _FILL in bwd["ctx"]:
         install()  # what ZeroCotangents sets up when it rewrites a backward during tracing
@@ -699,8 +770,12 @@ def _save_new(fn: Any, entries: Iterable[Any], directory: str) -> None:
             _write(_entry_path(directory, record), record)
             _prune(directory)
         except OSError as e:
-            warnings.warn(f"kforge trace cache: cannot write under {directory} ({e}); running without it",
-                          KforgeCacheWarning, stacklevel=3)
+            global _unwritable_warned
+            with _lock:
+                first, _unwritable_warned = not _unwritable_warned, True
+            if first:  # once per process, not once per traced entry
+                warnings.warn(f"kforge trace cache: cannot write under {directory} ({e}); running without it",
+                              KforgeCacheWarning, stacklevel=3)
             return
         _count("saved")
 

@@ -93,9 +93,10 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "(zoo: hf-llama dynamo, the others jit)")
     m.add_argument("--second-process", action="store_true",
                    help="time the first step of kforge and torch.compile again in a fresh process (warm disk caches)")
-    m.add_argument("--trace-cache", action="store_true",
-                   help="KFORGE_TRACE_CACHE=1 for every row: kforge.jit keeps Thunder's compiled programs on "
-                        "disk, so that --second-process restores them instead of tracing (kforge.trace_cache)")
+    m.add_argument("--no-trace-cache", dest="trace_cache", action="store_false",
+                   help="KFORGE_TRACE_CACHE=0 for every row: --second-process traces again instead of "
+                        "restoring Thunder's programs from kforge.jit's disk cache (kforge.trace_cache, on "
+                        "by default)")
     m.add_argument("--sequential", action="store_true",
                    help="time each row alone, one after the other (default: the backends of one model and "
                         "set-up stay alive together and their timed steps alternate in 5 blocks, so that "

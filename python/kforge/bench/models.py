@@ -516,7 +516,7 @@ class ModelsConfig:
     cudagraphs: bool = False
     path: str | None = None
     second_process: bool = False
-    trace_cache: bool = False
+    trace_cache: bool = True
     dry: bool = False
     cold: bool = True
     preset: str | None = None
@@ -561,7 +561,7 @@ def resolve(args: Any) -> ModelsConfig:
         cases=cases, setups=setups, backends=backends, **sizes,
         cudagraphs=bool(args.cudagraphs or preset.get("cudagraphs", False)),
         path=getattr(args, "path", None), second_process=bool(args.second_process), dry=dry, cold=not args.warm_caches,
-        trace_cache=bool(getattr(args, "trace_cache", False)),
+        trace_cache=bool(getattr(args, "trace_cache", True)),
         preset=getattr(args, "preset", None), sequential=bool(getattr(args, "sequential", False)))
 
 
@@ -582,8 +582,8 @@ def bench_models(cfg: ModelsConfig, *, progress: bool = False, log: Callable[[st
         cudagraphs = False
         if log:
             log("--dry: CUDA graphs need a GPU; the rows run without them")
-    if cfg.trace_cache:
-        os.environ["KFORGE_TRACE_CACHE"] = "1"  # read by kforge.jit here and in the second processes
+    # read by kforge.jit here and in the second processes; a dry run has no row cache directories
+    os.environ["KFORGE_TRACE_CACHE"] = "1" if cfg.trace_cache and not cfg.dry else "0"
     cache_root = tempfile.mkdtemp(prefix="kforge-bench-") if cfg.cold and not cfg.dry else None
     bar = tqdm(total=len(cfg.cases) * len(cfg.setups) * len(cfg.backends), desc="models", unit="row",
                disable=not progress, leave=False)
