@@ -389,15 +389,22 @@ class Trainer:
         self.times += out
         return out
 
-    def peak_gib(self, n: int, others: int) -> float:
+    def peak_gib(self, n: int, others: int, others_reserved: int | None = None) -> float:
         """Peak memory of n timed steps, less `others` bytes: what the other live trainers held when
-        this one was built (they are idle meanwhile, so it stays constant)."""
+        this one was built (they are idle meanwhile, so it stays constant). With `others_reserved`
+        (CUDA-graph rows: what the others had reserved, cache emptied), at least what this trainer
+        keeps reserved once the allocator's cache is emptied: a replay allocates nothing, so its
+        activations live in the graphs' private pools, which `max_memory_allocated` does not see."""
         import torch
 
         _sync(self.device)
         torch.cuda.reset_peak_memory_stats()
         self.timed(n)
-        return (torch.cuda.max_memory_allocated() - others) / 2**30
+        peak = torch.cuda.max_memory_allocated() - others
+        if others_reserved is not None:
+            torch.cuda.empty_cache()  # frees cached blocks, not the private pools of live graphs
+            peak = max(peak, torch.cuda.memory_reserved() - others_reserved)
+        return peak / 2**30
 
     def summary(self) -> dict[str, Any]:
         t = self.times
@@ -636,6 +643,11 @@ def _bench_group(case: ModelCase, setup: str, cfg: ModelsConfig, *, device: str,
                 env = cold_caches(cache_root, f"{first_index + len(rows):03d}", drop_memory=not live)
             # What the idle trainers of this group hold, counted out of this row's peak.
             others = torch.cuda.memory_allocated() if not cfg.dry else 0
+            others_reserved = None
+            if row["cudagraphs"] and not cfg.dry:
+                torch.cuda.empty_cache()
+                others_reserved = torch.cuda.memory_reserved()
+                row["peak_counts_graph_pools"] = True  # records before this field: allocated bytes only
             torch.manual_seed(0)
             built = build(case, setup, batch=cfg.batch, seq=cfg.seq, device=device, path=cfg.path)
             if path_of(backend, built.mode):
@@ -654,12 +666,12 @@ def _bench_group(case: ModelCase, setup: str, cfg: ModelsConfig, *, device: str,
                 built = None
                 row.update(tr.start(cfg.warmup))
                 if interleaved:
-                    row["peak_gib"] = tr.peak_gib(PEAK_STEPS, others)
+                    row["peak_gib"] = tr.peak_gib(PEAK_STEPS, others, others_reserved)
                     tr.times.clear()
                     live.append((row, tr))
                     tr = None
                 else:
-                    row["peak_gib"] = tr.peak_gib(cfg.steps, others)
+                    row["peak_gib"] = tr.peak_gib(cfg.steps, others, others_reserved)
                     row.update(tr.summary())
         except Exception as e:  # one failing backend must not stop the run
             row["error"] = _error(e)

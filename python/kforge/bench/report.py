@@ -577,7 +577,9 @@ HOW_MEASURED = """\
   the host's speed, which drifts on a shared machine and matters because these steps are nearly
   host-bound, is the same for each (runs before that timed rows one after the other and show no
   p10-p90). Peak memory is `torch.cuda.max_memory_allocated` over 3 steps taken alone after the
-  warm-up, less what the other live backends hold. `first step s` is
+  warm-up, less what the other live backends hold; under CUDA graphs (where a replay allocates
+  nothing and activations live in the graphs' private pools) at least the memory the backend keeps
+  reserved once the allocator's cache is emptied. `first step s` is
   the wall time of wrapping the model and its first step (trace + compile), every row starting from
   empty kforge / Inductor / Triton disk caches; `2nd process first step s` is the same in a fresh
   process that finds that row's disk caches warm. For thunder.jit / kforge.jit rows the record also
