@@ -198,3 +198,38 @@ def test_install_respects_a_foreign_entry_and_uninstalls(restore_lookaside):
     assert lookasides.install() is True and lookasides.installed()
     lookasides.uninstall()
     assert call_impl not in _general_jit_lookaside_map
+
+
+def test_hugging_face_llama_under_kforge_jit(restore_lookaside):
+    """transformers' LlamaForCausalLM, called as people train it (`model(input_ids=, labels=).loss`),
+    under kforge.jit on the CPU: its output collector (CompileableContextVar) no longer takes the
+    "compiling" branch Thunder's epilogue cannot replay. Loss and every gradient against eager,
+    float32, within 1e-5 of the largest gradient; outside kforge's compilations Thunder's own
+    behaviour (interpreting the "compiling" branch) is unchanged."""
+    import copy
+
+    import thunder
+
+    from kforge.zoo import hf_llama
+
+    model, inputs, opts = hf_llama.make(size="micro", batch=2, seq=16, device="cpu", dtype=torch.float32)
+    ref = copy.deepcopy(model)
+    jm = kforge.jit(model, trace_cache=False)
+    loss = opts["loss_fn"](jm(**inputs))
+    loss.backward()
+    ref_loss = opts["loss_fn"](ref(**inputs))
+    ref_loss.backward()
+    assert thunder.last_traces(jm), "not traced"
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        err = (p.grad - q.grad).abs().max().item()
+        assert err <= 1e-5 * max(q.grad.abs().max().item(), 1e-6), (name, err)
+    from transformers.utils.output_capturing import CompileableContextVar
+
+    from thunder.core.jit_ext import _general_jit_lookaside_map
+
+    assert all(m in _general_jit_lookaside_map for m in (CompileableContextVar.set, CompileableContextVar.get,
+                                                        CompileableContextVar.reset))
+    lookasides.uninstall()
+    assert CompileableContextVar.set not in _general_jit_lookaside_map

@@ -441,3 +441,59 @@ def test_graphed_training_restored_on_a_gpu(tmp_path):
     for rep in (first, second, plain):
         assert rep["runner"]["retired"] == 0 and rep["aliased"] == plain["aliased"] >= 1, rep
         assert rep["losses"] == pytest.approx(plain["losses"], rel=2e-2, abs=2e-2), (rep["losses"], plain["losses"])
+
+
+HF_SCRIPT = '''
+import json
+import torch
+import kforge
+from kforge import trace_cache
+from kforge.zoo import hf_llama
+
+m, inputs, opts = hf_llama.make(size="micro", batch=2, seq=16, device="cpu", dtype=torch.float32)
+loss = opts["loss_fn"](kforge.jit(m)(**inputs))
+loss.backward()
+print(json.dumps({"loss": loss.item(), "grads": [p.grad.double().sum().item() for p in m.parameters()],
+                  "stats": trace_cache.stats()}))
+'''
+
+
+def test_hugging_face_llama_restores(tmp_path):
+    """transformers' LlamaForCausalLM under kforge.jit: its programs name a memory format, and its
+    trace runs dataclasses' generated methods (code from a string, charged to the module that
+    defines the dataclass) and the frozen stdlib. The second process restores and gives the first
+    one's loss and gradients exactly."""
+    (tmp_path / "run.py").write_text(HF_SCRIPT)
+    path = os.pathsep.join([os.path.join(REPO, "python"), *(p for p in sys.path if p)])
+    env = dict(os.environ, KFORGE_CACHE_DIR=str(tmp_path / "cache"), KFORGE_TRACE_CACHE="1", PYTHONPATH=path)
+    reps = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, str(tmp_path / "run.py")], capture_output=True, text=True, env=env,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        reps.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    first, second = reps
+    assert first["stats"]["saved"] == 1 and first["stats"]["unserializable"] == 0, first["stats"]
+    assert second["stats"]["restored"] == 1 and second["stats"]["traced"] == 0, second["stats"]
+    assert second["loss"] == first["loss"] and second["grads"] == first["grads"]
+
+
+def test_source_file_of_generated_and_frozen_code():
+    """Which file's hash stands for code the interpreter ran: the file itself; for code compiled
+    from a string, the file of the module whose globals it runs in; nothing for the frozen stdlib."""
+    import dataclasses
+
+    from kforge.trace_cache import _source_file
+
+    @dataclasses.dataclass
+    class Out:
+        x: int
+
+    init = Out.__init__
+    assert init.__code__.co_filename == "<string>"
+    assert _source_file(init.__code__.co_filename, init) == __file__
+    assert _source_file("<frozen _collections_abc>", None) == ""
+    assert _source_file(__file__, test_source_file_of_generated_and_frozen_code) == __file__
+    # no module file to charge it to: the name stays, and the entry is not written (no hash)
+    orphan = types.FunctionType(compile("def f():\n    return 1\n", "<string>", "exec").co_consts[0], {})
+    assert _source_file("<string>", orphan) == "<string>"

@@ -32,6 +32,10 @@ records the same symbol; the traces differ in their source comments only, which 
 model's line instead of the wrapper's (`dtensor_torch_and_prims.py`). The same conditions as above
 apply (kforge's executor, default sharp edges, no interpreter history); otherwise the wrapper is
 interpreted as Thunder does.
+
+A third group lets `thunder.jit` trace Hugging Face models whose forward collects requested outputs
+through transformers' `CompileableContextVar`: in kforge's compilations its methods take the
+context-variable branch eager takes instead of the "compiling" one (see `_context_var_set`).
 """
 from __future__ import annotations
 
@@ -129,6 +133,57 @@ def _dispatch_lookaside(wrapper):
     return lookaside
 
 
+# Hugging Face's CompileableContextVar (transformers.utils.output_capturing): the collector of
+# requested hidden states / attentions. Its methods take a "compiling" branch when
+# torch.compiler.is_compiling(), which Thunder's interpreter answers True, and write the collector
+# into attributes of a module-global object: a side effect Thunder's epilogue cannot replay
+# (`thunder.jit` of LlamaForCausalLM fails on it). In kforge's compilations the interpreter takes
+# the branch eager takes, the context variable itself, as for any opaque C call.
+def _context_var_set(self, value):
+    return self.context_var.set(value)
+
+
+def _context_var_get(self):
+    return self.context_var.get()
+
+
+def _context_var_reset(self, token):
+    if token is not None:
+        self.context_var.reset(token)
+
+
+def _context_var_methods() -> dict:
+    """{CompileableContextVar method: the eager branch to interpret instead}; empty until the process
+    has imported transformers (a model of its is built before it is compiled), or in a transformers
+    without that class."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        return {}
+    try:
+        import importlib
+
+        mod = importlib.import_module("transformers.utils.output_capturing")
+    except Exception:  # another version's layout: nothing to stand in for
+        return {}
+    cls = getattr(mod, "CompileableContextVar", None)
+    if cls is None:
+        return {}
+    return {cls.set: _context_var_set, cls.get: _context_var_get, cls.reset: _context_var_reset}
+
+
+def _context_var_lookaside(original, eager):
+    from thunder.core.interpreter import _interpret_call
+
+    interpreted = _copy_of(original)
+
+    def lookaside(*args, **kwargs):
+        return _interpret_call(eager if _kforge_compilation() else interpreted, *args, **kwargs)
+
+    lookaside.__qualname__ = f"kforge.lookasides.context_var[{original.__qualname__}]"
+    return lookaside
+
+
 _entries: dict | None = None  # the function each lookaside stands in for -> the lookaside
 
 
@@ -138,6 +193,9 @@ def _our_entries() -> dict:
         _entries = {_CALL_IMPL: _call_impl_lookaside}
         for w in _dispatch_wrappers():
             _entries[w] = _dispatch_lookaside(w)
+    if not any(k in _entries for k in _context_var_methods()):  # transformers imported since
+        for original, eager in _context_var_methods().items():
+            _entries[original] = _context_var_lookaside(original, eager)
     return _entries
 
 

@@ -32,7 +32,8 @@ and kforge versions, a hash of kforge's own sources, the executors (names, versi
 (their repr), the compile options, kforge's environment switches, torch's backend flags (TF32, SDPA
 backends), the GPU (name, compute capability), and the content hash of every source file whose code
 Thunder's interpreter ran while tracing the entry (recorded by wrapping the interpreter's frame
-set-up). A changed model file, a new kforge, another GPU: the entry is skipped and the model traced.
+set-up; code compiled from a string, such as a dataclass's generated `__init__`, counts as its
+module's file; the frozen stdlib as Python's version). A changed model file, a new kforge, another GPU: the entry is skipped and the model traced.
 An unreadable or corrupt file: one `KforgeCacheWarning`, then tracing; the file is replaced.
 
 Restored entries carry no traces: `thunder.last_traces(fn)` is empty after a restored first call
@@ -146,9 +147,10 @@ def _install_hooks() -> None:
     def setup_frame(compilectx, runtimectx, wrapped_fn, /, *args, **kwargs):
         files = _recording.get()
         if files is not None:
-            code = getattr(getattr(wrapped_fn, "value", wrapped_fn), "__code__", None)
+            fn = getattr(wrapped_fn, "value", wrapped_fn)
+            code = getattr(fn, "__code__", None)
             if code is not None:
-                files.add(code.co_filename)
+                files.add(_source_file(code.co_filename, fn))
         return run_frame(compilectx, runtimectx, wrapped_fn, *args, **kwargs)
 
     general_jit = thunder.thunder_general_jit
@@ -170,6 +172,22 @@ def _install_hooks() -> None:
 
     interp._setup_frame_and_run_python_function = setup_frame
     thunder.thunder_general_jit = traced
+
+
+_FROZEN = "<frozen "  # the stdlib modules built into the interpreter: sys.version is in the key
+
+
+def _source_file(filename: str, fn: Any) -> str:
+    """The file whose content decides code run from `filename`: itself; for code compiled from a
+    string (dataclasses' generated `__init__`, `<string>`), the file of the module whose globals it
+    runs in, which holds what it was generated from; "" for the interpreter's frozen stdlib."""
+    if filename.startswith(_FROZEN):
+        return ""
+    if filename.startswith("<") and not linecache.getlines(filename):
+        module_file = (getattr(fn, "__globals__", None) or {}).get("__file__")
+        if isinstance(module_file, str):
+            return module_file
+    return filename
 
 
 @functools.lru_cache(maxsize=4096)
@@ -209,7 +227,7 @@ def _files_of(cd: Any, entry: Any) -> dict[str, str | None]:
     and those the first traces name as the origin of their symbols (in case the interpreter hook
     saw nothing, e.g. tracing started before `attach`). Raises Unserializable when one of them has
     no source (code compiled from a string)."""
-    files = set(getattr(cd, "_kforge_traced_files", ()) or ())
+    files = set(getattr(cd, "_kforge_traced_files", ()) or ()) - {""}
     target = cd.fn
     for obj in (target, type(target)):
         try:
@@ -373,7 +391,8 @@ def _value_ok(v: Any) -> bool:
 
     from .fusion.executor import _Passthrough
 
-    if _plain(v) or isinstance(v, (torch.dtype, torch.device, enum.Enum, types.BuiltinFunctionType, _Passthrough)):
+    if _plain(v) or isinstance(v, (torch.dtype, torch.device, torch.memory_format, torch.layout, enum.Enum,
+                                   types.BuiltinFunctionType, _Passthrough)):
         try:
             pickle.loads(pickle.dumps(v))
             return True

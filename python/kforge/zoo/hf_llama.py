@@ -4,7 +4,10 @@ random weights (nothing is downloaded), SDPA attention, no KV cache, called as
 loss). The sizes are plain_llama's: the "bench" size is issue 18's Llama (12 layers, hidden 768,
 12 query / 4 key-value heads, ffn 2048, vocab 32000, 1024 positions).
 
-`thunder.jit` cannot trace this model; it runs on Thunder's Dynamo path (options mode="dynamo").
+Thunder's own `thunder.jit` cannot trace this model (transformers' output collector writes a
+module-global object when Thunder answers `torch.compiler.is_compiling()` True); `kforge.jit` can
+(kforge.lookasides). The bench runs it on Thunder's Dynamo path by default (options mode="dynamo");
+`--path jit` takes kforge.jit.
 Plain PyTorch / transformers only; nothing here calls kforge.
 """
 from __future__ import annotations
