@@ -110,7 +110,6 @@ def test_argument_errors_exit_2(argv, message, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["inspect", "gpt2", "--size", "huge", "--device", "cpu"], "unknown gpt2 --size 'huge'; choose from"),
     (["inspect", "llama", "--size", "124M", "--device", "cpu"], "unknown llama --size '124M'"),
-    (["tieout", "hf-llama", "--mode", "jit", "--device", "cpu"], "Dynamo path only"),
     (["tieout", "--model", "kf_user_models", "--device", "cpu"], "package.module:factory"),
     (["tieout", "--model", "kf_no_such_module:make", "--device", "cpu"], "cannot import"),
     (["tieout", "--model", "kf_user_models:nope", "--device", "cpu"], "has no attribute 'nope'"),
@@ -239,6 +238,16 @@ def test_tieout_user_factory_with_kwargs_inputs_and_loss_fn(factories, capsys):
     assert main(["tieout", "--model", "kf_user_models:make_kwargs", "--device", "cpu", "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out
     assert "tie-out PASS" in out and "fc.weight.grad" in out and "ln.bias.grad" in out
+
+
+@pytest.mark.timeout(900)
+def test_tieout_hf_llama_jit_on_cpu():
+    """`--mode jit`: thunder.jit of transformers' Llama with kforge's lookasides (its output
+    collector) ties out against eager on the CPU."""
+    rc, out, err = run_cli("tieout", "hf-llama", "--size", "micro", "--device", "cpu", "--mode", "jit",
+                           "--batch", "1", "--seq", "8", gpu_visible=False)
+    assert rc == 0, err
+    assert "tie-out PASS" in out and "mode=jit" in out, out[-2000:]
 
 
 @pytest.mark.timeout(900)

@@ -225,6 +225,12 @@ def test_hugging_face_llama_under_kforge_jit(restore_lookaside):
         assert p.grad is not None, name
         err = (p.grad - q.grad).abs().max().item()
         assert err <= 1e-5 * max(q.grad.abs().max().item(), 1e-6), (name, err)
+    # Requested outputs would be missing from the traced result: refused, never returned incomplete
+    # (also once eager has installed transformers' capturing hooks)
+    ref(**inputs, output_hidden_states=True)
+    for probe in (model, ref):
+        with pytest.raises(NotImplementedError, match="output capture .* kforge.compile"):
+            kforge.jit(probe, trace_cache=False)(**inputs, output_hidden_states=True)
     from transformers.utils.output_capturing import CompileableContextVar
 
     from thunder.core.jit_ext import _general_jit_lookaside_map

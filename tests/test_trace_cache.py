@@ -114,7 +114,8 @@ except ValueError as e:
 print(json.dumps({"general_jit_calls": calls[0], "stats": trace_cache.stats(), "warnings": warned,
                   "max_err": (y - y_ref).abs().max().item(), "restored": trace_cache.has_restored(jnet),
                   "inspect_error": inspected, "graphs": None if runner is None else
-                  {"stats": runner.stats, "aliased": len(runner.alias_names), "regions": len(runner.python_callables)}}))
+                  {"stats": runner.stats, "aliased": len(runner.alias_names),
+                   "regions": len(runner.python_callables)}}))
 '''
 
 

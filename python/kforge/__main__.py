@@ -226,13 +226,11 @@ def build_workload(args: argparse.Namespace) -> Workload:
         model = llama.Llama(cfg, seed=args.seed).to(device=device, dtype=dtype)
         return Workload(f"llama-{size}", model, (idx, targets), args.mode or "jit",
                         train_kwargs={"return_logits": False})
-    if args.mode == "jit":
-        raise UsageError("hf-llama runs on Thunder's Dynamo path only (thunder.jit cannot trace "
-                         "transformers' LlamaForCausalLM); drop --mode jit")
     attn = {"manual": "eager", "sdpa": "sdpa"}[args.attention]
     model = llama.hf_llama(cfg, attn_implementation=attn, seed=args.seed, dtype=dtype, device=device)
     # HF shifts the labels itself: labels = input_ids.
-    return Workload(f"hf-llama-{size}", model, {"input_ids": idx, "labels": idx}, "dynamo")
+    # Thunder's Dynamo path by default; --mode jit: thunder.jit, which traces it with kforge's lookasides
+    return Workload(f"hf-llama-{size}", model, {"input_ids": idx, "labels": idx}, args.mode or "dynamo")
 
 
 def compile_workload(w: Workload, backend: str = "kforge", *, cudagraphs: bool = False) -> Any:

@@ -144,8 +144,8 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False
 def compile(model: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False,
             transforms: Sequence[Any] = (), **kwargs: Any):
     """`torch.compile(model)` with Thunder as its backend (Thunder's Dynamo path), `kforge.executors()`
-    and the pattern transforms: for models `thunder.jit` cannot trace, such as Hugging Face's
-    LlamaForCausalLM. `cudagraphs` as in `kforge.jit`. Other keyword arguments go to Thunder /
+    and the pattern transforms: for models `thunder.jit` cannot trace (Hugging Face's LlamaForCausalLM
+    runs either way). `cudagraphs` as in `kforge.jit`. Other keyword arguments go to Thunder /
     torch.compile. Raises TypeError as `kforge.jit` does for bad arguments."""
     from .cudagraphs import _check, with_cudagraphs
     from .transforms import thunderfx

@@ -35,10 +35,12 @@ interpreted as Thunder does.
 
 A third group lets `thunder.jit` trace Hugging Face models whose forward collects requested outputs
 through transformers' `CompileableContextVar`: in kforge's compilations its methods take the
-context-variable branch eager takes instead of the "compiling" one (see `_context_var_set`).
+collector as the interpreter's own value instead of writing it into a module-global object (see
+`_context_var_lookaside`).
 """
 from __future__ import annotations
 
+import threading
 import types
 
 import torch
@@ -137,24 +139,23 @@ def _dispatch_lookaside(wrapper):
 # requested hidden states / attentions. Its methods take a "compiling" branch when
 # torch.compiler.is_compiling(), which Thunder's interpreter answers True, and write the collector
 # into attributes of a module-global object: a side effect Thunder's epilogue cannot replay
-# (`thunder.jit` of LlamaForCausalLM fails on it). In kforge's compilations the interpreter takes
-# the branch eager takes, the context variable itself, as for any opaque C call.
-def _context_var_set(self, value):
-    return self.context_var.set(value)
+# (`thunder.jit` of LlamaForCausalLM fails on it). In kforge's compilations the collector is kept
+# as the interpreter's own value (with its provenance, so what hooks append to it is traced) on a
+# per-thread stack for the duration of the forward that set it: what a context variable does, with
+# nothing written outside the trace.
+_collector = threading.local()
 
 
-def _context_var_get(self):
-    return self.context_var.get()
-
-
-def _context_var_reset(self, token):
-    if token is not None:
-        self.context_var.reset(token)
+def _collector_stack() -> list:
+    stack = getattr(_collector, "stack", None)
+    if stack is None:
+        stack = _collector.stack = []
+    return stack
 
 
 def _context_var_methods() -> dict:
-    """{CompileableContextVar method: the eager branch to interpret instead}; empty until the process
-    has imported transformers (a model of its is built before it is compiled), or in a transformers
+    """{CompileableContextVar method: "set" / "get" / "reset"}; empty until the process has
+    imported transformers (a model of its is built before it is compiled), or in a transformers
     without that class."""
     import sys
 
@@ -169,16 +170,32 @@ def _context_var_methods() -> dict:
     cls = getattr(mod, "CompileableContextVar", None)
     if cls is None:
         return {}
-    return {cls.set: _context_var_set, cls.get: _context_var_get, cls.reset: _context_var_reset}
+    return {cls.set: "set", cls.get: "get", cls.reset: "reset"}
 
 
-def _context_var_lookaside(original, eager):
-    from thunder.core.interpreter import _interpret_call
+def _context_var_lookaside(original, method: str):
+    from thunder.core.interpreter import _interpret_call, do_raise, unwrap, wrap_const
 
     interpreted = _copy_of(original)
 
-    def lookaside(*args, **kwargs):
-        return _interpret_call(eager if _kforge_compilation() else interpreted, *args, **kwargs)
+    def lookaside(self, *args):
+        if not _kforge_compilation():
+            return _interpret_call(interpreted, self, *args)
+        stack = _collector_stack()
+        if method == "set":
+            if unwrap(args[0]):
+                # Outputs requested: the capturing hooks would not reach the trace's result (a model
+                # output without them); refuse rather than return an incomplete answer.
+                return do_raise(NotImplementedError(
+                    "kforge.jit: transformers' output capture (output_hidden_states / output_attentions / ...) "
+                    "is not traced by thunder.jit; call the model without it, or use kforge.compile"))
+            stack.append(args[0])
+            return wrap_const(None)  # the token reset receives
+        if method == "get":
+            return stack[-1] if stack else wrap_const(None)
+        if stack:
+            stack.pop()
+        return wrap_const(None)
 
     lookaside.__qualname__ = f"kforge.lookasides.context_var[{original.__qualname__}]"
     return lookaside
@@ -194,8 +211,8 @@ def _our_entries() -> dict:
         for w in _dispatch_wrappers():
             _entries[w] = _dispatch_lookaside(w)
     if not any(k in _entries for k in _context_var_methods()):  # transformers imported since
-        for original, eager in _context_var_methods().items():
-            _entries[original] = _context_var_lookaside(original, eager)
+        for original, method in _context_var_methods().items():
+            _entries[original] = _context_var_lookaside(original, method)
     return _entries
 
 

@@ -239,6 +239,11 @@ def compile_model(model: nn.Module, *, mode: Mode = "jit", executors: Sequence |
     if transforms:
         options["transforms"] = list(transforms)
     if mode == "jit":
+        # as kforge.jit: the lookasides apply to compilations with kforge's executor (module calls,
+        # Hugging Face's output collector), installed now that the model's modules are imported
+        from .transforms import _install_lookasides
+
+        _install_lookasides()
         return thunder.jit(model, **options), None
     if mode == "dynamo":
         # kforge's compiler: the splitter sees the ambient autocast, and values handed to Inductor

@@ -33,7 +33,8 @@ and kforge versions, a hash of kforge's own sources, the executors (names, versi
 backends), the GPU (name, compute capability), and the content hash of every source file whose code
 Thunder's interpreter ran while tracing the entry (recorded by wrapping the interpreter's frame
 set-up; code compiled from a string, such as a dataclass's generated `__init__`, counts as its
-module's file; the frozen stdlib as Python's version). A changed model file, a new kforge, another GPU: the entry is skipped and the model traced.
+module's file; the frozen stdlib as Python's version). A changed model file, a new kforge,
+another GPU: the entry is skipped and the model traced.
 An unreadable or corrupt file: one `KforgeCacheWarning`, then tracing; the file is replaced.
 
 Restored entries carry no traces: `thunder.last_traces(fn)` is empty after a restored first call

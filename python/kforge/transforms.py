@@ -2,10 +2,10 @@
 
 Users' models reach Thunder with their steps spelled in torch ops, never as calls of kforge's
 helpers: under `thunder.jit` (`kforge.jit`) as the user wrote them, under Thunder's Dynamo path
-(`kforge.compile`; Hugging Face's LlamaForCausalLM, which `thunder.jit` cannot trace) decomposed by
-Dynamo. This module finds those subgraphs in a computation trace, before autograd, and replaces
-each with the Thunder operator of the kforge helper that computes the same thing, so kforge's grad
-transforms give the backward too. Spellings found (all forward and backward):
+(`kforge.compile`, for models Thunder's own `thunder.jit` cannot trace, e.g. Hugging Face's
+LlamaForCausalLM) decomposed by Dynamo. This module finds those subgraphs in a computation trace,
+before autograd, and replaces each with the Thunder operator of the kforge helper that computes the
+same thing, so kforge's grad transforms give the backward too. Spellings found (all forward and backward):
 
   kind            spellings                                                       replaced by
   rms_norm        x [.float()] * rsqrt(mean(x*x or x.pow(2), -1, keepdim) + eps),  kforge.ops.rmsnorm.rms_norm (cast,
@@ -1865,7 +1865,7 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     describes: the splitter sees the ambient torch.autocast, and values Thunder hands to Inductor
     arrive in the layout Inductor was compiled for).
 
-    For models `thunder.jit` cannot trace, such as Hugging Face's LlamaForCausalLM. Other keyword
+    For models `thunder.jit` cannot trace (Hugging Face's LlamaForCausalLM: kforge.jit traces it too). Other keyword
     arguments go to torch.compile / thunder.jit (`executors=` overrides the executor list). The
     result is called like the model and trains the model's own parameters; its `last_traces` /
     `last_backward_traces` list the final Thunder traces of every subgraph, `llama_patterns` is
