@@ -498,3 +498,23 @@ def test_source_file_of_generated_and_frozen_code():
     # no module file to charge it to: the name stays, and the entry is not written (no hash)
     orphan = types.FunctionType(compile("def f():\n    return 1\n", "<string>", "exec").co_consts[0], {})
     assert _source_file("<string>", orphan) == "<string>"
+
+
+def test_key_directories_are_bounded(tmp_path, monkeypatch):
+    """Each kforge / torch / Thunder version, model and option set writes its own key directory;
+    past `_MAX_KEYS` the least recently used go when an entry is written, never the one written to,
+    and one restored from counts as used."""
+    from kforge import trace_cache
+
+    monkeypatch.setattr(trace_cache, "_MAX_KEYS", 4)
+    root = tmp_path / "traces"
+    dirs = []
+    for i in range(7):
+        d = root / f"key{i}"
+        d.mkdir(parents=True)
+        (d / "entry-x.pkl").write_bytes(b"x")
+        os.utime(d, ns=(10**18 + i * 10**9,) * 2)
+        dirs.append(d)
+    os.utime(dirs[0], ns=(10**18 + 100 * 10**9,) * 2)  # restored from recently: kept
+    trace_cache._prune_keys(str(root), str(dirs[1]))  # writing to the old key1: kept too
+    assert sorted(p.name for p in root.iterdir()) == ["key0", "key1", "key4", "key5", "key6"]

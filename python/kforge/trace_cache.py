@@ -72,6 +72,9 @@ logger = logging.getLogger("kforge")
 _FORMAT = 1
 # Entries kept per model and key; the oldest beyond this are removed when a new one is written.
 _MAX_ENTRIES = 8
+# Key directories kept under traces/ (each kforge, torch or Thunder version, model and option set
+# makes its own); the least recently written or restored beyond this are removed on a write.
+_MAX_KEYS = 32
 
 _stats = {"traced": 0, "restored": 0, "saved": 0, "skipped_stale": 0, "corrupt": 0, "unserializable": 0}
 _lock = threading.Lock()
@@ -686,6 +689,28 @@ def _prune(directory: str) -> None:
         _remove(p)
 
 
+def _prune_keys(root: str, keep: str) -> None:
+    """Remove the key directories under `root` beyond the `_MAX_KEYS` most recently used (a
+    directory's mtime: set when an entry is written or restored), never `keep`."""
+    import shutil
+
+    try:
+        dirs = [os.path.join(root, n) for n in os.listdir(root)]
+        dirs = sorted((d for d in dirs if os.path.isdir(d)), key=lambda d: os.stat(d).st_mtime_ns)
+    except OSError:
+        return
+    for d in dirs[:-_MAX_KEYS]:
+        if os.path.abspath(d) != os.path.abspath(keep):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _touch(directory: str) -> None:
+    try:
+        os.utime(directory)
+    except OSError:  # a read-only cache still restores
+        pass
+
+
 def _remove(path: str) -> None:
     try:
         os.remove(path)
@@ -789,6 +814,8 @@ def _save_new(fn: Any, entries: Iterable[Any], directory: str) -> None:
         try:
             _write(_entry_path(directory, record), record)
             _prune(directory)
+            _touch(directory)
+            _prune_keys(os.path.dirname(directory), directory)
         except OSError as e:
             global _unwritable_warned
             with _lock:
@@ -818,6 +845,7 @@ def attach(fn: Any) -> Any:
     directory = os.path.join(traces_dir(), _key_digest(key))
     restored = _load(fn, directory, key)
     if restored:
+        _touch(directory)  # in use: the last to be pruned
         cs.interpreter_cache.extend(restored)
         _restored_into.add(cs)
 
