@@ -140,9 +140,9 @@ def _dispatch_lookaside(wrapper):
 # torch.compiler.is_compiling(), which Thunder's interpreter answers True, and write the collector
 # into attributes of a module-global object: a side effect Thunder's epilogue cannot replay
 # (`thunder.jit` of LlamaForCausalLM fails on it). In kforge's compilations the collector is kept
-# as the interpreter's own value (with its provenance, so what hooks append to it is traced) on a
-# per-thread stack for the duration of the forward that set it: what a context variable does, with
-# nothing written outside the trace.
+# as the interpreter's own value on a per-thread stack for the duration of the forward that set it:
+# what a context variable does, with nothing written outside the trace. A collector that asks for
+# outputs is refused (the capturing hooks' appends do not reach the traced result).
 _collector = threading.local()
 
 
@@ -187,8 +187,8 @@ def _context_var_lookaside(original, method: str):
                 # Outputs requested: the capturing hooks would not reach the trace's result (a model
                 # output without them); refuse rather than return an incomplete answer.
                 return do_raise(NotImplementedError(
-                    "kforge.jit: transformers' output capture (output_hidden_states / output_attentions / ...) "
-                    "is not traced by thunder.jit; call the model without it, or use kforge.compile"))
+                    "kforge.jit: transformers' output capture (output_hidden_states / output_attentions / "
+                    "...) is not traced by thunder.jit; call the model without it, or use kforge.compile"))
             stack.append(args[0])
             return wrap_const(None)  # the token reset receives
         if method == "get":
