@@ -39,9 +39,9 @@ class Net(torch.nn.Module):
         return torch.softmax(self.l2(h), -1) * 2.0
 '''
 
-# Runs one training step of the model (two with STEPS=2), with Thunder's tracing entry counted by
-# a wrapper installed before kforge's own, and prints what happened as one JSON line.
-SCRIPT = '''
+# The head of the child scripts: Thunder's tracing entry counted (`calls[0]`) by a wrapper installed
+# before kforge's own, then kforge imported.
+COUNTING = '''
 import json, os, sys, warnings
 import torch
 import thunder
@@ -57,7 +57,10 @@ def counted(*args, **kwargs):
 
 thunder.thunder_general_jit = counted
 import kforge
-from kforge import trace_cache
+'''
+
+# Runs one training step of the model (two with STEPS=2) and prints what happened as one JSON line.
+SCRIPT = COUNTING + '''from kforge import trace_cache
 
 sys.path.insert(0, sys.argv[1])
 import model
@@ -119,27 +122,34 @@ print(json.dumps({"general_jit_calls": calls[0], "stats": trace_cache.stats(), "
 '''
 
 
+def _child(tmp_path, script: str, *args: str, timeout: float = 300, **env: str | None) -> dict:
+    """Run `script` (written to tmp_path/run.py) in a fresh Python with `args`, the cache directory
+    tmp_path/cache and `env` on top of this process's environment (None: unset); its last stdout
+    line, as JSON. The child finds kforge here and everything else where this process found it
+    (Thunder may be installed off the default path, as on the GPU machine)."""
+    (tmp_path / "run.py").write_text(script)
+    path = os.pathsep.join([os.path.join(REPO, "python"), *(p for p in sys.path if p)])
+    run_env = {k: v for k, v in {**os.environ, "KFORGE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": path,
+                                 **env}.items() if v is not None}
+    r = subprocess.run([sys.executable, str(tmp_path / "run.py"), *args], capture_output=True, text=True,
+                       env=run_env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture
 def project(tmp_path):
     """A model package, the driver script and a cache directory in tmp_path; `run(...)` runs one
     process and returns its JSON report and saved tensors."""
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "model.py").write_text(textwrap.dedent(MODEL))
-    (tmp_path / "run.py").write_text(SCRIPT)
-    # The child finds kforge here and everything else where this process found it (Thunder may be
-    # installed off the default path, as on the GPU machine).
-    path = os.pathsep.join([os.path.join(REPO, "python"), *(p for p in sys.path if p)])
-    env = dict(os.environ, KFORGE_CACHE_DIR=str(tmp_path / "cache"), KFORGE_TRACE_CACHE="1", PYTHONPATH=path)
     counter = [0]
 
     def run(shape=(3, 8), dtype="float32", steps=1, **extra_env):
         counter[0] += 1
         out = tmp_path / f"out{counter[0]}.pt"
-        run_env = {k: v for k, v in {**env, **extra_env}.items() if v is not None}  # None: unset
-        r = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "pkg"), repr(shape), dtype,
-                            str(out), str(steps)], capture_output=True, text=True, env=run_env, timeout=300)
-        assert r.returncode == 0, r.stderr[-4000:]
-        report = json.loads(r.stdout.strip().splitlines()[-1])
+        report = _child(tmp_path, SCRIPT, str(tmp_path / "pkg"), repr(shape), dtype, str(out), str(steps),
+                        **{"KFORGE_TRACE_CACHE": "1", **extra_env})
         return report, torch.load(out)
 
     run.tmp = tmp_path
@@ -384,23 +394,7 @@ def test_fake_gpu_cuda_graph_programs_round_trip():
     assert len(fresh.alias_names) == len(t.runner.alias_names) and built
 
 
-GRAPHED = '''
-import json, sys
-import torch
-import thunder
-
-calls = [0]
-general_jit = thunder.thunder_general_jit
-
-
-def counted(*args, **kwargs):
-    calls[0] += 1
-    return general_jit(*args, **kwargs)
-
-
-thunder.thunder_general_jit = counted
-import kforge
-from kforge.cudagraphs import CUDAGraphs
+GRAPHED = COUNTING + '''from kforge.cudagraphs import CUDAGraphs
 from kforge.zoo import plain_llama
 
 m, _, opts = plain_llama.make(size="micro", batch=2, seq=16)
@@ -426,17 +420,7 @@ def test_graphed_training_restored_on_a_gpu(tmp_path):
     restores (no tracing) and one without the cache train the same 4 AdamW steps. The restored
     graphs capture and replay the same kernels: losses agree, backward graphs still alias their
     outputs, none is retired."""
-    (tmp_path / "run.py").write_text(GRAPHED)
-    path = os.pathsep.join([os.path.join(REPO, "python"), *(p for p in sys.path if p)])
-    env = dict(os.environ, KFORGE_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=path)
-
-    def run(cache: str) -> dict:
-        r = subprocess.run([sys.executable, str(tmp_path / "run.py"), cache], capture_output=True, text=True,
-                           env=env, timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
-
-    first, second, plain = run("1"), run("1"), run("0")
+    first, second, plain = (_child(tmp_path, GRAPHED, cache, timeout=600) for cache in ("1", "1", "0"))
     assert first["traced"] >= 1 and first["restored"] == 0
     assert second["traced"] == 0 and second["restored"] >= 1, second
     for rep in (first, second, plain):
@@ -464,16 +448,7 @@ def test_hugging_face_llama_restores(tmp_path):
     trace runs dataclasses' generated methods (code from a string, charged to the module that
     defines the dataclass) and the frozen stdlib. The second process restores and gives the first
     one's loss and gradients exactly."""
-    (tmp_path / "run.py").write_text(HF_SCRIPT)
-    path = os.pathsep.join([os.path.join(REPO, "python"), *(p for p in sys.path if p)])
-    env = dict(os.environ, KFORGE_CACHE_DIR=str(tmp_path / "cache"), KFORGE_TRACE_CACHE="1", PYTHONPATH=path)
-    reps = []
-    for _ in range(2):
-        r = subprocess.run([sys.executable, str(tmp_path / "run.py")], capture_output=True, text=True, env=env,
-                           timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
-        reps.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    first, second = reps
+    first, second = (_child(tmp_path, HF_SCRIPT, timeout=600, KFORGE_TRACE_CACHE="1") for _ in range(2))
     assert first["stats"]["saved"] == 1 and first["stats"]["unserializable"] == 0, first["stats"]
     assert second["stats"]["restored"] == 1 and second["stats"]["traced"] == 0, second["stats"]
     assert second["loss"] == first["loss"] and second["grads"] == first["grads"]

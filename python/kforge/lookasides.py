@@ -210,8 +210,8 @@ def _our_entries() -> dict:
         _entries = {_CALL_IMPL: _call_impl_lookaside}
         for w in _dispatch_wrappers():
             _entries[w] = _dispatch_lookaside(w)
-    if not any(k in _entries for k in _context_var_methods()):  # transformers imported since
-        for original, method in _context_var_methods().items():
+    for original, method in _context_var_methods().items():  # once transformers is imported
+        if original not in _entries:
             _entries[original] = _context_var_lookaside(original, method)
     return _entries
 

@@ -92,9 +92,7 @@ class Unserializable(Exception):
 def enabled() -> bool:
     """Whether kforge.jit keeps Thunder's compiled programs on disk by default: KFORGE_TRACE_CACHE
     (default on) and KFORGE_DISK_CACHE (kforge's disk cache, default on) both on."""
-    from ._runtime import disk_cache_enabled
-
-    return _env.flag("KFORGE_TRACE_CACHE") and disk_cache_enabled()
+    return _env.flag("KFORGE_TRACE_CACHE") and disk_usable()
 
 
 def disk_usable() -> bool:
