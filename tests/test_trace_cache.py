@@ -358,6 +358,42 @@ def test_fake_gpu_programs_round_trip(zoo):
     assert built and {fr.key for fr, _ in built} <= set(original_keys.values())
 
 
+def test_hugging_face_llama_autocast_regions_are_their_kernels_ir():
+    """HF Llama under bf16 autocast, traced as on a GPU by kforge.jit: Thunder relabels the rotary
+    matmul (fp32 in HF, autocast disabled) bf16 after the fusion pass, so lowering the final trace's
+    fusion symbol that reads it fails with "cat of mixed dtypes". The entry is written with the IR
+    each kernel was built for, and kforge.inspect describes that region as its kernel."""
+    import thunder
+
+    import kforge
+    from kforge import trace_cache
+    from kforge.fusion import ir as fir
+    from kforge.fusion.executor import describe, lower_fusion, regions
+    from kforge.zoo import hf_llama
+
+    def make(**kw):
+        model, inputs, options = hf_llama.make(**kw)
+        return model, inputs, {k: v for k, v in options.items() if k != "mode"}  # kforge.jit, not Dynamo
+
+    ft = fake_cuda_trace(make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=True)
+    kernels = {id(fn): b for t in (ft.forward, ft.backward) for b in t.bound_symbols if b.sym.is_fusion
+               for fn in (b._call_ctx or {}).values() if isinstance(fn, kforge._C.GeneratedKernel)}
+    relabelled = []
+    for b in kernels.values():
+        try:
+            lower_fusion(b)
+        except fir.Unsupported as e:
+            relabelled.append((b, str(e)))
+    assert relabelled and all(why == "cat of mixed dtypes" for _, why in relabelled), relabelled
+    entry = thunder.compile_stats(ft.fn).interpreter_cache[0]
+    found = trace_cache._kforge_regions(entry)
+    built = {id(fr.kernel): fr.ir for fr in regions()}
+    assert set(kernels) <= set(found) and all(found[k][0] is built[k] for k in found)
+    pickle.dumps(trace_cache.save_entry(ft.fn, entry))
+    for b, _ in relabelled:
+        assert describe(b)["kernel"] != "torch fallback" and not describe(b)["schedule"].startswith("torch")
+
+
 def test_fake_gpu_cuda_graph_programs_round_trip():
     """A Llama traced as on a GPU under kforge.jit(cudagraphs=True): its programs call graphed
     regions, whose own programs call kforge's fusion kernels. Each region is written with its

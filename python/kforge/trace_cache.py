@@ -408,9 +408,14 @@ def _kforge_regions(entry: Any) -> dict[int, tuple[Any, int]]:
     forward / backward traces (the symbols that call a GeneratedKernel; later passes copy them
     with their call context)."""
     from . import _C
-    from .fusion.executor import _device_of, lower_fusion
+    from .fusion.executor import _device_of, lower_fusion, regions
 
     out: dict[int, tuple[Any, int]] = {}
+    # The IR each kernel was built for. A final trace's fusion symbol can carry proxies that Thunder
+    # relabelled after the fusion pass: under autocast, HF Llama's rotary matmul, which it computes
+    # with autocast disabled, reads bf16 there though it runs in fp32 (the kernel checks its inputs'
+    # dtypes), so lowering that symbol again fails ("cat of mixed dtypes").
+    built = {id(fr.kernel): fr for fr in regions()}
 
     def walk(bsyms: Iterable[Any]) -> None:
         for b in bsyms:
@@ -418,7 +423,8 @@ def _kforge_regions(entry: Any) -> dict[int, tuple[Any, int]]:
                 continue
             for v in (b._call_ctx or {}).values():
                 if isinstance(v, _C.GeneratedKernel) and id(v) not in out:
-                    out[id(v)] = (lower_fusion(b), _device_of(b) or 0)
+                    fr = built.get(id(v))
+                    out[id(v)] = (fr.ir if fr is not None else lower_fusion(b), _device_of(b) or 0)
             walk(b.subsymbols)  # a CUDA-graph region holds the fusion symbols it captures
 
     for traces in (entry.computation_traces, entry.backward_traces):

@@ -359,8 +359,11 @@ def describe(bsym: BoundSymbol) -> dict:
 
     fn = (bsym._call_ctx or {}).get(bsym.sym.name)
     kernel = getattr(fn, "name", None)
+    built = next((fr for fr in regions() if fr.kernel is fn), None) if fn is not None else None
     try:
-        region = lower_fusion(bsym)
+        # The IR the kernel was built for: a final trace's symbol can carry proxies that Thunder
+        # relabelled after the fusion pass (see trace_cache._kforge_regions).
+        region = built.ir if built is not None else lower_fusion(bsym)
         ops = [v.op for v in region.values if v.op not in ("input", "scalar", "const")]
         kind = schedule(region).kind if kernel else "torch"
         if kernel and fir.view_plan(region) is not None:
