@@ -205,17 +205,18 @@ for log in sorted(glob.glob(os.path.join(logs, "*.log"))):
     tool, rest = os.path.basename(log)[:-4].split("-", 1)
     lines = open(log, errors="replace").read().splitlines()
     summary = next((l for l in reversed(lines) if "ERROR SUMMARY" in l or "RACECHECK SUMMARY" in l), "")
-    result = next((l for l in reversed(lines)
-                   if not l.startswith("=========") and re.search(r"\d+ (passed|failed|error)", l)), "")
+    result = next((l for l in reversed(lines)  # pytest's result line, "=== 3 passed ===" under -v
+                   if not (l.startswith("========= ") and not l.rstrip().endswith("="))
+                   and re.search(r"\d+ (passed|failed|error)", l)), "")
     rc = next((l for l in reversed(lines) if l.startswith("rc=")), "")
     runs.append({"log": os.path.basename(log), "tool": tool, "run": rest, "summary": summary.strip("= "),
                  "pytest": result.strip("= "), "status": rc})
     reports: list[list[str]] = []
     for line in lines:
         # The sanitizer's prefix is exactly nine '=' and a blank; pytest's progress dots may precede a
-        # report's first line, and pytest's own "==== short test summary info ====" is no report.
+        # report's first line. pytest's own lines ("==== short test summary info ====") end in '='.
         m = re.search(r"(?<!=)=========(?=\s|$)", line)
-        if not m:
+        if not m or (line.rstrip().endswith("=") and line.strip("= ")):  # pytest -v: "===== 3 passed ====="
             continue
         line = line[m.start():]
         body = line.strip("= ").strip()
