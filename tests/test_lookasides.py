@@ -239,3 +239,29 @@ def test_hugging_face_llama_under_kforge_jit(restore_lookaside):
                                                         CompileableContextVar.reset))
     lookasides.uninstall()
     assert CompileableContextVar.set not in _general_jit_lookaside_map
+
+
+def test_disassembly_remembered_per_code_object(restore_lookaside):
+    """install() gives Thunder's interpreter a `dis` whose get_instructions(code) is computed once per
+    code object and equals the real one; other call forms go to the real module; uninstall() puts the
+    real module back. (The trace comparisons above run with it installed and without.)"""
+    import dis
+    import types
+
+    import thunder.core.interpreter as interpreter
+
+    lookasides.uninstall()
+    assert interpreter.dis is dis and not lookasides.installed()
+    assert lookasides.install() and interpreter.dis is not dis and lookasides.installed()
+    shim = interpreter.dis
+    code = _Block.forward.__code__
+    first, second = tuple(shim.get_instructions(code)), tuple(shim.get_instructions(code))
+    assert first == tuple(dis.get_instructions(code)) and all(a is b for a, b in zip(first, second))
+    src = compile("y = x + 1", "<kforge-test>", "exec")
+    assert isinstance(src, types.CodeType) and tuple(shim.get_instructions(src)) == tuple(dis.get_instructions(src))
+    with_caches = list(shim.get_instructions(code, show_caches=True))  # another call form: not remembered
+    assert with_caches == list(dis.get_instructions(code, show_caches=True))
+    assert list(shim.get_instructions(_Block.forward)) == list(dis.get_instructions(_Block.forward))
+    assert shim.opmap is dis.opmap and shim.Instruction is dis.Instruction
+    lookasides.uninstall()
+    assert interpreter.dis is dis

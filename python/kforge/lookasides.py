@@ -37,11 +37,21 @@ A third group lets `thunder.jit` trace Hugging Face models whose forward collect
 through transformers' `CompileableContextVar`: in kforge's compilations its methods take the
 collector as the interpreter's own value instead of writing it into a module-global object (see
 `_context_var_lookaside`).
+
+A fourth piece is not a lookaside: Thunder's interpreter disassembles a function's code
+(`dis.get_instructions`) every time it runs the function, about 25,000 times to trace a one-layer Hugging
+Face's Llama, and the disassembly is a function of the code object alone. `install()` gives the
+interpreter's module a `dis` that keeps each code object's instructions (a weak reference to the code);
+traces are unchanged. Traced as on a GPU on a development CPU, the zoo's bench-size models took
+22.3 s instead of 25.9 (plain Llama), 18.8 instead of 21.7 (nanoGPT), 53.8 instead of 55.8 (HF Llama).
+It applies to every `thunder.jit` of the process while installed, since it changes no result.
 """
 from __future__ import annotations
 
+import dis as _dis
 import threading
 import types
+import weakref
 
 import torch
 import torch.nn.modules.module as _module
@@ -201,6 +211,34 @@ def _context_var_lookaside(original, method: str):
     return lookaside
 
 
+def _caching_dis() -> types.ModuleType:
+    """A stand-in for the `dis` module whose get_instructions(code) is remembered per code object;
+    everything else, and any other call form, is the real module's."""
+    memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    shim = types.ModuleType("dis", "kforge.lookasides: dis with get_instructions(code) remembered")
+    shim.__dict__.update({k: v for k, v in _dis.__dict__.items() if not k.startswith("__")})
+
+    def get_instructions(x, **kwargs):
+        if kwargs or not isinstance(x, types.CodeType):
+            return _dis.get_instructions(x, **kwargs)
+        insts = memo.get(x)
+        if insts is None:  # equal code objects (same bytecode, constants, names, lines) share it
+            insts = memo[x] = tuple(_dis.get_instructions(x))
+        return iter(insts)
+
+    shim.get_instructions = get_instructions
+    return shim
+
+
+_DIS = _caching_dis()
+
+
+def _interpreter_module():
+    import thunder.core.interpreter as interpreter
+
+    return interpreter
+
+
 _entries: dict | None = None  # the function each lookaside stands in for -> the lookaside
 
 
@@ -217,22 +255,27 @@ def _our_entries() -> dict:
 
 
 def install() -> bool:
-    """Registers kforge's lookasides with Thunder's interpreter (once per process): module calls and
-    the DTensor dispatch wrappers. False where something else already holds one of those entries
-    (that one stays as it is; the others are registered)."""
+    """Registers kforge's lookasides with Thunder's interpreter (once per process): module calls, the
+    DTensor dispatch wrappers, transformers' context variable, and the remembered disassembly. False
+    where something else already holds one of those entries (that one stays as it is; the others are
+    registered)."""
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
     ok = True
     for fn, lookaside in _our_entries().items():
         ok &= _general_jit_lookaside_map.setdefault(fn, lookaside) is lookaside
-    return ok
+    interpreter = _interpreter_module()
+    if interpreter.dis is _dis:
+        interpreter.dis = _DIS
+    return ok and interpreter.dis is _DIS
 
 
 def installed() -> bool:
     """Whether every lookaside of kforge's is registered."""
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
-    return all(_general_jit_lookaside_map.get(fn) is la for fn, la in _our_entries().items())
+    return (all(_general_jit_lookaside_map.get(fn) is la for fn, la in _our_entries().items())
+            and _interpreter_module().dis is _DIS)
 
 
 def uninstall() -> None:
@@ -242,3 +285,6 @@ def uninstall() -> None:
     for fn, lookaside in _our_entries().items():
         if _general_jit_lookaside_map.get(fn) is lookaside:
             del _general_jit_lookaside_map[fn]
+    interpreter = _interpreter_module()
+    if interpreter.dis is _DIS:
+        interpreter.dis = _dis
