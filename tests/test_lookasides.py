@@ -265,3 +265,24 @@ def test_disassembly_remembered_per_code_object(restore_lookaside):
     assert shim.opmap is dis.opmap and shim.Instruction is dis.Instruction
     lookasides.uninstall()
     assert interpreter.dis is dis
+
+
+def test_module_call_shortcut_keeps_torch_compiled_modules(restore_lookaside):
+    """`Module.__call__` goes straight to the forward only for modules that torch.compile has not
+    wrapped: one whose `_compiled_call_impl` is set is called through it, as torch does."""
+    lookasides.install()
+    torch.manual_seed(0)
+    net = _Net()
+    seen = []
+    block = net.blocks[1]
+
+    def compiled_call_impl(*args, **kwargs):  # stands in for torch.compile's wrapper
+        seen.append(len(args))
+        return block.forward(*args, **kwargs)
+
+    block._compiled_call_impl = compiled_call_impl
+    x = torch.randn(2, 5, 8)
+    out = kforge.jit(net)(x)
+    assert seen, "the compiled call was skipped"
+    block._compiled_call_impl = None
+    torch.testing.assert_close(out, net(x), rtol=0, atol=0)

@@ -19,7 +19,10 @@ its history; otherwise it interprets `_call_impl` itself, instruction by instruc
 It is active only for compilations that use kforge's executor (`kforge.jit`, `kforge.compile`,
 `thunder.jit(executors=kforge.executors())`); other `thunder.jit` calls in the process see Thunder's
 own behaviour. `kforge.jit` / `kforge.compile` install it (`KFORGE_LOOKASIDES=0`: not);
-`uninstall()` takes it out again.
+`uninstall()` takes it out again. `Module.__call__` (`_wrapped_call_impl`, which only re-packs the
+arguments for `_call_impl` unless torch.compile has wrapped the module) has one too: to `_call_impl`'s
+lookaside directly, about a tenth of the trace time of Hugging Face's Llama, whose layers pass a
+dozen keyword arguments through every module call.
 
 A second group of lookasides runs Thunder's DTensor dispatch wrappers opaquely. Thunder 0.2.6 sends
 17 torch functions and Tensor methods (`transpose`, `reshape`, `linear`, `add`, `mul`, `exp`, ...)
@@ -61,6 +64,7 @@ __all__ = ["install", "installed", "uninstall"]
 _DISPATCH_QUALNAME = "dispatch_to_impl.<locals>.wrapper"  # thunder/torch/experimental/dtensor_torch_and_prims.py
 
 _CALL_IMPL = torch.nn.Module._call_impl
+_WRAPPED_CALL_IMPL = torch.nn.Module._wrapped_call_impl  # Module.__call__
 
 
 def _copy_of(fn: types.FunctionType) -> types.FunctionType:
@@ -72,6 +76,7 @@ def _copy_of(fn: types.FunctionType) -> types.FunctionType:
 
 
 _CALL_IMPL_INTERPRETED = _copy_of(_CALL_IMPL)
+_WRAPPED_CALL_IMPL_INTERPRETED = _copy_of(_WRAPPED_CALL_IMPL)
 
 
 def _hookless(module: torch.nn.Module) -> bool:
@@ -109,6 +114,17 @@ def _call_impl_lookaside(self, *args, **kwargs):
     if forward is INTERPRETER_SIGNALS.EXCEPTION_RAISED:
         return forward
     return _interpret_call(forward, *args, **kwargs)
+
+
+def _wrapped_call_impl_lookaside(self, *args, **kwargs):
+    """The interpreter's `Module.__call__` (`_wrapped_call_impl`): straight to `_call_impl`'s
+    lookaside when the module is not torch.compile'd, saving an interpreted frame that re-packs the
+    arguments (Hugging Face's layers pass a dozen keyword arguments through every module call)."""
+    from thunder.core.interpreter import _interpret_call, unwrap
+
+    if unwrap(self).__dict__.get("_compiled_call_impl") is None and _kforge_compilation():
+        return _call_impl_lookaside(self, *args, **kwargs)
+    return _interpret_call(_WRAPPED_CALL_IMPL_INTERPRETED, self, *args, **kwargs)
 
 
 def _dispatch_wrappers() -> list:
@@ -245,7 +261,7 @@ _entries: dict | None = None  # the function each lookaside stands in for -> the
 def _our_entries() -> dict:
     global _entries
     if _entries is None:
-        _entries = {_CALL_IMPL: _call_impl_lookaside}
+        _entries = {_CALL_IMPL: _call_impl_lookaside, _WRAPPED_CALL_IMPL: _wrapped_call_impl_lookaside}
         for w in _dispatch_wrappers():
             _entries[w] = _dispatch_lookaside(w)
     for original, method in _context_var_methods().items():  # once transformers is imported
