@@ -41,6 +41,11 @@ through transformers' `CompileableContextVar`: in kforge's compilations its meth
 collector as the interpreter's own value instead of writing it into a module-global object (see
 `_context_var_lookaside`).
 
+`dataclasses.fields` runs opaquely in kforge's compilations: transformers' ModelOutput reads its
+class's fields on every attribute it sets, and interpreted that cost about 2 s of a Hugging Face
+Llama's trace. The prologue then no longer checks the `dataclasses` module's own constant that the
+interpreted function read; the computation and backward traces are the same.
+
 A fourth piece is not a lookaside: Thunder's interpreter disassembles a function's code
 (`dis.get_instructions`) every time it runs the function, about 25,000 times to trace a one-layer Hugging
 Face's Llama, and the disassembly is a function of the code object alone. `install()` gives the
@@ -51,6 +56,7 @@ It applies to every `thunder.jit` of the process while installed, since it chang
 """
 from __future__ import annotations
 
+import dataclasses
 import dis as _dis
 import threading
 import types
@@ -255,6 +261,24 @@ def _interpreter_module():
     return interpreter
 
 
+def _opaque_lookaside(fn):
+    """`fn` run by the interpreter as one opaque call (as it runs builtins) in kforge's compilations,
+    interpreted as Thunder does elsewhere. For pure functions of Python objects that hold no tensor."""
+    from thunder.core.interpreter import _interpret_call
+    from thunder.core.jit_ext import interpreter_needs_wrap
+
+    opaque = interpreter_needs_wrap(fn)
+    interpreted = _copy_of(fn)
+
+    def lookaside(*args, **kwargs):
+        if _kforge_compilation():
+            return opaque(*args, **kwargs)
+        return _interpret_call(interpreted, *args, **kwargs)
+
+    lookaside.__qualname__ = f"kforge.lookasides.opaque[{fn.__qualname__}]"
+    return lookaside
+
+
 _entries: dict | None = None  # the function each lookaside stands in for -> the lookaside
 
 
@@ -264,6 +288,8 @@ def _our_entries() -> dict:
         _entries = {_CALL_IMPL: _call_impl_lookaside, _WRAPPED_CALL_IMPL: _wrapped_call_impl_lookaside}
         for w in _dispatch_wrappers():
             _entries[w] = _dispatch_lookaside(w)
+        # A dataclass's field list (transformers' ModelOutput reads it on every attribute it sets).
+        _entries[dataclasses.fields] = _opaque_lookaside(dataclasses.fields)
     for original, method in _context_var_methods().items():  # once transformers is imported
         if original not in _entries:
             _entries[original] = _context_var_lookaside(original, method)
