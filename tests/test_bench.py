@@ -360,6 +360,14 @@ def test_users_model_targets_and_table():
     assert rows["users' models: first step (trace + compile) ≤ torch.compile's (issue 18)"][0] == "met"
     warm = rows["users' models: a second process starts warm from the disk cache (issue 18)"]
     assert warm[0] == "met" and "0 NVRTC compiles" in warm[1]
+    # a second process that traced again (no Thunder program restored) is not warm
+    traced = _users_run(17.0, 19.0, 40.0)
+    for r in traced["rows"]:
+        if r["backend"] == "kforge":
+            r["traces_restored_2nd"] = 0
+    warm_target = next(t for t in report.TARGETS if "warm from the disk cache" in t.text)
+    status, figures = warm_target.check(report.current_tables([traced]))
+    assert status == "**not met**" and "0 Thunder programs restored" in figures, figures
     assert rows["launch overhead < 10 µs host time per launch"] == ("no run", "")
     slow = report.current_tables([_users_run(18.5, 19.0, 40.0)])
     assert report.TARGETS[0].check(slow)[0] == "**not met**"
