@@ -147,24 +147,31 @@ def _dispatch_wrappers() -> list:
     return list(found.values())
 
 
-def _dispatch_lookaside(wrapper):
-    """The interpreter's call of one dispatch wrapper: opaque (as Thunder runs the function form),
-    the source location of the model's line recorded in the symbol's header as for any torch
-    function; interpreted, as Thunder would, outside kforge's compilations."""
+def _opaque_in_kforge(fn, opaque, kind: str):
+    """A lookaside for `fn`: `opaque` (fn as one opaque call) in kforge's compilations, `fn`
+    interpreted as Thunder does elsewhere."""
     from thunder.core.interpreter import _interpret_call
-    from thunder.core.jit_ext import (ensure_recursive_proxies, interpreter_needs_wrap,
-                                      record_source_loc_in_symbol_header)
 
-    opaque = ensure_recursive_proxies(interpreter_needs_wrap(record_source_loc_in_symbol_header(wrapper)))
-    interpreted = _copy_of(wrapper)
+    interpreted = _copy_of(fn)
 
     def lookaside(*args, **kwargs):
         if _kforge_compilation():
             return opaque(*args, **kwargs)
         return _interpret_call(interpreted, *args, **kwargs)
 
-    lookaside.__qualname__ = f"kforge.lookasides.dispatch[{getattr(wrapper, '__qualname__', '?')}]"
+    lookaside.__qualname__ = f"kforge.lookasides.{kind}[{getattr(fn, '__qualname__', '?')}]"
     return lookaside
+
+
+def _dispatch_lookaside(wrapper):
+    """The interpreter's call of one dispatch wrapper: opaque (as Thunder runs the function form),
+    the source location of the model's line recorded in the symbol's header as for any torch
+    function; interpreted, as Thunder would, outside kforge's compilations."""
+    from thunder.core.jit_ext import (ensure_recursive_proxies, interpreter_needs_wrap,
+                                      record_source_loc_in_symbol_header)
+
+    opaque = ensure_recursive_proxies(interpreter_needs_wrap(record_source_loc_in_symbol_header(wrapper)))
+    return _opaque_in_kforge(wrapper, opaque, "dispatch")
 
 
 # Hugging Face's CompileableContextVar (transformers.utils.output_capturing): the collector of
@@ -262,21 +269,11 @@ def _interpreter_module():
 
 
 def _opaque_lookaside(fn):
-    """`fn` run by the interpreter as one opaque call (as it runs builtins) in kforge's compilations,
-    interpreted as Thunder does elsewhere. For pure functions of Python objects that hold no tensor."""
-    from thunder.core.interpreter import _interpret_call
+    """`fn` run by the interpreter as one opaque call (as it runs builtins) in kforge's compilations.
+    For pure functions of Python objects that hold no tensor."""
     from thunder.core.jit_ext import interpreter_needs_wrap
 
-    opaque = interpreter_needs_wrap(fn)
-    interpreted = _copy_of(fn)
-
-    def lookaside(*args, **kwargs):
-        if _kforge_compilation():
-            return opaque(*args, **kwargs)
-        return _interpret_call(interpreted, *args, **kwargs)
-
-    lookaside.__qualname__ = f"kforge.lookasides.opaque[{fn.__qualname__}]"
-    return lookaside
+    return _opaque_in_kforge(fn, interpreter_needs_wrap(fn), "opaque")
 
 
 _entries: dict | None = None  # the function each lookaside stands in for -> the lookaside
