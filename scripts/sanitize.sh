@@ -200,25 +200,31 @@ def attribute(report: list[str]) -> str:
     return next((f for f in files if f in KNOWN), files[0] if files else "host / API")
 
 
+def sanitizer_part(line: str) -> str | None:
+    """The compute-sanitizer line in `line` (its prefix is exactly nine '=' and a blank; pytest's
+    progress dots may precede a report's first line), or None. pytest's own lines
+    ("==== short test summary info ====", "===== 3 passed =====" under -v) end in '='."""
+    m = re.search(r"(?<!=)=========(?=\s|$)", line)
+    if not m or (line.rstrip().endswith("=") and line.strip("= ")):
+        return None
+    return line[m.start():]
+
+
 table, runs = defaultdict(lambda: defaultdict(int)), []
 for log in sorted(glob.glob(os.path.join(logs, "*.log"))):
     tool, rest = os.path.basename(log)[:-4].split("-", 1)
     lines = open(log, errors="replace").read().splitlines()
     summary = next((l for l in reversed(lines) if "ERROR SUMMARY" in l or "RACECHECK SUMMARY" in l), "")
     result = next((l for l in reversed(lines)  # pytest's result line, "=== 3 passed ===" under -v
-                   if not (l.startswith("========= ") and not l.rstrip().endswith("="))
-                   and re.search(r"\d+ (passed|failed|error)", l)), "")
+                   if sanitizer_part(l) is None and re.search(r"\d+ (passed|failed|error)", l)), "")
     rc = next((l for l in reversed(lines) if l.startswith("rc=")), "")
     runs.append({"log": os.path.basename(log), "tool": tool, "run": rest, "summary": summary.strip("= "),
                  "pytest": result.strip("= "), "status": rc})
     reports: list[list[str]] = []
     for line in lines:
-        # The sanitizer's prefix is exactly nine '=' and a blank; pytest's progress dots may precede a
-        # report's first line. pytest's own lines ("==== short test summary info ====") end in '='.
-        m = re.search(r"(?<!=)=========(?=\s|$)", line)
-        if not m or (line.rstrip().endswith("=") and line.strip("= ")):  # pytest -v: "===== 3 passed ====="
+        line = sanitizer_part(line)
+        if line is None:
             continue
-        line = line[m.start():]
         body = line.strip("= ").strip()
         if not body or "SUMMARY" in body or body.startswith("COMPUTE-SANITIZER") or body.startswith("Target application"):
             continue
