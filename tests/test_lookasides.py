@@ -52,20 +52,59 @@ class _Net(torch.nn.Module):
         return self.head(x).sum()
 
 
-def _all_texts(jfn) -> str:
-    traces = [*thunder.last_traces(jfn), *thunder.last_backward_traces(jfn), *thunder.last_prologue_traces(jfn)]
+def _all_texts(jfn, prologue: bool = False) -> str:
+    traces = [*thunder.last_traces(jfn), *thunder.last_backward_traces(jfn)]
+    traces += thunder.last_prologue_traces(jfn) if prologue else []
     return re.sub(r"\(took \d+ milliseconds\)", "", "\n=====\n".join(str(t) for t in traces))
 
 
 def _texts(jfn) -> str:
-    """Every trace's code: source comments (where each line came from) and blank lines left out."""
-    return "\n".join(line for line in _all_texts(jfn).splitlines()
-                     if line.strip() and not line.lstrip().startswith("#"))
+    """Every trace's code: source comments (where each line came from) and blank lines left out,
+    Thunder's temporary names renumbered (`_numbered`)."""
+    return _numbered("\n".join(line for line in _all_texts(jfn).splitlines()
+                              if line.strip() and not line.lstrip().startswith("#")))
 
 
 def _thunder_wrapper_lines(jfn) -> int:
     """Source comments that point into Thunder's DTensor dispatch wrapper instead of the model."""
-    return _all_texts(jfn).count("dtensor_torch_and_prims.py")
+    return _all_texts(jfn, prologue=True).count("dtensor_torch_and_prims.py")
+
+
+_ASSIGN = re.compile(r'^\s*(\w+): "([^"]*)" = (.+?)\s*(#.*)?$')
+# a module attribute; a submodule (read in the prologue only as the parent of its attributes); a
+# buffer or parameter the computation does not take (HF's rotary `original_inv_freq`)
+_MODULE_ATTR = re.compile(r"^module(\.get_submodule\('[\w.]*'\)(\.\w+)?|\.get_(buffer|parameter)\('[\w.]*'\)|\.\w+)$")
+
+
+def _prologue_reads(jfn) -> dict[str, str]:
+    """{what the prologue reads, its names resolved to the path from the module or the arguments:
+    the type and value it checks}: `m1 = module.get_submodule('blocks.0')`, `f2 = m1.scale` gives
+    "module.get_submodule('blocks.0').scale": "float 0.5"."""
+    names: dict[str, str] = {}
+    reads: dict[str, str] = {}
+    for line in str(thunder.last_prologue_traces(jfn)[-1]).splitlines():
+        m = _ASSIGN.match(line)
+        if m is None:
+            continue
+        name, kind, expr = m.group(1), m.group(2), m.group(3)
+        expr = re.sub(r"\b\w+\b", lambda w: names.get(w.group(0), w.group(0)), expr)
+        if "globals()" in expr or expr.startswith("thunder."):  # a root (`module`, ...): its name
+            expr = name
+        names[name] = expr
+        reads[expr] = kind
+    return reads
+
+
+def _assert_prologue_reads_kept(fast, slow) -> None:
+    """`fast` (with the lookasides) checks what `slow` (without them) checks, except attributes of
+    modules that the forward itself did not read: Module.__getattr__'s containment tests, interpreted,
+    had wrapped every entry of the module's `__dict__` (`training`, `in_features`, ...) and put each
+    into the prologue. Every value the forward read, and every tensor the computation takes (the
+    callers check that the computation traces are the same), is checked as before."""
+    f, s = _prologue_reads(fast), _prologue_reads(slow)
+    assert f.items() <= s.items(), sorted(f.items() - s.items())
+    lost = s.keys() - f.keys()
+    assert all(_MODULE_ATTR.match(r) for r in lost), sorted(r for r in lost if not _MODULE_ATTR.match(r))
 
 
 def _jit_and_run(make_model):
@@ -82,13 +121,14 @@ def test_traces_identical_on_cpu(restore_lookaside, monkeypatch):
     the same traces, loss and gradient with and without the lookaside."""
     lookasides.uninstall()
     monkeypatch.setenv("KFORGE_LOOKASIDES", "0")
-    jfn, loss, grad = _jit_and_run(_Net)
+    slow, loss, grad = _jit_and_run(_Net)
     assert not lookasides.installed()
-    before = _texts(jfn)
+    before = _texts(slow)
     monkeypatch.delenv("KFORGE_LOOKASIDES")
     jfn, loss2, grad2 = _jit_and_run(_Net)
     assert lookasides.installed()
     assert _texts(jfn) == before
+    _assert_prologue_reads_kept(jfn, slow)
     torch.testing.assert_close(loss2, loss, rtol=0, atol=0)
     torch.testing.assert_close(grad2, grad, rtol=0, atol=0)
 
@@ -108,6 +148,7 @@ def test_zoo_traces_identical_as_on_a_gpu(restore_lookaside, monkeypatch, make, 
     with_ = fake_cuda_trace(make, **kwargs)
     assert lookasides.installed()
     assert _texts(with_.fn) == _texts(without.fn)
+    _assert_prologue_reads_kept(with_.fn, without.fn)
     assert with_.symbols() == without.symbols()
     # Tensor methods: the comments name the model's own lines, no longer Thunder's wrapper
     assert _thunder_wrapper_lines(without.fn) > 0 and _thunder_wrapper_lines(with_.fn) == 0
@@ -305,7 +346,7 @@ def test_hugging_face_traces_identical_without_the_speed_ups(restore_lookaside, 
     lookasides.install()
     fast = fake_cuda_trace(make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=True)
     lookasides.uninstall()
-    savings = (torch.nn.Module._wrapped_call_impl, dataclasses.fields)
+    savings = (torch.nn.Module._wrapped_call_impl, torch.nn.Module.__getattr__, dataclasses.fields)
     monkeypatch.setattr(lookasides, "_entries",
                         {k: v for k, v in lookasides._our_entries().items() if k not in savings})
     monkeypatch.setattr(lookasides, "_DIS", dis)
@@ -318,11 +359,15 @@ def test_hugging_face_traces_identical_without_the_speed_ups(restore_lookaside, 
     for traces in (thunder.last_traces, thunder.last_backward_traces):
         assert code(traces(fast.fn)) == code(traces(slow.fn))
     assert fast.symbols() == slow.symbols()
-    # The prologue loses only the checks on what the interpreted dataclasses.fields read (its
-    # module's _FIELDS constant)
+    # The prologue loses the checks on what the interpreted dataclasses.fields read (its module's
+    # _FIELDS constant) and on module attributes the forward did not read
     fast_pro, slow_pro = (str(thunder.last_prologue_traces(t.fn)[-1]) for t in (fast, slow))
     assert "_FIELDS" in slow_pro and "_FIELDS" not in fast_pro
     assert len(fast_pro.splitlines()) < len(slow_pro.splitlines())
+    f, s = _prologue_reads(fast.fn), _prologue_reads(slow.fn)
+    assert f.items() <= s.items(), sorted(f.items() - s.items())
+    lost = [r for r in s.keys() - f.keys() if not (_MODULE_ATTR.match(r) or "_FIELDS" in r or "['fields']" in r)]
+    assert not lost, sorted(lost)
 
 
 def _numbered(text: str) -> str:
@@ -330,3 +375,39 @@ def _numbered(text: str) -> str:
     functions skips a proxy counter step or two, which shifts the numbers and nothing else."""
     names: dict[str, str] = {}
     return re.sub(r"\bt\d+\b", lambda m: names.setdefault(m.group(0), f"t{len(names)}"), text)
+
+
+def test_module_reads_still_guard_the_trace(restore_lookaside):
+    """Module.__getattr__'s shortcut leaves the prologue checking what the forward reads through it:
+    train / eval through Dropout, a number attribute and a buffer changed in place each give eager's
+    result on the next call. (A submodule or buffer replaced by another object after the first call
+    is not seen by `thunder.jit`, with or without kforge: ThunderModule keeps the tensors it started
+    with.)"""
+    lookasides.install()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.drop = torch.nn.Dropout(0.5)
+            self.register_buffer("shift", torch.randn(8))
+            self.scale = 0.5
+
+        def forward(self, x):
+            return self.drop(self.lin(x)) * self.scale + self.shift
+
+    torch.manual_seed(0)
+    m, x = M(), torch.randn(4, 8)
+    jm = kforge.jit(m)
+    train = jm(x)
+    m.eval()
+    assert not torch.equal(train, m(x)), "dropout did not drop in training mode"
+    torch.testing.assert_close(jm(x), m(x), rtol=0, atol=0)
+    m.scale = 2.0
+    torch.testing.assert_close(jm(x), m(x), rtol=0, atol=0)
+    with torch.no_grad():
+        m.shift.mul_(3)
+    torch.testing.assert_close(jm(x), m(x), rtol=0, atol=0)
+    m.train()
+    out = jm(x)
+    assert (out == m.shift).float().mean() > 0.2, "training mode again: dropout's zeros expected"
