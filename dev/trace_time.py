@@ -4,7 +4,7 @@ installed, or with some of them left out.
     PYTHONPATH=python:tests python3 dev/trace_time.py hf-llama [--layers N] [--autocast] [--without getattr,fields,...]
 
 --without takes the names of `kforge.lookasides` entries to leave out: call, wrapped_call, getattr,
-fields, dis. Prints the fake trace's wall time and the prologue's number of lines.
+fields, contains (tuple / list), globals (the global-name lookup), dis. Prints the fake trace's wall time and the prologue's number of lines.
 """
 from __future__ import annotations
 
@@ -37,10 +37,16 @@ def main() -> None:
     from kforge import lookasides
 
     names = {"call": torch.nn.Module._call_impl, "wrapped_call": torch.nn.Module._wrapped_call_impl,
-             "getattr": torch.nn.Module.__getattr__, "fields": dataclasses.fields}
+             "getattr": torch.nn.Module.__getattr__, "fields": dataclasses.fields,
+             "contains": tuple.__contains__}
     drop = [w for w in a.without.split(",") if w]
     entries = lookasides._our_entries()
-    lookasides._entries = {k: v for k, v in entries.items() if k not in {names[w] for w in drop if w in names}}
+    gone = {names[w] for w in drop if w in names} | ({list.__contains__} if "contains" in drop else set())
+    lookasides._entries = {k: v for k, v in entries.items() if k not in gone}
+    if "globals" in drop:
+        from thunder.core import interpreter
+
+        lookasides._globals_lookup = interpreter.globals_lookup  # Thunder's: install() keeps it
     if "dis" in drop:
         lookasides._DIS = dis
     mod = importlib.import_module("kforge.zoo." + a.model.replace("-", "_"))

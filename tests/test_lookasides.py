@@ -9,6 +9,7 @@ compilations that do not use kforge's executor or that ask for sharp-edge checks
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import thunder
@@ -331,8 +332,9 @@ def test_module_call_shortcut_keeps_torch_compiled_modules(restore_lookaside):
 
 def test_hugging_face_traces_identical_without_the_speed_ups(restore_lookaside, monkeypatch):
     """HF Llama (bf16 autocast) traced as on a GPU by kforge.jit: the same traces and symbols with
-    and without the three trace-time savings (Module.__call__'s shortcut, dataclasses.fields run
-    opaquely, the remembered disassembly). HF cannot be traced without kforge's other lookasides,
+    and without the trace-time savings (Module.__call__'s and Module.__getattr__'s shortcuts,
+    dataclasses.fields run opaquely, containment tests on plain tuples and lists, the global-name
+    lookup, the remembered disassembly). HF cannot be traced without kforge's other lookasides,
     so those stay."""
     import dataclasses
     import dis
@@ -346,12 +348,17 @@ def test_hugging_face_traces_identical_without_the_speed_ups(restore_lookaside, 
     lookasides.install()
     fast = fake_cuda_trace(make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=True)
     lookasides.uninstall()
-    savings = (torch.nn.Module._wrapped_call_impl, torch.nn.Module.__getattr__, dataclasses.fields)
+    savings = (torch.nn.Module._wrapped_call_impl, torch.nn.Module.__getattr__, dataclasses.fields,
+               tuple.__contains__, list.__contains__)
     monkeypatch.setattr(lookasides, "_entries",
                         {k: v for k, v in lookasides._our_entries().items() if k not in savings})
     monkeypatch.setattr(lookasides, "_DIS", dis)
+    monkeypatch.setattr(lookasides, "_globals_lookup", lookasides._GLOBALS_LOOKUP)  # Thunder's own
     slow = fake_cuda_trace(make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=True)
     assert lookasides.installed() and not any(k in lookasides._our_entries() for k in savings)
+    from thunder.core import interpreter
+
+    assert interpreter.globals_lookup is lookasides._GLOBALS_LOOKUP
     def code(traces) -> str:
         return _numbered("\n".join(line for t in traces for line in str(t).splitlines()
                                     if line.strip() and not line.lstrip().startswith("#")))
@@ -411,3 +418,59 @@ def test_module_reads_still_guard_the_trace(restore_lookaside):
     m.train()
     out = jm(x)
     assert (out == m.shift).float().mean() > 0.2, "training mode again: dropout's zeros expected"
+
+
+_SCALE = 3.0  # a module global the jitted function below reads
+
+
+def _reads_globals_and_tests_membership(x, names):
+    # (named: a literal right of `in` would be compiled into a frozenset constant)
+    letters, numbers, floats = ("a", "b"), [1, 3], (1.5, None)
+    out = x * _SCALE
+    if "b" in letters:
+        out = out + 1
+    if 2 in numbers:
+        out = out + 100
+    if "k" in names:  # a tuple the caller passes
+        out = out * 2
+    if 1.5 in floats:  # a float: Thunder's own containment test
+        out = out - 7
+    return out + len(names) + abs(-2)
+
+
+def test_membership_and_global_names_as_python(restore_lookaside, monkeypatch):
+    """Containment tests on tuples and lists, and global / builtin names, under kforge.jit: Python's
+    answers, the plain-value containment tests computed at once, a module global rebound between
+    calls seen on the next call, and a name defined nowhere raising NameError."""
+    lookasides.uninstall()
+    fast: list[bool] = []
+    contains = lookasides._sequence_contains_lookaside
+
+    def spy(self, key):
+        from thunder.core.interpreter import unwrap
+
+        fast.append(type(unwrap(key)) in lookasides._PLAIN)
+        return contains(self, key)
+
+    monkeypatch.setitem(lookasides._our_entries(), tuple.__contains__, spy)
+    monkeypatch.setitem(lookasides._our_entries(), list.__contains__, spy)
+    lookasides.install()
+    try:
+        from thunder.core import interpreter
+
+        assert interpreter.globals_lookup is lookasides._globals_lookup
+        x = torch.randn(3)
+        jf = kforge.jit(_reads_globals_and_tests_membership)
+        for names in (("k", "q"), ("q",)):
+            torch.testing.assert_close(jf(x, names), _reads_globals_and_tests_membership(x, names), rtol=0, atol=0)
+        assert fast and any(fast) and not all(fast), fast  # the float test went to Thunder's
+        monkeypatch.setattr(sys.modules[__name__], "_SCALE", 5.0)
+        torch.testing.assert_close(jf(x, ("k",)), _reads_globals_and_tests_membership(x, ("k",)), rtol=0, atol=0)
+
+        def undefined(x):
+            return x + name_defined_nowhere  # noqa: F821
+
+        with pytest.raises(NameError, match="name_defined_nowhere"):
+            kforge.jit(undefined)(x)
+    finally:
+        lookasides.uninstall()  # the spies out of Thunder's table
