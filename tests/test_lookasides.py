@@ -1,10 +1,13 @@
-"""kforge.lookasides (CPU): module calls traced without `Module._call_impl`'s hook tests, Tensor
-methods without Thunder's DTensor dispatch wrapper interpreted.
+"""kforge.lookasides (CPU): module calls and attribute reads traced without `Module._call_impl`'s
+hook tests and `Module.__getattr__`'s containment tests, Tensor methods without Thunder's DTensor
+dispatch wrapper interpreted, containment tests and global names by a shorter road.
 
-The lookasides must leave every trace Thunder makes unchanged (computation, backward and prologue,
-line for line apart from the timing in their headers and the source comments, which name the
-model's lines instead of Thunder's wrapper), run hooks exactly as before, and stay out of
-compilations that do not use kforge's executor or that ask for sharp-edge checks.
+The lookasides must leave the computation and backward traces unchanged (line for line apart from
+the timing in their headers, the source comments, which name the model's lines instead of Thunder's
+wrapper, and Thunder's temporary names, renumbered), check in the prologue every value the forward
+reads and every tensor the computation takes (it no longer checks module attributes the forward
+never read), run hooks exactly as before, and stay out of compilations that do not use kforge's
+executor or that ask for sharp-edge checks.
 """
 from __future__ import annotations
 

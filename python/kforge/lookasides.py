@@ -162,16 +162,18 @@ def _wrapped_call_impl_lookaside(self, *args, **kwargs):
 
 
 def _member_read(module, store, name):
+    """Interpreted: the read `Module.__getattr__` ends in, with its provenance."""
     return module.__dict__[store][name]
 
 
 def _module_getattr_lookaside(self, name):
     """The interpreter's `Module.__getattr__(self, name)` (a parameter, buffer or submodule: what is
     not in the instance's own `__dict__`): the read it ends in, `self.__dict__[store][name]`,
-    interpreted as before, without the containment tests that lead to it. Each of those tests made
-    the interpreter wrap every entry of the module's `__dict__` afresh (about 400 values a call) and
-    recorded nothing the prologue checks. Where no store holds the name (AttributeError) or outside
-    kforge's compilations, `__getattr__` is interpreted as Thunder does."""
+    interpreted as before, without the containment tests that lead to it. Those tests made the
+    interpreter wrap every entry of the dictionaries they test afresh (about 400 values a call), and
+    each wrapped number went into the prologue's checks whether the forward read it or not. Where no
+    store holds the name (AttributeError) or outside kforge's compilations, `__getattr__` is
+    interpreted as Thunder does."""
     from thunder.core.interpreter import _interpret_call, unwrap, wrap_const
 
     d, uname = unwrap(self).__dict__, unwrap(name)
@@ -340,10 +342,11 @@ def _globals_lookup(globals_dict, name):
     two reads: `__builtins__`, then the name) cost about 1.3 ms, a third of the trace time of a
     Hugging Face Llama layer. Anything but plain dictionaries, a name that is nowhere (NameError), or
     a compilation without kforge's executor: Thunder's own function."""
-    from thunder.core.interpreter import _interpret_call, unwrap, wrap_const
+    from thunder.core.interpreter import WrappedValue, _interpret_call, unwrap, wrap_const
 
     ug, uname = unwrap(globals_dict), unwrap(name)
-    if type(ug) is dict and type(uname) is str and _kforge_compilation():
+    if (isinstance(globals_dict, WrappedValue) and type(ug) is dict and type(uname) is str
+            and _kforge_compilation()):
         if uname in ug:
             return _interpret_call(dict.__getitem__, globals_dict, name)
         ub = ug.get("__builtins__")
@@ -389,9 +392,8 @@ def _our_entries() -> dict:
 def install() -> bool:
     """Registers kforge's lookasides with Thunder's interpreter (once per process): module calls and
     attribute reads, the DTensor dispatch wrappers, transformers' context variable, containment tests,
-    the global-name lookup and the remembered disassembly. False
-    where something else already holds one of those entries (that one stays as it is; the others are
-    registered)."""
+    the global-name lookup and the remembered disassembly. False where something else already holds
+    one of those entries (that one stays as it is; the others are registered)."""
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
     ok = True
