@@ -4,7 +4,8 @@ installed, or with some of them left out.
     PYTHONPATH=python:tests python3 dev/trace_time.py hf-llama [--layers N] [--autocast] [--without getattr,fields,...]
 
 --without takes the names of `kforge.lookasides` entries to leave out: call, wrapped_call, getattr,
-fields, contains (tuple / list), globals (the global-name lookup), dis. Prints the fake trace's wall time and the prologue's number of lines.
+fields, contains (tuple / list), next, globals (the global-name lookup), dis. Prints the fake
+trace's wall time and the prologue's number of lines.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def main() -> None:
 
     names = {"call": torch.nn.Module._call_impl, "wrapped_call": torch.nn.Module._wrapped_call_impl,
              "getattr": torch.nn.Module.__getattr__, "fields": dataclasses.fields,
-             "contains": tuple.__contains__}
+             "contains": tuple.__contains__, "next": next}
     drop = [w for w in a.without.split(",") if w]
     entries = lookasides._our_entries()
     gone = {names[w] for w in drop if w in names} | ({list.__contains__} if "contains" in drop else set())

@@ -336,8 +336,8 @@ def test_module_call_shortcut_keeps_torch_compiled_modules(restore_lookaside):
 def test_hugging_face_traces_identical_without_the_speed_ups(restore_lookaside, monkeypatch):
     """HF Llama (bf16 autocast) traced as on a GPU by kforge.jit: the same traces and symbols with
     and without the trace-time savings (Module.__call__'s and Module.__getattr__'s shortcuts,
-    dataclasses.fields run opaquely, containment tests on plain tuples and lists, the global-name
-    lookup, the remembered disassembly). HF cannot be traced without kforge's other lookasides,
+    dataclasses.fields run opaquely, containment tests on plain tuples and lists, `next` on their
+    iterators, the global-name lookup, the remembered disassembly). HF cannot be traced without kforge's other lookasides,
     so those stay."""
     import dataclasses
     import dis
@@ -352,7 +352,7 @@ def test_hugging_face_traces_identical_without_the_speed_ups(restore_lookaside, 
     fast = fake_cuda_trace(make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=True)
     lookasides.uninstall()
     savings = (torch.nn.Module._wrapped_call_impl, torch.nn.Module.__getattr__, dataclasses.fields,
-               tuple.__contains__, list.__contains__)
+               tuple.__contains__, list.__contains__, next)
     monkeypatch.setattr(lookasides, "_entries",
                         {k: v for k, v in lookasides._our_entries().items() if k not in savings})
     monkeypatch.setattr(lookasides, "_DIS", dis)
@@ -477,3 +477,48 @@ def test_membership_and_global_names_as_python(restore_lookaside, monkeypatch):
             kforge.jit(undefined)(x)
     finally:
         lookasides.uninstall()  # the spies out of Thunder's table
+
+
+def _iterates(x, items, extra):
+    out = x
+    for v in items:  # a tuple the caller passes
+        out = out + v
+    grown = [1, 2]
+    for v in grown:  # a list that grows while it is walked: the new items are walked too
+        if len(grown) < 5:
+            grown.append(v * 10)
+        out = out * 2 + v
+    it = iter(extra)
+    first, second, past = next(it), next(it, -1), next(it, -1)
+    for v in reversed(items):  # Thunder's own reversed iterator
+        out = out - v
+    for i, (a, b) in enumerate(zip(items, extra)):
+        out = out + i * a * b
+    return out + first + second + past + len(grown)
+
+
+def test_iteration_as_python(restore_lookaside, monkeypatch):
+    """`for` loops and `next` over tuples and lists under kforge.jit: Python's items in Python's
+    order (a list grown while walked included, `next` with a default past the end), the direct step
+    taken for them and Thunder's own `next` for the rest (reversed, enumerate, zip)."""
+    lookasides.install()
+    fallback: list[int] = []
+    thunder_next = lookasides._THUNDER_NEXT
+
+    def counted(iterator, *default):
+        fallback.append(1)
+        return thunder_next(iterator, *default)
+
+    monkeypatch.setattr(lookasides, "_THUNDER_NEXT", counted)
+    x = torch.randn(3)
+    for items, extra in (((1, 2, 3), (4, 5)), ((7,), (1, 2, 3))):
+        torch.testing.assert_close(kforge.jit(_iterates)(x, items, extra), _iterates(x, items, extra),
+                                   rtol=0, atol=0)
+    fallback.clear()
+    kforge.jit(_iterates)(x, (1, 2, 3), (4, 5))
+    direct_taken = len(fallback)
+    assert direct_taken > 0, "reversed / enumerate / zip are Thunder's"
+    fallback.clear()
+    monkeypatch.setattr(lookasides, "_kforge_compilation", lambda: False)  # every step Thunder's
+    kforge.jit(_iterates)(x, (1, 2, 3), (4, 5))
+    assert direct_taken < len(fallback) - 10, (direct_taken, len(fallback))
