@@ -494,13 +494,18 @@ def _iterates(x, items, extra):
         out = out - v
     for i, (a, b) in enumerate(zip(items, extra)):
         out = out + i * a * b
+    weights = {"w": 3, "v": 5}
+    merged = {**weights, "u": 7}  # the merge walks the keys
+    for k in merged:
+        out = out + merged[k] * len(k)
     return out + first + second + past + len(grown)
 
 
 def test_iteration_as_python(restore_lookaside, monkeypatch):
-    """`for` loops and `next` over tuples and lists under kforge.jit: Python's items in Python's
-    order (a list grown while walked included, `next` with a default past the end), the direct step
-    taken for them and Thunder's own `next` for the rest (reversed, enumerate, zip)."""
+    """`for` loops and `next` over tuples, lists and a dictionary's keys under kforge.jit: Python's
+    items in Python's order (a list grown while walked included, `next` with a default past the
+    end), the direct step taken for them and Thunder's own `next` for the rest (reversed,
+    enumerate, zip)."""
     lookasides.install()
     fallback: list[int] = []
     thunder_next = lookasides._THUNDER_NEXT
