@@ -226,7 +226,6 @@ def _next_lookaside(iterator, *default):
             and _kforge_compilation()):
         return MappingKeysIterator.__next__(iterator)  # the lookaside Thunder's frames lead to
     if (type(it) is SequenceIter and isinstance(iterator, WrappedValue) and it.is_reversed is False
-            and type(it.next_pos) is int and it.next_pos >= 0
             and "__dict__" not in iterator.attribute_wrappers and _kforge_compilation()):
         seq = iterator.attribute_wrappers.get("s")
         if isinstance(seq, WrappedValue) and type(unwrap(seq)) in (tuple, list) and unwrap(seq) is it.s:
@@ -238,17 +237,9 @@ def _next_lookaside(iterator, *default):
                 object.__setattr__(it, "next_pos", pos + 1)
                 iterator.attribute_wrappers["next_pos"] = wrap_const(pos + 1)
             return item
-    return _THUNDER_NEXT(iterator, *default)
+    from thunder.core import interpreter
 
-
-def _thunder_next(iterator, *default):
-    """Thunder's own `next` lookaside."""
-    from thunder.core.interpreter import _next_lookaside as thunder_next
-
-    return thunder_next(iterator, *default)
-
-
-_THUNDER_NEXT = _thunder_next  # read at call time: tests count the steps that fall back to it
+    return interpreter._next_lookaside(iterator, *default)  # Thunder's own
 
 
 def _dispatch_wrappers() -> list:
