@@ -5,6 +5,11 @@ float64 reference, the output's padded row stride, the padded-gradient rules (a 
 place only when kforge's cross-entropy marked it), checker and filter, thunder.jit fallback on CPU.
 GPU: the same numerics in bf16 / fp16, thunder.jit symbols and gradients against eager, and the
 GPT-2 head (linear -> cross_entropy) with kforge's cross-entropy consuming the padded logits.
+
+torch.addmm (Hugging Face's Conv1D) becomes kforge_addmm: CPU checks its decomposition against torch
+(every beta / alpha / broadcast the decomposition takes, errors as torch's), its checker, and a
+Hugging Face GPT-2 traced as on a GPU; the GPU checks the claimed GEMMs against a float64 reference,
+autocast included.
 """
 from __future__ import annotations
 
@@ -122,7 +127,7 @@ def test_unmarked_buffer_with_nan_padding_gives_finite_gradients():
 
 
 def test_checker_and_filter():
-    claim, prims_claim = op.SPEC.claims  # thunder.torch.linear and prims.linear (autocast's), one checker
+    claim, prims_claim = op.SPEC.claims[:2]  # thunder.torch.linear and prims.linear (autocast's), one checker
     assert (prims_claim.checker, prims_claim.applies) == (claim.checker, claim.applies)
     with tracectx(TraceCtx()):
         x, w = proxy(8192, 768), proxy(50257, 768)
@@ -321,3 +326,172 @@ def test_bias_split_layers_match_eager():
     torch.testing.assert_close(xj.grad, x.grad, rtol=1e-5, atol=1e-5)
     for (name, p), rp in zip(jm.named_parameters(), m.parameters()):
         torch.testing.assert_close(p.grad, rp.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ---- torch.addmm (Hugging Face's Conv1D) ---------------------------------------------------------------
+def _addmm_reference(input, mat1, mat2, g, beta=1, alpha=1):
+    """float64 out and gradients (input, mat1, mat2) of torch.addmm."""
+    a = [t.detach().double().requires_grad_() for t in (input, mat1, mat2)]
+    out = torch.addmm(*a, beta=beta, alpha=alpha)
+    out.backward(g.double())
+    return out.detach(), *(t.grad for t in a)
+
+
+def _addmm_names(jf) -> tuple[list[str], list[str]]:
+    return ([b.sym.name for b in thunder.last_traces(jf)[-1].bound_symbols],
+            [b.sym.name for b in thunder.last_backward_traces(jf)[-1].bound_symbols])
+
+
+@pytest.mark.parametrize("beta,alpha", [(1, 1), (0.5, 2.0), (0, 1), (1, -0.25)])
+@pytest.mark.parametrize("bias_shape", [(13,), (1, 13), (5, 1), (5, 13), ()], ids=str)
+def test_addmm_decomposition_cpu(bias_shape, beta, alpha):
+    """On the CPU kforge declines the GEMM and the decomposition runs: values and every gradient
+    match torch's float64 addmm, and Thunder's auto-registered addmm (whose backward recomputes the
+    forward through torch.autograd.functional.vjp) is gone from both traces."""
+    input = torch.randn(bias_shape, dtype=torch.float64, requires_grad=True)
+    mat1 = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    mat2 = torch.randn(7, 13, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 13, dtype=torch.float64)
+
+    def fn(i, a, b):
+        return torch.addmm(i, a, b, beta=beta, alpha=alpha)
+
+    jf = kforge.jit(fn)
+    args = [t.detach().clone().requires_grad_() for t in (input, mat1, mat2)]
+    out = jf(*args)
+    out.backward(g)
+    ref = _addmm_reference(input, mat1, mat2, g, beta, alpha)
+    torch.testing.assert_close(out, ref[0])
+    for got, want, name in zip(args, ref[1:], ("input", "mat1", "mat2")):
+        if beta == 0 and name == "input":
+            assert got.grad is None or not got.grad.any(), "beta = 0: input gets no gradient"
+            continue
+        torch.testing.assert_close(got.grad, want, msg=f"grad {name}")
+    fwd, bwd = _addmm_names(jf)
+    assert not [n for n in fwd + bwd if "addmm" in n and not n.startswith("kforge_")], (fwd, bwd)
+    assert "matmul" in fwd and bwd.count("matmul") == 2
+
+
+def test_addmm_errors_as_torch_does():
+    """What torch.addmm rejects, kforge_addmm rejects with a message naming addmm and the problem."""
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with pytest.raises(RuntimeError):
+        torch.addmm(torch.randn(3, dtype=torch.float64), a, b)
+    for bad, what in (((torch.randn(3, dtype=torch.float64), a, b), "dtypes differ"),
+                      ((torch.randn(3), torch.randn(2, 4, 8), b), "matrices"),
+                      ((torch.randn(3), a, torch.randn(7, 3)), "cannot be multiplied")):
+        with pytest.raises(RuntimeError, match=f"addmm: .*{what}"):
+            kforge.jit(lambda i, x, y: torch.addmm(i, x, y))(*bad)
+
+
+def test_addmm_checker():
+    claim = next(c for c in op.SPEC.claims if c.symbol is op.kforge_addmm)
+    with tracectx(TraceCtx()):
+        x, w, bias = proxy(128, 768), proxy(768, 2304), proxy(2304)
+        assert claim.checker(bias, x, w) is None
+        assert claim.checker(proxy(1, 2304), x, w) is None and claim.checker(proxy(128, 2304), x, w) is None
+        assert claim.checker(proxy(128, 1), x, w) is None
+        assert claim.checker(proxy(2304, dtype=torch.float16), proxy(128, 768, dtype=torch.float16),
+                             proxy(768, 2304, dtype=torch.float16)) is None
+        f32 = functools.partial(proxy, dtype=torch.float32)
+        assert "16 bits" in claim.checker(f32(2304), f32(128, 768), f32(768, 2304))
+        assert "beta" in claim.checker(bias, x, w, beta=0.5)
+        assert "beta" in claim.checker(bias, x, w, alpha=2)
+        assert "beta" in claim.checker(bias, x, w, beta=True)
+        assert "not CUDA" in claim.checker(proxy(2304, device="cpu"), proxy(128, 768, device="cpu"),
+                                           proxy(768, 2304, device="cpu"))
+        assert "dtype" in claim.checker(proxy(2304, dtype=torch.float16), x, w)
+        assert "not a matrix product" in claim.checker(bias, x, proxy(767, 2304))
+        assert "not a matrix product" in claim.checker(bias, proxy(2, 128, 768), w)
+        assert "broadcast" in claim.checker(proxy(2303), x, w)
+        assert "broadcast" in claim.checker(proxy(3, 128, 2304), x, w)
+        assert "not a tensor" in claim.checker(1.0, x, w)
+
+
+def _hf_gpt2(dtype, autocast):
+    """A two-layer Hugging Face GPT2LMHeadModel factory (its attention and MLP layers are Conv1D,
+    torch.addmm), dropout off."""
+    transformers = pytest.importorskip("transformers")
+    from kforge.zoo.hf_llama import build
+
+    cfg = transformers.GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                  attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
+
+    def make(device="cuda", seed=0):
+        torch.manual_seed(seed)
+        model = build(transformers.GPT2LMHeadModel, cfg, device=device, dtype=None if autocast else dtype)
+        model.train()
+        idx = torch.randint(0, cfg.vocab_size, (2, 32), device=device)
+        return model, {"input_ids": idx, "labels": idx}, {"autocast": dtype if autocast else None}
+
+    return make
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+def test_hf_gpt2_conv1d_layers_claimed(autocast):
+    """Traced as on a GPU: every Conv1D layer of Hugging Face's GPT-2 is one kforge_addmm_forward on
+    16-bit operands; the backward computes each weight's gradient as mat1^T @ g, in the weight's own
+    (in, out) shape, and nothing of Thunder's auto-registered addmm is left."""
+    from conftest import fake_cuda_trace
+
+    traced = fake_cuda_trace(_hf_gpt2(torch.bfloat16, autocast), jit=kforge.jit, dynamo=False)
+    fwd = [b for b in traced.forward.bound_symbols if b.sym.name == "kforge_addmm_forward"]
+    assert len(fwd) == 4 * 2  # c_attn, attn.c_proj, c_fc, mlp.c_proj per layer
+    for b in fwd:
+        assert all(t.dtype == thunder.dtypes.bfloat16 for t in b.args), [t.dtype for t in b.args]
+    names = [b.sym.name for b in traced.forward.bound_symbols + traced.backward.bound_symbols]
+    assert not [n for n in names if "addmm" in n and n != "kforge_addmm_forward"], names
+    weights = {tuple(b.args[2].shape) for b in fwd}
+    # (autocast: kforge_matmul_widen, the GEMM that stores the fp32 parameter's gradient directly)
+    made = {tuple(b.output.shape) for b in traced.backward.bound_symbols
+            if b.sym.name in ("matmul", "kforge_matmul_widen")}
+    assert weights <= made, (weights, made)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("bias_shape", [(96,), (1, 96), (37, 96)], ids=str)
+def test_addmm_forward_backward(dtype, bias_shape):
+    """kforge_addmm on CUDA: forward and gradients against float64, the weight's gradient contiguous
+    in its (in, out) layout."""
+    input = randn(*bias_shape, dtype=dtype).requires_grad_()
+    mat1 = randn(37, 72, dtype=dtype).requires_grad_()
+    mat2 = randn(72, 96, dtype=dtype, scale=0.1).requires_grad_()
+    g = randn(37, 96, dtype=dtype)
+    jf = kforge.jit(lambda i, a, b: torch.addmm(i, a, b))
+    out = jf(input, mat1, mat2)
+    out.backward(g)
+    fwd, bwd = _addmm_names(jf)
+    assert "kforge_addmm_forward" in fwd and bwd.count("matmul") == 2, (fwd, bwd)
+    ref = _addmm_reference(input, mat1, mat2, g)
+    tol = 2 * conftest.REL_TOL[dtype]
+    assert out.dtype == dtype
+    assert_close(out, ref[0], dtype, "out", tol=tol)
+    for t, want, name in zip((input, mat1, mat2), ref[1:], ("input", "mat1", "mat2")):
+        assert_close(t.grad, want, dtype, f"grad {name}", tol=tol)
+    assert mat2.grad.is_contiguous()
+
+
+@gpu
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+def test_hf_gpt2_matches_eager(autocast):
+    """Hugging Face's GPT-2 under kforge.jit against eager: loss and every parameter's gradient."""
+    make = _hf_gpt2(torch.bfloat16, autocast)
+    model, inputs, options = make()
+    ref_model, _, _ = make()
+    ctx = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else __import__("contextlib").nullcontext
+    jm = kforge.jit(model)
+    with ctx():
+        loss = jm(**inputs).loss
+        ref = ref_model(**inputs).loss
+    loss.backward()
+    ref.backward()
+    assert "kforge_addmm_forward" in symbol_names(thunder.last_traces(jm)[-1])
+    assert_close(loss, ref, torch.bfloat16, "loss", tol=2 * conftest.REL_TOL[torch.bfloat16])
+    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        # bf16 rounding differs between the two programs: compare against the gradient's own scale.
+        scale = q.grad.float().abs().max().item() + 1e-6
+        err = (p.grad.float() - q.grad.float()).abs().max().item()
+        assert err <= 0.05 * scale, f"{name}: max error {err:.3g} against gradient scale {scale:.3g}"
+        assert p.grad.stride() == q.grad.stride(), name

@@ -19,6 +19,10 @@ Claims `thunder.torch.linear` (and `prims.linear`, what Thunder's autocast write
 out_features >= 1024 and not a multiple of 8, in_features a multiple of 8 (else padding the output
 alone does not give aligned GEMMs). fp32 is declined: its cuBLAS kernels do not depend on alignment
 (same 12.5 ms at 50257 and 50304).
+
+`torch.addmm` (Hugging Face's Conv1D: GPT-2's attention and MLP layers) becomes `kforge_addmm`: one
+GEMM forward and two GEMMs back for 16-bit CUDA operands, its decomposition elsewhere (see the
+section below). fp32 layers read by an add get their bias moved into the add (`LinearBiasSplit`).
 """
 from __future__ import annotations
 
@@ -164,11 +168,117 @@ def _grad(a: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> Te
     return out
 
 
+# ---- torch.addmm: Hugging Face's Conv1D (GPT-2's attention and MLP layers) ----------------------
+# `torch.addmm(bias, x, w)` with w stored (in, out). Thunder 0.2.6 has no symbol of its own for it and
+# registers it automatically: an opaque forward, and a backward that calls
+# `torch.autograd.functional.vjp`, which runs the forward's GEMM again and costs autograd's
+# bookkeeping on every call. With kforge as an executor, `torch.addmm` becomes `kforge_addmm`:
+# - 16-bit CUDA, beta = alpha = 1 (what Conv1D calls): the forward is torch.addmm itself (one GEMM
+#   with cuBLAS's bias epilogue); the backward is two GEMMs, dx = g @ w^T and dw = x^T @ g (stored
+#   as w is, (in, out), so autograd takes it as the parameter's gradient without a copy), and the
+#   bias gradient a sum over rows.
+# - anything else: the decomposition, beta * input + alpha * (mat1 @ mat2), which Thunder
+#   differentiates and kforge's fusion executor fuses. fp32 takes it on purpose: the bias epilogue's
+#   fp32 cuBLAS kernel is slower than the plain GEMM plus an add fused with its reader, as for
+#   fp32 `F.linear` (LinearBiasSplit below; docs/experiments/linear.md).
+# Under torch.autocast, tensors are cast to the autocast dtype first, as torch's autocast does for
+# addmm, so the result is 16-bit as in eager.
+def _addmm_like(input: TensorProxy, mat1: TensorProxy, mat2: TensorProxy, *, beta: Any = 1,
+                alpha: Any = 1) -> TensorProxy:
+    # torch.addmm's own checks, then its definition in thunder.torch ops: kforge_addmm's meta and
+    # its decomposition. beta = 0 ignores input (NaN / inf in it are not propagated), as in torch.
+    from thunder.core import utils
+
+    for t, name in ((input, "input"), (mat1, "mat1"), (mat2, "mat2")):
+        utils.check(isinstance(t, TensorProxy), lambda: f"addmm: {name} is {type(t).__name__}, not a tensor")
+    utils.check(mat1.ndim == 2 and mat2.ndim == 2,
+                lambda: f"addmm: mat1 and mat2 must be matrices, got {mat1.ndim}-D and {mat2.ndim}-D")
+    utils.check(mat1.shape[1] == mat2.shape[0],
+                lambda: f"addmm: mat1 {tuple(mat1.shape)} and mat2 {tuple(mat2.shape)} cannot be multiplied")
+    utils.check(mat1.dtype == mat2.dtype == input.dtype,
+                lambda: f"addmm: input, mat1 and mat2 dtypes differ ({input.dtype}, {mat1.dtype}, {mat2.dtype})")
+    out = ltorch.matmul(mat1, mat2)
+    if alpha != 1:
+        out = ltorch.mul(out, alpha)
+    if beta == 0:
+        return out
+    return ltorch.add(out, input if beta == 1 else ltorch.mul(input, beta))
+
+
+def _addmm_meta(input: TensorProxy, mat1: TensorProxy, mat2: TensorProxy) -> TensorProxy:
+    return TensorProxy(like=mat1, shape=(mat1.shape[0], mat2.shape[1]))
+
+
+# (input, mat1, mat2) -> torch.addmm(input, mat1, mat2): the claimed forward
+addmm_forward = operator("addmm_forward", meta=_addmm_meta, fn=torch.addmm)
+# fn: what runs when no executor takes the call and no gradient is needed (with one, Thunder
+# differentiates the decomposition).
+kforge_addmm = operator("addmm", like=_addmm_like, fn=torch.addmm, replaces=torch.addmm)
+
+
+def _check_addmm(input: Any, mat1: Any, mat2: Any, *, beta: Any = 1, alpha: Any = 1) -> str | None:
+    """None when kforge takes `torch.addmm(input, mat1, mat2, beta=, alpha=)` as one GEMM, else why
+    not (the decomposition runs instead)."""
+    for t, name in ((input, "input"), (mat1, "mat1"), (mat2, "mat2")):
+        if problem := tensor_problem(t, name):
+            return problem
+    if dtypes.to_torch_dtype(mat1.dtype) not in (torch.bfloat16, torch.float16):
+        return (f"{dtypes.to_torch_dtype(mat1.dtype)}: the GEMM plus a fused add beats the bias epilogue "
+                "outside 16 bits")
+    if (problem := same_dtype_device(mat1, mat2, "mat2")) or (problem := same_dtype_device(mat1, input, "input")):
+        return problem
+    if not (type(beta) in (int, float) and beta == 1 and type(alpha) in (int, float) and alpha == 1):
+        return f"beta {beta!r} / alpha {alpha!r}: only beta = alpha = 1 is one GEMM here"
+    if mat1.ndim != 2 or mat2.ndim != 2 or mat1.shape[1] != mat2.shape[0]:
+        return f"shapes {tuple(mat1.shape)} x {tuple(mat2.shape)} are not a matrix product"
+    n, p = mat1.shape[0], mat2.shape[1]
+    if input.ndim > 2 or any(s not in (1, full) for s, full in zip(reversed(input.shape), (p, n))):
+        return f"input {tuple(input.shape)} does not broadcast to ({n}, {p})"
+    return None
+
+
+def _addmm_execution(input, mat1, mat2, *, beta=1, alpha=1):
+    return addmm_forward(input, mat1, mat2)
+
+
+def _sum_to(g: TensorProxy, shape: tuple) -> TensorProxy:
+    """g summed over the dims that `shape` broadcasts, reshaped to `shape`."""
+    lead = g.ndim - len(shape)
+    dims = [*range(lead), *(lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1)]
+    return ltorch.reshape(ltorch.sum(g, dims) if dims else g, tuple(shape))
+
+
+def _addmm_grad(input, mat1, mat2, *, beta=1, alpha=1):
+    # Saved for backward: mat1 and mat2. Each gradient comes out in its input's layout.
+    out = addmm_forward(input, mat1, mat2)
+    g = get_grad(out)
+    put_grad(mat1, ltorch.matmul(g, ltorch.permute(mat2, (1, 0))))
+    put_grad(mat2, ltorch.matmul(ltorch.permute(mat1, (1, 0)), g))
+    put_grad(input, _sum_to(g, tuple(input.shape)))
+    return out
+
+
+def _register_addmm_autocast() -> None:
+    """Thunder's autocast rule for kforge_addmm: fp32 tensors cast to the autocast dtype, as torch's
+    autocast casts addmm's arguments (its lower-precision list)."""
+    from thunder.transforms.autocast import autocast_impls, maybe_downcast_to
+
+    def rule(input, mat1, mat2, *, beta=1, alpha=1, dtype):
+        input, mat1, mat2 = maybe_downcast_to(dtype, (input, mat1, mat2))
+        return kforge_addmm(input, mat1, mat2, beta=beta, alpha=alpha)
+
+    autocast_impls.setdefault(kforge_addmm.id, rule)
+
+
+_register_addmm_autocast()
+
+
 # Under torch.autocast, Thunder's autocast rule writes the cast weight's linear as `prims.linear`
 # (not thunder.torch.linear): the same signature and semantics, claimed the same way, else the
 # autocast lm_head runs unpadded (GPT-2 124M: three ~5 ms GEMMs per step instead of ~1 ms ones).
 SPEC = OpSpec("linear", (Claim(ltorch.linear, _checker, _execution, _grad, applies=_applies),
-                         Claim(prims.linear, _checker, _execution, _grad, applies=_applies)))
+                         Claim(prims.linear, _checker, _execution, _grad, applies=_applies),
+                         Claim(kforge_addmm, _check_addmm, _addmm_execution, _addmm_grad)))
 
 
 # ---- fp32 linear layers whose output feeds a residual add: the bias goes to the add ---------------
