@@ -538,7 +538,7 @@ def test_backends_are_wired():
 def test_hf_llama_has_the_plain_llamas_sizes():
     from kforge.zoo import MODELS, hf_llama, plain_llama
 
-    assert set(MODELS) == {"nanogpt", "plain-llama", "hf-llama"}
+    assert set(MODELS) == {"nanogpt", "plain-llama", "hf-llama", "hf-gpt2"}
     assert hf_llama.SIZES == plain_llama.SIZES
     hf, inputs, opts = hf_llama.make(size="bench", batch=2, seq=16, device="meta", dtype=torch.bfloat16)
     plain, _, _ = plain_llama.make(size="bench", batch=2, seq=16, device="meta", dtype=torch.bfloat16)
@@ -546,6 +546,24 @@ def test_hf_llama_has_the_plain_llamas_sizes():
     assert opts["mode"] == "dynamo" and opts["autocast"] is None and set(inputs) == {"input_ids", "labels"}
     assert hf.config.num_key_value_heads == 4 and hf.config.intermediate_size == 2048 and not hf.config.use_cache
     m, inputs, opts = hf_llama.make(size="micro", batch=2, seq=64, device="cpu", dtype=torch.bfloat16, autocast=True)
+    assert {p.dtype for p in m.parameters()} == {torch.float32} and opts["autocast"] == torch.bfloat16
+    assert inputs["input_ids"].shape == (2, 32)  # clipped to the context
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = opts["loss_fn"](m(**inputs))
+    assert loss.dtype == torch.float32 and 3 < loss.item() < 6  # ~ log(97)
+
+
+def test_hf_gpt2_has_nanogpts_sizes():
+    from kforge.zoo import hf_gpt2, nanogpt
+
+    assert hf_gpt2.SIZES.keys() == nanogpt.SIZES.keys()
+    hf, inputs, opts = hf_gpt2.make(size="124M", batch=2, seq=16, device="meta", dtype=torch.bfloat16)
+    ng, _, _ = nanogpt.make(size="124M", batch=2, seq=16, device="meta", dtype=torch.bfloat16)
+    # The same parameters (tied embeddings in both): 124M and a few.
+    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ng.parameters())
+    assert opts["autocast"] is None and "mode" not in opts and set(inputs) == {"input_ids", "labels"}
+    assert hf.config.resid_pdrop == hf.config.attn_pdrop == hf.config.embd_pdrop == 0.0
+    m, inputs, opts = hf_gpt2.make(size="micro", batch=2, seq=64, device="cpu", dtype=torch.bfloat16, autocast=True)
     assert {p.dtype for p in m.parameters()} == {torch.float32} and opts["autocast"] == torch.bfloat16
     assert inputs["input_ids"].shape == (2, 32)  # clipped to the context
     with torch.autocast("cpu", dtype=torch.bfloat16):

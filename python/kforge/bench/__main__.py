@@ -1,7 +1,7 @@
 """python -m kforge.bench (also: python -m kforge bench) — benchmarks, and the record they keep.
 
 Measuring (CUDA GPU):
-  models    users' models (kforge.zoo: nanogpt, plain-llama, hf-llama; --model pkg.mod:factory):
+  models    users' models (kforge.zoo: nanogpt, plain-llama, hf-llama, hf-gpt2; --model pkg.mod:factory):
             ms/step, peak memory, first step, loss per set-up and backend (eager, torch.compile,
             thunder, kforge); --second-process, --preset small (CUDA graphs, B=4 T=64); --dry on CPU
   ops       each kernel's time and GB/s against copy bandwidth, eager and torch.compile
@@ -68,13 +68,13 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                        "(kforge.jit / kforge.compile).",
                        epilog=FACTORY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("names", nargs="*", metavar="MODEL",
-                   help="zoo models to run: nanogpt, plain-llama, hf-llama (default: all three, unless --model)")
+                   help="zoo models to run: nanogpt, plain-llama, hf-llama, hf-gpt2 (default: the first three, unless --model)")
     m.add_argument("--model", dest="model_specs", action="append", metavar="PKG.MODULE:FACTORY",
                    help="your own model's factory (repeatable); contract below")
     m.add_argument("--preset", choices=["small"],
                    help="small: the llm.c notebook's case, nanogpt 124M, B=4 T=64, fp32, --cudagraphs")
     m.add_argument("--size", help="size preset passed to every factory (zoo: 124M / bench, tiny, micro; "
-                                  "default: nanogpt 124M, plain-llama and hf-llama bench)")
+                                  "default: nanogpt and hf-gpt2 124M, plain-llama and hf-llama bench)")
     m.add_argument("--setup", choices=["bf16", "autocast", "fp32", "both", "all"],
                    help="bf16 weights; fp32 weights + torch.autocast(bf16); fp32; both = bf16 and autocast "
                         "(default); all = the three")

@@ -48,7 +48,7 @@ from typing import Any, Callable
 BACKENDS = ("eager", "torch.compile", "thunder", "kforge")
 SETUPS = ("bf16", "autocast", "fp32")
 # Default --size per zoo model: the sizes of issue 18's table.
-DEFAULT_SIZE = {"nanogpt": "124M", "plain-llama": "bench", "hf-llama": "bench"}
+DEFAULT_SIZE = {"nanogpt": "124M", "plain-llama": "bench", "hf-llama": "bench", "hf-gpt2": "124M"}
 # --dry builds every model at this size on the CPU.
 DRY_SIZE = "micro"
 OPTION_KEYS = {"loss_fn", "autocast", "mode"}

@@ -22,6 +22,7 @@ USER_MODEL_TITLES = {
     "nanogpt": "GPT-2, nanoGPT style (kforge.zoo.nanogpt)",
     "plain-llama": "Llama in plain PyTorch (kforge.zoo.plain_llama)",
     "hf-llama": "Hugging Face LlamaForCausalLM (kforge.zoo.hf_llama)",
+    "hf-gpt2": "Hugging Face GPT2LMHeadModel (kforge.zoo.hf_gpt2)",
 }
 SETUP_TITLES = {"bf16": "bf16 weights", "autocast": "fp32 weights + bf16 autocast", "fp32": "fp32"}
 
