@@ -411,6 +411,23 @@ def _rope_meta_complex(xq, xk, freqs_cis):
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
+def _rope_partial(cast_back=False):
+    """Phi-3's / StableLM's partial-rotary RoPE (transformers' apply_rotary_pos_emb): the first
+    rotary_dim = the tables' width dims rotated, the rest passed through by a cat (empty at full
+    width); (B, T, rotary_dim) tables."""
+    def fn(q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rd = cos.shape[-1]
+        out = []
+        for x in (q, k):
+            x_rot, x_pass = x[..., :rd], x[..., rd:]
+            y = torch.cat([x_rot * cos + _rotate_half_slices(x_rot) * sin, x_pass], dim=-1)
+            out.append(y.to(x.dtype) if cast_back else y)
+        return tuple(out)
+
+    return fn
+
+
 def _hf_rms(x, w, eps=1e-6):
     h = x.to(torch.float32)
     v = h.pow(2).mean(-1, keepdim=True)
@@ -567,6 +584,10 @@ CASES = {
                                                       "rope", *ROPE),
     "rope fp32 tables, cast back": Case(_rope_fp32_tables_cast_back, _inputs(Q, K, _tables(T, D, dt=F32)), "rope",
                                         *ROPE),
+    "rope Phi-3 full rotary, cat of an empty pass-through": Case(_rope_partial(), _inputs(Q, K, _tables(B, T, D)),
+                                                                 "rope", *ROPE),
+    "rope Phi-3 full rotary, fp32 tables, cast back": Case(_rope_partial(cast_back=True),
+                                                           _inputs(Q, K, _tables(B, T, D, dt=F32)), "rope", *ROPE),
     "rope llama2.c real pairs": Case(_rope_llama2c, _inputs(QT, KT, _tables(T, D // 2, dt=F32)), "rope", *ROPE),
     "rope Meta complex": Case(_rope_meta_complex, _inputs(QT, KT, _freqs_cis(T, D // 2)), "rope", *ROPE,
                               fake=False),
@@ -789,6 +810,8 @@ NEAR_MISSES = {
     "rope tables per head": Miss(_rope_per_head_tables, _inputs(Q, K, _tables(H, T, D)), "rope", None),
     "rope fp32 result read as fp32": Miss(_rope_fp32_read_as_fp32, _inputs(Q, K, _tables(T, D, dt=F32)), "rope",
                                           "read as such"),
+    "rope partial rotary, half the dims passed through": Miss(_rope_partial(), _inputs(Q, K, _tables(B, T, D // 2)),
+                                                              "rope", "read before the pattern ends"),
     "softmax mask from a buffer": Miss(_softmax_buffer_mask, _inputs(_t(B, H, T, T), lambda d, dt: torch.ones(
         1, 1, 2 * T, 2 * T, device=d).tril()), "causal_softmax", "not known at trace time"),
     "softmax sliding window": Miss(_softmax_window, _inputs(_t(B, H, T, T)), "causal_softmax", "not causal"),

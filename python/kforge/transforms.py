@@ -17,7 +17,8 @@ same thing, so kforge's grad transforms give the backward too. Spellings found (
                   (view_as_complex * freqs_cis, view_as_real); (B, H, T, D) or
                   (B, T, H, D) heads; cos / sin (T, D), (1, T, D), (B or 1, 1, T,
                   D) (HF's unsqueeze(1)); fp32 tables on 16-bit q / k (autocast)
-                  with the result cast back
+                  with the result cast back; partial-rotary code at full width
+                  (Phi-3: cat([rotated, x[..., D:]]) of an empty pass-through)
   repeat_kv       repeat_interleave(n, dim=1), HF's x[:, :, None].expand().reshape(), kforge.ops.gqa.repeat_kv
                   Meta's on (B, T, H, D) heads
   swiglu          silu(gate) * up, gate / up from one chunk or two projections    kforge.ops.swiglu.swiglu
@@ -656,11 +657,36 @@ def _match_rope_half(g: _Graph, cat: BoundSymbol) -> _Rotation | None:
         tables.append(t)
     if _shape(add.output) != _shape(x):
         return None
-    tail, out, post, problem = _rope_tail(g, x, add.output)
-    bsyms = (*rot_bsyms, mul_sin, mul_cos, add, *tail)
+    rotated, passed = add.output, _identity_cat(g, add.output)
+    if passed:
+        rotated = passed[-1].output
+    tail, out, post, problem = _rope_tail(g, x, rotated)
+    bsyms = (*rot_bsyms, mul_sin, mul_cos, add, *passed, *tail)
     if not g.closed(bsyms, (out,)):
         return None
     return _Rotation("half", x, tuple(tables), layout, out, bsyms, post, problem)
+
+
+def _identity_cat(g: _Graph, rotated: TensorProxy) -> tuple:
+    """Partial-rotary RoPE with nothing left to pass through (Phi-3, StableLM, GPT-NeoX at full
+    rotary_dim): `cat([rotated, x[..., rotary_dim:]], -1)` whose second part is empty. Returns
+    (the empty slice's bsym if only the cat reads it, the cat) when the cat is `rotated`'s only
+    reader and gives back its shape and dtype, else ()."""
+    cat = g.only_consumer(rotated, _CAT)
+    if cat is None:
+        return ()
+    tensors = _arg(cat, 0, "tensors")
+    if not (isinstance(tensors, (tuple, list)) and len(tensors) == 2 and tensors[0] is rotated):
+        return ()
+    empty, out = tensors[1], cat.output
+    if not (isinstance(empty, TensorProxy) and empty.ndim == rotated.ndim and empty.shape[-1] == 0
+            and _is_last_dim(_arg(cat, 1, "dim", 0), rotated.ndim)
+            and _shape(out) == _shape(rotated) and out.dtype == rotated.dtype):
+        return ()
+    sliced = g.producer(empty, _GETITEM)
+    if sliced is not None and all(c is cat for c in g.consumers(empty)):
+        return sliced, cat
+    return (cat,)
 
 
 def _pairs_input(g: _Graph, xp: Any) -> tuple[TensorProxy, tuple] | None:
