@@ -365,7 +365,7 @@ class FakeTrace:
 
 @contextlib.contextmanager
 def as_on_a_gpu():
-    """What tracing CUDA models without a GPU needs patched: SDPA's flash check, autocast's CUDA
+    """What tracing CUDA models without a GPU needs patched: SDPA's flash / efficient checks, autocast's CUDA
     checks, kforge attention's device check (an sm_90 GPU), module parameters converted by `.to()`
     under fake tensors. Restored afterwards."""
     import contextlib
@@ -375,7 +375,11 @@ def as_on_a_gpu():
     torch.__future__.set_overwrite_module_params_on_conversion(True)
     try:
         with contextlib.ExitStack() as stack:
+            # As on a GPU: FlashAttention takes no attn_mask, memory-efficient attention takes one.
             stack.enter_context(mock.patch.object(torch.backends.cuda, "can_use_flash_attention",
+                                                  side_effect=lambda p, debug=False: p.attn_mask is None,
+                                                  create=True))
+            stack.enter_context(mock.patch.object(torch.backends.cuda, "can_use_efficient_attention",
                                                   return_value=True, create=True))
             stack.enter_context(mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False))
             stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=True))

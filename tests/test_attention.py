@@ -192,7 +192,8 @@ def test_gqa_matches_float64(dtype, n_rep) -> None:
 def test_transform_turns_a_causal_mask_into_is_causal(mask_kind) -> None:
     """A causal mask built in the trace (boolean True on and below the diagonal, or additive 0 / -inf)
     becomes is_causal=True on kforge's attention; a mask that is not causal is reported with its
-    reason and SDPA keeps its mask; one known only at run time is no match (plain SDPA with a mask)."""
+    reason and SDPA keeps its mask; one known only at run time is no match (plain SDPA with a mask).
+    Both masked cases run Thunder's memory-efficient attention with the mask, as on a GPU."""
     from conftest import fake_cuda_trace
 
     import kforge
@@ -221,8 +222,15 @@ def test_transform_turns_a_causal_mask_into_is_causal(mask_kind) -> None:
     ft = fake_cuda_trace(make, jit=kforge.jit)
     fwd = {b.sym.name for b in ft.forward.bound_symbols}
     rewrites = [r for r in ft.fn.llama_patterns.rewrites if r.match.kind == "attention"]
+    from thunder.core.proxies import TensorProxy
+
+    # Where kforge leaves the mask, Thunder's sdpa executor runs memory-efficient attention with it
+    # (FlashAttention would drop it).
+    masked = [b for b in ft.forward.bound_symbols if "efficient_attention" in b.sym.name]
+    mask_kept = bool(masked) and all(isinstance(b.args[3], TensorProxy) for b in masked)
     if mask_kind == "runtime":  # plain SDPA with a mask: no match at all
         assert not rewrites and "kforge_attention_forward" not in fwd, (rewrites, fwd)
+        assert mask_kept, [str(b) for b in masked] or fwd
         return
     assert len(rewrites) == 1, ft.fn.llama_patterns.rewrites
     if mask_kind in ("bool", "additive"):
@@ -232,3 +240,104 @@ def test_transform_turns_a_causal_mask_into_is_causal(mask_kind) -> None:
         assert not rewrites[0].applied
         assert "not causal" in rewrites[0].reason, rewrites[0].reason
         assert "kforge_attention_forward" not in fwd, fwd
+        assert mask_kept, [str(b) for b in masked] or fwd
+
+
+# ---- masks at their broadcast shape (SdpaMaskShape) ---------------------------------------------------
+B_, H_, T_, S_, D_ = 2, 4, 24, 40, 32
+
+
+def _mask(kind: str, device: str = "cpu", dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A mask SDPA broadcasts against (B, H, T, S): boolean (True = attend, every row keeps a key)
+    or additive."""
+    g = torch.Generator().manual_seed(11)
+    keep = torch.rand(B_, H_, T_, S_, generator=g) > 0.3
+    keep[..., 0] = True
+    shapes = {"(T, S) bool": (T_, S_), "(1, T, S) bool": (1, T_, S_), "(1, 1, T, S) additive": (1, 1, T_, S_),
+              "(B, 1, 1, S) padding": (B_, 1, 1, S_), "(1, H, T, S) bool": (1, H_, T_, S_)}
+    shape = shapes[kind]
+    k = keep[tuple(slice(0, n) for n in (1,) * (4 - len(shape)) + shape)].reshape(shape)
+    if "additive" in kind:
+        return torch.zeros(shape, dtype=dtype).masked_fill(~k, float("-inf")).to(device)
+    return k.to(device)
+
+
+MASKS = ["(T, S) bool", "(1, T, S) bool", "(1, 1, T, S) additive", "(B, 1, 1, S) padding", "(1, H, T, S) bool"]
+
+
+@pytest.mark.parametrize("kind", MASKS)
+def test_masks_expanded_keep_numerics_on_cpu(kind) -> None:
+    """kforge.jit of SDPA with a mask of each broadcast shape, float64 on the CPU: the call gets the
+    mask expanded to (B, 1 or H, T, S) and output and gradients equal eager's."""
+    import thunder
+
+    import kforge
+
+    q = torch.randn(B_, H_, T_, D_, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B_, H_, S_, D_, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = _mask(kind)
+
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    jf = kforge.jit(fn)
+    args = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, ref = jf(*args, mask), fn(q, k, v, mask)
+    g = torch.randn_like(ref)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(out, ref)
+    for a, r, name in zip(args, (q, k, v), "qkv"):
+        torch.testing.assert_close(a.grad, r.grad, msg=f"d{name}")
+    sdpa = [b for b in thunder.last_traces(jf)[0].bound_symbols if "scaled_dot_product" in b.sym.name]
+    masks = [b.args[3] if len(b.args) > 3 else b.kwargs["attn_mask"] for b in
+             next(t for t in thunder.last_traces(jf) if "broadcast shape" in str(t.get_provenance())).bound_symbols
+             if "scaled_dot_product" in b.sym.name]
+    assert len(sdpa) == 1 and len(masks) == 1
+    assert tuple(masks[0].shape) in ((B_, 1, T_, S_), (B_, H_, T_, S_)), masks[0]
+
+
+@pytest.mark.parametrize("kind", MASKS)
+def test_masked_sdpa_traces_as_on_a_gpu(kind) -> None:
+    """Traced as on a GPU: a masked bf16 SDPA of each broadcast shape reaches Thunder's
+    memory-efficient attention with the mask (whose meta takes only (B, 1 or H, T, S) masks) instead
+    of stopping the trace."""
+    from conftest import fake_cuda_trace
+    from thunder.core.proxies import TensorProxy
+
+    import kforge
+
+    def make(device="cuda"):
+        q = torch.randn(B_, H_, T_, D_, device=device, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(B_, H_, S_, D_, device=device, dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        return (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)), \
+            (q, k, v, _mask(kind, device, torch.bfloat16)), {}
+
+    ft = fake_cuda_trace(make, jit=kforge.jit)
+    att = [b for b in ft.forward.bound_symbols if "efficient_attention" in b.sym.name]
+    assert len(att) == 1 and isinstance(att[0].args[3], TensorProxy), [str(b) for b in ft.forward.bound_symbols]
+    assert att[0].args[3].shape[0] == B_
+
+
+@gpu
+@pytest.mark.parametrize("kind", MASKS)
+def test_masked_sdpa_matches_eager_on_gpu(kind) -> None:
+    """The same on a GPU, bf16: output and gradients against eager within bf16 rounding."""
+    import kforge
+
+    q = randn(B_, H_, T_, D_, dtype=torch.bfloat16).requires_grad_()
+    k, v = (randn(B_, H_, S_, D_, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    mask = _mask(kind, "cuda", torch.bfloat16)
+
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    args = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, ref = kforge.jit(fn)(*args, mask), fn(q, k, v, mask)
+    g = randn(*ref.shape, dtype=torch.bfloat16)
+    out.backward(g)
+    ref.backward(g)
+    assert_close(out, ref, torch.bfloat16, "out", tol=2e-2)
+    for a, r, name in zip(args, (q, k, v), "qkv"):
+        assert_close(a.grad, r.grad, torch.bfloat16, f"d{name}", tol=4e-2)

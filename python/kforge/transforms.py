@@ -1903,13 +1903,15 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     from thunder.dynamo.utils import get_torch_compile_kwargs
 
     from .fusion.zero_cotangents import ZeroCotangents
+    from .ops.attention import SdpaMaskShape
     from .ops.linear import LinearBiasSplit
     from .prologue import BatchedChecks
 
     _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    kwargs["transforms"] = [patterns, LinearBiasSplit(), *transforms, ZeroCotangents(), BatchedChecks()]
+    kwargs["transforms"] = [patterns, SdpaMaskShape(), LinearBiasSplit(), *transforms, ZeroCotangents(),
+                            BatchedChecks()]
     compile_kwargs = get_torch_compile_kwargs(**kwargs)
     backend = _compiler_class()(**{k: v for k, v in kwargs.items() if k not in compile_kwargs})
     compiled = ThunderFXCompiledObject(backend, torch.compile(model, backend=backend, **compile_kwargs))
@@ -1926,13 +1928,14 @@ def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterabl
     import thunder
 
     from .fusion.zero_cotangents import ZeroCotangents
+    from .ops.attention import SdpaMaskShape
     from .ops.linear import LinearBiasSplit
     from .prologue import BatchedChecks
 
     _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    transforms = [patterns, LinearBiasSplit(), *transforms, ZeroCotangents(), BatchedChecks()]
+    transforms = [patterns, SdpaMaskShape(), LinearBiasSplit(), *transforms, ZeroCotangents(), BatchedChecks()]
     jfn = thunder.jit(fn, transforms=transforms, **kwargs)
     jfn.llama_patterns = patterns
     return jfn

@@ -6,6 +6,8 @@ therefore claims the SDPA call itself and runs torch's cuDNN attention forward a
 (`aten._scaled_dot_product_cudnn_attention[_backward]`): no kernels of kforge's own. What cuDNN's
 path does not take (fp32, an explicit mask, dropout, grouped heads without expansion, head dims past
 128, devices before sm_90) is declined with its reason, and Thunder's sdpa executor takes it (FA2).
+`SdpaMaskShape` (in kforge.jit / kforge.compile) hands it masks at their broadcast shape, which its
+memory-efficient path needs.
 
 Grouped-query attention: users expand k and v to q's head count before SDPA (`repeat_interleave`,
 Hugging Face's `repeat_kv`); cuDNN reads grouped heads natively. `kforge.transforms` rewrites
@@ -37,6 +39,7 @@ import thunder.torch as ltorch
 from thunder.core import dtypes
 from thunder.core.prims import OpTags
 from thunder.core.proxies import TensorProxy
+from thunder.core.transform_common import Transform
 from thunder.core.transforms import get_grad, put_grad
 
 from .._thunder import Claim, OpSpec, operator, same_dtype_device, tensor_problem
@@ -176,3 +179,79 @@ def _attention_grad(q, k, v, n_rep=1, is_causal=False, scale=None):
 
 SPEC = OpSpec("attention", (Claim(ltorch.scaled_dot_product_attention, _check, _execution, _grad),
                             Claim(kforge_attention, _check_attention, _attention_execution, _attention_grad)))
+
+
+# ---- masks given to SDPA at their broadcast shape -------------------------------------------------
+# F.scaled_dot_product_attention broadcasts attn_mask against (B, H, T, S): (T, S), (1, 1, T, S) and
+# (B, 1, 1, S) masks are common. Thunder 0.2.6's sdpa executor runs a masked call on its
+# memory-efficient kernel, whose meta requires a 4-D mask with the query's batch size: such a model
+# stops while tracing ("grad_forward_sdpa: Expected attn_mask tensor to have 4 dimension", "...
+# Expected all inputs to have same batch_size"). The mask viewed as 4-D and expanded (a view, no
+# copy) to (B, 1 or H, T, S) is the same broadcast.
+class SdpaMaskShape(Transform):
+    """A Thunder transform (pre-prologue, on the computation trace): every
+    `F.scaled_dot_product_attention` of 4-D query / key / value whose attn_mask is not already
+    (B, 1 or H, T, S) gets it reshaped to 4-D (leading dims of 1) and expanded to that shape, the
+    broadcast SDPA applies anyway. `rewritten` counts the calls changed by the last trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rewritten = 0
+
+    def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
+        return prologue_trace, self.rewrite(computation_trace), epilogue_trace
+
+    def rewrite(self, trace: Any) -> Any:
+        """`trace` with the masks expanded (or `trace` itself if none is)."""
+        from thunder.core.proxies import variableify
+        from thunder.core.trace import TraceProvenance, from_trace, tracectx
+
+        self.rewritten = 0
+        new = from_trace(trace)
+        bsyms: list[Any] = []
+        for b in trace.bound_symbols:
+            target = self._target(b)
+            if target is None:
+                bsyms.append(b)
+                continue
+            mask, shape = target
+            args, kwargs = list(b.args), dict(b.kwargs)
+            new.push_scope([])
+            with tracectx(new):
+                full = mask if mask.ndim == 4 else ltorch.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape))
+                full = ltorch.expand(full, shape)
+                if len(args) > 3:
+                    args[3] = full
+                else:
+                    kwargs["attn_mask"] = full
+                out = ltorch.scaled_dot_product_attention(*args, **kwargs)
+            made = new.pop_scope()
+            # The call keeps its output's name, so every reader is unchanged.
+            swap = {variableify(out): b.output}
+            bsyms.extend(m.from_bsym_swap_proxies(swap) for m in made)
+            self.rewritten += 1
+        if not self.rewritten:
+            return trace
+        new.bound_symbols = bsyms
+        new.set_provenance(TraceProvenance(f"kforge SDPA masks at their broadcast shape ({self.rewritten} calls)"))
+        return new
+
+    @staticmethod
+    def _target(b: Any) -> tuple[TensorProxy, tuple[int, ...]] | None:
+        """(mask, the shape to expand it to) for an SDPA call on 4-D tensors whose mask is not at
+        that shape and broadcasts to it, else None."""
+        if b.sym.id != ltorch.scaled_dot_product_attention.id:
+            return None
+        qkv = b.args[:3]
+        mask = b.args[3] if len(b.args) > 3 else b.kwargs.get("attn_mask")
+        if not (len(qkv) == 3 and all(isinstance(t, TensorProxy) and t.ndim == 4 for t in qkv)):
+            return None
+        if not (isinstance(mask, TensorProxy) and 1 <= mask.ndim <= 4):
+            return None
+        q, k = qkv[0], qkv[1]
+        have = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+        heads = have[1] if have[1] in (1, q.shape[1]) else None
+        want = (q.shape[0], heads, q.shape[2], k.shape[2])
+        if heads is None or any(h not in (1, w) for h, w in zip(have, want)) or have == want and mask.ndim == 4:
+            return None
+        return mask, want
