@@ -523,3 +523,135 @@ def test_iteration_as_python(restore_lookaside, monkeypatch):
     monkeypatch.setattr(lookasides, "_kforge_compilation", lambda: False)  # every step Thunder's
     kforge.jit(_iterates)(x, (1, 2, 3), (4, 5))
     assert direct_taken < len(fallback) - 10, (direct_taken, len(fallback))
+
+
+# ---- F.multi_head_attention_forward interpreted (nn.MultiheadAttention, nn.TransformerEncoder) -----
+class _Encoder(torch.nn.Module):
+    """A causal nn.TransformerEncoder language model, as people write one with torch's modules."""
+
+    def __init__(self, batch_first: bool = True, vocab: int = 50, width: int = 32):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = torch.nn.Embedding(vocab, width)
+        layer = torch.nn.TransformerEncoderLayer(width, 4, 64, dropout=0.0, batch_first=batch_first,
+                                                 norm_first=True, activation="gelu")
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, idx, targets, padding=None):
+        x = self.emb(idx) if self.batch_first else self.emb(idx).transpose(0, 1)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device,
+                                                                     dtype=x.dtype)
+        h = self.enc(x, mask=mask, is_causal=True, src_key_padding_mask=padding)
+        h = h if self.batch_first else h.transpose(0, 1)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+class _WithWeights(torch.nn.Module):
+    """nn.MultiheadAttention called directly, its head-averaged weights used (need_weights default)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(width, 4, batch_first=True, kdim=24, vdim=24)
+
+    def forward(self, x, mem, padding):
+        out, weights = self.attn(x, mem, mem, key_padding_mask=padding)
+        return out.square().mean() + (weights * torch.arange(weights.shape[-1], dtype=x.dtype)).sum()
+
+
+def _mha_inputs(case: str):
+    g = torch.Generator().manual_seed(3)
+    if case == "need_weights, kdim / vdim, padding":
+        padding = torch.zeros(2, 9, dtype=torch.bool)
+        padding[1, 6:] = True
+        return (_WithWeights,
+                (torch.randn(2, 7, 32, generator=g, dtype=torch.float64),
+                 torch.randn(2, 9, 24, generator=g, dtype=torch.float64), padding))
+    idx, targets = (torch.randint(0, 50, (2, 12), generator=g) for _ in range(2))
+    if case == "causal, batch_first=False":
+        return lambda: _Encoder(batch_first=False), (idx, targets)
+    if case == "causal + key padding":
+        padding = torch.zeros(2, 12, dtype=torch.bool)
+        padding[0, 9:] = True
+        return _Encoder, (idx, targets, padding)
+    return _Encoder, (idx, targets)
+
+
+@pytest.mark.parametrize("case", ["causal", "causal + key padding", "causal, batch_first=False",
+                                  "need_weights, kdim / vdim, padding"])
+def test_multihead_attention_trains_under_kforge_jit(restore_lookaside, case):
+    """kforge.jit trains models built from nn.MultiheadAttention (float64, CPU): loss and every
+    gradient equal eager's, and torch's function is traced op by op (no opaque symbol of it)."""
+    make, inputs = _mha_inputs(case)
+    torch.manual_seed(0)
+    model = make().double()
+    ref = model(*inputs)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    jm = kforge.jit(model)
+    loss = jm(*inputs)
+    loss.backward()
+    torch.testing.assert_close(loss, ref)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], msg=n)
+    names = {b.sym.name for t in (*thunder.last_traces(jm), *thunder.last_backward_traces(jm))
+             for b in t.bound_symbols}
+    assert not [n for n in names if "multi_head_attention" in n], names
+
+
+def test_multihead_attention_outside_kforge_is_thunders(restore_lookaside):
+    """Only kforge's compilations interpret it: Thunder's own thunder.jit keeps its automatic
+    registration (which cannot train it), and uninstall() gives Thunder its entry back."""
+    import torch.nn.functional as F
+    from thunder.core.jit_ext import _general_jit_lookaside_map
+
+    lookasides.install()
+    thunders = lookasides._OVERRIDDEN[F.multi_head_attention_forward]
+    make, inputs = _mha_inputs("causal")
+    with pytest.raises(NotImplementedError, match="automatic registration"):
+        thunder.jit(make())(*inputs)
+    lookasides.uninstall()
+    assert _general_jit_lookaside_map[F.multi_head_attention_forward] is thunders
+    lookasides.install()
+    assert _general_jit_lookaside_map[F.multi_head_attention_forward] is not thunders and lookasides.installed()
+
+
+def test_transformer_encoder_attention_on_kforge_as_on_a_gpu(restore_lookaside):
+    """Traced as on a GPU in bf16: the causal encoder's attention is kforge's (cuDNN, is_causal)
+    forward and backward, its layer norms and GELUs kforge's kernels."""
+    from kforge.zoo._build import build
+
+    def make(device="cuda"):
+        model = build(_Encoder, device=device, dtype=torch.bfloat16)
+        idx = torch.randint(0, 50, (2, 16), device=device)
+        return model, (idx, idx), {}
+
+    fwd, bwd = fake_cuda_trace(make, jit=kforge.jit, dynamo=False).symbols()
+    assert fwd["kforge_attention_forward"] == 2 and bwd["kforge_attention_backward"] == 2, (dict(fwd), dict(bwd))
+    assert fwd["kforge_layernorm_forward"] == 4 and fwd["kforge_gelu_forward"] == 2, dict(fwd)
+
+
+def _branches_on_dtypes(m, x):
+    a = m.dtype != torch.bool
+    b = x.dtype == torch.float32
+    c = torch.bool == m.dtype
+    d = x.dtype in (torch.float16, torch.bfloat16)
+    return x * (1 + 2 * a + 4 * b + 8 * c + 16 * d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dtype_comparisons_as_in_eager(restore_lookaside, dtype):
+    """A tensor's dtype compared with torch's dtypes (==, !=, reflected, `in`) gives eager's answer in
+    kforge's compilations; Thunder's own thunder.jit keeps its answer (a Thunder dtype never equals a
+    torch dtype), and uninstall() restores its comparison."""
+    from thunder.core import dtypes
+
+    x, m = torch.ones(3, dtype=dtype), torch.zeros(3, dtype=torch.bool)
+    want = _branches_on_dtypes(m, x)
+    torch.testing.assert_close(kforge.jit(_branches_on_dtypes)(m, x), want)
+    assert not torch.equal(thunder.jit(_branches_on_dtypes)(m, x), want)
+    lookasides.uninstall()
+    assert dtypes.float32 != torch.float32 and not lookasides.installed()
+    lookasides.install()
+    assert lookasides.installed() and dtypes.float32 != torch.float32  # outside a compilation: Thunder's

@@ -73,6 +73,16 @@ against 41 s. Likewise `next` on the iterator Thunder makes for a tuple or list 
 over one) steps it directly instead of interpreting its `__next__`, and on a dictionary's key
 iterator calls Thunder's own lookaside at once: about 19-24 s against 25-29 s.
 
+One lookaside changes what is traced, not how fast: `F.multi_head_attention_forward`
+(`nn.MultiheadAttention`, and with it `nn.TransformerEncoderLayer` / `DecoderLayer`). Thunder 0.2.6
+registers it automatically as one opaque symbol whose backward cannot be derived for it: training
+such a model stops in the trace. In kforge's compilations the interpreter runs torch's own Python for
+it instead (replacing Thunder's entry while installed; Thunder's elsewhere): in-projection linears,
+SDPA (kforge's cuDNN attention where it applies, e.g. a causal encoder) and the out-projection, with
+the masks, dropout and head-averaged weights torch computes. Likewise a tensor's dtype compares as
+torch's in kforge's compilations (`x.dtype == torch.float32` is False under Thunder's own
+thunder.jit for a float32 tensor, so code that branches on it took the other branch).
+
 A fourth piece is not a lookaside: Thunder's interpreter disassembles a function's code
 (`dis.get_instructions`) every time it runs the function, about 25,000 times to trace a one-layer Hugging
 Face's Llama, and the disassembly is a function of the code object alone. `install()` gives the
@@ -349,6 +359,68 @@ def _context_var_lookaside(original, method: str):
     return lookaside
 
 
+# torch functions written in Python that Thunder 0.2.6 registers automatically as opaque symbols,
+# whose automatic backward cannot differentiate them: in kforge's compilations the interpreter runs
+# torch's own Python instead, so every op inside becomes Thunder's (and kforge's) symbol and autograd
+# is Thunder's. `F.multi_head_attention_forward` (`nn.MultiheadAttention`, `nn.TransformerEncoder` /
+# `Decoder` layers): its automatic registration stops every training trace ("keyword argument that
+# requires gradient" -- the float attn_mask counts as one), and its backward would run the forward
+# again through torch.autograd.functional.vjp. Interpreted, it is in-projection linears, SDPA (which
+# kforge's attention claims where cuDNN takes it) and the out-projection.
+_OVERRIDDEN: dict = {}  # the function -> Thunder's own lookaside for it, taken at install()
+
+
+def _interpreted_in_kforge(fn):
+    """A lookaside for `fn` that has Thunder's interpreter run fn's Python in kforge's compilations,
+    and calls Thunder's own lookaside for it elsewhere."""
+    from thunder.core.interpreter import _interpret_call
+
+    interpreted = _copy_of(fn)
+
+    def lookaside(*args, **kwargs):
+        if _kforge_compilation() or fn not in _OVERRIDDEN:
+            return _interpret_call(interpreted, *args, **kwargs)
+        return _OVERRIDDEN[fn](*args, **kwargs)
+
+    lookaside.__qualname__ = f"kforge.lookasides.interpreted[{fn.__qualname__}]"
+    return lookaside
+
+
+_overrides: dict | None = None  # function -> kforge's lookaside, replacing Thunder's while installed
+
+# Thunder's interpreter gives a tensor's `.dtype` as Thunder's dtype object, which compares unequal to
+# every torch dtype: under thunder.jit `x.dtype == torch.float32` is False for a float32 tensor and
+# `mask.dtype != torch.bool` True for a bool mask, so a model that branches on a dtype silently takes
+# the other branch (torch's own `F._canonical_mask` then rejects every bool mask:
+# nn.TransformerEncoder with src_key_padding_mask). Compare ops run natively in the interpreter (not
+# interpreted), on Thunder's dtype class's __eq__; while installed, in kforge's compilations, a torch
+# dtype on the other side is taken as Thunder's dtype for it (`!=` is __eq__ negated, and
+# `torch.float32 == x.dtype` reaches it reflected). Elsewhere the comparison is Thunder's.
+_DTYPE_EQ = None  # thunder.core.dtypes.dtype.__eq__, taken at the first install()
+
+
+def _dtype_eq(self, other) -> bool:
+    if isinstance(other, torch.dtype):
+        try:
+            ours = _kforge_compilation()
+        except Exception:  # no interpretation under way (Thunder's passes after the trace)
+            ours = False
+        if ours:
+            from thunder.core.dtypes import to_dtype
+
+            other = to_dtype(other)
+    return _DTYPE_EQ(self, other)
+
+
+def _our_overrides() -> dict:
+    global _overrides
+    if _overrides is None:
+        import torch.nn.functional as F
+
+        _overrides = {F.multi_head_attention_forward: _interpreted_in_kforge(F.multi_head_attention_forward)}
+    return _overrides
+
+
 def _caching_dis() -> types.ModuleType:
     """A stand-in for the `dis` module whose get_instructions(code) is remembered per code object;
     everything else, and any other call form, is the real module's."""
@@ -431,14 +503,27 @@ def _our_entries() -> dict:
 def install() -> bool:
     """Registers kforge's lookasides with Thunder's interpreter (once per process): module calls and
     attribute reads, the DTensor dispatch wrappers, transformers' context variable, containment tests,
-    `next`, the global-name lookup and the remembered disassembly. False where something else
-    already holds one of those entries (that one stays as it is; the others are registered)."""
+    `next`, the global-name lookup and the remembered disassembly; in place of Thunder's own
+    entry, `F.multi_head_attention_forward` interpreted; and dtype comparisons as torch's. False
+    where something else already holds one of the other entries (that one stays as it is; the others
+    are registered)."""
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
     ok = True
     for fn, lookaside in _our_entries().items():
         ok &= _general_jit_lookaside_map.setdefault(fn, lookaside) is lookaside
-    global _GLOBALS_LOOKUP
+    for fn, lookaside in _our_overrides().items():
+        if _general_jit_lookaside_map.get(fn) is not lookaside:
+            if fn in _general_jit_lookaside_map:
+                _OVERRIDDEN.setdefault(fn, _general_jit_lookaside_map[fn])
+            _general_jit_lookaside_map[fn] = lookaside
+    global _GLOBALS_LOOKUP, _DTYPE_EQ
+    from thunder.core import dtypes
+
+    if _DTYPE_EQ is None and dtypes.dtype.__eq__ is not _dtype_eq:
+        _DTYPE_EQ = dtypes.dtype.__eq__
+    if dtypes.dtype.__eq__ is _DTYPE_EQ:
+        dtypes.dtype.__eq__ = _dtype_eq
     interpreter = _interpreter_module()
     if interpreter.dis is _dis:
         interpreter.dis = _DIS
@@ -446,16 +531,20 @@ def install() -> bool:
         _GLOBALS_LOOKUP = interpreter.globals_lookup
     if interpreter.globals_lookup is _GLOBALS_LOOKUP:
         interpreter.globals_lookup = _globals_lookup
-    return ok and interpreter.dis is _DIS and interpreter.globals_lookup is _globals_lookup
+    return (ok and interpreter.dis is _DIS and interpreter.globals_lookup is _globals_lookup
+            and dtypes.dtype.__eq__ is _dtype_eq)
 
 
 def installed() -> bool:
     """Whether every lookaside of kforge's is registered."""
+    from thunder.core import dtypes
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
     interpreter = _interpreter_module()
-    return (all(_general_jit_lookaside_map.get(fn) is la for fn, la in _our_entries().items())
-            and interpreter.dis is _DIS and interpreter.globals_lookup is _globals_lookup)
+    return (all(_general_jit_lookaside_map.get(fn) is la
+                for fn, la in (*_our_entries().items(), *_our_overrides().items()))
+            and interpreter.dis is _DIS and interpreter.globals_lookup is _globals_lookup
+            and dtypes.dtype.__eq__ is _dtype_eq)
 
 
 def uninstall() -> None:
@@ -465,6 +554,16 @@ def uninstall() -> None:
     for fn, lookaside in _our_entries().items():
         if _general_jit_lookaside_map.get(fn) is lookaside:
             del _general_jit_lookaside_map[fn]
+    for fn, lookaside in _our_overrides().items():
+        if _general_jit_lookaside_map.get(fn) is lookaside:
+            if fn in _OVERRIDDEN:
+                _general_jit_lookaside_map[fn] = _OVERRIDDEN[fn]
+            else:
+                del _general_jit_lookaside_map[fn]
+    from thunder.core import dtypes
+
+    if dtypes.dtype.__eq__ is _dtype_eq:
+        dtypes.dtype.__eq__ = _DTYPE_EQ
     interpreter = _interpreter_module()
     if interpreter.dis is _DIS:
         interpreter.dis = _dis
