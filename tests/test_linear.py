@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import thunder
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from thunder.core.trace import TraceCtx, tracectx
 
 import kforge
@@ -406,6 +408,34 @@ def test_addmm_checker():
         assert "broadcast" in claim.checker(proxy(2303), x, w)
         assert "broadcast" in claim.checker(proxy(3, 128, 2304), x, w)
         assert "not a tensor" in claim.checker(1.0, x, w)
+
+
+_ADDMM_DIM = st.one_of(st.integers(0, 5), st.sampled_from([7, 64]))
+_ADDMM_SHAPE = st.lists(_ADDMM_DIM, min_size=0, max_size=3).map(tuple)
+_ADDMM_DTYPE = st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64])
+_ADDMM_SCALAR = st.sampled_from([1, 1.0, 0, 0.5, -1, True, 2])
+
+
+@settings(max_examples=300)
+@given(shapes=st.tuples(_ADDMM_SHAPE, _ADDMM_SHAPE, _ADDMM_SHAPE),
+       dtypes=st.one_of(st.tuples(*[st.sampled_from([torch.bfloat16, torch.float16])] * 3),
+                        st.tuples(_ADDMM_DTYPE, _ADDMM_DTYPE, _ADDMM_DTYPE)),
+       device=st.sampled_from(["cuda", "cuda", "cpu"]), beta=_ADDMM_SCALAR, alpha=_ADDMM_SCALAR)
+@example(shapes=((64,), (7, 5), (5, 64)), dtypes=(torch.bfloat16,) * 3, device="cuda", beta=1, alpha=1)
+def test_addmm_checker_never_accepts_what_torch_addmm_cannot_do(shapes, dtypes, device, beta, alpha):
+    """Generated proxies (0-D to 3-D, empty, broadcastable or not), dtypes, devices and beta / alpha:
+    whatever the addmm checker accepts, torch.addmm takes (on meta tensors of those shapes and dtypes,
+    giving (n, p)), in 16 bits on CUDA, with beta = alpha = 1 -- the only call its grad transform
+    differentiates."""
+    claim = next(c for c in op.SPEC.claims if c.symbol is op.kforge_addmm)
+    with tracectx(TraceCtx()):
+        args = [conftest.proxy(sh, dtype=dt, device=device) for sh, dt in zip(shapes, dtypes)]
+        if claim.checker(*args, beta=beta, alpha=alpha) is not None:
+            return
+    assert device == "cuda" and set(dtypes) <= {torch.bfloat16, torch.float16} and len(set(dtypes)) == 1
+    assert type(beta) in (int, float) and beta == 1 and type(alpha) in (int, float) and alpha == 1
+    input, mat1, mat2 = (torch.empty(sh, dtype=dt, device="meta") for sh, dt in zip(shapes, dtypes))
+    assert torch.addmm(input, mat1, mat2).shape == (mat1.shape[0], mat2.shape[1])
 
 
 def _hf_gpt2(dtype, autocast):
