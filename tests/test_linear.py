@@ -479,6 +479,28 @@ def test_hf_gpt2_conv1d_layers_claimed(autocast):
     assert weights <= made, (weights, made)
 
 
+def test_hf_gpt2_dynamo_path_keeps_conv1d_in_thunder():
+    """kforge.compile (Thunder's Dynamo path) of Hugging Face's GPT-2 on the CPU: the splitter keeps
+    torch.addmm in Thunder (not Inductor, where Thunder's automatic fallback would send it), and loss
+    and gradients equal eager's."""
+    pytest.importorskip("transformers")
+    from kforge.zoo import hf_gpt2
+
+    model, inputs, _ = hf_gpt2.make(size="micro", batch=2, seq=16, device="cpu", dtype=torch.float32)
+    ref = model(**inputs).loss
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    compiled = kforge.compile(model)
+    loss = compiled(**inputs).loss
+    loss.backward()
+    reasons = [r.info for info in compiled.backend.subgraph_infos for r in info.split_reasons]
+    assert compiled.backend.subgraph_infos and not [r for r in reasons if "addmm" in r], reasons
+    torch.testing.assert_close(loss, ref)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], msg=n, atol=1e-6, rtol=1e-5)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("bias_shape", [(96,), (1, 96), (37, 96)], ids=str)

@@ -1663,18 +1663,26 @@ def _autocast_compile_data(device: str, dtype: torch.dtype):
 _FALLBACKS_KEPT = ("diff", "new_ones")
 
 
-def _kept_fallback(node: Any) -> bool:
+def _kept_fallback(node: Any, thunder_options: dict) -> bool:
     if node.op == "call_method":
         return node.target in _FALLBACKS_KEPT
-    return node.op == "call_function" and node.target in tuple(getattr(torch, n, None) for n in _FALLBACKS_KEPT)
+    if node.op != "call_function":
+        return False
+    if node.target in tuple(getattr(torch, n, None) for n in _FALLBACKS_KEPT):
+        return True
+    # A torch function kforge's executor replaces with an operator of its own (torch.addmm, Hugging
+    # Face's Conv1D) is not Thunder's automatic fallback where kforge is an executor.
+    from ._thunder import executor
+
+    return executor in (thunder_options.get("executors") or ()) and node.target in executor._lookasides
 
 
 @contextlib.contextmanager
 def _splitter_patches():
-    """While Thunder's splitter runs: the mask builders in _FALLBACKS_KEPT stay in Thunder, and under
-    torch.autocast a node its check rejects is checked again with the autocast applied, and kept in
-    Thunder when that passes (Dynamo compiles one frame at a time; the splitter's module global is
-    restored afterwards)."""
+    """While Thunder's splitter runs: the mask builders in _FALLBACKS_KEPT and the torch functions
+    kforge's executor replaces (torch.addmm) stay in Thunder, and under torch.autocast a node its
+    check rejects is checked again with the autocast applied, and kept in Thunder when that passes
+    (Dynamo compiles one frame at a time; the splitter's module global is restored afterwards)."""
     import thunder.dynamo.splitter as splitter
 
     ambient = _ambient_autocast()
@@ -1684,7 +1692,7 @@ def _splitter_patches():
         ok, reason = original(node, thunder_options)
         if ok:
             return ok, reason
-        if _kept_fallback(node):
+        if _kept_fallback(node, thunder_options):
             return True, None
         if ambient is None:
             return ok, reason
