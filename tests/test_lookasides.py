@@ -655,3 +655,60 @@ def test_dtype_comparisons_as_in_eager(restore_lookaside, dtype):
     assert dtypes.float32 != torch.float32 and not lookasides.installed()
     lookasides.install()
     assert lookasides.installed() and dtypes.float32 != torch.float32  # outside a compilation: Thunder's
+
+
+class _LossMadeInForward(torch.nn.Module):
+    """A head that constructs its loss module inside forward, as Hugging Face's heads do: the loss's
+    __init__ registers a buffer on the fresh module."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        loss_fct = torch.nn.CrossEntropyLoss(label_smoothing=0.0)
+        return loss_fct(self.lin(x), y)
+
+
+def test_module_made_in_forward_traces(restore_lookaside):
+    """Writes to a module constructed during the trace are left out in kforge's compilations (Thunder's
+    own thunder.jit stops on them); loss and gradients equal eager's."""
+    torch.manual_seed(0)
+    model = _LossMadeInForward().double()
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 5, (4,))
+    ref = model(x, y)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = kforge.jit(model)(x, y)
+    loss.backward()
+    torch.testing.assert_close(loss, ref)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], msg=n)
+    with pytest.raises(AssertionError):
+        thunder.jit(model)(x, y)
+
+
+def test_hugging_face_bert_with_padding_trains(restore_lookaside):
+    """Hugging Face's BertForMaskedLM (its head builds CrossEntropyLoss in forward; padded batch, so an
+    explicit attention mask), float64 on the CPU: loss and every gradient equal eager's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg).double().train()
+    idx = torch.randint(1, 97, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    labels = idx.masked_fill(mask == 0, -100)
+    ref = model(input_ids=idx, attention_mask=mask, labels=labels).loss
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    loss = kforge.jit(model)(input_ids=idx, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    torch.testing.assert_close(loss, ref)
+    for n, p in model.named_parameters():
+        if n in want:
+            torch.testing.assert_close(p.grad, want[n], msg=n)

@@ -81,7 +81,10 @@ it instead (replacing Thunder's entry while installed; Thunder's elsewhere): in-
 SDPA (kforge's cuDNN attention where it applies, e.g. a causal encoder) and the out-projection, with
 the masks, dropout and head-averaged weights torch computes. Likewise a tensor's dtype compares as
 torch's in kforge's compilations (`x.dtype == torch.float32` is False under Thunder's own
-thunder.jit for a float32 tensor, so code that branches on it took the other branch).
+thunder.jit for a float32 tensor, so code that branches on it took the other branch). And a module
+the forward constructs (Hugging Face's heads make `CrossEntropyLoss()` there) may register buffers:
+Thunder stops on that write, which nothing outside the trace can see; kforge's compilations leave
+it out.
 
 A fourth piece is not a lookaside: Thunder's interpreter disassembles a function's code
 (`dis.get_instructions`) every time it runs the function, about 25,000 times to trace a one-layer Hugging
@@ -398,6 +401,39 @@ _overrides: dict | None = None  # function -> kforge's lookaside, replacing Thun
 # `torch.float32 == x.dtype` reaches it reflected). Elsewhere the comparison is Thunder's.
 _DTYPE_EQ = None  # thunder.core.dtypes.dtype.__eq__, taken at the first install()
 
+# A module constructed inside the forward (Hugging Face's heads: `loss_fct = CrossEntropyLoss()`)
+# registers its buffers there (`register_buffer("weight", None)` writes its `_buffers`). Thunder
+# 0.2.6 records that write like one to a module of the model and, looking for the model's module
+# that owns it, stops on an assertion (thunder_general_jit -> process_recorded_modifications). The
+# object was made during the trace and is not reachable from the model or the inputs: nothing
+# outside the trace can see the write, and the epilogue has nothing to replay. In kforge's
+# compilations such writes are left out before Thunder processes the rest.
+_PROCESS_MODIFICATIONS = None  # thunder.core.jit_ext.process_recorded_modifications, taken at install()
+_MEMBER_DICTS = ("_buffers", "_parameters", "_modules")
+
+
+def _made_in_trace(modified) -> bool:
+    """Whether `modified` (a wrapped dict) is a member dictionary of a module the traced code itself
+    constructed (its owner came from a call, not from the model or the inputs)."""
+    from thunder.core.interpreter import PseudoInst
+
+    p = getattr(modified, "provenance", None)
+    return (p is not None and p.inst is PseudoInst.LOAD_ATTR and len(p.inputs) == 2
+            and p.inputs[1].inst is PseudoInst.CONSTANT and p.inputs[1].value in _MEMBER_DICTS
+            and p.inputs[0].inst in (PseudoInst.OPAQUE, PseudoInst.NEW))
+
+
+def _process_recorded_modifications(ctx, epilogue_trace):
+    from thunder.core.compile_data import get_compile_data
+
+    from ._thunder import executor
+
+    cd = get_compile_data()
+    if cd is not None and executor in cd.executors_list:
+        for modified in [m for m in ctx._additional_outputs if _made_in_trace(m)]:
+            del ctx._additional_outputs[modified]
+    return _PROCESS_MODIFICATIONS(ctx, epilogue_trace)
+
 
 def _dtype_eq(self, other) -> bool:
     if isinstance(other, torch.dtype):
@@ -504,9 +540,9 @@ def install() -> bool:
     """Registers kforge's lookasides with Thunder's interpreter (once per process): module calls and
     attribute reads, the DTensor dispatch wrappers, transformers' context variable, containment tests,
     `next`, the global-name lookup and the remembered disassembly; in place of Thunder's own
-    entry, `F.multi_head_attention_forward` interpreted; and dtype comparisons as torch's. False
-    where something else already holds one of the other entries (that one stays as it is; the others
-    are registered)."""
+    entry, `F.multi_head_attention_forward` interpreted; dtype comparisons as torch's; writes to
+    modules made during the trace left out. False where something else already holds one of the other
+    entries (that one stays as it is; the others are registered)."""
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
     ok = True
@@ -517,13 +553,18 @@ def install() -> bool:
             if fn in _general_jit_lookaside_map:
                 _OVERRIDDEN.setdefault(fn, _general_jit_lookaside_map[fn])
             _general_jit_lookaside_map[fn] = lookaside
-    global _GLOBALS_LOOKUP, _DTYPE_EQ
-    from thunder.core import dtypes
+    global _GLOBALS_LOOKUP, _DTYPE_EQ, _PROCESS_MODIFICATIONS
+    from thunder.core import dtypes, jit_ext
 
     if _DTYPE_EQ is None and dtypes.dtype.__eq__ is not _dtype_eq:
         _DTYPE_EQ = dtypes.dtype.__eq__
     if dtypes.dtype.__eq__ is _DTYPE_EQ:
         dtypes.dtype.__eq__ = _dtype_eq
+    ours = _process_recorded_modifications
+    if _PROCESS_MODIFICATIONS is None and jit_ext.process_recorded_modifications is not ours:
+        _PROCESS_MODIFICATIONS = jit_ext.process_recorded_modifications
+    if jit_ext.process_recorded_modifications is _PROCESS_MODIFICATIONS:
+        jit_ext.process_recorded_modifications = ours
     interpreter = _interpreter_module()
     if interpreter.dis is _dis:
         interpreter.dis = _DIS
@@ -532,19 +573,21 @@ def install() -> bool:
     if interpreter.globals_lookup is _GLOBALS_LOOKUP:
         interpreter.globals_lookup = _globals_lookup
     return (ok and interpreter.dis is _DIS and interpreter.globals_lookup is _globals_lookup
-            and dtypes.dtype.__eq__ is _dtype_eq)
+            and dtypes.dtype.__eq__ is _dtype_eq
+            and jit_ext.process_recorded_modifications is _process_recorded_modifications)
 
 
 def installed() -> bool:
     """Whether every lookaside of kforge's is registered."""
-    from thunder.core import dtypes
+    from thunder.core import dtypes, jit_ext
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
     interpreter = _interpreter_module()
     return (all(_general_jit_lookaside_map.get(fn) is la
                 for fn, la in (*_our_entries().items(), *_our_overrides().items()))
             and interpreter.dis is _DIS and interpreter.globals_lookup is _globals_lookup
-            and dtypes.dtype.__eq__ is _dtype_eq)
+            and dtypes.dtype.__eq__ is _dtype_eq
+            and jit_ext.process_recorded_modifications is _process_recorded_modifications)
 
 
 def uninstall() -> None:
@@ -560,10 +603,12 @@ def uninstall() -> None:
                 _general_jit_lookaside_map[fn] = _OVERRIDDEN[fn]
             else:
                 del _general_jit_lookaside_map[fn]
-    from thunder.core import dtypes
+    from thunder.core import dtypes, jit_ext
 
     if dtypes.dtype.__eq__ is _dtype_eq:
         dtypes.dtype.__eq__ = _DTYPE_EQ
+    if jit_ext.process_recorded_modifications is _process_recorded_modifications:
+        jit_ext.process_recorded_modifications = _PROCESS_MODIFICATIONS
     interpreter = _interpreter_module()
     if interpreter.dis is _DIS:
         interpreter.dis = _dis
