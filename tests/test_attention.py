@@ -188,12 +188,14 @@ def test_gqa_matches_float64(dtype, n_rep) -> None:
         assert_close(g, r, dtype, name, tol=tol * 2 * n_rep ** 0.5)
 
 
-@pytest.mark.parametrize("mask_kind", ["bool", "additive", "not causal", "runtime"])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "not causal", "runtime", "attends everywhere",
+                                       "zeros added"])
 def test_transform_turns_a_causal_mask_into_is_causal(mask_kind) -> None:
     """A causal mask built in the trace (boolean True on and below the diagonal, or additive 0 / -inf)
     becomes is_causal=True on kforge's attention; a mask that is not causal is reported with its
     reason and SDPA keeps its mask; one known only at run time is no match (plain SDPA with a mask).
-    Both masked cases run Thunder's memory-efficient attention with the mask, as on a GPU."""
+    Both masked cases run Thunder's memory-efficient attention with the mask, as on a GPU. A mask that
+    masks nothing (all True, or zeros added) is dropped: attention without a mask, not causal."""
     from conftest import fake_cuda_trace
 
     import kforge
@@ -213,6 +215,10 @@ def test_transform_turns_a_causal_mask_into_is_causal(mask_kind) -> None:
                 mask = keep.triu()  # the diagonal only
             elif mask_kind == "runtime":
                 mask = given
+            elif mask_kind == "attends everywhere":  # Hugging Face's encoders, traced
+                mask = torch.ones(2, 1, t, t, device=q.device, dtype=torch.bool)
+            elif mask_kind == "zeros added":
+                mask = torch.zeros(t, t, device=q.device, dtype=q.dtype)
             else:
                 mask = keep[None, None].expand(2, 1, t, t)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -233,8 +239,9 @@ def test_transform_turns_a_causal_mask_into_is_causal(mask_kind) -> None:
         assert mask_kept, [str(b) for b in masked] or fwd
         return
     assert len(rewrites) == 1, ft.fn.llama_patterns.rewrites
-    if mask_kind in ("bool", "additive"):
-        assert rewrites[0].applied and rewrites[0].match.kwargs["is_causal"] is True
+    if mask_kind in ("bool", "additive", "attends everywhere", "zeros added"):
+        causal = mask_kind in ("bool", "additive")
+        assert rewrites[0].applied and rewrites[0].match.kwargs["is_causal"] is causal
         assert "kforge_attention_forward" in fwd, fwd
     else:
         assert not rewrites[0].applied
@@ -341,3 +348,42 @@ def test_masked_sdpa_matches_eager_on_gpu(kind) -> None:
     assert_close(out, ref, torch.bfloat16, "out", tol=2e-2)
     for a, r, name in zip(args, (q, k, v), "qkv"):
         assert_close(a.grad, r.grad, torch.bfloat16, f"d{name}", tol=4e-2)
+
+
+@pytest.mark.parametrize("kind", ["all True (B, 1, T, S)", "zeros added (T, S)", "causal bool"])
+def test_mask_rewrites_keep_numerics_on_cpu(kind) -> None:
+    """A mask built in the trace that is causal, or masks nothing (also for cross-attention, T != S),
+    replaced by is_causal / no mask: float64 output and gradients equal eager's with the mask."""
+    import thunder
+
+    import kforge
+
+    t, s = 12, (12 if kind == "causal bool" else 20)
+
+    def fn(q, k, v):
+        if kind == "causal bool":
+            mask = torch.ones(t, s, dtype=torch.bool).tril()
+        elif kind.startswith("all True"):
+            mask = torch.ones(2, 1, t, s, dtype=torch.bool)
+        else:
+            mask = torch.zeros(t, s, dtype=q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q = torch.randn(2, 3, t, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, s, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    # kforge declines CPU tensors: with require_claim=False the replacement runs its operator's torch
+    # decomposition (SDPA with is_causal, or without a mask).
+    from kforge import transforms as kt
+
+    transform = kt.LlamaPatternTransform(kinds=kt.ALL_KINDS, require_claim=False)
+    jf = thunder.jit(fn, transforms=[transform], executors=kforge.executors())
+    args = [a.detach().clone().requires_grad_() for a in (q, k, v)]
+    out, ref = jf(*args), fn(q, k, v)
+    g = torch.randn_like(ref)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(out, ref)
+    for a, r, name in zip(args, (q, k, v), "qkv"):
+        torch.testing.assert_close(a.grad, r.grad, msg=f"d{name}")
+    assert [r.applied for r in transform.rewrites if r.match.kind == "attention"] == [True]
+    assert not [b for b in thunder.last_traces(jf)[-1].bound_symbols if b.sym.name in ("ones", "zeros", "tril")]

@@ -33,7 +33,8 @@ same thing, so kforge's grad transforms give the backward too. Spellings found (
   attention       F.scaled_dot_product_attention(q, k', v'[, mask]): k' and v'      kforge.ops.attention.attention
                   repeat_kv matches of one n_rep read only there (the grouped      (cuDNN on grouped heads,
                   heads go in as they are); a causal mask computed in the trace    is_causal)
-                  (Hugging Face's, boolean or additive) becomes is_causal
+                  (Hugging Face's, boolean or additive) becomes is_causal, one
+                  that masks nothing (HF's encoders) is dropped
   add_rms_norm    s = x + residual, then F.rms_norm / nn.RMSNorm (or a replaced     kforge.ops.rmsnorm.add_rms_norm
                   rms_norm spelling) of s; s may be read elsewhere                 (one kernel each way)
 
@@ -1034,9 +1035,10 @@ def _match_add_rms_norm(g: _Graph, add: BoundSymbol) -> Match | None:
 def _match_attention(g: _Graph, sdpa: BoundSymbol) -> Match | None:
     """`F.scaled_dot_product_attention(q, k', v', mask)` where k' and v' are kforge repeat_kv
     expansions of one n_rep read only here (an earlier round replaced the user's spelling) and / or
-    `mask` is a causal mask computed in the trace from constants (Hugging Face's, boolean or
-    additive): the attention takes the grouped k and v as they are, with is_causal=True for the mask.
-    Neither: no match (kforge claims that SDPA as it is)."""
+    `mask` is computed in the trace from constants and causal (Hugging Face's, boolean or additive)
+    or masks nothing (Hugging Face's encoders): the attention takes the grouped k and v as they are,
+    with is_causal=True for a causal mask and no mask for one that masks nothing. Neither: no match
+    (kforge claims that SDPA as it is)."""
     q, rk, rv = (_arg(sdpa, i, name) for i, name in enumerate(("query", "key", "value")))
     if not all(isinstance(t, TensorProxy) and t.ndim == 4 for t in (q, rk, rv)):
         return None
@@ -1052,7 +1054,10 @@ def _match_attention(g: _Graph, sdpa: BoundSymbol) -> Match | None:
         problem = _sdpa_mask_problem(g, mask, q.shape[2], rk.shape[2])
         if problem is _UNKNOWN_MASK:
             return None  # a mask made at run time (an input of this graph): plain SDPA with a mask
-        is_causal = True
+        if problem is _MASKS_NOTHING:
+            problem = None  # attention without a mask, not causal
+        else:
+            is_causal = True
     if any(_spelled_expansion(g, t) for t in (rk, rv)):
         return None  # the next round, once kforge's repeat_kv stands there: one rewrite for both
     bsyms: tuple[BoundSymbol, ...] = (sdpa,)
@@ -1084,14 +1089,16 @@ def _spelled_expansion(g: _Graph, t: TensorProxy) -> bool:
 
 
 _UNKNOWN_MASK = "the attention mask is not known at trace time"
+# A mask computed in the trace that masks no entry (all True, or all 0 added): what Hugging Face's
+# encoders (ViT, BERT without padding) build when tracing, where eager passes none.
+_MASKS_NOTHING = "the attention mask masks nothing"
 
 
 def _sdpa_mask_problem(g: _Graph, mask: TensorProxy, t: int, tk: int) -> str | None:
     """None when SDPA's `mask` is causal: boolean, True (attend) on and below the diagonal, or
-    additive, 0 there and -inf above; else why not (kforge attention then declines the mask), or
-    _UNKNOWN_MASK when the trace does not compute it from constants."""
-    if t != tk:
-        return f"query and key lengths differ ({t}, {tk})"
+    additive, 0 there and -inf above; _MASKS_NOTHING when it masks no entry; else why not (kforge
+    attention then declines the mask), or _UNKNOWN_MASK when the trace does not compute it from
+    constants."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():  # real tensors, even under a tracer's fake-tensor mode
@@ -1099,6 +1106,10 @@ def _sdpa_mask_problem(g: _Graph, mask: TensorProxy, t: int, tk: int) -> str | N
             m = _evaluate(g, mask, g.values)
         except _NotConstant:
             return _UNKNOWN_MASK
+        if bool(m.all()) if m.dtype == torch.bool else (m.is_floating_point() and not m.any()):
+            return _MASKS_NOTHING
+        if t != tk:
+            return f"query and key lengths differ ({t}, {tk})"
         if m.dtype == torch.bool:
             return _causal_mask_problem(~m, t, False, -math.inf)
         return _causal_mask_problem(m, t, True)
