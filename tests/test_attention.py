@@ -387,3 +387,63 @@ def test_mask_rewrites_keep_numerics_on_cpu(kind) -> None:
         torch.testing.assert_close(a.grad, r.grad, msg=f"d{name}")
     assert [r.applied for r in transform.rewrites if r.match.kind == "attention"] == [True]
     assert not [b for b in thunder.last_traces(jf)[-1].bound_symbols if b.sym.name in ("ones", "zeros", "tril")]
+
+
+def _hf_encoder(kind: str, device: str):
+    """(model, inputs) of a small Hugging Face encoder in bf16: ViT, or BERT with or without padding."""
+    transformers = pytest.importorskip("transformers")
+    from kforge.zoo._build import build
+
+    g = torch.Generator().manual_seed(2)
+    if kind == "vit":
+        cfg = transformers.ViTConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=256, image_size=32, patch_size=8, num_labels=10,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                     attn_implementation="sdpa")
+        model = build(transformers.ViTForImageClassification, cfg, device=device, dtype=torch.bfloat16)
+        inputs = {"pixel_values": torch.randn(4, 3, 32, 32, generator=g).to(device, torch.bfloat16),
+                  "labels": torch.randint(0, 10, (4,), generator=g).to(device)}
+        return model.train(), inputs
+    cfg = transformers.BertConfig(vocab_size=301, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=256, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    model = build(transformers.BertForMaskedLM, cfg, device=device, dtype=torch.bfloat16)
+    idx = torch.randint(1, 301, (4, 48), generator=g)
+    mask = torch.ones(4, 48, dtype=torch.long)
+    if kind == "bert padded":
+        mask[1, 30:] = 0
+    return model.train(), {"input_ids": idx.to(device), "attention_mask": mask.to(device),
+                           "labels": idx.masked_fill(mask == 0, -100).to(device)}
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["vit", "bert", "bert padded"])
+def test_hf_encoders_match_eager_on_gpu(kind) -> None:
+    """Hugging Face encoders under kforge.jit in bf16 against eager: loss and every gradient within
+    bf16 rounding of the gradient's scale; without padding the (traced, all-attending) mask is dropped
+    and kforge's cuDNN attention runs, with padding Thunder's memory-efficient attention takes it."""
+    import thunder
+
+    import kforge
+
+    torch.manual_seed(0)
+    model, inputs = _hf_encoder(kind, "cuda")
+    ref_model, _ = _hf_encoder(kind, "cuda")
+    ref_model.load_state_dict(model.state_dict())
+    jm = kforge.jit(model)
+    loss = jm(**inputs).loss
+    ref = ref_model(**inputs).loss
+    loss.backward()
+    ref.backward()
+    names = {b.sym.name for b in thunder.last_traces(jm)[-1].bound_symbols}
+    if kind == "bert padded":
+        assert any("efficient_attention" in n for n in names), names
+    elif torch.cuda.get_device_capability()[0] >= 9:
+        assert "kforge_attention_forward" in names, names
+    assert_close(loss, ref, torch.bfloat16, "loss", tol=2e-2)
+    for (name, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters()):
+        if r.grad is None:
+            continue
+        scale = r.grad.float().abs().max().item() + 1e-6
+        err = (p.grad.float() - r.grad.float()).abs().max().item()
+        assert err <= 0.05 * scale, f"{name}: max error {err:.3g} against gradient scale {scale:.3g}"

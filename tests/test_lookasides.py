@@ -17,7 +17,7 @@ import sys
 import pytest
 import thunder
 import torch
-from conftest import fake_cuda_trace
+from conftest import fake_cuda_trace, gpu
 
 import kforge
 from kforge import lookasides
@@ -712,3 +712,25 @@ def test_hugging_face_bert_with_padding_trains(restore_lookaside):
     for n, p in model.named_parameters():
         if n in want:
             torch.testing.assert_close(p.grad, want[n], msg=n)
+
+
+@gpu
+def test_transformer_encoder_matches_eager_on_gpu(restore_lookaside):
+    """The causal nn.TransformerEncoder in bf16 on a GPU: kforge.jit against eager, loss and every
+    gradient within bf16 rounding of the gradient's scale."""
+    from kforge.zoo._build import build
+
+    torch.manual_seed(0)
+    model = build(_Encoder, device="cuda", dtype=torch.bfloat16)
+    ref_model = build(_Encoder, device="cuda", dtype=torch.bfloat16)
+    ref_model.load_state_dict(model.state_dict())
+    idx, targets = (torch.randint(0, 50, (4, 64), device="cuda") for _ in range(2))
+    loss = kforge.jit(model)(idx, targets)
+    ref = ref_model(idx, targets)
+    loss.backward()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 2e-2 * abs(ref.item())
+    for (name, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters()):
+        scale = r.grad.float().abs().max().item() + 1e-6
+        err = (p.grad.float() - r.grad.float()).abs().max().item()
+        assert err <= 0.05 * scale, f"{name}: max error {err:.3g} against gradient scale {scale:.3g}"
