@@ -414,13 +414,20 @@ _MEMBER_DICTS = ("_buffers", "_parameters", "_modules")
 
 def _made_in_trace(modified) -> bool:
     """Whether `modified` (a wrapped dict) is a member dictionary of a module the traced code itself
-    constructed (its owner came from a call, not from the model or the inputs)."""
+    constructed: its owner is the result of a `__new__` call made during the trace. (A module reached
+    any other way, an opaque call included, may be the model's: its writes stay with Thunder.)"""
     from thunder.core.interpreter import PseudoInst
 
     p = getattr(modified, "provenance", None)
-    return (p is not None and p.inst is PseudoInst.LOAD_ATTR and len(p.inputs) == 2
-            and p.inputs[1].inst is PseudoInst.CONSTANT and p.inputs[1].value in _MEMBER_DICTS
-            and p.inputs[0].inst in (PseudoInst.OPAQUE, PseudoInst.NEW))
+    if not (p is not None and p.inst is PseudoInst.LOAD_ATTR and len(p.inputs) == 2
+            and p.inputs[1].inst is PseudoInst.CONSTANT and p.inputs[1].value in _MEMBER_DICTS):
+        return False
+    owner = p.inputs[0]
+    if owner.inst is PseudoInst.NEW:
+        return True
+    callee = owner.inputs[0] if owner.inst is PseudoInst.OPAQUE and owner.inputs else None
+    return (callee is not None and callee.inst is PseudoInst.CONSTANT
+            and getattr(callee.value, "__name__", None) == "__new__")
 
 
 def _process_recorded_modifications(ctx, epilogue_trace):
