@@ -269,6 +269,19 @@ def _mask(kind: str, device: str = "cpu", dtype: torch.dtype = torch.float64) ->
     return k.to(device)
 
 
+def _same_as_eager(jf, fn, qkv: tuple, *rest) -> None:
+    """jf and fn on copies of float64 q, k, v (and `rest` as given): the same output and, after the
+    same random output gradient, the same dq, dk, dv."""
+    args = [t.detach().clone().requires_grad_() for t in qkv]
+    out, ref = jf(*args, *rest), fn(*qkv, *rest)
+    g = torch.randn_like(ref)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(out, ref)
+    for a, r, name in zip(args, qkv, "qkv"):
+        torch.testing.assert_close(a.grad, r.grad, msg=f"d{name}")
+
+
 MASKS = ["(T, S) bool", "(1, T, S) bool", "(1, 1, T, S) additive", "(B, 1, 1, S) padding", "(1, H, T, S) bool"]
 
 
@@ -288,14 +301,7 @@ def test_masks_expanded_keep_numerics_on_cpu(kind) -> None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     jf = kforge.jit(fn)
-    args = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, ref = jf(*args, mask), fn(q, k, v, mask)
-    g = torch.randn_like(ref)
-    out.backward(g)
-    ref.backward(g)
-    torch.testing.assert_close(out, ref)
-    for a, r, name in zip(args, (q, k, v), "qkv"):
-        torch.testing.assert_close(a.grad, r.grad, msg=f"d{name}")
+    _same_as_eager(jf, fn, (q, k, v), mask)
     sdpa = [b for b in thunder.last_traces(jf)[0].bound_symbols if "scaled_dot_product" in b.sym.name]
     masks = [b.args[3] if len(b.args) > 3 else b.kwargs["attn_mask"] for b in
              next(t for t in thunder.last_traces(jf) if "broadcast shape" in str(t.get_provenance())).bound_symbols
@@ -377,14 +383,7 @@ def test_mask_rewrites_keep_numerics_on_cpu(kind) -> None:
 
     transform = kt.LlamaPatternTransform(kinds=kt.ALL_KINDS, require_claim=False)
     jf = thunder.jit(fn, transforms=[transform], executors=kforge.executors())
-    args = [a.detach().clone().requires_grad_() for a in (q, k, v)]
-    out, ref = jf(*args), fn(q, k, v)
-    g = torch.randn_like(ref)
-    out.backward(g)
-    ref.backward(g)
-    torch.testing.assert_close(out, ref)
-    for a, r, name in zip(args, (q, k, v), "qkv"):
-        torch.testing.assert_close(a.grad, r.grad, msg=f"d{name}")
+    _same_as_eager(jf, fn, (q, k, v))
     assert [r.applied for r in transform.rewrites if r.match.kind == "attention"] == [True]
     assert not [b for b in thunder.last_traces(jf)[-1].bound_symbols if b.sym.name in ("ones", "zeros", "tril")]
 

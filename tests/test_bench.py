@@ -535,6 +535,17 @@ def test_backends_are_wired():
 
 
 # ---- zoo -----------------------------------------------------------------------------------------
+def _autocast_micro_step(make) -> None:
+    """A zoo HF factory at its micro size under CPU autocast: fp32 weights, the sequence clipped to
+    the context, an fp32 loss near log(vocab)."""
+    m, inputs, opts = make(size="micro", batch=2, seq=64, device="cpu", dtype=torch.bfloat16, autocast=True)
+    assert {p.dtype for p in m.parameters()} == {torch.float32} and opts["autocast"] == torch.bfloat16
+    assert inputs["input_ids"].shape == (2, 32)  # clipped to the context
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = opts["loss_fn"](m(**inputs))
+    assert loss.dtype == torch.float32 and 3 < loss.item() < 6  # ~ log(97)
+
+
 def test_hf_llama_has_the_plain_llamas_sizes():
     from kforge.zoo import MODELS, hf_llama, plain_llama
 
@@ -545,12 +556,7 @@ def test_hf_llama_has_the_plain_llamas_sizes():
     assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in plain.parameters())
     assert opts["mode"] == "dynamo" and opts["autocast"] is None and set(inputs) == {"input_ids", "labels"}
     assert hf.config.num_key_value_heads == 4 and hf.config.intermediate_size == 2048 and not hf.config.use_cache
-    m, inputs, opts = hf_llama.make(size="micro", batch=2, seq=64, device="cpu", dtype=torch.bfloat16, autocast=True)
-    assert {p.dtype for p in m.parameters()} == {torch.float32} and opts["autocast"] == torch.bfloat16
-    assert inputs["input_ids"].shape == (2, 32)  # clipped to the context
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = opts["loss_fn"](m(**inputs))
-    assert loss.dtype == torch.float32 and 3 < loss.item() < 6  # ~ log(97)
+    _autocast_micro_step(hf_llama.make)
 
 
 def test_hf_gpt2_has_nanogpts_sizes():
@@ -563,12 +569,7 @@ def test_hf_gpt2_has_nanogpts_sizes():
     assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ng.parameters())
     assert opts["autocast"] is None and "mode" not in opts and set(inputs) == {"input_ids", "labels"}
     assert hf.config.resid_pdrop == hf.config.attn_pdrop == hf.config.embd_pdrop == 0.0
-    m, inputs, opts = hf_gpt2.make(size="micro", batch=2, seq=64, device="cpu", dtype=torch.bfloat16, autocast=True)
-    assert {p.dtype for p in m.parameters()} == {torch.float32} and opts["autocast"] == torch.bfloat16
-    assert inputs["input_ids"].shape == (2, 32)  # clipped to the context
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = opts["loss_fn"](m(**inputs))
-    assert loss.dtype == torch.float32 and 3 < loss.item() < 6  # ~ log(97)
+    _autocast_micro_step(hf_gpt2.make)
 
 
 # ---- dry runs ------------------------------------------------------------------------------------

@@ -442,7 +442,7 @@ def _hf_gpt2(dtype, autocast):
     """A two-layer Hugging Face GPT2LMHeadModel factory (its attention and MLP layers are Conv1D,
     torch.addmm), dropout off."""
     transformers = pytest.importorskip("transformers")
-    from kforge.zoo.hf_llama import build
+    from kforge.zoo._build import build
 
     cfg = transformers.GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,

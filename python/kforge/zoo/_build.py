@@ -32,3 +32,20 @@ def random_tokens(vocab_size: int, batch: int, seq: int, device: str | torch.dev
     idx = torch.randint(0, vocab_size, (batch, seq), generator=g).to(device)
     targets = torch.randint(0, vocab_size, (batch, seq), generator=g).to(device)
     return idx, targets
+
+
+def hf_causal_lm(cls, cfg, *, positions: int, batch: int, seq: int | None, device: str | torch.device,
+                 dtype: torch.dtype | None, autocast: bool, seed: int) -> tuple:
+    """(model, {"input_ids", "labels"}, options) of a Hugging Face causal LM `cls(cfg)` as the zoo
+    trains it: built on `device` (fp32 weights under `autocast`, else `dtype`), train mode, random
+    tokens of length min(seq or positions, positions) as inputs and labels (HF shifts them), the
+    loss `out.loss`."""
+    seq = min(seq or positions, positions)
+    model = build(cls, cfg, device=device, dtype=None if autocast else dtype)
+    model.train()
+    g = torch.Generator().manual_seed(seed + 1)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+    return model, {"input_ids": idx, "labels": idx}, {
+        "loss_fn": lambda out: out.loss,
+        "autocast": dtype if autocast else None,
+    }

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._build import build
+from ._build import hf_causal_lm
 
 SIZES = {
     "124M": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024),
@@ -52,12 +52,5 @@ def make(*, size: str = "tiny", batch: int = 4, seq: int | None = None, device: 
 
     torch.manual_seed(seed)
     cfg = config(size, attn_implementation=attn_implementation)
-    seq = min(seq or cfg.n_positions, cfg.n_positions)
-    model = build(transformers.GPT2LMHeadModel, cfg, device=device, dtype=None if autocast else dtype)
-    model.train()
-    g = torch.Generator().manual_seed(seed + 1)
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
-    return model, {"input_ids": idx, "labels": idx}, {
-        "loss_fn": lambda out: out.loss,
-        "autocast": dtype if autocast else None,
-    }
+    return hf_causal_lm(transformers.GPT2LMHeadModel, cfg, positions=cfg.n_positions, batch=batch, seq=seq,
+                        device=device, dtype=dtype, autocast=autocast, seed=seed)

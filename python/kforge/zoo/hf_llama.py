@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._build import build
+from ._build import hf_causal_lm
 
 SIZES = {
     "bench": dict(n_layer=12, dim=768, n_heads=12, n_kv_heads=4, hidden_dim=2048, vocab_size=32000, max_seq_len=1024),
@@ -61,13 +61,7 @@ def make(*, size: str = "tiny", batch: int = 4, seq: int | None = None, device: 
 
     torch.manual_seed(seed)
     cfg = config(size, attn_implementation=attn_implementation)
-    seq = min(seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    model = build(transformers.LlamaForCausalLM, cfg, device=device, dtype=None if autocast else dtype)
-    model.train()
-    g = torch.Generator().manual_seed(seed + 1)
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
-    return model, {"input_ids": idx, "labels": idx}, {
-        "loss_fn": lambda out: out.loss,
-        "autocast": dtype if autocast else None,
-        "mode": "dynamo",
-    }
+    model, inputs, options = hf_causal_lm(transformers.LlamaForCausalLM, cfg, positions=cfg.max_position_embeddings,
+                                          batch=batch, seq=seq, device=device, dtype=dtype, autocast=autocast,
+                                          seed=seed)
+    return model, inputs, {**options, "mode": "dynamo"}
