@@ -734,3 +734,41 @@ def test_transformer_encoder_matches_eager_on_gpu(restore_lookaside):
         scale = r.grad.float().abs().max().item() + 1e-6
         err = (p.grad.float() - r.grad.float()).abs().max().item()
         assert err <= 0.05 * scale, f"{name}: max error {err:.3g} against gradient scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_hugging_face_gradient_checkpointing_trains(restore_lookaside, reentrant):
+    """Hugging Face's `gradient_checkpointing_enable()` (its embedding hook calls
+    `output.requires_grad_(True)`; use_reentrant=True, which Thunder refuses, taken as False), float64
+    on the CPU: loss and every gradient equal eager's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32,
+                                   attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).double().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    idx = torch.randint(0, 97, (2, 12))
+    ref = model(input_ids=idx, labels=idx).loss
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = kforge.jit(model)(input_ids=idx, labels=idx).loss
+    loss.backward()
+    torch.testing.assert_close(loss, ref)  # fp32: Hugging Face's loss upcasts (here: casts) the logits to float32
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], msg=n, rtol=1e-5, atol=1e-7)
+
+
+def test_requires_grad_in_a_trace(restore_lookaside):
+    """`x.requires_grad_(True)` on a traced tensor is the tensor itself in kforge's compilations;
+    `requires_grad_(False)` is refused by name; Thunder's own thunder.jit keeps its error."""
+    def fn(x, w):
+        return (x @ w).requires_grad_(True).sum()
+
+    x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
+    torch.testing.assert_close(kforge.jit(fn)(x, w), fn(x, w))
+    with pytest.raises(NotImplementedError, match=r"requires_grad_\(False\)"):
+        kforge.jit(lambda x, w: (x @ w).requires_grad_(False).sum())(x, w)
+    with pytest.raises(AttributeError, match="requires_grad_"):
+        thunder.jit(fn)(x, w)

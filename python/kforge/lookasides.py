@@ -84,7 +84,9 @@ torch's in kforge's compilations (`x.dtype == torch.float32` is False under Thun
 thunder.jit for a float32 tensor, so code that branches on it took the other branch). And a module
 the forward constructs (Hugging Face's heads make `CrossEntropyLoss()` there) may register buffers:
 Thunder stops on that write, which nothing outside the trace can see; kforge's compilations leave
-it out.
+it out. Hugging Face's gradient checkpointing traces too: `requires_grad_(True)` on a traced tensor
+(its embedding hook) is the tensor itself, and a checkpoint with use_reentrant=True, which Thunder
+refuses, is traced as one without.
 
 A fourth piece is not a lookaside: Thunder's interpreter disassembles a function's code
 (`dis.get_instructions`) every time it runs the function, about 25,000 times to trace a one-layer Hugging
@@ -455,12 +457,52 @@ def _dtype_eq(self, other) -> bool:
     return _DTYPE_EQ(self, other)
 
 
+# `Tensor.requires_grad_` has no Thunder method (a traced tensor's `x.requires_grad_` is "Unknown
+# attribute"). Hugging Face's gradient checkpointing registers a forward hook on the input embeddings
+# that calls `output.requires_grad_(True)` (so reentrant checkpoints see a tensor that requires grad
+# when the embeddings are frozen): `gradient_checkpointing_enable()` models stopped in the trace. In a
+# Thunder trace every value computed from a parameter that requires grad gets its gradient anyway, so
+# `requires_grad_(True)` is the tensor itself in kforge's compilations; `requires_grad_(False)` (a
+# detach in place) is refused by name. Outside kforge's compilations the call raises Thunder's error.
+def _requires_grad_(a, requires_grad=True):
+    try:
+        ours = _kforge_compilation()
+    except Exception:
+        ours = False
+    if not ours:
+        raise AttributeError("Unknown attribute requires_grad_")
+    if requires_grad is not True:
+        raise NotImplementedError("kforge.jit: Tensor.requires_grad_(False) inside the traced function is not "
+                                  "supported; use .detach()")
+    return a
+
+
+# `torch.utils.checkpoint.checkpoint(..., use_reentrant=True)` (Hugging Face's
+# `gradient_checkpointing_enable()` with use_reentrant=True): Thunder 0.2.6 refuses it (and its
+# refusal itself fails: "exceptions must derive from BaseException"). In a Thunder trace the two
+# kinds differ in nothing the trace computes (Thunder's checkpoint marks the region for recomputation
+# in the backward either way; the inputs' requires-grad bookkeeping that reentrant checkpoints need is
+# autograd's, and Hugging Face sets it up with `requires_grad_` above), so kforge's compilations take
+# it as use_reentrant=False.
+def _checkpoint_lookaside(function, *args, **kwargs):
+    from thunder.core.interpreter import unwrap, wrap_const
+
+    if "use_reentrant" in kwargs and unwrap(kwargs["use_reentrant"]) and _kforge_compilation():
+        kwargs["use_reentrant"] = wrap_const(False)
+    return _OVERRIDDEN[torch.utils.checkpoint.checkpoint](function, *args, **kwargs)
+
+
+_checkpoint_lookaside.__qualname__ = "kforge.lookasides.checkpoint"
+
+
 def _our_overrides() -> dict:
     global _overrides
     if _overrides is None:
         import torch.nn.functional as F
+        import torch.utils.checkpoint
 
-        _overrides = {F.multi_head_attention_forward: _interpreted_in_kforge(F.multi_head_attention_forward)}
+        _overrides = {F.multi_head_attention_forward: _interpreted_in_kforge(F.multi_head_attention_forward),
+                      torch.utils.checkpoint.checkpoint: _checkpoint_lookaside}
     return _overrides
 
 
@@ -510,6 +552,13 @@ def _globals_lookup(globals_dict, name):
     return _GLOBALS_LOOKUP(globals_dict, name)
 
 
+def _methods() -> dict:
+    """Thunder's Tensor-method table (name -> function) for traced tensors."""
+    import importlib
+
+    return importlib.import_module("thunder.torch.langctx")._method_name_to_fn_map
+
+
 def _interpreter_module():
     import thunder.core.interpreter as interpreter
 
@@ -547,9 +596,10 @@ def install() -> bool:
     """Registers kforge's lookasides with Thunder's interpreter (once per process): module calls and
     attribute reads, the DTensor dispatch wrappers, transformers' context variable, containment tests,
     `next`, the global-name lookup and the remembered disassembly; in place of Thunder's own
-    entry, `F.multi_head_attention_forward` interpreted; dtype comparisons as torch's; writes to
-    modules made during the trace left out. False where something else already holds one of the other
-    entries (that one stays as it is; the others are registered)."""
+    entries, `F.multi_head_attention_forward` interpreted and reentrant checkpoints traced as
+    non-reentrant; dtype comparisons as torch's; writes to modules made during the trace left out;
+    `Tensor.requires_grad_`. False where something else already holds one of the other entries (that
+    one stays as it is; the others are registered)."""
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
     ok = True
@@ -567,6 +617,10 @@ def install() -> bool:
         _DTYPE_EQ = dtypes.dtype.__eq__
     if dtypes.dtype.__eq__ is _DTYPE_EQ:
         dtypes.dtype.__eq__ = _dtype_eq
+    _methods().setdefault("requires_grad_", _requires_grad_)
+    from thunder.core.jit_ext import interpreter_needs_wrap
+
+    _general_jit_lookaside_map.setdefault(_requires_grad_, interpreter_needs_wrap(_requires_grad_))
     ours = _process_recorded_modifications
     if _PROCESS_MODIFICATIONS is None and jit_ext.process_recorded_modifications is not ours:
         _PROCESS_MODIFICATIONS = jit_ext.process_recorded_modifications
@@ -581,7 +635,8 @@ def install() -> bool:
         interpreter.globals_lookup = _globals_lookup
     return (ok and interpreter.dis is _DIS and interpreter.globals_lookup is _globals_lookup
             and dtypes.dtype.__eq__ is _dtype_eq
-            and jit_ext.process_recorded_modifications is _process_recorded_modifications)
+            and jit_ext.process_recorded_modifications is _process_recorded_modifications
+            and _methods().get("requires_grad_") is _requires_grad_)
 
 
 def installed() -> bool:
@@ -594,7 +649,8 @@ def installed() -> bool:
                 for fn, la in (*_our_entries().items(), *_our_overrides().items()))
             and interpreter.dis is _DIS and interpreter.globals_lookup is _globals_lookup
             and dtypes.dtype.__eq__ is _dtype_eq
-            and jit_ext.process_recorded_modifications is _process_recorded_modifications)
+            and jit_ext.process_recorded_modifications is _process_recorded_modifications
+            and _methods().get("requires_grad_") is _requires_grad_)
 
 
 def uninstall() -> None:
@@ -616,6 +672,10 @@ def uninstall() -> None:
         dtypes.dtype.__eq__ = _DTYPE_EQ
     if jit_ext.process_recorded_modifications is _process_recorded_modifications:
         jit_ext.process_recorded_modifications = _PROCESS_MODIFICATIONS
+    if _methods().get("requires_grad_") is _requires_grad_:
+        del _methods()["requires_grad_"]
+    if _general_jit_lookaside_map.get(_requires_grad_) is not None:
+        del _general_jit_lookaside_map[_requires_grad_]
     interpreter = _interpreter_module()
     if interpreter.dis is _DIS:
         interpreter.dis = _dis
