@@ -251,6 +251,16 @@ def test_tieout_hf_llama_jit_on_cpu():
 
 
 @pytest.mark.timeout(900)
+def test_tieout_hf_gpt2_on_cpu():
+    """Hugging Face's GPT-2 from the zoo as a user's factory (Conv1D layers: torch.addmm): the CPU
+    tie-out passes and says plainly that no kforge kernel ran."""
+    rc, out, err = run_cli("tieout", "--model", "kforge.zoo.hf_gpt2:make", "--size", "micro", "--device", "cpu",
+                           "--batch", "1", "--seq", "8", gpu_visible=False)
+    assert rc == 0, err
+    assert "tie-out PASS" in out and "no kforge kernel ran" in out and "mlp.c_fc.weight.grad" in out, out[-2000:]
+
+
+@pytest.mark.timeout(900)
 def test_inspect_hf_llama_on_cpu_reports_llama_patterns():
     """The Dynamo route of an unmodified transformers Llama (1 layer): every Llama step is found and
     left alone on CPU, with kforge's reason."""
@@ -303,6 +313,22 @@ def test_tieout_gpu_hf_llama_dynamo_path():
     rc, out, err = run_cli("tieout", "hf-llama", "--batch", "2", "--seq", "64")
     assert rc == 0, out + err
     assert "mode=dynamo" in out and "tie-out PASS" in out
+
+
+@gpu
+def test_tieout_gpu_hf_gpt2_claims_conv1d():
+    """Hugging Face's GPT-2 on a GPU: the tie-out passes with kforge's addmm (its Conv1D layers),
+    layernorm and cross-entropy in the traces."""
+    rc, out, err = run_cli("tieout", "--model", "kforge.zoo.hf_gpt2:make", "--size", "tiny", "--batch", "2",
+                           "--seq", "64")
+    assert rc == 0, out + err
+    assert "tie-out PASS" in out, out[-2000:]
+    rc, out, err = run_cli("inspect", "--model", "kforge.zoo.hf_gpt2:make", "--size", "tiny", "--batch", "2",
+                           "--seq", "64")
+    assert rc == 0, err
+    for sym in ("kforge_addmm_forward", "kforge_layernorm_forward", "kforge_layernorm_backward",
+                "kforge_cross_entropy_backward"):
+        assert sym in out, (sym, out)
 
 
 @gpu
