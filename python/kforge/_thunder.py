@@ -140,6 +140,38 @@ def same_dtype_device(a: Any, b: Any, name: str) -> str | None:
     return None
 
 
+# ---- rewriting calls in a trace (kforge's pre-prologue transforms) ---------------------------------
+def replace_calls(trace: Any, replacement: Callable[[Any], "Callable[[], Any] | None"],
+                  provenance: str) -> tuple[Any, int]:
+    """(`trace` with every bound symbol `b` for which `replacement(b)` returns a function replaced by
+    the ops that function traces, how many were replaced); `trace` itself when none is. The
+    replacement's output takes the call's output name, so every reader is unchanged. `provenance`
+    names the new trace, `{}` standing for the count."""
+    from thunder.core.proxies import variableify
+    from thunder.core.trace import TraceProvenance, from_trace, tracectx
+
+    new = from_trace(trace)
+    bsyms: list[Any] = []
+    count = 0
+    for b in trace.bound_symbols:
+        make = replacement(b)
+        if make is None:
+            bsyms.append(b)
+            continue
+        new.push_scope([])
+        with tracectx(new):
+            out = make()
+        made = new.pop_scope()
+        swap = {variableify(out): b.output}
+        bsyms.extend(m.from_bsym_swap_proxies(swap) for m in made)
+        count += 1
+    if not count:
+        return trace, 0
+    new.bound_symbols = bsyms
+    new.set_provenance(TraceProvenance(provenance.format(count)))
+    return new, count
+
+
 # ---- building the executor from the table ----------------------------------------------------------
 @functools.cache
 def specs() -> tuple[OpSpec, ...]:

@@ -42,7 +42,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transform_common import Transform
 from thunder.core.transforms import get_grad, put_grad
 
-from .._thunder import Claim, OpSpec, operator, same_dtype_device, tensor_problem
+from .._thunder import Claim, OpSpec, operator, replace_calls, same_dtype_device, tensor_problem
 
 MAX_HEAD_DIM = 128
 
@@ -203,38 +203,27 @@ class SdpaMaskShape(Transform):
 
     def rewrite(self, trace: Any) -> Any:
         """`trace` with the masks expanded (or `trace` itself if none is)."""
-        from thunder.core.proxies import variableify
-        from thunder.core.trace import TraceProvenance, from_trace, tracectx
+        trace, self.rewritten = replace_calls(trace, self._replacement,
+                                              "kforge SDPA masks at their broadcast shape ({} calls)")
+        return trace
 
-        self.rewritten = 0
-        new = from_trace(trace)
-        bsyms: list[Any] = []
-        for b in trace.bound_symbols:
-            target = self._target(b)
-            if target is None:
-                bsyms.append(b)
-                continue
-            mask, shape = target
+    def _replacement(self, b: Any):
+        target = self._target(b)
+        if target is None:
+            return None
+        mask, shape = target
+
+        def traced():
             args, kwargs = list(b.args), dict(b.kwargs)
-            new.push_scope([])
-            with tracectx(new):
-                full = mask if mask.ndim == 4 else ltorch.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape))
-                full = ltorch.expand(full, shape)
-                if len(args) > 3:
-                    args[3] = full
-                else:
-                    kwargs["attn_mask"] = full
-                out = ltorch.scaled_dot_product_attention(*args, **kwargs)
-            made = new.pop_scope()
-            # The call keeps its output's name, so every reader is unchanged.
-            swap = {variableify(out): b.output}
-            bsyms.extend(m.from_bsym_swap_proxies(swap) for m in made)
-            self.rewritten += 1
-        if not self.rewritten:
-            return trace
-        new.bound_symbols = bsyms
-        new.set_provenance(TraceProvenance(f"kforge SDPA masks at their broadcast shape ({self.rewritten} calls)"))
-        return new
+            full = mask if mask.ndim == 4 else ltorch.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape))
+            full = ltorch.expand(full, shape)
+            if len(args) > 3:
+                args[3] = full
+            else:
+                kwargs["attn_mask"] = full
+            return ltorch.scaled_dot_product_attention(*args, **kwargs)
+
+        return traced
 
     @staticmethod
     def _target(b: Any) -> tuple[TensorProxy, tuple[int, ...]] | None:

@@ -38,7 +38,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transform_common import Transform
 from thunder.core.transforms import get_grad, put_grad
 
-from .._thunder import Claim, OpSpec, operator, same_dtype_device, tensor_problem
+from .._thunder import Claim, OpSpec, operator, replace_calls, same_dtype_device, tensor_problem
 
 PAD = 64           # outputs are padded to a multiple of this (GPT-2: 50257 -> 50304, as llm.c does)
 MIN_OUT = 1024     # below this the GEMMs are too small for the padding to matter
@@ -313,9 +313,6 @@ class LinearBiasSplit(Transform):
 
     def rewrite(self, trace: Any, executors_list: Any = None) -> Any:
         """`trace` with the layers split (or `trace` itself if none is)."""
-        from thunder.core.proxies import variableify
-        from thunder.core.trace import TraceProvenance, from_trace, tracectx
-
         from ..fusion import get_fusion_executor
         from ..transforms import _Graph
 
@@ -325,25 +322,15 @@ class LinearBiasSplit(Transform):
         if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
             return trace  # the layer runs in 16 bits after Thunder's autocast rule
         g = _Graph(trace)
-        new = from_trace(trace)
-        bsyms: list[Any] = []
-        for b in trace.bound_symbols:
+
+        def replacement(b: Any):
             if not self._splits(b, g):
-                bsyms.append(b)
-                continue
+                return None
             x, w, bias = _layer(b)
-            new.push_scope([])
-            with tracectx(new):
-                out = ltorch.add(ltorch.linear(x, w, None), bias)
-            made = new.pop_scope()
-            swap = {variableify(out): b.output}
-            bsyms.extend(m.from_bsym_swap_proxies(swap) for m in made)
-            self.splits += 1
-        if not self.splits:
-            return trace
-        new.bound_symbols = bsyms
-        new.set_provenance(TraceProvenance(f"kforge linear bias split ({self.splits} layers)"))
-        return new
+            return lambda: ltorch.add(ltorch.linear(x, w, None), bias)
+
+        trace, self.splits = replace_calls(trace, replacement, "kforge linear bias split ({} layers)")
+        return trace
 
     @staticmethod
     def _splits(b: Any, g: Any) -> bool:
