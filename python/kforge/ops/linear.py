@@ -36,7 +36,7 @@ from thunder.core import prims
 from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.transform_common import Transform
-from thunder.core.transforms import get_grad, put_grad
+from thunder.core.transforms import get_grad, put_grad, sum_to
 
 from .._thunder import Claim, OpSpec, operator, replace_calls, same_dtype_device, tensor_problem
 
@@ -241,20 +241,13 @@ def _addmm_execution(input, mat1, mat2, *, beta=1, alpha=1):
     return addmm_forward(input, mat1, mat2)
 
 
-def _sum_to(g: TensorProxy, shape: tuple) -> TensorProxy:
-    """g summed over the dims that `shape` broadcasts, reshaped to `shape`."""
-    lead = g.ndim - len(shape)
-    dims = [*range(lead), *(lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1)]
-    return ltorch.reshape(ltorch.sum(g, dims) if dims else g, tuple(shape))
-
-
 def _addmm_grad(input, mat1, mat2, *, beta=1, alpha=1):
     # Saved for backward: mat1 and mat2. Each gradient comes out in its input's layout.
     out = addmm_forward(input, mat1, mat2)
     g = get_grad(out)
     put_grad(mat1, ltorch.matmul(g, ltorch.permute(mat2, (1, 0))))
     put_grad(mat2, ltorch.matmul(ltorch.permute(mat1, (1, 0)), g))
-    put_grad(input, _sum_to(g, tuple(input.shape)))
+    put_grad(input, sum_to(g, tuple(input.shape)))
     return out
 
 
