@@ -103,6 +103,7 @@ import dis as _dis
 import threading
 import types
 import weakref
+from typing import Any
 
 import torch
 import torch.nn.modules.module as _module
@@ -138,20 +139,30 @@ def _hookless(module: torch.nn.Module) -> bool:
                 or _module._global_forward_pre_hooks or torch._C._get_tracing_state())
 
 
-def _kforge_compilation() -> bool:
-    """Whether the compilation being traced uses kforge's executor and Thunder's defaults for sharp
-    edges and interpreter history."""
+def _kforge_executor_in_use() -> bool:
+    """Whether the compilation under way (if any) has kforge's executor in its list."""
     from thunder.core.compile_data import get_compile_data
-    from thunder.core.interpreter import get_interpreterruntimectx
-    from thunder.core.jit_ext import get_jit_ctx
-    from thunder.core.options import SHARP_EDGES_OPTIONS
 
     from ._thunder import executor
 
     cd = get_compile_data()
-    return (cd is not None and executor in cd.executors_list
-            and get_jit_ctx().sharp_edges is SHARP_EDGES_OPTIONS.ALLOW
-            and not get_interpreterruntimectx()._record_history)
+    return cd is not None and executor in cd.executors_list
+
+
+def _kforge_compilation() -> bool:
+    """Whether the compilation being traced uses kforge's executor and Thunder's defaults for sharp
+    edges and interpreter history (False where no trace is under way)."""
+    from thunder.core.interpreter import get_interpreterruntimectx
+    from thunder.core.jit_ext import get_jit_ctx
+    from thunder.core.options import SHARP_EDGES_OPTIONS
+
+    if not _kforge_executor_in_use():
+        return False
+    try:
+        return (get_jit_ctx().sharp_edges is SHARP_EDGES_OPTIONS.ALLOW
+                and not get_interpreterruntimectx()._record_history)
+    except LookupError:  # Thunder's passes after the interpreter, or Python outside any trace
+        return False
 
 
 def _call_impl_lookaside(self, *args, **kwargs):
@@ -433,27 +444,17 @@ def _made_in_trace(modified) -> bool:
 
 
 def _process_recorded_modifications(ctx, epilogue_trace):
-    from thunder.core.compile_data import get_compile_data
-
-    from ._thunder import executor
-
-    cd = get_compile_data()
-    if cd is not None and executor in cd.executors_list:
+    if _kforge_executor_in_use():  # the interpreter is done here: only the compile data is left
         for modified in [m for m in ctx._additional_outputs if _made_in_trace(m)]:
             del ctx._additional_outputs[modified]
     return _PROCESS_MODIFICATIONS(ctx, epilogue_trace)
 
 
 def _dtype_eq(self, other) -> bool:
-    if isinstance(other, torch.dtype):
-        try:
-            ours = _kforge_compilation()
-        except Exception:  # no interpretation under way (Thunder's passes after the trace)
-            ours = False
-        if ours:
-            from thunder.core.dtypes import to_dtype
+    if isinstance(other, torch.dtype) and _kforge_compilation():
+        from thunder.core.dtypes import to_dtype
 
-            other = to_dtype(other)
+        other = to_dtype(other)
     return _DTYPE_EQ(self, other)
 
 
@@ -465,11 +466,7 @@ def _dtype_eq(self, other) -> bool:
 # `requires_grad_(True)` is the tensor itself in kforge's compilations; `requires_grad_(False)` (a
 # detach in place) is refused by name. Outside kforge's compilations the call raises Thunder's error.
 def _requires_grad_(a, requires_grad=True):
-    try:
-        ours = _kforge_compilation()
-    except Exception:
-        ours = False
-    if not ours:
+    if not _kforge_compilation():
         raise AttributeError("Unknown attribute requires_grad_")
     if requires_grad is not True:
         raise NotImplementedError("kforge.jit: Tensor.requires_grad_(False) inside the traced function is not "
@@ -586,10 +583,29 @@ def _our_entries() -> dict:
             _entries[w] = _dispatch_lookaside(w)
         # A dataclass's field list (transformers' ModelOutput reads it on every attribute it sets).
         _entries[dataclasses.fields] = _opaque_lookaside(dataclasses.fields)
+        from thunder.core.jit_ext import interpreter_needs_wrap
+
+        _entries[_requires_grad_] = interpreter_needs_wrap(_requires_grad_)  # run as one call
     for original, method in _context_var_methods().items():  # once transformers is imported
         if original not in _entries:
             _entries[original] = _context_var_lookaside(original, method)
     return _entries
+
+
+def _patches() -> list[tuple[Any, str, Any, str]]:
+    """(owner, attribute, kforge's value, the module global keeping Thunder's) for every attribute of
+    Thunder's that install() replaces: Thunder's value is taken at the first install() and put back
+    by uninstall()."""
+    from thunder.core import dtypes, jit_ext
+
+    interpreter = _interpreter_module()
+    return [(interpreter, "dis", _DIS, "_THUNDERS_DIS"),
+            (interpreter, "globals_lookup", _globals_lookup, "_GLOBALS_LOOKUP"),
+            (dtypes.dtype, "__eq__", _dtype_eq, "_DTYPE_EQ"),
+            (jit_ext, "process_recorded_modifications", _process_recorded_modifications, "_PROCESS_MODIFICATIONS")]
+
+
+_THUNDERS_DIS = None  # the interpreter module's `dis`, taken at the first install()
 
 
 def install() -> bool:
@@ -610,47 +626,26 @@ def install() -> bool:
             if fn in _general_jit_lookaside_map:
                 _OVERRIDDEN.setdefault(fn, _general_jit_lookaside_map[fn])
             _general_jit_lookaside_map[fn] = lookaside
-    global _GLOBALS_LOOKUP, _DTYPE_EQ, _PROCESS_MODIFICATIONS
-    from thunder.core import dtypes, jit_ext
-
-    if _DTYPE_EQ is None and dtypes.dtype.__eq__ is not _dtype_eq:
-        _DTYPE_EQ = dtypes.dtype.__eq__
-    if dtypes.dtype.__eq__ is _DTYPE_EQ:
-        dtypes.dtype.__eq__ = _dtype_eq
-    _methods().setdefault("requires_grad_", _requires_grad_)
-    from thunder.core.jit_ext import interpreter_needs_wrap
-
-    _general_jit_lookaside_map.setdefault(_requires_grad_, interpreter_needs_wrap(_requires_grad_))
-    ours = _process_recorded_modifications
-    if _PROCESS_MODIFICATIONS is None and jit_ext.process_recorded_modifications is not ours:
-        _PROCESS_MODIFICATIONS = jit_ext.process_recorded_modifications
-    if jit_ext.process_recorded_modifications is _PROCESS_MODIFICATIONS:
-        jit_ext.process_recorded_modifications = ours
-    interpreter = _interpreter_module()
-    if interpreter.dis is _dis:
-        interpreter.dis = _DIS
-    if _GLOBALS_LOOKUP is None and interpreter.globals_lookup is not _globals_lookup:
-        _GLOBALS_LOOKUP = interpreter.globals_lookup
-    if interpreter.globals_lookup is _GLOBALS_LOOKUP:
-        interpreter.globals_lookup = _globals_lookup
-    return (ok and interpreter.dis is _DIS and interpreter.globals_lookup is _globals_lookup
-            and dtypes.dtype.__eq__ is _dtype_eq
-            and jit_ext.process_recorded_modifications is _process_recorded_modifications
-            and _methods().get("requires_grad_") is _requires_grad_)
+    ok &= _methods().setdefault("requires_grad_", _requires_grad_) is _requires_grad_
+    kept = globals()
+    for owner, attr, ours, keep in _patches():
+        current = getattr(owner, attr)
+        if kept[keep] is None and current is not ours:
+            kept[keep] = current
+        if current is kept[keep]:
+            setattr(owner, attr, ours)
+        ok &= getattr(owner, attr) is ours
+    return ok
 
 
 def installed() -> bool:
     """Whether every lookaside of kforge's is registered."""
-    from thunder.core import dtypes, jit_ext
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
-    interpreter = _interpreter_module()
     return (all(_general_jit_lookaside_map.get(fn) is la
                 for fn, la in (*_our_entries().items(), *_our_overrides().items()))
-            and interpreter.dis is _DIS and interpreter.globals_lookup is _globals_lookup
-            and dtypes.dtype.__eq__ is _dtype_eq
-            and jit_ext.process_recorded_modifications is _process_recorded_modifications
-            and _methods().get("requires_grad_") is _requires_grad_)
+            and _methods().get("requires_grad_") is _requires_grad_
+            and all(getattr(owner, attr) is ours for owner, attr, ours, _ in _patches()))
 
 
 def uninstall() -> None:
@@ -666,18 +661,9 @@ def uninstall() -> None:
                 _general_jit_lookaside_map[fn] = _OVERRIDDEN[fn]
             else:
                 del _general_jit_lookaside_map[fn]
-    from thunder.core import dtypes, jit_ext
-
-    if dtypes.dtype.__eq__ is _dtype_eq:
-        dtypes.dtype.__eq__ = _DTYPE_EQ
-    if jit_ext.process_recorded_modifications is _process_recorded_modifications:
-        jit_ext.process_recorded_modifications = _PROCESS_MODIFICATIONS
     if _methods().get("requires_grad_") is _requires_grad_:
         del _methods()["requires_grad_"]
-    if _general_jit_lookaside_map.get(_requires_grad_) is not None:
-        del _general_jit_lookaside_map[_requires_grad_]
-    interpreter = _interpreter_module()
-    if interpreter.dis is _DIS:
-        interpreter.dis = _dis
-    if interpreter.globals_lookup is _globals_lookup:
-        interpreter.globals_lookup = _GLOBALS_LOOKUP
+    kept = globals()
+    for owner, attr, ours, keep in _patches():
+        if getattr(owner, attr) is ours:
+            setattr(owner, attr, kept[keep])
