@@ -34,6 +34,7 @@ struct __align__((N * sizeof(T) >= 16) ? 16 : N * sizeof(T)) KfRun {
   T v[N];
 };
 template <int Bytes> struct KfWord;
+template <> struct KfWord<1> { typedef unsigned char type; };  // bool at one element per thread
 template <> struct KfWord<2> { typedef unsigned short type; };
 template <> struct KfWord<4> { typedef unsigned int type; };
 template <> struct KfWord<8> { typedef uint2 type; };

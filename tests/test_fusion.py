@@ -95,6 +95,11 @@ def _sum_all(x):
     return x.sum()
 
 
+def _masks_odd(x, y):
+    # bool and int64 outputs whose odd width leaves one element per thread: 1-byte stores
+    return x > y, (x * y > 0.25) & (y < 1.0), (x > 0).long() + 2
+
+
 def _grad_like(dy, x):
     s = torch.sigmoid(x)
     return dy * s * (1 + x * (1 - s)), (dy * x).sum(0)
@@ -120,6 +125,7 @@ CASES: dict[str, tuple[Callable, Callable[[torch.dtype, str], tuple]]] = {
     "rms_stats": (_rsqrt_norm_stats, lambda dt, dev: (randn(4, 3, 256, dtype=dt, device=dev),)),
     # offset from 0: a sum of zero-mean values cancels, and its relative error then measures luck
     "sum_all": (_sum_all, lambda dt, dev: ((randn(1000, 37, device=dev) * 0.5 + 1).to(dt),)),
+    "masks_odd": (_masks_odd, lambda dt, dev: (randn(7, 33, dtype=dt, device=dev), randn(7, 33, dtype=dt, device=dev))),
     "grad_like": (_grad_like, lambda dt, dev: (randn(64, 48, dtype=dt, device=dev), randn(64, 48, dtype=dt, device=dev))),
 }
 
