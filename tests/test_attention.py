@@ -408,11 +408,42 @@ def _hf_encoder(kind: str, device: str):
                                   attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
     model = build(transformers.BertForMaskedLM, cfg, device=device, dtype=torch.bfloat16)
     idx = torch.randint(1, 301, (4, 48), generator=g)
+    if kind == "bert":  # no padding, no attention_mask argument: the mask BERT builds masks nothing
+        return model.train(), {"input_ids": idx.to(device), "labels": idx.to(device)}
     mask = torch.ones(4, 48, dtype=torch.long)
-    if kind == "bert padded":
-        mask[1, 30:] = 0
+    mask[1, 30:] = 0
     return model.train(), {"input_ids": idx.to(device), "attention_mask": mask.to(device),
                            "labels": idx.masked_fill(mask == 0, -100).to(device)}
+
+
+@pytest.mark.parametrize("kind", ["vit", "bert", "bert padded"])
+def test_hf_encoders_trace_and_compile_as_on_a_gpu(kind) -> None:
+    """Traced as on a GPU in bf16 under kforge.jit: the attention the GPU test expects is claimed, and
+    every generated fusion's source, forward and backward, compiles (NVRTC, sm_90): masks make bool
+    regions whose outputs are stored one element per thread."""
+    from conftest import fake_cuda_trace
+
+    import kforge
+    from kforge.fusion import codegen, executor as fx
+
+    def make(device="cuda"):
+        model, inputs = _hf_encoder(kind, device)
+        return model, inputs, {}
+
+    ft = fake_cuda_trace(make, jit=kforge.jit)
+    names = {b.sym.name for b in ft.forward.bound_symbols}
+    assert any("efficient_attention" in n for n in names) if kind == "bert padded" else \
+        "kforge_attention_forward" in names, names
+    compiled = 0
+    for trace in (ft.forward, ft.backward):
+        for b in trace.bound_symbols:
+            if b.sym.name.startswith("kforgeFusion"):
+                region = fx.lower_fusion(b)
+                ks = codegen.generate(region, codegen.default_key(region))
+                if ks.launches:
+                    kforge._C.compile_generated(ks.program, ks.source, [l[0] for l in ks.launches], 90)
+                    compiled += 1
+    assert compiled
 
 
 @gpu

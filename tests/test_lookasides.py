@@ -11,6 +11,7 @@ executor or that ask for sharp-edge checks.
 """
 from __future__ import annotations
 
+import copy
 import re
 import sys
 
@@ -712,6 +713,63 @@ def test_hugging_face_bert_with_padding_trains(restore_lookaside):
     for n, p in model.named_parameters():
         if n in want:
             torch.testing.assert_close(p.grad, want[n], msg=n)
+
+
+class _Settings:
+    problem_type = None
+
+
+class _SetsAStringInForward(torch.nn.Module):
+    """Sets an attribute of a plain object it holds to a string at its first call, as Hugging Face's
+    classification heads set `config.problem_type`."""
+
+    def __init__(self):
+        super().__init__()
+        self.settings = _Settings()
+        self.lin = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        if self.settings.problem_type is None:
+            self.settings.problem_type = "regression"
+        return self.lin(x).square().mean()
+
+
+def test_string_attribute_set_in_forward(restore_lookaside):
+    """A string written to an attribute of the model's objects in forward reaches the object, as in
+    eager (Thunder 0.2.6 asserts on a non-number); the next call runs the cached trace."""
+    model = _SetsAStringInForward().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    jm = kforge.jit(model)
+    out = jm(x)
+    assert model.settings.problem_type == "regression"
+    torch.testing.assert_close(out, model.lin(x).square().mean())
+    jm(x)
+    assert thunder.cache_hits(jm) + thunder.cache_misses(jm) == 2
+    with pytest.raises(AssertionError, match="problem_type"):
+        thunder.jit(_SetsAStringInForward().double())(x)
+
+
+def test_hugging_face_vit_classifier_with_labels_trains(restore_lookaside):
+    """Hugging Face's ViTForImageClassification called with labels (its head sets
+    `config.problem_type` to a string at the first call), float64 on the CPU: loss and every
+    gradient equal eager's, and the config is set as eager sets it."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                 image_size=16, patch_size=8, num_labels=5, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(cfg).double().train()
+    ref_model = transformers.ViTForImageClassification(copy.deepcopy(cfg)).double().train()  # a config of its own
+    ref_model.load_state_dict(model.state_dict())
+    x, labels = torch.randn(3, 3, 16, 16, dtype=torch.float64), torch.randint(0, 5, (3,))
+    ref = ref_model(pixel_values=x, labels=labels).loss
+    ref.backward()
+    loss = kforge.jit(model)(pixel_values=x, labels=labels).loss
+    loss.backward()
+    assert model.config.problem_type == ref_model.config.problem_type == "single_label_classification"
+    torch.testing.assert_close(loss, ref)
+    for (n, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters()):
+        torch.testing.assert_close(p.grad, r.grad, msg=n)
 
 
 @gpu

@@ -443,10 +443,52 @@ def _made_in_trace(modified) -> bool:
             and getattr(callee.value, "__name__", None) == "__new__")
 
 
+def _attribute_owner(modified):
+    """The provenance of the object whose `__dict__` `modified` (a wrapped dict) is, or None."""
+    from thunder.core.interpreter import PseudoInst
+
+    p = getattr(modified, "provenance", None)
+    if (p is not None and p.inst is PseudoInst.LOAD_ATTR and len(p.inputs) == 2
+            and p.inputs[1].inst is PseudoInst.CONSTANT and p.inputs[1].value == "__dict__"):
+        return p.inputs[0]
+    return None
+
+
+def _replay_string_attributes(ctx, epilogue_trace) -> None:
+    """Attributes of the model's objects set to a string in forward (Hugging Face's classification
+    heads: `self.config.problem_type = "single_label_classification"` at the first call with labels)
+    are set by the epilogue, as Thunder sets numbers; Thunder 0.2.6 asserts on anything else."""
+    from thunder.core import prims
+    from thunder.core.interpreter import PseudoInst
+    from thunder.core.trace import tracectx
+
+    for modified, mods in list(ctx._additional_outputs.items()):
+        owner = _attribute_owner(modified)
+        if owner is None or not isinstance(modified.value, dict):
+            continue
+        last = {}
+        for inst, *args in mods:
+            if inst is PseudoInst.STORE_SUBSCR:
+                last[args[1].value] = args[2].value
+        strings = {k: v for k, v in last.items() if isinstance(v, str)}
+        if not strings:
+            continue
+        if hasattr(owner, "proxy"):  # as Thunder: an object the epilogue cannot name is not written
+            with tracectx(epilogue_trace):
+                for name, value in strings.items():
+                    epilogue_trace.bound_symbols.append(prims.pack_attr.bind(owner.proxy, name, value, output=None))
+        rest = [m for m in mods if not (m[0] is PseudoInst.STORE_SUBSCR and m[2].value in strings)]
+        if rest:
+            ctx._additional_outputs[modified] = rest
+        else:
+            del ctx._additional_outputs[modified]
+
+
 def _process_recorded_modifications(ctx, epilogue_trace):
     if _kforge_executor_in_use():  # the interpreter is done here: only the compile data is left
         for modified in [m for m in ctx._additional_outputs if _made_in_trace(m)]:
             del ctx._additional_outputs[modified]
+        _replay_string_attributes(ctx, epilogue_trace)
     return _PROCESS_MODIFICATIONS(ctx, epilogue_trace)
 
 
