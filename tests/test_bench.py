@@ -390,6 +390,19 @@ def test_users_model_targets_and_table():
     assert "kforge + CUDAGraphTransform" in report.models_table(graphs[0].rows)
 
 
+def test_run_of_several_models_compares_each_with_its_own_baselines():
+    """A run timing two models prints one table: each row's × compile / × eager is over its own
+    model's torch.compile and eager rows, never the other model's."""
+    first, second = _users_run(17.0, 19.0, 40.0), _users_run(30.0, 20.0, 50.0)
+    for r in second["rows"]:
+        r["model"] = "hf-gpt2"
+    md = report.run_markdown(_run("models", first["rows"] + second["rows"]))
+    rows = {(c[1].strip(), c[3].strip()): c for c in (l.split("|") for l in md.splitlines() if l.startswith("| "))}
+    assert rows[("nanogpt", "kforge")][8].strip() == "0.89" and rows[("nanogpt", "kforge")][9].strip() == "0.42"
+    assert rows[("hf-gpt2", "kforge")][8].strip() == "1.50" and rows[("hf-gpt2", "kforge")][9].strip() == "0.60"
+    assert rows[("hf-gpt2", "eager")][9].strip() == "1.00"
+
+
 def test_render_writes_charts_and_links_them(tmp_path):
     runs = [_users_run(17.0, 19.0, 40.0), _run("ops", [_op("layernorm", 9.0, 70), _op("layernorm", 9.0, 70, "bwd")],
                                                 copy_gbs=4100.0)]

@@ -99,6 +99,10 @@ def _by_setup(rows: list[dict]) -> dict[str, dict[str, dict]]:
     return out
 
 
+def _case(r: dict) -> tuple:
+    return r.get("model"), r.get("size"), r.get("batch"), r.get("seq"), r["setup"]
+
+
 def _ratio(a: Any, b: Any) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
@@ -112,10 +116,13 @@ def _spread(r: dict) -> str:
 def models_table(rows: list[dict], *, with_model: bool = False) -> str:
     from .models import backend_label
 
-    groups = _by_setup(rows)
+    # baselines from the same model, size and shape: a run of several models prints them in one table
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault(_case(r), {})[r["backend"]] = r
     table = []
     for r in rows:
-        g = groups[r["setup"]]
+        g = groups[_case(r)]
         comp, eager = g.get("torch.compile", {}), g.get("eager", {})
         table.append(([r["model"]] if with_model else []) + [
             SETUP_TITLES.get(r["setup"], r["setup"]), backend_label(r), r.get("path", ""),
