@@ -3,6 +3,7 @@ checker's declines."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -471,9 +472,15 @@ def test_hf_encoders_match_eager_on_gpu(kind) -> None:
     elif torch.cuda.get_device_capability()[0] >= 9:
         assert "kforge_attention_forward" in names, names
     assert_close(loss, ref, torch.bfloat16, "loss", tol=2e-2)
-    for (name, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters()):
-        if r.grad is None:
+    pairs = [(n, p, r) for (n, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters())
+             if r.grad is not None]
+    overall = max(r.grad.float().abs().max().item() for _, _, r in pairs)
+    for name, p, r in pairs:
+        err = (p.grad.float() - r.grad.float()).abs().max().item()
+        if re.search(r"(k_proj|key)\.bias$", name):
+            # exactly 0: a key bias shifts each query's scores by one constant, which softmax removes;
+            # both sides hold rounding noise, so only its size against the model's gradients is checked
+            assert err <= 1e-3 * overall, f"{name}: {err:.3g} against the gradients' scale {overall:.3g}"
             continue
         scale = r.grad.float().abs().max().item() + 1e-6
-        err = (p.grad.float() - r.grad.float()).abs().max().item()
         assert err <= 0.05 * scale, f"{name}: max error {err:.3g} against gradient scale {scale:.3g}"
