@@ -53,7 +53,7 @@ def _zoo(name: str):
 RMS_FWD = ("kforge_rmsnorm_forward", "kforge_add_rmsnorm_forward")
 RMS_BWD = ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward")
 # add_rms_norm matches per model in the bf16 set-up (every norm but the first layer's)
-ZOO_ADD_NORMS = {"plain_llama": 2, "nanogpt": 0, "hf_llama": 2}
+ZOO_ADD_NORMS = {"plain_llama": 2, "nanogpt": 0, "hf_llama": 2, "hf_gpt2": 0}
 ZOO_SYMBOLS = {
     "plain_llama": {
         "rms_norm": (RMS_FWD, RMS_BWD, 3),
@@ -73,6 +73,14 @@ ZOO_SYMBOLS = {
         "merge_heads": ("kforge_merge_heads_forward", "kforge_merge_heads_backward", 1),
         "cross_entropy": ("kforge_cross_entropy_f32_forward", "kforge_cross_entropy_backward", 1),
     },
+    "hf_gpt2": {  # Conv1D's torch.addmm: kforge_addmm forward, two GEMMs backward (tests/test_linear.py)
+        "layer_norm": ("kforge_layernorm_forward", "kforge_layernorm_backward", 3),
+        "gelu": ("kforge_gelu_forward", "kforge_gelu_backward", 1),  # NewGELU, spelled out
+        "split_qkv": ("kforge_split_qkv_views", "kforge_split_qkv_backward", 1),
+        "attention": ("kforge_attention_forward", "kforge_attention_backward", 1),
+        "merge_heads": ("kforge_merge_heads_forward", "kforge_merge_heads_backward", 1),
+        "cross_entropy": ("kforge_cross_entropy_f32_forward", "kforge_cross_entropy_backward", 1),
+    },
     "hf_llama": {
         "rms_norm": (RMS_FWD, RMS_BWD, 3),
         "rope": ("kforge_rope_forward", "kforge_rope_backward", 1),
@@ -87,6 +95,7 @@ ZOO_SYMBOLS = {
 ZOO_PATTERNS = {
     "plain_llama": {"rope": 1, "repeat_kv": 2, "swiglu": 1, "merge_heads": 1, "attention": 1},
     "nanogpt": {"split_qkv": 1, "merge_heads": 1, "cross_entropy": 1},
+    "hf_gpt2": {"split_qkv": 1, "attention": 1, "merge_heads": 1, "gelu": 1, "cross_entropy": 1},
     "hf_llama": {"rms_norm": 3, "rope": 1, "repeat_kv": 2, "swiglu": 1, "merge_heads": 1, "cross_entropy": 1,
                  "attention": 1},
 }
@@ -148,7 +157,7 @@ def test_users_models_every_step_claimed_on_the_dynamo_path(model, setup):
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
-@pytest.mark.parametrize("model", ["plain_llama", "nanogpt"])
+@pytest.mark.parametrize("model", ["plain_llama", "nanogpt", "hf_gpt2"])
 def test_users_models_under_kforge_jit(model, setup):
     """`kforge.jit` (kforge's operators, attention, the fusion executor, Thunder's defaults): every
     step still claimed by kforge's operators; the residual adds and bias-gradient sums are left to
@@ -558,6 +567,22 @@ def _inputs(*factories):
     return make
 
 
+def _gelu_new(x):  # Hugging Face's NewGELUActivation (GPT-2), minGPT's new_gelu
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _gelu_tanh_cubed(x):
+    return x * 0.5 * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
+
+
+def _gelu_erf_div(x):  # BERT's original gelu, HF's GELUActivation(use_gelu_python=True)
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def _gelu_erf_mul_last(x):
+    return x * (1.0 + torch.erf(x * 0.7071067811865476)) * 0.5
+
+
 Q, K = _t(B, H, T, D), _t(B, HKV, T, D)
 QT, KT = _t(B, T, H, D), _t(B, T, HKV, D)
 X, W = _t(B, T, C), _t(C, scale=0.1)
@@ -606,6 +631,16 @@ CASES = {
                       "kforge_gelu_backward"),
     "gelu erf nn.GELU()": Case(lambda x: torch.nn.GELU()(x), _inputs(X), None, "kforge_gelu_forward",
                                "kforge_gelu_backward"),
+    "gelu tanh spelled out, HF NewGELU": Case(_gelu_new, _inputs(X), "gelu", "kforge_gelu_forward",
+                                             "kforge_gelu_backward"),
+    "gelu tanh spelled out, x * 0.5, x * x * x": Case(_gelu_tanh_cubed, _inputs(X), "gelu", "kforge_gelu_forward",
+                                                     "kforge_gelu_backward"),
+    "gelu tanh spelled out, fp32": Case(_gelu_new, _inputs(X), "gelu", "kforge_gelu_forward",
+                                       "kforge_gelu_backward", dtype=F32),
+    "gelu erf spelled out, x / sqrt(2)": Case(_gelu_erf_div, _inputs(X), "gelu", "kforge_gelu_forward",
+                                              "kforge_gelu_backward"),
+    "gelu erf spelled out, (x * (1 + erf)) * 0.5": Case(_gelu_erf_mul_last, _inputs(X), "gelu",
+                                                         "kforge_gelu_forward", "kforge_gelu_backward"),
     # attention head split / merge
     "split nanoGPT views": Case(_split_heads(), _inputs(_t(B, T, 3 * C)), "split_qkv", "kforge_split_qkv_views",
                                 "kforge_split_qkv_backward"),
@@ -791,6 +826,11 @@ def _rms_fp32_out(x, w):  # a bf16 input normalised into an fp32 result: not a n
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
 
 
+def _gelu_tanh_returned(x):
+    t = torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))
+    return 0.5 * x * (1.0 + t), t
+
+
 _T2 = lambda d, dt: _targets(d)  # noqa: E731
 
 
@@ -828,6 +868,13 @@ NEAR_MISSES = {
     "split unequal": Miss(_split_unequal, _inputs(_t(B, T, 3 * C)), "split_qkv", None),
     "merge transposed tensor also returned": Miss(_merge_reused, _inputs(Q), "merge_heads", None),
     "rms fp32 result of a bf16 input": Miss(_rms_fp32_out, _inputs(X, W), "rms_norm", None),
+    "gelu another cubic coefficient": Miss(
+        lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.05 * torch.pow(x, 3.0)))),
+        _inputs(X), "gelu", None),
+    "gelu tanh read elsewhere": Miss(_gelu_tanh_returned, _inputs(X), "gelu", None),
+    "gelu of another tensor's cube": Miss(
+        lambda x, y: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(y, 3.0)))),
+        _inputs(X, X), "gelu", None),
 }
 
 
@@ -865,7 +912,7 @@ def test_kinds():
     assert kt.KINDS == ("rms_norm", "rope", "swiglu", "repeat_kv")
     assert set(kt.ALL_KINDS) == set(kt.KINDS) | set(kt.STEP_KINDS) == set(kt.HELPERS)
     assert kt.LlamaPatternTransform().kinds == kt.KINDS
-    for bad in (lambda: kt.LlamaPatternTransform(kinds=["layernorm"]), lambda: kt.find_patterns(None, ["gelu"])):
+    for bad in (lambda: kt.LlamaPatternTransform(kinds=["layernorm"]), lambda: kt.find_patterns(None, ["dropout"])):
         with pytest.raises(ValueError, match="unknown kinds"):
             bad()
 

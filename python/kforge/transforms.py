@@ -37,6 +37,11 @@ same thing, so kforge's grad transforms give the backward too. Spellings found (
                   that masks nothing (HF's encoders) is dropped
   add_rms_norm    s = x + residual, then F.rms_norm / nn.RMSNorm (or a replaced     kforge.ops.rmsnorm.add_rms_norm
                   rms_norm spelling) of s; s may be read elsewhere                 (one kernel each way)
+  gelu            0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))) (HF's    F.gelu(x, approximate="tanh" or
+                  NewGELU, minGPT's) and 0.5 * x * (1 + erf(x / sqrt(2))) (BERT's), "none"), which kforge claims
+                  the 0.5 and the product in any grouping, x**3 as pow or x*x*x    (one fp32 rounding where a 16-bit
+                                                                                  spelling rounds each step, as
+                                                                                  torch.compile computes it)
 
 `find_patterns(trace)` recognises these subgraphs by dataflow (not by position in the trace):
 every op, constant, shape and dtype is checked, and every intermediate must feed only the next step
@@ -99,7 +104,7 @@ __all__ = [
 # The Llama steps of Hugging Face's Dynamo traces (the transform's default kinds, `find_llama_patterns`).
 KINDS = ("rms_norm", "rope", "swiglu", "repeat_kv")
 # The other steps of users' models (GPT-2 / nanoGPT and friends).
-STEP_KINDS = ("split_qkv", "merge_heads", "causal_softmax", "cross_entropy", "attention", "add_rms_norm")
+STEP_KINDS = ("split_qkv", "merge_heads", "causal_softmax", "cross_entropy", "attention", "add_rms_norm", "gelu")
 # Everything: what `jit` and `thunderfx` (so `kforge.jit` / `kforge.compile`) look for.
 ALL_KINDS = KINDS + STEP_KINDS
 # kind -> "module:function" of the plain-PyTorch helper whose kforge operator replaces the pattern.
@@ -114,6 +119,7 @@ HELPERS: dict[str, str] = {
     "cross_entropy": "kforge.ops.cross_entropy:cross_entropy_upcast",
     "attention": "kforge.ops.attention:attention",
     "add_rms_norm": "kforge.ops.rmsnorm:add_rms_norm",
+    "gelu": "torch.nn.functional:gelu",  # torch's own, which kforge claims
 }
 
 # Thunder symbol ids (thunder.torch, thunder.core.prims) of the ops the patterns are made of.
@@ -137,6 +143,8 @@ _CHUNK = "torch.chunk"
 _SPLIT = "torch.split"
 _UNBIND = "torch.unbind"
 _SILU = "torch.nn.functional.silu"
+_TANH = "torch.tanh"
+_ERF = "torch.erf"
 _UNSQUEEZE = "torch.unsqueeze"
 _EXPAND = "torch.Tensor.expand"
 _RESHAPE = "torch.reshape"
@@ -182,13 +190,13 @@ class Match:
              cos, sin), swiglu (gate, up), repeat_kv (x, n_rep), split_qkv (qkv, n_head), merge_heads
              (y,), causal_softmax (att, scale), cross_entropy (logits16, target, weight, size_average,
              ignore_index, reduce, reduction, label_smoothing), attention (q, k, v, n_rep), add_rms_norm (x, residual,
-             weight, eps).
+             weight, eps), gelu (x,).
     outputs: the proxies the rest of the trace reads (rope: (q_embed, k_embed); split_qkv: (q, k, v);
              add_rms_norm: (s, y)).
     bsyms:   every top-level bound symbol the match replaces.
     kwargs:  keyword arguments of the helper (rope: interleaved; split_qkv: copy; rms_norm:
              cast_before_weight=False for litgpt's / F.rms_norm's order; attention: is_causal, scale;
-             add_rms_norm: cast_before_weight).
+             add_rms_norm: cast_before_weight; gelu: approximate).
     prep:    when set, turns `args` into the helper's arguments inside the trace (a transpose of
              (B, T, H, D) heads, a table reshape, a flatten of the logits).
     post:    when set, turns the helper's outputs (a tuple) into the pattern's (a transpose back, a
@@ -872,6 +880,119 @@ def _match_swiglu(g: _Graph, silu: BoundSymbol) -> Match | None:
     return Match("swiglu", (gate, up), (mul.output,), (silu, mul))
 
 
+# ---- GELU spelled out -----------------------------------------------------------------------------------
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_CUBIC = 0.044715
+
+
+def _is(v: Any, want: float) -> bool:
+    """`v` is the constant `want` (as written in Python source: to float32-ish precision)."""
+    return _const(v) and math.isclose(float(v), want, rel_tol=1e-6)
+
+
+def _scaled_by(g: _Graph, p: Any, c: float) -> tuple[TensorProxy, BoundSymbol] | None:
+    """(x, op) when `p` is x * c, c * x or x / (1 / c) (true division) of a tensor x."""
+    b = g.producer(p, _MUL)
+    if b is not None and len(b.args) == 2:
+        a0, a1 = b.args
+        for x, k in ((a1, a0), (a0, a1)):
+            if isinstance(x, TensorProxy) and _is(k, c):
+                return x, b
+    b = g.producer(p, _TRUE_DIV, _DIV)
+    if b is not None and _arg(b, 2, "rounding_mode") is None:
+        x, k = b.args[0], b.args[1]
+        if isinstance(x, TensorProxy) and _const(k) and k != 0 and math.isclose(1.0 / float(k), c, rel_tol=1e-6):
+            return x, b
+    return None
+
+
+def _cube_of(g: _Graph, p: Any) -> tuple[TensorProxy, tuple[BoundSymbol, ...]] | None:
+    """(x, ops) when `p` is x ** 3 (torch.pow / **) or x * x * x in either grouping."""
+    b = g.producer(p, _POW)
+    if b is not None and isinstance(b.args[0], TensorProxy) and _is(_arg(b, 1, "exponent"), 3.0):
+        return b.args[0], (b,)
+    outer = g.producer(p, _MUL)
+    if outer is None or len(outer.args) != 2:
+        return None
+    for sq, x in ((outer.args[0], outer.args[1]), (outer.args[1], outer.args[0])):
+        inner = g.producer(sq, _MUL)
+        if inner is not None and isinstance(x, TensorProxy) and inner.args[0] is x and inner.args[1] is x:
+            return x, (inner, outer)
+    return None
+
+
+def _plus_one(g: _Graph, p: TensorProxy) -> BoundSymbol | None:
+    """The one reader of `p` when it is 1 + p or p + 1."""
+    add = g.only_consumer(p, _ADD)
+    if add is None or _arg(add, 2, "alpha", 1) != 1:
+        return None
+    return add if _is(_other(add, p), 1.0) else None
+
+
+def _gelu_tail(g: _Graph, x: TensorProxy, onep: TensorProxy) -> tuple[TensorProxy, tuple] | None:
+    """(output, ops) of the final product 0.5 * x * onep, in the groupings people write:
+    (0.5 * x) * onep, (x * 0.5) * onep, (x * onep) * 0.5, (0.5 * onep) * x."""
+    m = g.only_consumer(onep, _MUL)
+    if m is None or len(m.args) != 2:
+        return None
+    other = _other(m, onep)
+    if other is x:
+        half = g.only_consumer(m.output, _MUL)
+        if half is not None and _is(_other(half, m.output), 0.5):
+            return half.output, (m, half)
+        return None
+    if isinstance(other, TensorProxy):
+        h = _scaled_by(g, other, 0.5)
+        if h is not None and h[0] is x and h[1].sym.id == _MUL:
+            return m.output, (h[1], m)
+        return None
+    if _is(other, 0.5):
+        last = g.only_consumer(m.output, _MUL)
+        if last is not None and _other(last, m.output) is x:
+            return last.output, (m, last)
+    return None
+
+
+def _gelu_match(g: _Graph, x: TensorProxy, core: tuple, fn: BoundSymbol, approximate: str) -> Match | None:
+    onep = _plus_one(g, fn.output)
+    tail = _gelu_tail(g, x, onep.output) if onep is not None else None
+    if tail is None:
+        return None
+    out, last = tail
+    bsyms = (*core, fn, onep, *last)
+    if not all(o.shape == x.shape and o.dtype == x.dtype for b in bsyms for o in b.flat_proxy_outs):
+        return None  # a broadcast or a type promotion inside: not gelu of x alone
+    if not g.closed(bsyms, (out,)):
+        return None
+    return Match("gelu", (x,), (out,), bsyms, {"approximate": approximate})
+
+
+def _match_gelu_tanh(g: _Graph, tanh: BoundSymbol) -> Match | None:
+    """`0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x ** 3)))` (GPT-2's and HF's NewGELU)."""
+    scaled = _scaled_by(g, tanh.args[0], _SQRT_2_OVER_PI)
+    if scaled is None:
+        return None
+    inner, scale = scaled
+    add = g.producer(inner, _ADD)
+    if add is None or _arg(add, 2, "alpha", 1) != 1:
+        return None
+    for x, term in ((add.args[0], add.args[1]), (add.args[1], add.args[0])):
+        k = _scaled_by(g, term, _GELU_CUBIC) if isinstance(x, TensorProxy) else None
+        cube = _cube_of(g, k[0]) if k is not None and k[1].sym.id == _MUL else None
+        if cube is not None and cube[0] is x:
+            return _gelu_match(g, x, (*cube[1], k[1], add, scale), tanh, "tanh")
+    return None
+
+
+def _match_gelu_erf(g: _Graph, erf: BoundSymbol) -> Match | None:
+    """`0.5 * x * (1 + erf(x / sqrt(2)))` (BERT's and HF's Python GELU; x * 0.7071... too)."""
+    scaled = _scaled_by(g, erf.args[0], 1.0 / math.sqrt(2.0))
+    if scaled is None:
+        return None
+    x, scale = scaled
+    return _gelu_match(g, x, (scale,), erf, "none")
+
+
 # ---- GQA ----------------------------------------------------------------------------------------------
 def _heads_dim_match(x: TensorProxy, n: int, d: int, out: TensorProxy, bsyms: tuple) -> Match:
     """repeat_kv of 4-D `x` along dim d (1: (B, H, T, D) heads; 2: Meta's (B, T, H, D), transposed
@@ -1362,6 +1483,8 @@ _MATCHERS: dict[Any, tuple[str, Callable]] = {
     _CROSS_ENTROPY: ("cross_entropy", _match_cross_entropy),
     _SDPA: ("attention", _match_attention),
     _ADD: ("add_rms_norm", _match_add_rms_norm),
+    _TANH: ("gelu", _match_gelu_tanh),
+    _ERF: ("gelu", _match_gelu_erf),
 }
 _ROTATIONS: dict[Any, Callable] = {_CAT: _match_rope_half, _STACK: _match_rope_pairs,
                                    _VIEW_AS_REAL: _match_rope_complex}
@@ -1440,6 +1563,10 @@ def _kforge_replacement(kind: str) -> Callable:
     """The Thunder operator kforge registered for the helper of `kind` (through `replaces=`)."""
     from . import _thunder
 
+    if kind == "gelu":  # kforge claims torch's gelu itself: the replacement is Thunder's symbol for it
+        import thunder.torch as ltorch
+
+        return ltorch.gelu
     ex = _thunder.get_executor()
     helper = _helper(kind)
     op = ex._lookasides.get(helper)  # what thunder.jit itself calls in place of the helper
