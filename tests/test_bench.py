@@ -186,6 +186,29 @@ def test_commit_from_environment(monkeypatch):
     assert records.git_commit() == "abc1234"
 
 
+def test_commit_of_a_tree_that_differs_from_its_git_is_marked_dirty(tmp_path, monkeypatch):
+    """A tree copied over an older .git (or with uncommitted code edits) is not the commit git names:
+    the record says so; documentation edits and untracked files do not count."""
+    import subprocess
+
+    monkeypatch.delenv("KFORGE_COMMIT", raising=False)
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path,  # noqa: E731
+                                    check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    (tmp_path / "python").mkdir()
+    (tmp_path / "python" / "m.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("r\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    sha = git("rev-parse", "--short", "HEAD")
+    assert records.git_commit(str(tmp_path / "python")) == sha
+    (tmp_path / "README.md").write_text("edited\n")
+    (tmp_path / "python" / "new.py").write_text("")
+    assert records.git_commit(str(tmp_path / "python")) == sha
+    (tmp_path / "python" / "m.py").write_text("x = 2\n")
+    assert records.git_commit(str(tmp_path / "python")) == sha + "+dirty"
+
+
 # ---- importer ------------------------------------------------------------------------------------
 LEGACY = textwrap.dedent('''\
     # Benchmarks

@@ -40,20 +40,33 @@ def default_record_path() -> str:
     return os.path.join(repo_root() or os.getcwd(), RECORD_NAME)
 
 
-def git_commit() -> str | None:
+_CODE = ("python", "src", "kernels_src", "setup.py", "CMakeLists.txt")  # what a timing depends on
+
+
+def git_commit(cwd: str | None = None) -> str | None:
     """The kforge commit measured: $KFORGE_COMMIT (set where the checkout has no .git), else git's
-    short HEAD of this package's checkout, else None."""
+    short HEAD of this package's checkout (`cwd`), with "+dirty" when the code differs from it (a
+    copied tree over an older .git, or uncommitted edits), else None."""
     from .._env import text
 
     env = text("KFORGE_COMMIT")
     if env:
         return env
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
-    except (OSError, subprocess.SubprocessError):
+    cwd = cwd or os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=cwd)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    sha = git("rev-parse", "--short", "HEAD")
+    if not sha:
         return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
+    top = git("rev-parse", "--show-toplevel")
+    changed = git("-C", top, "status", "--porcelain", "--untracked-files=no", "--", *_CODE) if top else None
+    return f"{sha}+dirty" if changed else sha
 
 
 def _version(module: str) -> str | None:
