@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no network): install carried wheels, build kforge, then the given steps.
 #   scripts/gpu_run.sh test [pytest args...]   full GPU suite, log in $OUT/pytest.log
+#                                                (add --shard I/N to run the I-th of N parts)
 #   scripts/gpu_run.sh bench <args...>         python -m kforge.bench <args>, log in $OUT/bench-*.log
 #   scripts/gpu_run.sh sh '<command>'          anything else after the build
 set -uo pipefail

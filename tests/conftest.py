@@ -114,7 +114,35 @@ def pytest_unconfigure(config):
         json.dump(rows, f)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run the I-th of N parts of the collected tests (1-based; each test in exactly one "
+                          "part, by a hash of its node id): the GPU suite in several calls of bounded time")
+
+
+def _shard(spec: str) -> tuple[int, int]:
+    try:
+        i, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard {spec!r}: expected I/N, e.g. 2/3") from None
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"--shard {spec!r}: I must be between 1 and N")
+    return i, n
+
+
+def in_shard(nodeid: str, i: int, n: int) -> bool:
+    """Whether test `nodeid` belongs to part `i` of `n` (the same answer in every process)."""
+    import zlib
+
+    return zlib.crc32(nodeid.encode()) % n == i - 1
+
+
 def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if spec:
+        i, n = _shard(spec)
+        config.hook.pytest_deselected(items=[it for it in items if not in_shard(it.nodeid, i, n)])
+        items[:] = [it for it in items if in_shard(it.nodeid, i, n)]
     # SANITIZE_NODEIDS_FILE (scripts/sanitize.sh's `cover` selection): only the tests listed there,
     # one node id a line (ids hold spaces and brackets a shell -k expression would mangle).
     keep_file = os.environ.get("SANITIZE_NODEIDS_FILE")
