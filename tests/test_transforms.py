@@ -575,6 +575,14 @@ def _gelu_tanh_cubed(x):
     return x * 0.5 * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
 
 
+def _gelu_fast(x):  # Hugging Face's FastGELUActivation
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+def _gelu_bloom(x):  # BLOOM's bloom_gelu_forward
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
 def _gelu_erf_div(x):  # BERT's original gelu, HF's GELUActivation(use_gelu_python=True)
     return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
@@ -637,6 +645,9 @@ CASES = {
                                                      "kforge_gelu_backward"),
     "gelu tanh spelled out, fp32": Case(_gelu_new, _inputs(X), "gelu", "kforge_gelu_forward",
                                        "kforge_gelu_backward", dtype=F32),
+    "gelu tanh factored, HF FastGELU": Case(_gelu_fast, _inputs(X), "gelu", "kforge_gelu_forward",
+                                           "kforge_gelu_backward"),
+    "gelu tanh factored, BLOOM": Case(_gelu_bloom, _inputs(X), "gelu", "kforge_gelu_forward", "kforge_gelu_backward"),
     "gelu erf spelled out, x / sqrt(2)": Case(_gelu_erf_div, _inputs(X), "gelu", "kforge_gelu_forward",
                                               "kforge_gelu_backward"),
     "gelu erf spelled out, (x * (1 + erf)) * 0.5": Case(_gelu_erf_mul_last, _inputs(X), "gelu",
@@ -871,6 +882,8 @@ NEAR_MISSES = {
     "gelu another cubic coefficient": Miss(
         lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.05 * torch.pow(x, 3.0)))),
         _inputs(X), "gelu", None),
+    "gelu factored, another coefficient": Miss(
+        lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.05 * x * x))), _inputs(X), "gelu", None),
     "gelu tanh read elsewhere": Miss(_gelu_tanh_returned, _inputs(X), "gelu", None),
     "gelu of another tensor's cube": Miss(
         lambda x, y: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(y, 3.0)))),

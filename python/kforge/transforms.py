@@ -38,7 +38,8 @@ same thing, so kforge's grad transforms give the backward too. Spellings found (
   add_rms_norm    s = x + residual, then F.rms_norm / nn.RMSNorm (or a replaced     kforge.ops.rmsnorm.add_rms_norm
                   rms_norm spelling) of s; s may be read elsewhere                 (one kernel each way)
   gelu            0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))) (HF's    F.gelu(x, approximate="tanh" or
-                  NewGELU, minGPT's) and 0.5 * x * (1 + erf(x / sqrt(2))) (BERT's), "none"), which kforge claims
+                  NewGELU, minGPT's) or with sqrt(2/pi) * x * (1 + 0.044715 * x*x) "none"), which kforge claims
+                  (FastGELU, BLOOM's), and 0.5 * x * (1 + erf(x / sqrt(2))) (BERT's),
                   the 0.5 and the product in any grouping, x**3 as pow or x*x*x    (one fp32 rounding where a 16-bit
                                                                                   spelling rounds each step, as
                                                                                   torch.compile computes it)
@@ -967,8 +968,48 @@ def _gelu_match(g: _Graph, x: TensorProxy, core: tuple, fn: BoundSymbol, approxi
     return Match("gelu", (x,), (out,), bsyms, {"approximate": approximate})
 
 
+def _square_times(g: _Graph, p: Any, k: float) -> tuple[TensorProxy, tuple[BoundSymbol, ...]] | None:
+    """(x, ops) when `p` is k * x * x: (k * x) * x, x * (k * x) or k * (x * x)."""
+    outer = g.producer(p, _MUL)
+    if outer is None or len(outer.args) != 2:
+        return None
+    for kx, x in ((outer.args[0], outer.args[1]), (outer.args[1], outer.args[0])):
+        s = _scaled_by(g, kx, k) if isinstance(x, TensorProxy) else None
+        if s is not None and s[0] is x and s[1].sym.id == _MUL:
+            return x, (s[1], outer)
+    s = _scaled_by(g, p, k)
+    if s is not None and s[1].sym.id == _MUL:
+        sq = g.producer(s[0], _MUL)
+        if sq is not None and len(sq.args) == 2 and sq.args[0] is sq.args[1]:
+            return sq.args[0], (sq, s[1])
+    return None
+
+
+def _gelu_tanh_factored(g: _Graph, arg: Any) -> tuple[TensorProxy, tuple[BoundSymbol, ...]] | None:
+    """The tanh argument written c * x * (1 + 0.044715 * x * x) (HF's FastGELU, BLOOM's gelu):
+    (c * x) * p or (x * c) * p, p = 1 + 0.044715 * x * x."""
+    prod = g.producer(arg, _MUL)
+    if prod is None or len(prod.args) != 2:
+        return None
+    for cx, p in ((prod.args[0], prod.args[1]), (prod.args[1], prod.args[0])):
+        scaled = _scaled_by(g, cx, _SQRT_2_OVER_PI)
+        add = g.producer(p, _ADD)
+        if scaled is None or scaled[1].sym.id != _MUL or add is None or _arg(add, 2, "alpha", 1) != 1:
+            continue
+        x = scaled[0]
+        for one, term in ((add.args[0], add.args[1]), (add.args[1], add.args[0])):
+            sq = _square_times(g, term, _GELU_CUBIC) if _is(one, 1.0) else None
+            if sq is not None and sq[0] is x:
+                return x, (scaled[1], *sq[1], add, prod)
+    return None
+
+
 def _match_gelu_tanh(g: _Graph, tanh: BoundSymbol) -> Match | None:
-    """`0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x ** 3)))` (GPT-2's and HF's NewGELU)."""
+    """`0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x ** 3)))` (GPT-2's and HF's NewGELU), or
+    with the argument factored, `sqrt(2 / pi) * x * (1 + 0.044715 * x * x)` (FastGELU, BLOOM)."""
+    factored = _gelu_tanh_factored(g, tanh.args[0])
+    if factored is not None:
+        return _gelu_match(g, factored[0], factored[1], tanh, "tanh")
     scaled = _scaled_by(g, tanh.args[0], _SQRT_2_OVER_PI)
     if scaled is None:
         return None
