@@ -95,6 +95,13 @@ def _sum_all(x):
     return x.sum()
 
 
+def _add_then_sum_of_view(x, y):
+    # HF Conv1D's backward: the residual gradient goes on as (B, T, C), its bias gradient is the sum of
+    # its (B * T, C) view: one region whose kept output has another shape than the reduction's input
+    s = x + y
+    return s, s.reshape(-1, s.shape[-1]).sum(0, keepdim=True)
+
+
 def _masks_odd(x, y):
     # bool and int64 outputs whose odd width leaves one element per thread: 1-byte stores
     return x > y, (x * y > 0.25) & (y < 1.0), (x > 0).long() + 2
@@ -125,6 +132,8 @@ CASES: dict[str, tuple[Callable, Callable[[torch.dtype, str], tuple]]] = {
     "rms_stats": (_rsqrt_norm_stats, lambda dt, dev: (randn(4, 3, 256, dtype=dt, device=dev),)),
     # offset from 0: a sum of zero-mean values cancels, and its relative error then measures luck
     "sum_all": (_sum_all, lambda dt, dev: ((randn(1000, 37, device=dev) * 0.5 + 1).to(dt),)),
+    "add_then_sum_of_view": (_add_then_sum_of_view, lambda dt, dev: (randn(4, 9, 40, dtype=dt, device=dev),
+                                                                     randn(4, 9, 40, dtype=dt, device=dev))),
     "masks_odd": (_masks_odd, lambda dt, dev: (randn(7, 33, dtype=dt, device=dev), randn(7, 33, dtype=dt, device=dev))),
     "grad_like": (_grad_like, lambda dt, dev: (randn(64, 48, dtype=dt, device=dev), randn(64, 48, dtype=dt, device=dev))),
 }

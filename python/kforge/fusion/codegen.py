@@ -286,7 +286,9 @@ def schedule(ir: RegionIR) -> Schedule:
             if squeezed(o.shape) != squeezed(reds[0].shape):
                 raise Unsupported(f"post-reduction output {o.dtype}{list(o.shape)} is not of the reduced shape "
                                   f"{list(reds[0].shape)}")
-        elif squeezed(o.shape) != squeezed(shape):
+        elif squeezed(o.shape) != squeezed(shape) and numel(o.shape) != n_in:
+            # (an output of the input's size in another shape is a row-major reshape of it: HF's Conv1D
+            # gradient is summed over its (B*T, C) view while the (B, T, C) value goes on)
             raise Unsupported(f"output {o.dtype}{list(o.shape)} is neither of the reduction's input shape "
                               f"{list(shape)} nor of its result")
     return Schedule("reduce", shape, tuple(dims), pre, n_in)
@@ -945,7 +947,7 @@ def _reduction(ir: RegionIR, sched: Schedule, layout: dict, wide: bool, sm_count
             acc_updates.append(f"{name}{'[v]' if not inner else ''} = kf_combine_{kind}({name}{'[v]' if not inner else ''}, {x});")
     pre_stores, run_decls, run_stores = [], [], []
     for j, o in pre_outs:
-        x = em.emit(o, _pre_out_coords(coords, shape, o))
+        x = em.emit(o, _pre_out_coords(coords, shape, o, vec))
         lin = ravel(coords, shape, vec)
         if vec > 1 and lin.kind == "lane" and lin.aligned:
             # the lanes are one aligned run of the output: one 16-byte store after the lane loop
@@ -1151,8 +1153,11 @@ def _reduction(ir: RegionIR, sched: Schedule, layout: dict, wide: bool, sm_count
     return body, launches, ws_floats * 4, vec, bits
 
 
-def _pre_out_coords(coords: list[Idx], shape: Sequence[int], o: Value) -> list[Idx]:
-    """Coordinates of a pre output of the same squeezed shape as the reduction input."""
+def _pre_out_coords(coords: list[Idx], shape: Sequence[int], o: Value, vec: int) -> list[Idx]:
+    """Coordinates of a pre output at the reduction input's element `coords`: the same squeezed shape,
+    or another shape of the same size (a row-major reshape: the same linear index)."""
+    if squeezed(o.shape) != squeezed(shape):
+        return unravel(ravel(coords, shape, vec), o.shape, vec)
     live = [c for c, s in zip(coords, shape) if s != 1]
     it = iter(live)
     return [ZERO if s == 1 else next(it) for s in o.shape]
