@@ -427,6 +427,49 @@ def test_users_models_fuse(model: str, autocast: bool) -> None:
     assert "kforgeFusion" in str(report)
 
 
+_VIEW_PRIM_NAMES = {"reshape", "broadcast_in_dim", "transpose", "squeeze", "shallow_copy"}
+
+
+def _view_outputs(b) -> list[str]:
+    """Outputs of fusion symbol `b` that are a view (one view prim) of another of its outputs."""
+    outs = {o.name for o in b.output}
+    found = []
+
+    def walk(bsyms):
+        for s in bsyms:
+            if s.subsymbols and s.sym.name not in _VIEW_PRIM_NAMES:
+                walk(s.subsymbols)
+            elif (s.sym.name in _VIEW_PRIM_NAMES and s.flat_proxy_args and s.flat_proxy_args[0].name in outs
+                  and any(o.name in outs for o in s.flat_proxy_outs)):
+                found.append(s.flat_proxy_outs[0].name)
+
+    walk(b.subsymbols)
+    return found
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+@pytest.mark.parametrize("model", ["nanogpt", "hf_gpt2", "plain_llama"])
+def test_regions_write_no_view_of_their_own_outputs(model: str, autocast: bool) -> None:
+    """A view of a region's result read both inside the region and outside is a torch view outside
+    and recomputed inside: no region writes the same values twice. HF GPT-2's backward (Conv1D: bias
+    gradient summed over a (B*T, C) view of the residual gradient) then has nanoGPT's regions."""
+    import importlib
+
+    import kforge
+    from conftest import fake_cuda_trace
+
+    def regions(name):
+        make = importlib.import_module(f"kforge.zoo.{name}").make
+        ft = fake_cuda_trace(make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=autocast)
+        return _fusions(ft.forward), _fusions(ft.backward)
+
+    fwd, bwd = regions(model)
+    for b in (*fwd, *bwd):
+        assert not _view_outputs(b), (b.sym.name, _view_outputs(b), str(b))
+    if model == "hf_gpt2" and not autocast:
+        assert len(bwd) == len(regions("nanogpt")[1]), [str(b).splitlines()[0] for b in bwd]
+
+
 def test_fusion_off_by_environment(monkeypatch) -> None:
     import kforge
     from kforge.fusion import get_fusion_executor

@@ -14,7 +14,9 @@
 3. Tail views leave their group: a view (broadcast, reshape, transpose, squeeze) whose result is only
    read outside the group runs as a torch view of the group's output instead of a materialised copy.
    A group left with views only is dissolved: views are free in torch, unless it ends in a reshape
-   torch would have to copy (a transposed or expanded view), which a region copies vectorised.
+   torch would have to copy (a transposed or expanded view), which a region copies vectorised. A view
+   read both inside and outside its group is done both ways: a torch view for the outside, recomputed
+   inside (the region writes its input once, not the values twice).
 4. Groups and the remaining bound symbols are put in a topological order that keeps each unit close
    to where its last symbol was.
 """
@@ -176,7 +178,9 @@ class _Partitioner:
             for o in self.nodes[i].bsym.flat_proxy_outs:
                 if o.name in seen_out or self.producer.get(o.name) != i:
                     continue
-                if any(self._needs_from_outside(c, i, inside) for c in self.consumers.get(o.name, ())):
+                # (a recomputed view of a home member's result also runs outside: split_shared_views)
+                if any(self._needs_from_outside(c, i, inside) or (c in inside and c not in home_set)
+                       for c in self.consumers.get(o.name, ())):
                     seen_out.add(o.name)
                     outs.append(o)
         return [self.nodes[i].bsym for i in ms], ins, outs
@@ -372,6 +376,28 @@ class _Partitioner:
                     changed = True
         return keep
 
+    def split_shared_views(self) -> None:
+        """A view read both inside its group and outside: the outside readers get a torch view of the
+        group's result and the group recomputes the view for its own readers (free in a kernel), so the
+        region does not write the same values twice. (HF's Conv1D backward: the (B*T, C) view of the
+        residual gradient is summed inside for the bias and read outside by the GEMMs.)"""
+        for g in sorted(self._final):
+            ms = self.members[g]
+            for i in list(ms):
+                if len(ms) < 2 or not self.is_view(i) or self.copies(i):
+                    continue
+                outs = self.nodes[i].bsym.flat_proxy_outs
+                readers = [c for o in outs for c in self.consumers.get(o.name, ()) if c != i]
+                inside = [c for c in readers if c in ms]
+                if not inside or len(inside) == len(readers):
+                    continue
+                ms.remove(i)
+                self.absorbed.setdefault(g, []).append(i)
+                if self.legal(*self.region(self.peel(self.all_members(g)), ms)) is not None:
+                    self.absorbed[g].remove(i)  # not one kernel that way: export the view as before
+                    ms.append(i)
+                    ms.sort()
+
     # -- the whole pass -----------------------------------------------------------------------------------
     def run(self) -> tuple[list, list[Group], dict]:
         self._final: set[int] = set()
@@ -386,6 +412,7 @@ class _Partitioner:
                     self.reasons.setdefault(i, "view of a region's result: a torch view outside the region")
             if not self.members[g]:
                 self._final.discard(g)
+        self.split_shared_views()
         self.absorb()
         for g in sorted(self._final):
             keep = set(self.peel(self.all_members(g)))
