@@ -5,7 +5,8 @@ random weights (nothing is downloaded), SDPA attention, no KV cache, called as
 
 How it differs from nanoGPT's spelling: every projection is transformers' `Conv1D`, a
 `torch.addmm(bias, x, w)` with the weight stored (in, out); GELU is the tanh form written out
-(`NewGELUActivation`: `0.5 * x * (1 + tanh(...(x + 0.044715 * x**3)))`); the causal mask comes from
+(`NewGELUActivation`: `0.5 * x * (1 + tanh(...(x + 0.044715 * x**3)))`, which kforge.transforms'
+`gelu` pattern finds); the causal mask comes from
 transformers' mask utilities; the loss upcasts the logits to fp32 and shifts the labels itself.
 Dropout is off (GPT2Config's default is 0.1), as in nanogpt's bench model: attention with dropout
 is left to Thunder's sdpa executor.
