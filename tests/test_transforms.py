@@ -1022,7 +1022,7 @@ def _zoo_step(model, inputs, opts, compiled=None):
 @gpu
 @pytest.mark.parametrize("route", ["jit", "dynamo"])
 @pytest.mark.parametrize("setup", list(SETUPS))
-@pytest.mark.parametrize("model", ["plain_llama", "nanogpt", "hf_llama"])
+@pytest.mark.parametrize("model", ["plain_llama", "nanogpt", "hf_llama", "hf_gpt2"])
 def test_users_models_tie_out_on_gpu(model, setup, route):
     """Loss and every parameter gradient against eager PyTorch (kforge.tieout's tolerances for bf16),
     one training step, with every mission step on kforge."""
@@ -1030,6 +1030,9 @@ def test_users_models_tie_out_on_gpu(model, setup, route):
 
     if model == "hf_llama" and route == "jit":
         pytest.skip("thunder.jit cannot trace transformers' LlamaForCausalLM (the Dynamo path is its route)")
+    if model == "hf_gpt2" and route == "dynamo":
+        pytest.skip("Dynamo breaks HF GPT-2 into two graphs; its Dynamo path is tied out on the CPU in "
+                    "tests/test_linear.py (test_hf_gpt2_dynamo_path_keeps_conv1d_in_thunder)")
     torch._dynamo.reset()
     m, inputs, opts = _zoo(model)(size="tiny", batch=2, seq=64, device="cuda", **SETUPS[setup])
     eager = copy.deepcopy(m)
