@@ -338,6 +338,22 @@ def _other(b: BoundSymbol, p: Proxy) -> Any:
     return None
 
 
+def _constant_factor(g: _Graph, p: Any) -> tuple[TensorProxy, float, BoundSymbol] | None:
+    """(x, c, op) when `p` is x * c or c * x, or x / k (true division, c = 1 / k), of a tensor x and
+    a constant."""
+    b = g.producer(p, _MUL, _TRUE_DIV, _DIV)
+    if b is None or len(b.args) < 2:
+        return None
+    if b.sym.id == _MUL:
+        for x, k in ((b.args[0], b.args[1]), (b.args[1], b.args[0])):
+            if isinstance(x, TensorProxy) and _const(k):
+                return x, float(k), b
+    elif _arg(b, 2, "rounding_mode") is None and isinstance(b.args[0], TensorProxy) and _const(b.args[1]) \
+            and b.args[1] != 0:
+        return b.args[0], 1.0 / float(b.args[1]), b
+    return None
+
+
 def _shape(p: TensorProxy) -> tuple[int, ...]:
     return tuple(p.shape)
 
@@ -892,19 +908,9 @@ def _is(v: Any, want: float) -> bool:
 
 
 def _scaled_by(g: _Graph, p: Any, c: float) -> tuple[TensorProxy, BoundSymbol] | None:
-    """(x, op) when `p` is x * c, c * x or x / (1 / c) (true division) of a tensor x."""
-    b = g.producer(p, _MUL)
-    if b is not None and len(b.args) == 2:
-        a0, a1 = b.args
-        for x, k in ((a1, a0), (a0, a1)):
-            if isinstance(x, TensorProxy) and _is(k, c):
-                return x, b
-    b = g.producer(p, _TRUE_DIV, _DIV)
-    if b is not None and _arg(b, 2, "rounding_mode") is None:
-        x, k = b.args[0], b.args[1]
-        if isinstance(x, TensorProxy) and _const(k) and k != 0 and math.isclose(1.0 / float(k), c, rel_tol=1e-6):
-            return x, b
-    return None
+    """(x, op) when `p` is x scaled by the constant `c` (`_constant_factor`)."""
+    f = _constant_factor(g, p)
+    return (f[0], f[2]) if f is not None and _is(f[1], c) else None
 
 
 def _cube_of(g: _Graph, p: Any) -> tuple[TensorProxy, tuple[BoundSymbol, ...]] | None:
@@ -1407,18 +1413,10 @@ def _causal_mask_problem(mask: torch.Tensor, t: int, additive: bool, value: Any 
 def _scale_of(g: _Graph, s: TensorProxy, consumer: BoundSymbol) -> tuple[TensorProxy, float, tuple]:
     """(unscaled scores, scale, bsyms) for scores `s`: `att * c`, `c * att`, `att / c` with a
     constant c, when `s` feeds only `consumer`; else (s, 1.0, ())."""
-    b = g.producer(s, _MUL, _TRUE_DIV, _DIV)
-    if b is None or [id(c) for c in g.consumers(s)] != [id(consumer)]:
+    f = _constant_factor(g, s)
+    if f is None or [id(c) for c in g.consumers(s)] != [id(consumer)]:
         return s, 1.0, ()
-    if b.sym.id == _MUL:
-        a0, a1 = b.args[0], b.args[1]
-        att, c = (a0, a1) if isinstance(a0, TensorProxy) else (a1, a0)
-        if isinstance(att, TensorProxy) and _const(c):
-            return att, float(c), (b,)
-    elif b.kwargs.get("rounding_mode") is None and isinstance(b.args[0], TensorProxy) and _const(b.args[1]):
-        if b.args[1] != 0:
-            return b.args[0], 1.0 / float(b.args[1]), (b,)
-    return s, 1.0, ()
+    return f[0], f[1], (f[2],)
 
 
 def _match_causal_softmax(g: _Graph, sm: BoundSymbol) -> Match | None:
