@@ -425,33 +425,32 @@ _PROCESS_MODIFICATIONS = None  # thunder.core.jit_ext.process_recorded_modificat
 _MEMBER_DICTS = ("_buffers", "_parameters", "_modules")
 
 
+def _dict_of(modified, names: tuple[str, ...]):
+    """The provenance of the object whose attribute `modified` (a wrapped dict) is, when that
+    attribute is one of `names` (`__dict__`, a module's `_buffers`, ...), else None."""
+    from thunder.core.interpreter import PseudoInst
+
+    p = getattr(modified, "provenance", None)
+    if (p is not None and p.inst is PseudoInst.LOAD_ATTR and len(p.inputs) == 2
+            and p.inputs[1].inst is PseudoInst.CONSTANT and p.inputs[1].value in names):
+        return p.inputs[0]
+    return None
+
+
 def _made_in_trace(modified) -> bool:
     """Whether `modified` (a wrapped dict) is a member dictionary of a module the traced code itself
     constructed: its owner is the result of a `__new__` call made during the trace. (A module reached
     any other way, an opaque call included, may be the model's: its writes stay with Thunder.)"""
     from thunder.core.interpreter import PseudoInst
 
-    p = getattr(modified, "provenance", None)
-    if not (p is not None and p.inst is PseudoInst.LOAD_ATTR and len(p.inputs) == 2
-            and p.inputs[1].inst is PseudoInst.CONSTANT and p.inputs[1].value in _MEMBER_DICTS):
+    owner = _dict_of(modified, _MEMBER_DICTS)
+    if owner is None:
         return False
-    owner = p.inputs[0]
     if owner.inst is PseudoInst.NEW:
         return True
     callee = owner.inputs[0] if owner.inst is PseudoInst.OPAQUE and owner.inputs else None
     return (callee is not None and callee.inst is PseudoInst.CONSTANT
             and getattr(callee.value, "__name__", None) == "__new__")
-
-
-def _attribute_owner(modified):
-    """The provenance of the object whose `__dict__` `modified` (a wrapped dict) is, or None."""
-    from thunder.core.interpreter import PseudoInst
-
-    p = getattr(modified, "provenance", None)
-    if (p is not None and p.inst is PseudoInst.LOAD_ATTR and len(p.inputs) == 2
-            and p.inputs[1].inst is PseudoInst.CONSTANT and p.inputs[1].value == "__dict__"):
-        return p.inputs[0]
-    return None
 
 
 def _replay_string_attributes(ctx, epilogue_trace) -> None:
@@ -463,7 +462,7 @@ def _replay_string_attributes(ctx, epilogue_trace) -> None:
     from thunder.core.trace import tracectx
 
     for modified, mods in list(ctx._additional_outputs.items()):
-        owner = _attribute_owner(modified)
+        owner = _dict_of(modified, ("__dict__",))
         if owner is None or not isinstance(modified.value, dict):
             continue
         last = {}
