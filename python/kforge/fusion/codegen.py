@@ -578,13 +578,17 @@ def _view_flip(em: _Emitter, v: Value, coords: list[Idx]) -> list[Idx]:
 
 
 def _view_reshape(em: _Emitter, v: Value, coords: list[Idx]) -> list[Idx]:
-    a = v.args[0]
-    if squeezed(a.shape) == squeezed(v.shape):
-        live = [c for c, s in zip(coords, v.shape) if s != 1]
+    return reshape_coords(coords, v.shape, v.args[0].shape, em.vec)
+
+
+def reshape_coords(coords: list[Idx], out_shape: Sequence[int], in_shape: Sequence[int], vec: int) -> list[Idx]:
+    """Coordinates in `in_shape` of the element at `coords` of its row-major reshape to `out_shape`."""
+    if squeezed(in_shape) == squeezed(out_shape):
+        live = [c for c, s in zip(coords, out_shape) if s != 1]
         it = iter(live)
-        return [ZERO if s == 1 else next(it) for s in a.shape]
+        return [ZERO if s == 1 else next(it) for s in in_shape]
     # Split both shapes into groups of equal element counts; map each group through its linear index.
-    out_sh, in_sh = list(v.shape), list(a.shape)
+    out_sh, in_sh = list(out_shape), list(in_shape)
     res: list[Idx] = []
     i = j = 0
     while i < len(out_sh) or j < len(in_sh):
@@ -611,8 +615,8 @@ def _view_reshape(em: _Emitter, v: Value, coords: list[Idx]) -> list[Idx]:
         while j < len(in_sh) and in_sh[j] == 1 and (i >= len(out_sh) or out_sh[i] != 1):
             gj.append(j)
             j += 1
-        lin = ravel([coords[k] for k in gi], [out_sh[k] for k in gi], em.vec)
-        res.extend(unravel(lin, [in_sh[k] for k in gj], em.vec))
+        lin = ravel([coords[k] for k in gi], [out_sh[k] for k in gi], vec)
+        res.extend(unravel(lin, [in_sh[k] for k in gj], vec))
     return res
 
 
@@ -1155,12 +1159,9 @@ def _reduction(ir: RegionIR, sched: Schedule, layout: dict, wide: bool, sm_count
 
 def _pre_out_coords(coords: list[Idx], shape: Sequence[int], o: Value, vec: int) -> list[Idx]:
     """Coordinates of a pre output at the reduction input's element `coords`: the same squeezed shape,
-    or another shape of the same size (a row-major reshape: the same linear index)."""
-    if squeezed(o.shape) != squeezed(shape):
-        return unravel(ravel(coords, shape, vec), o.shape, vec)
-    live = [c for c, s in zip(coords, shape) if s != 1]
-    it = iter(live)
-    return [ZERO if s == 1 else next(it) for s in o.shape]
+    or another shape of the same size (a row-major reshape: the same linear index, mapped as the
+    region's own reshapes map it, so its loads are the ones the reduction already made)."""
+    return reshape_coords(coords, shape, o.shape, vec)
 
 
 def _post_out_coords(row_coords: list[Idx], rshape: Sequence[int], o: Value) -> list[Idx]:
