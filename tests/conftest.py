@@ -405,7 +405,7 @@ def as_on_a_gpu():
         with contextlib.ExitStack() as stack:
             # As on a GPU: FlashAttention takes no attn_mask, memory-efficient attention takes one.
             stack.enter_context(mock.patch.object(torch.backends.cuda, "can_use_flash_attention",
-                                                  side_effect=lambda p, debug=False: p.attn_mask is None,
+                                                  side_effect=lambda p, debug=False: p.attn_mask is None and p.query.dtype in (torch.float16, torch.bfloat16),
                                                   create=True))
             stack.enter_context(mock.patch.object(torch.backends.cuda, "can_use_efficient_attention",
                                                   return_value=True, create=True))
