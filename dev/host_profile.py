@@ -1,6 +1,6 @@
 """Host time of a kforge training step of a zoo model: is the step host-bound?
 
-    python3 dev/host_profile.py plain-llama [--autocast] [--steps 10] [--profile 5]
+    python3 dev/host_profile.py plain-llama [--size bench] [--autocast] [--steps 10] [--profile 5]
 
 Prints, per round of `--steps` steps, the host time to enqueue a step (perf_counter around the calls,
 no synchronisation) beside the wall time once the GPU has caught up. Enqueue close to wall means the
@@ -25,10 +25,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=sorted(MODELS))
     ap.add_argument("--autocast", action="store_true", help="fp32 weights under torch.autocast(bf16)")
+    ap.add_argument("--size", default="bench", help="the zoo size (GPT-2 models: 124M)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile", type=int, default=5, help="steps under cProfile (0: none)")
     args = ap.parse_args()
-    model, inputs, opts = load_factory(MODELS[args.model])(size="bench", batch=8, seq=1024, device="cuda",
+    model, inputs, opts = load_factory(MODELS[args.model])(size=args.size, batch=8, seq=1024, device="cuda",
                                                           autocast=args.autocast)
     fn = wrap("kforge", model, opts.get("mode", "jit"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
