@@ -2095,14 +2095,22 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    kwargs["transforms"] = [patterns, SdpaMaskShape(), LinearBiasSplit(), *transforms, ZeroCotangents(),
-                            BatchedChecks()]
+    kwargs["transforms"] = [patterns, SdpaMaskShape(), LinearBiasSplit(), *_gemm_calls(), *transforms,
+                            ZeroCotangents(), BatchedChecks()]
     compile_kwargs = get_torch_compile_kwargs(**kwargs)
     backend = _compiler_class()(**{k: v for k, v in kwargs.items() if k not in compile_kwargs})
     compiled = ThunderFXCompiledObject(backend, torch.compile(model, backend=backend, **compile_kwargs))
     compiled.llama_patterns = patterns
     compiled.backend = backend
     return compiled
+
+
+def _gemm_calls() -> list:
+    """[kforge.ops.gemm.GemmCalls()] when KFORGE_GEMM is on (before the caller's transforms, so that
+    CUDA graphs capture the rewritten calls), else []."""
+    from .ops import gemm
+
+    return [gemm.GemmCalls()] if gemm.enabled() else []
 
 
 def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterable[str] = ALL_KINDS, **kwargs: Any):
@@ -2120,7 +2128,8 @@ def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterabl
     _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    transforms = [patterns, SdpaMaskShape(), LinearBiasSplit(), *transforms, ZeroCotangents(), BatchedChecks()]
+    transforms = [patterns, SdpaMaskShape(), LinearBiasSplit(), *_gemm_calls(), *transforms, ZeroCotangents(),
+                  BatchedChecks()]
     jfn = thunder.jit(fn, transforms=transforms, **kwargs)
     jfn.llama_patterns = patterns
     return jfn

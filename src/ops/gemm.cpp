@@ -1,0 +1,396 @@
+// gemm: the matrix products of a training step (linear layers, their gradients, Conv1D's addmm)
+// called on cuBLASLt directly, with one plan per shape kept for the process.
+//
+// Why: a training step of a 124M-parameter model makes ~250 GEMM calls, and through torch each costs
+// 20-25 us of host time on the GPU machine (Python binding, dispatcher, ATen's matmul folding, and
+// cuBLAS choosing a kernel on every call) against ~5 us for a kforge launcher. Those steps are bound
+// by host time, so the GEMMs' host cost is step time. Here a call looks its plan up by shape (matmul
+// descriptor, layouts and the kernel cuBLASLt's heuristic chose, made once) and launches it.
+//
+// Same arithmetic as torch: fp32 accumulation (fp32 inputs: TF32 only where torch allows it), the
+// workspace and handle torch's own cuBLASLt calls use on this stream, PyTorch's current stream.
+// Anything off the fast path goes to the ATen op that computes the same thing: other dtypes or
+// devices, empty or unaligned matrices, strides that are neither row- nor column-major, torch's
+// non-default split-K / fp32-precision settings, a cuBLASLt without a kernel for the shape.
+#include <cublasLt.h>
+#include <dlfcn.h>
+
+#include <ATen/Context.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "../runtime/torch_launch.h"
+
+namespace kforge {
+namespace {
+
+constexpr const char* kOp = "gemm";
+
+// ---- cuBLASLt, found in the process (torch loads it) -------------------------------------------
+struct LtApi {
+  cublasStatus_t (*MatmulDescCreate)(cublasLtMatmulDesc_t*, cublasComputeType_t, cudaDataType_t);
+  cublasStatus_t (*MatmulDescSetAttribute)(cublasLtMatmulDesc_t, cublasLtMatmulDescAttributes_t,
+                                           const void*, size_t);
+  cublasStatus_t (*MatrixLayoutCreate)(cublasLtMatrixLayout_t*, cudaDataType, uint64_t, uint64_t,
+                                       int64_t);
+  cublasStatus_t (*MatmulPreferenceCreate)(cublasLtMatmulPreference_t*);
+  cublasStatus_t (*MatmulPreferenceDestroy)(cublasLtMatmulPreference_t);
+  cublasStatus_t (*MatmulPreferenceSetAttribute)(cublasLtMatmulPreference_t,
+                                                 cublasLtMatmulPreferenceAttributes_t, const void*,
+                                                 size_t);
+  cublasStatus_t (*MatmulAlgoGetHeuristic)(cublasLtHandle_t, cublasLtMatmulDesc_t,
+                                           cublasLtMatrixLayout_t, cublasLtMatrixLayout_t,
+                                           cublasLtMatrixLayout_t, cublasLtMatrixLayout_t,
+                                           cublasLtMatmulPreference_t, int,
+                                           cublasLtMatmulHeuristicResult_t*, int*);
+  cublasStatus_t (*Matmul)(cublasLtHandle_t, cublasLtMatmulDesc_t, const void*, const void*,
+                           cublasLtMatrixLayout_t, const void*, cublasLtMatrixLayout_t, const void*,
+                           const void*, cublasLtMatrixLayout_t, void*, cublasLtMatrixLayout_t,
+                           const cublasLtMatmulAlgo_t*, void*, size_t, cudaStream_t);
+};
+
+// Null when no libcublasLt is loaded or loadable (then every call takes the ATen path).
+const LtApi* lt() {
+  static const LtApi* api = []() -> const LtApi* {
+    void* lib = RTLD_DEFAULT;
+    if (!dlsym(lib, "cublasLtMatmul")) {  // torch's libs loaded locally: open the one it ships
+      lib = nullptr;
+      for (const char* name : {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"})
+        if ((lib = dlopen(name, RTLD_NOW | RTLD_LOCAL))) break;
+      if (!lib) return nullptr;
+    }
+    static LtApi a;
+    bool ok = true;
+    auto get = [&](auto& fn, const char* symbol) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, symbol));
+      ok = ok && fn;
+    };
+    get(a.MatmulDescCreate, "cublasLtMatmulDescCreate");
+    get(a.MatmulDescSetAttribute, "cublasLtMatmulDescSetAttribute");
+    get(a.MatrixLayoutCreate, "cublasLtMatrixLayoutCreate");
+    get(a.MatmulPreferenceCreate, "cublasLtMatmulPreferenceCreate");
+    get(a.MatmulPreferenceDestroy, "cublasLtMatmulPreferenceDestroy");
+    get(a.MatmulPreferenceSetAttribute, "cublasLtMatmulPreferenceSetAttribute");
+    get(a.MatmulAlgoGetHeuristic, "cublasLtMatmulAlgoGetHeuristic");
+    get(a.Matmul, "cublasLtMatmul");
+    return ok ? &a : nullptr;
+  }();
+  return api;
+}
+
+// ---- operands ----------------------------------------------------------------------------------
+// A 2-D view as cuBLAS sees it: row-major (element (i, j) at i * ld + j) or column-major (i + j *
+// ld). Size-1 dimensions take any stride.
+struct Operand {
+  bool row_major;
+  int64_t ld;
+};
+
+bool as_operand(const at::Tensor& t, Operand& o) {
+  const int64_t r = t.size(0), c = t.size(1);
+  const int64_t s0 = t.stride(0), s1 = t.stride(1);
+  if (c == 1 || s1 == 1) {
+    o = {true, r == 1 ? std::max<int64_t>(c, 1) : s0};
+    return o.ld >= std::max<int64_t>(c, 1);
+  }
+  if (r == 1 || s0 == 1) {
+    o = {false, s1};
+    return o.ld >= std::max<int64_t>(r, 1);
+  }
+  return false;
+}
+
+cudaDataType_t cuda_type(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return CUDA_R_16BF;
+    case at::kHalf: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+bool fast_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
+}
+
+// 16-byte aligned address and leading dimension: the alignment every plan is chosen for.
+bool aligned(const void* p, int64_t ld, int64_t elem) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0 && (ld * elem) % 16 == 0;
+}
+
+// Compute type for inputs of `t` under torch's current settings; false when torch asks for what
+// the plans do not do (non-default split-K reduction, bf16 inside fp32 matmuls): the ATen path.
+bool compute_type(at::ScalarType t, cublasComputeType_t& ct) {
+  auto& ctx = at::globalContext();
+  if (t == at::kFloat) {
+    if (ctx.float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL) ==
+        at::Float32Precision::BF16)
+      return false;
+    ct = ctx.allowTF32CuBLAS() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    return true;
+  }
+  const auto allowed = t == at::kHalf ? ctx.allowFP16ReductionCuBLAS() : ctx.allowBF16ReductionCuBLAS();
+  ct = CUBLAS_COMPUTE_32F;
+  return allowed == at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK;
+}
+
+// ---- plans -------------------------------------------------------------------------------------
+struct Key {
+  int64_t m, n, k, lda, ldb, ldd;
+  bool a_row, b_row, bias, accumulate;
+  int8_t ab_type, d_type, compute, device;
+  bool operator==(const Key& o) const {
+    return m == o.m && n == o.n && k == o.k && lda == o.lda && ldb == o.ldb && ldd == o.ldd &&
+           a_row == o.a_row && b_row == o.b_row && bias == o.bias && accumulate == o.accumulate &&
+           ab_type == o.ab_type && d_type == o.d_type && compute == o.compute && device == o.device;
+  }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    size_t h = 1469598103934665603ull;
+    for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldd})
+      h = (h ^ static_cast<size_t>(v)) * 1099511628211ull;
+    const int64_t bits = k.a_row | k.b_row << 1 | k.bias << 2 | k.accumulate << 3 |
+                         int64_t(k.ab_type) << 4 | int64_t(k.d_type) << 12 |
+                         int64_t(k.compute) << 20 | int64_t(k.device) << 28;
+    return (h ^ static_cast<size_t>(bits)) * 1099511628211ull;
+  }
+};
+
+// Descriptors are never destroyed: one per shape for the process, as the kernels are.
+struct Plan {
+  bool ok = false;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace = 0;
+};
+
+// D (m x n, row-major, ld ldd) = A (m x k) @ B (k x n) [+ bias (n)] [+ D]. cuBLAS is column-major,
+// so it computes D^T = B^T @ A^T: its first operand is B, its second A. A row-major matrix read
+// column-major is its own transpose, so a row-major operand needs no transpose and a column-major
+// one does.
+Plan make_plan(const Key& key, cublasLtHandle_t handle, size_t workspace) {
+  const LtApi& L = *lt();
+  Plan p;
+  const auto ab = static_cast<cudaDataType_t>(key.ab_type), dt = static_cast<cudaDataType_t>(key.d_type);
+  if (L.MatmulDescCreate(&p.desc, static_cast<cublasComputeType_t>(key.compute), CUDA_R_32F) !=
+      CUBLAS_STATUS_SUCCESS)
+    return p;
+  const cublasOperation_t op_first = key.b_row ? CUBLAS_OP_N : CUBLAS_OP_T;
+  const cublasOperation_t op_second = key.a_row ? CUBLAS_OP_N : CUBLAS_OP_T;
+  L.MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof op_first);
+  L.MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof op_second);
+  if (key.bias) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    L.MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi);
+    const cudaDataType_t bias_type = dt;
+    L.MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type);
+  }
+  // Stored shapes (rows x cols, column-major): B is (n x k) when row-major, else (k x n); A is
+  // (k x m) when row-major, else (m x k); D^T is (n x m).
+  const bool made =
+      L.MatrixLayoutCreate(&p.a, ab, key.b_row ? key.n : key.k, key.b_row ? key.k : key.n, key.ldb) ==
+          CUBLAS_STATUS_SUCCESS &&
+      L.MatrixLayoutCreate(&p.b, ab, key.a_row ? key.k : key.m, key.a_row ? key.m : key.k, key.lda) ==
+          CUBLAS_STATUS_SUCCESS &&
+      L.MatrixLayoutCreate(&p.d, dt, key.n, key.m, key.ldd) == CUBLAS_STATUS_SUCCESS;
+  if (!made) return p;
+  cublasLtMatmulPreference_t pref = nullptr;
+  if (L.MatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return p;
+  const uint64_t ws = workspace;
+  L.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+  const uint32_t align = 16;  // every call's pointers are 16-byte aligned (checked per call)
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    L.MatmulPreferenceSetAttribute(pref, attr, &align, sizeof align);
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t s =
+      L.MatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+  L.MatmulPreferenceDestroy(pref);
+  if (s != CUBLAS_STATUS_SUCCESS || found < 1 || result.state != CUBLAS_STATUS_SUCCESS) return p;
+  p.algo = result.algo;
+  p.workspace = result.workspaceSize;
+  p.ok = true;
+  return p;
+}
+
+std::mutex plans_mutex;
+std::unordered_map<Key, Plan, KeyHash>& plans() {
+  static std::unordered_map<Key, Plan, KeyHash> m;
+  return m;
+}
+
+// Counters for tests and kforge.inspect: calls that took a plan, and calls that went to ATen.
+std::atomic<int64_t> fast_calls{0}, aten_calls{0};
+
+// D = A @ B [+ bias] [+ D when accumulate] on cuBLASLt; false (nothing launched) when this call is
+// off the fast path. a: (m, k), b: (k, n), d: (m, n) contiguous row-major, bias: (n,) or undefined.
+bool lt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, at::Tensor& d,
+             bool accumulate) {
+  const LtApi* L = lt();
+  if (!L || !a.is_cuda() || !fast_dtype(a.scalar_type()) || b.scalar_type() != a.scalar_type() ||
+      b.device() != a.device() || d.device() != a.device())
+    return false;
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  if (m == 0 || n == 0 || k == 0) return false;
+  Operand oa, ob;
+  if (!as_operand(a, oa) || !as_operand(b, ob)) return false;
+  if (d.stride(1) != 1 && n != 1) return false;
+  const int64_t ldd = m == 1 ? n : d.stride(0);
+  if (ldd < n) return false;
+  const int64_t ea = a.element_size(), ed = d.element_size();
+  if (!aligned(a.data_ptr(), oa.ld, ea) || !aligned(b.data_ptr(), ob.ld, ea) ||
+      !aligned(d.data_ptr(), ldd, ed))
+    return false;
+  if (bias.defined() && ((reinterpret_cast<uintptr_t>(bias.data_ptr()) & 15) != 0 ||
+                         bias.scalar_type() != d.scalar_type() || bias.stride(0) != 1 ||
+                         bias.device() != a.device()))
+    return false;
+  cublasComputeType_t ct;
+  if (!compute_type(a.scalar_type(), ct)) return false;
+
+  const c10::cuda::CUDAGuard guard(a.device());
+  const Key key{m, n, k, oa.ld, ob.ld, ldd, oa.row_major, ob.row_major, bias.defined(), accumulate,
+                static_cast<int8_t>(cuda_type(a.scalar_type())),
+                static_cast<int8_t>(cuda_type(d.scalar_type())), static_cast<int8_t>(ct),
+                static_cast<int8_t>(a.get_device())};
+  cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  void* workspace = at::cuda::getCUDABlasLtWorkspace();
+  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
+  Plan* plan;
+  {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    auto it = plans().find(key);
+    if (it == plans().end()) it = plans().emplace(key, make_plan(key, handle, workspace_size)).first;
+    plan = &it->second;
+    if (!plan->ok || plan->workspace > workspace_size) return false;
+    // The bias pointer lives in the shared descriptor: set and launched under the lock.
+    if (bias.defined()) {
+      const void* ptr = bias.data_ptr();
+      L->MatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof ptr);
+    }
+    const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.get_device()).stream();
+    const cublasStatus_t s =
+        L->Matmul(handle, plan->desc, &one, b.data_ptr(), plan->a, a.data_ptr(), plan->b, &beta,
+                  d.data_ptr(), plan->d, d.data_ptr(), plan->d, &plan->algo, workspace,
+                  plan->workspace, stream);
+    KF_CHECK(s == CUBLAS_STATUS_SUCCESS, kOp, "cublasLtMatmul failed (status ", static_cast<int>(s),
+             ") for (", m, " x ", k, ") @ (", k, " x ", n, "), ", a.scalar_type());
+  }
+  fast_calls.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+void check_matrices(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  KF_CHECK(a.defined() && b.defined(), kOp, what, ": undefined operand");
+  KF_CHECK(a.dim() == 2 && b.dim() == 2, kOp, what, ": operands must be matrices, got ", a.dim(),
+           "-D and ", b.dim(), "-D");
+  KF_CHECK(a.size(1) == b.size(0), kOp, what, ": shapes ", a.sizes(), " and ", b.sizes(),
+           " cannot be multiplied");
+}
+
+at::Tensor out_for(const at::Tensor& a, const at::Tensor& b, at::ScalarType dtype) {
+  return new_output({a.size(0), b.size(1)}, a.options().dtype(dtype));
+}
+
+// a @ b (2-D).
+at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
+  check_matrices(a, b, "mm");
+  if (a.is_cuda() && b.scalar_type() == a.scalar_type()) {
+    at::Tensor d = out_for(a, b, a.scalar_type());
+    if (lt_gemm(a, b, at::Tensor(), d, false)) return d;
+  }
+  aten_calls.fetch_add(1, std::memory_order_relaxed);
+  return at::mm(a, b);
+}
+
+// a @ b stored as float32, for 16-bit a and b (the fp32 weight gradients of autocast).
+at::Tensor mm_widen(const at::Tensor& a, const at::Tensor& b) {
+  check_matrices(a, b, "mm_widen");
+  if (a.is_cuda() && (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf)) {
+    at::Tensor d = out_for(a, b, at::kFloat);
+    if (lt_gemm(a, b, at::Tensor(), d, false)) return d;
+    aten_calls.fetch_add(1, std::memory_order_relaxed);
+    return at::mm(a, b, at::kFloat);
+  }
+  aten_calls.fetch_add(1, std::memory_order_relaxed);
+  return at::mm(a.to(at::kFloat), b.to(at::kFloat));
+}
+
+// c += a @ b in place; returns c.
+at::Tensor addmm_(at::Tensor c, const at::Tensor& a, const at::Tensor& b) {
+  check_matrices(a, b, "addmm_");
+  KF_CHECK(c.dim() == 2 && c.size(0) == a.size(0) && c.size(1) == b.size(1), kOp,
+           "addmm_: accumulator of shape ", c.sizes(), " for a product of shape (", a.size(0), ", ",
+           b.size(1), ")");
+  if (c.is_cuda() && c.scalar_type() == a.scalar_type() && c.is_contiguous() &&
+      lt_gemm(a, b, at::Tensor(), c, true))
+    return c;
+  aten_calls.fetch_add(1, std::memory_order_relaxed);
+  return c.addmm_(a, b);
+}
+
+// bias + a @ b, bias 1-D of b's columns (Hugging Face's Conv1D); other biases: ATen's addmm.
+at::Tensor addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b) {
+  check_matrices(a, b, "addmm");
+  if (a.is_cuda() && bias.dim() == 1 && bias.size(0) == b.size(1) &&
+      bias.scalar_type() == a.scalar_type()) {
+    at::Tensor d = out_for(a, b, a.scalar_type());
+    if (lt_gemm(a, b, bias, d, false)) return d;
+  }
+  aten_calls.fetch_add(1, std::memory_order_relaxed);
+  return at::addmm(bias, a, b);
+}
+
+// F.linear: x (..., k) @ weight (n, k)^T [+ bias (n)], shaped (..., n).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias_) {
+  KF_CHECK(x.defined() && weight.defined() && weight.dim() == 2 && x.dim() >= 1 &&
+               x.size(-1) == weight.size(1),
+           kOp, "linear: input ", x.sizes(), " and weight ", weight.sizes(), " are not a linear layer's");
+  const at::Tensor bias = bias_.has_value() ? *bias_ : at::Tensor();
+  if (x.is_cuda() && x.dim() >= 2 && x.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+      (!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0) &&
+                           bias.scalar_type() == x.scalar_type()))) {
+    const int64_t k = x.size(-1), n = weight.size(0);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = n;
+    at::Tensor d = new_output(shape, x.options());
+    at::Tensor d2 = d.view({-1, n});
+    if (lt_gemm(x.view({-1, k}), weight.t(), bias, d2, false)) return d;
+  }
+  aten_calls.fetch_add(1, std::memory_order_relaxed);
+  return at::linear(x, weight, bias_);
+}
+
+pybind11::dict stats() {
+  pybind11::dict d;
+  d["cublaslt"] = lt() != nullptr;
+  d["fast_calls"] = fast_calls.load();
+  d["aten_calls"] = aten_calls.load();
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  int64_t ok = 0;
+  for (const auto& [key, plan] : plans()) ok += plan.ok;
+  d["plans"] = static_cast<int64_t>(plans().size());
+  d["plans_without_kernel"] = static_cast<int64_t>(plans().size()) - ok;
+  return d;
+}
+
+}  // namespace
+
+KFORGE_BIND_OP(gemm) {
+  namespace py = pybind11;
+  m.def("gemm_mm", &mm, "a @ b (2-D) on cuBLASLt with a cached plan; ATen's mm off the fast path",
+        py::arg("a"), py::arg("b"));
+  m.def("gemm_mm_widen", &mm_widen, "a @ b stored as float32 (16-bit a, b)", py::arg("a"), py::arg("b"));
+  m.def("gemm_addmm_", &addmm_, "c += a @ b in place; returns c", py::arg("c"), py::arg("a"), py::arg("b"));
+  m.def("gemm_addmm", &addmm, "bias + a @ b (bias 1-D: cuBLASLt's bias epilogue)", py::arg("bias"),
+        py::arg("a"), py::arg("b"));
+  m.def("gemm_linear", &linear, "F.linear(x, weight, bias) on cuBLASLt", py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
+  m.def("gemm_stats", &stats, "{cublaslt, fast_calls, aten_calls, plans, plans_without_kernel}");
+}
+
+}  // namespace kforge

@@ -1,0 +1,315 @@
+"""gemm (src/ops/gemm.cpp, kforge.ops.gemm): matrix products on cuBLASLt plans cached per shape.
+
+GPU: every entry point against float64 references for fp32 / bf16 / fp16, both storage orders of
+each operand, odd shapes (m = 1, odd m, n and k that fall back), strided and offset views, bias,
+in-place accumulation, fp32 under torch's TF32 setting, CUDA graph capture and side streams,
+bitwise determinism, generated shapes (hypothesis), and users' models trained with KFORGE_GEMM=1
+tying out against eager.
+
+CPU: the ATen fallbacks (same results as torch), errors naming the op, the flag, and the rewrite of
+fake-GPU traces (every GEMM of the zoo's Llama under autocast and of Hugging Face's GPT-2 on a plan).
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kforge
+from conftest import assert_close, fake_cuda_trace, gpu, randn
+from kforge.ops import gemm
+
+_C = kforge._C
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+GEMM_NAMES = {"kforge_gemm_mm", "kforge_gemm_mm_widen", "kforge_gemm_addmm_", "kforge_gemm_addmm", "kforge_gemm_linear"}
+
+
+def _stats_delta(before: dict) -> dict:
+    after = gemm.stats()
+    return {k: after[k] - before[k] for k in ("fast_calls", "aten_calls")}
+
+
+def _operand(rows: int, cols: int, row_major: bool, dtype, device="cuda", seed=None) -> torch.Tensor:
+    """A (rows, cols) matrix stored row-major, or column-major (the transpose of a row-major one)."""
+    if row_major:
+        return randn(rows, cols, dtype=dtype, device=device, seed=seed)
+    return randn(cols, rows, dtype=dtype, device=device, seed=seed).t()
+
+
+def _ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.double() @ b.double()
+
+
+# ---- CPU ------------------------------------------------------------------------------------------
+def test_cpu_tensors_take_the_aten_ops():
+    """Off CUDA every entry is the ATen op it stands for: the same result, counted as an ATen call."""
+    a, b = torch.randn(5, 3, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    bias, c = torch.randn(4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    x, w = torch.randn(2, 5, 3), torch.randn(4, 3)
+    before = gemm.stats()
+    assert torch.equal(_C.gemm_mm(a, b), a @ b)
+    assert torch.equal(_C.gemm_addmm(bias, a, b), torch.addmm(bias, a, b))
+    expect = c.clone().addmm_(a, b)
+    assert _C.gemm_addmm_(c, a, b) is not None and torch.equal(c, expect)
+    assert torch.equal(_C.gemm_linear(x, w, torch.ones(4)), F.linear(x, w, torch.ones(4)))
+    assert torch.equal(_C.gemm_linear(x, w), F.linear(x, w))
+    widened = _C.gemm_mm_widen(a.bfloat16(), b.bfloat16())
+    assert widened.dtype == torch.float32
+    assert torch.equal(widened, a.bfloat16().float() @ b.bfloat16().float())
+    assert _stats_delta(before) == {"fast_calls": 0, "aten_calls": 6}
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: _C.gemm_mm(torch.randn(5, 3), torch.randn(4, 2)), "mm: shapes [5, 3] and [4, 2] cannot be multiplied"),
+    (lambda: _C.gemm_mm(torch.randn(2, 5, 3), torch.randn(3, 2)), "mm: operands must be matrices, got 3-D and 2-D"),
+    (lambda: _C.gemm_addmm_(torch.randn(5, 3), torch.randn(5, 3), torch.randn(3, 4)), "addmm_: accumulator of shape [5, 3]"),
+    (lambda: _C.gemm_linear(torch.randn(2, 5), torch.randn(4, 3)), "linear: input [2, 5] and weight [4, 3]"),
+])
+def test_bad_shapes_name_the_op(call, message):
+    with pytest.raises(kforge.KforgeError, match="kforge.gemm: " + message.replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+def test_flag_adds_the_transform(monkeypatch):
+    from kforge.transforms import _gemm_calls
+
+    monkeypatch.delenv("KFORGE_GEMM", raising=False)
+    assert _gemm_calls() == []
+    monkeypatch.setenv("KFORGE_GEMM", "1")
+    assert [type(t) for t in _gemm_calls()] == [gemm.GemmCalls]
+
+
+def test_cpu_traces_are_left_alone():
+    """The rewrite takes CUDA tensors only: a CPU model's traces come back unchanged."""
+    import thunder
+
+    lin = torch.nn.Linear(8, 4)
+    jf = thunder.jit(lambda x: lin(x).relu() @ torch.ones(4, 3))
+    jf(torch.randn(2, 8))
+    tr = thunder.last_traces(jf)[-1]
+    assert gemm.rewrite(tr) is tr
+
+
+def _gemm_census(trace) -> Counter:
+    """kforge_gemm_* calls, and GEMMs left to torch or to kforge's older names, in one trace."""
+    c = Counter()
+    for b in trace.bound_symbols:
+        ex = getattr(getattr(b.sym, "executor", None), "name", None)
+        if b.sym.name in GEMM_NAMES:
+            c[b.sym.name] += 1
+        elif (ex == "torch" and b.sym.name in ("matmul", "linear", "addmm")) or b.sym.name in (
+                "kforge_matmul_accumulate", "kforge_matmul_widen", "kforge_addmm_forward"):
+            c["left: " + b.sym.name] += 1
+    return c
+
+
+@pytest.mark.parametrize("model, setup, expect", [
+    # linears (forward), matmuls and the q / k / v and w1 / w3 input-gradient sums (backward)
+    ("plain_llama", dict(dtype=torch.bfloat16, autocast=False),
+     {"kforge_gemm_linear", "kforge_gemm_mm", "kforge_gemm_addmm_"}),
+    # autocast: the fp32 weights' gradients stored as fp32 (widen)
+    ("plain_llama", dict(dtype=torch.bfloat16, autocast=True),
+     {"kforge_gemm_linear", "kforge_gemm_mm", "kforge_gemm_mm_widen"}),
+    # Conv1D's addmm forward, its backward's matmuls; the tied lm_head (97 outputs: not padded)
+    ("hf_gpt2", dict(dtype=torch.bfloat16, autocast=False),
+     {"kforge_gemm_addmm", "kforge_gemm_mm", "kforge_gemm_linear"}),
+])
+def test_every_gemm_of_a_fake_gpu_trace_is_rewritten(monkeypatch, model, setup, expect):
+    import importlib
+
+    monkeypatch.setenv("KFORGE_GEMM", "1")
+    make = importlib.import_module(f"kforge.zoo.{model}").make
+    ft = fake_cuda_trace(make, jit=lambda f: kforge.jit(f, trace_cache=False), size="micro", batch=2, seq=16, **setup)
+    fwd, bwd = _gemm_census(ft.forward), _gemm_census(ft.backward)
+    left = {k: v for k, v in (fwd + bwd).items() if k.startswith("left")}
+    assert not left, left
+    assert set(fwd + bwd) == expect, (fwd, bwd)
+    from thunder.core.symbol import BoundSymbolTag
+
+    for b in ft.backward.bound_symbols:
+        if b.sym.name in GEMM_NAMES:
+            assert BoundSymbolTag.BACKWARD in b.tags, b  # CUDA graphs split the backward on this tag
+
+
+# ---- GPU: the entry points ----------------------------------------------------------------------
+SHAPES = [(1, 8, 8), (3, 64, 40), (257, 136, 72), (64, 768, 2304)]  # (m, k, n): k, n multiples of 8
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("a_row, b_row", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_mm_matches_float64(dtype, a_row, b_row, m, k, n):
+    a, b = _operand(m, k, a_row, dtype), _operand(k, n, b_row, dtype)
+    before = gemm.stats()
+    out = _C.gemm_mm(a, b)
+    assert out.dtype == dtype and out.is_contiguous()
+    assert_close(out, _ref(a, b), dtype, f"mm {m}x{k}x{n}")
+    # k and n keep 16-byte rows; a column-major a has m-element columns, which must too
+    fast = int(a_row or m == 1 or m * a.element_size() % 16 == 0)
+    assert _stats_delta(before) == {"fast_calls": fast, "aten_calls": 1 - fast}
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_addmm_bias_and_accumulate_match_float64(dtype, m, k, n):
+    a, b = randn(m, k, dtype=dtype), randn(k, n, dtype=dtype)
+    bias = randn(n, dtype=dtype)
+    assert_close(_C.gemm_addmm(bias, a, b), _ref(a, b) + bias.double(), dtype, "addmm")
+    c = randn(m, n, dtype=dtype)
+    ref = c.double() + _ref(a, b)
+    ptr = c.data_ptr()
+    out = _C.gemm_addmm_(c, a, b)
+    assert out.data_ptr() == ptr
+    assert_close(c, ref, dtype, "addmm_")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_float64(dtype, bias):
+    x, w = randn(2, 33, 96, dtype=dtype), randn(136, 96, dtype=dtype)
+    b = randn(136, dtype=dtype) if bias else None
+    before = gemm.stats()
+    out = _C.gemm_linear(x, w, b)
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert out.shape == (2, 33, 136)
+    assert_close(out, ref, dtype, "linear")
+    assert _stats_delta(before) == {"fast_calls": 1, "aten_calls": 0}
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_widen_stores_the_fp32_sum(dtype):
+    a, b = randn(100, 256, dtype=dtype), randn(256, 72, dtype=dtype)
+    out = _C.gemm_mm_widen(a, b)
+    assert out.dtype == torch.float32
+    assert_close(out, _ref(a, b), torch.float32, "widen", tol=1e-5)  # no 16-bit rounding of the result
+
+
+@gpu
+@pytest.mark.parametrize("case", ["odd k", "odd n", "offset a", "strided rows", "general strides", "empty"])
+def test_off_the_fast_path_still_right(case):
+    """What the plans do not take goes to ATen inside the same call, with the same result."""
+    dt = torch.bfloat16
+    m, k, n = 40, 64, 48
+    a, b = randn(m, k, dtype=dt), randn(k, n, dtype=dt)
+    fast = 0
+    if case == "odd k":
+        a, b = randn(m, 63, dtype=dt), randn(63, n, dtype=dt)
+    elif case == "odd n":
+        b = randn(k, 47, dtype=dt)
+    elif case == "offset a":
+        a = randn(m * k + 1, dtype=dt)[1:].view(m, k)
+    elif case == "strided rows":  # ld 72 > k: a fast-path view (16-byte aligned rows)
+        a = randn(m, 72, dtype=dt)[:, :k]
+        fast = 1
+    elif case == "general strides":
+        a = randn(m, k, 2, dtype=dt)[:, :, 0]
+    else:
+        a, b = randn(0, k, dtype=dt), randn(k, n, dtype=dt)
+    before = gemm.stats()
+    out = _C.gemm_mm(a, b)
+    assert_close(out, _ref(a, b), dt, case) if out.numel() else None
+    assert out.shape == (a.shape[0], b.shape[1])
+    assert _stats_delta(before) == {"fast_calls": fast, "aten_calls": 1 - fast}
+
+
+@gpu
+def test_fp32_follows_torchs_tf32_setting():
+    """IEEE fp32 unless torch allows TF32: full precision is ~1e-6 here, TF32 ~1e-3."""
+    a, b = randn(256, 1024, dtype=torch.float32), randn(1024, 256, dtype=torch.float32)
+    ref = _ref(a, b)
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert_close(_C.gemm_mm(a, b), ref, torch.float32, "ieee", tol=2e-6)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        out = _C.gemm_mm(a, b)
+        assert_close(out, ref, torch.float32, "tf32", tol=5e-3)
+        assert_close(out, a @ b, torch.float32, "tf32 vs torch", tol=5e-3)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@gpu
+def test_bitwise_deterministic():
+    a, b = randn(1000, 768, dtype=torch.bfloat16), randn(768, 3072, dtype=torch.bfloat16)
+    assert torch.equal(_C.gemm_mm(a, b), _C.gemm_mm(a, b))
+    g, x = randn(8192, 768, dtype=torch.bfloat16).t(), randn(8192, 2048, dtype=torch.bfloat16)
+    assert torch.equal(_C.gemm_mm(g, x), _C.gemm_mm(g, x))  # a long k: split-K territory
+
+
+@gpu
+def test_side_stream_and_graph_capture():
+    dt = torch.bfloat16
+    a, b, bias = randn(128, 256, dtype=dt), randn(256, 192, dtype=dt), randn(192, dtype=dt)
+    ref = _ref(a, b) + bias.double()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = _C.gemm_addmm(bias, a, b)
+    torch.cuda.current_stream().wait_stream(s)
+    assert_close(out, ref, dt, "side stream")
+    _C.gemm_addmm(bias, a, b)  # the plan exists before capture, as after a warm-up step
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = _C.gemm_addmm(bias, a, b)
+    a.copy_(randn(128, 256, dtype=dt))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close(captured, _ref(a, b) + bias.double(), dt, "replayed with new a")
+
+
+@gpu
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 300), k=st.integers(1, 300), n=st.integers(1, 300),
+       a_row=st.booleans(), b_row=st.booleans(), dtype=st.sampled_from(DTYPES))
+def test_generated_shapes_match_float64(m, k, n, a_row, b_row, dtype):
+    a, b = _operand(m, k, a_row, dtype, seed=m * 7 + k), _operand(k, n, b_row, dtype, seed=n)
+    assert_close(_C.gemm_mm(a, b), _ref(a, b), dtype, f"{m}x{k}x{n}")
+
+
+# ---- GPU: users' models with the flag on ----------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("model, autocast", [("plain_llama", False), ("plain_llama", True), ("hf_gpt2", False)])
+def test_users_models_tie_out_with_gemm_plans(monkeypatch, model, autocast):
+    """One training step with KFORGE_GEMM=1 against eager: loss and every gradient within kforge's bf16
+    tie-out tolerances, every GEMM of the traces on a plan, and plans actually launched."""
+    import importlib
+
+    import thunder
+
+    from kforge.tieout import TOLERANCES, compare
+
+    monkeypatch.setenv("KFORGE_GEMM", "1")
+    make = importlib.import_module(f"kforge.zoo.{model}").make
+    m, inputs, opts = make(size="tiny", batch=2, seq=64, device="cuda", dtype=torch.bfloat16, autocast=autocast)
+    eager = copy.deepcopy(m)
+    compiled = kforge.jit(m, trace_cache=False)
+
+    def step(fn):
+        ctx = torch.autocast("cuda", torch.bfloat16) if autocast else torch.autocast("cuda", enabled=False)
+        with ctx:
+            out = fn(**inputs) if isinstance(inputs, dict) else fn(*inputs)
+            loss = opts["loss_fn"](out)
+        loss.backward()
+        return loss
+
+    before = gemm.stats()
+    loss, ref = step(compiled), step(eager)
+    tol = TOLERANCES[torch.bfloat16]
+    rows = [compare("loss", loss.float(), ref.float(), tol)]
+    ref_grads = dict(eager.named_parameters())
+    rows += [compare(f"{n}.grad", p.grad, ref_grads[n].grad, tol) for n, p in m.named_parameters()]
+    bad = [r for r in rows if not r.ok]
+    assert not bad, "\n".join(f"{r.name}: rel {r.rel:.3e} (tol {r.tol:.1e}) {r.note}" for r in bad)
+    census = _gemm_census(thunder.last_traces(compiled)[-1]) + _gemm_census(thunder.last_backward_traces(compiled)[-1])
+    assert census and not any(k.startswith("left") for k in census), census
+    assert _stats_delta(before)["fast_calls"] >= sum(census.values()) // 2, (gemm.stats(), census)
