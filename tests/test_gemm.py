@@ -84,6 +84,13 @@ def test_flag_adds_the_transform(monkeypatch):
     assert [type(t) for t in _gemm_calls()] == [gemm.GemmCalls]
 
 
+def test_gemm_argument_must_be_a_bool():
+    with pytest.raises(TypeError, match="kforge.jit: gemm must be True, False or None, got 'yes'"):
+        kforge.jit(torch.nn.Linear(2, 2), gemm="yes")
+    with pytest.raises(TypeError, match="kforge.compile: gemm must be True, False or None, got 1"):
+        kforge.compile(torch.nn.Linear(2, 2), gemm=1)
+
+
 def test_cpu_traces_are_left_alone():
     """The rewrite takes CUDA tensors only: a CPU model's traces come back unchanged."""
     import thunder
@@ -122,9 +129,13 @@ def _gemm_census(trace) -> Counter:
 def test_every_gemm_of_a_fake_gpu_trace_is_rewritten(monkeypatch, model, setup, expect):
     import importlib
 
-    monkeypatch.setenv("KFORGE_GEMM", "1")
+    # switched on by the environment, or (GPT-2) by kforge.jit's argument
+    gemm_arg = True if model == "hf_gpt2" else None
+    if gemm_arg is None:
+        monkeypatch.setenv("KFORGE_GEMM", "1")
     make = importlib.import_module(f"kforge.zoo.{model}").make
-    ft = fake_cuda_trace(make, jit=lambda f: kforge.jit(f, trace_cache=False), size="micro", batch=2, seq=16, **setup)
+    ft = fake_cuda_trace(make, jit=lambda f: kforge.jit(f, trace_cache=False, gemm=gemm_arg), size="micro", batch=2,
+                         seq=16, **setup)
     fwd, bwd = _gemm_census(ft.forward), _gemm_census(ft.backward)
     left = {k: v for k, v in (fwd + bwd).items() if k.startswith("left")}
     assert not left, left
@@ -216,7 +227,8 @@ def test_off_the_fast_path_still_right(case):
         a, b = randn(0, k, dtype=dt), randn(k, n, dtype=dt)
     before = gemm.stats()
     out = _C.gemm_mm(a, b)
-    assert_close(out, _ref(a, b), dt, case) if out.numel() else None
+    if out.numel():
+        assert_close(out, _ref(a, b), dt, case)
     assert out.shape == (a.shape[0], b.shape[1])
     assert _stats_delta(before) == {"fast_calls": fast, "aten_calls": 1 - fast}
 

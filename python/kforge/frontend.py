@@ -112,7 +112,8 @@ def forget_background_compiles() -> None:
 
 
 def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False,
-        transforms: Sequence[Any] = (), trace_cache: bool | None = None, **kwargs: Any):
+        transforms: Sequence[Any] = (), trace_cache: bool | None = None, gemm: bool | None = None,
+        **kwargs: Any):
     """`thunder.jit(fn)` with `kforge.executors()` and kforge's pattern transforms, which find the
     mission's steps (RMSNorm, RoPE, GQA, SwiGLU, ...) as users write them in plain torch ops and hand
     them to kforge's operators. `cudagraphs=True` adds `kforge.cudagraphs.CUDAGraphs()` (forward and
@@ -123,17 +124,19 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False
     is not a list of Thunder transforms. `trace_cache` (default: KFORGE_TRACE_CACHE, on): the
     programs Thunder compiles are kept on disk and a later process starts from them instead of
     tracing again (`kforge.trace_cache`); restored programs carry no Thunder traces, so pass False
-    to inspect `thunder.last_traces`."""
+    to inspect `thunder.last_traces`. `gemm` (default: KFORGE_GEMM, off): the traces' matrix products
+    called on kforge's cuBLASLt plans (`kforge.ops.gemm`)."""
     from .cudagraphs import _check, with_cudagraphs
     from .transforms import jit as _jit
 
     _check_args("kforge.jit", fn, fusion, transforms, kwargs)
     _check("kforge.jit", cudagraphs)
-    if trace_cache is not None and not isinstance(trace_cache, bool):
-        raise TypeError(f"kforge.jit: trace_cache must be True, False or None, got {trace_cache!r}")
+    for name, value in (("trace_cache", trace_cache), ("gemm", gemm)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"kforge.jit: {name} must be True, False or None, got {value!r}")
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
-    jfn = _jit(fn, transforms=with_cudagraphs(transforms, cudagraphs), **kwargs)
+    jfn = _jit(fn, transforms=with_cudagraphs(transforms, cudagraphs), gemm=gemm, **kwargs)
     from . import trace_cache as tc
 
     if tc.enabled() if trace_cache is None else (trace_cache and tc.disk_usable()):
@@ -142,16 +145,18 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False
 
 
 def compile(model: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False,
-            transforms: Sequence[Any] = (), **kwargs: Any):
+            transforms: Sequence[Any] = (), gemm: bool | None = None, **kwargs: Any):
     """`torch.compile(model)` with Thunder as its backend (Thunder's Dynamo path), `kforge.executors()`
     and the pattern transforms: for models `thunder.jit` cannot trace (Hugging Face's LlamaForCausalLM
-    runs either way). `cudagraphs` as in `kforge.jit`. Other keyword arguments go to Thunder /
+    runs either way). `cudagraphs` and `gemm` as in `kforge.jit`. Other keyword arguments go to Thunder /
     torch.compile. Raises TypeError as `kforge.jit` does for bad arguments."""
     from .cudagraphs import _check, with_cudagraphs
     from .transforms import thunderfx
 
     _check_args("kforge.compile", model, fusion, transforms, kwargs)
     _check("kforge.compile", cudagraphs)
+    if gemm is not None and not isinstance(gemm, bool):
+        raise TypeError(f"kforge.compile: gemm must be True, False or None, got {gemm!r}")
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
-    return thunderfx(model, transforms=with_cudagraphs(transforms, cudagraphs), **kwargs)
+    return thunderfx(model, transforms=with_cudagraphs(transforms, cudagraphs), gemm=gemm, **kwargs)

@@ -2069,7 +2069,7 @@ def _install_lookasides() -> None:
 
 
 def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterable[str] = ALL_KINDS,
-              **kwargs: Any):
+              gemm: bool | None = None, **kwargs: Any):
     """`thunder.dynamo.thunderfx(model)` (torch.compile with Thunder as its backend) with kforge first
     in the executor list and `LlamaPatternTransform(kinds=kinds)` (every step by default) applied to
     every Thunder subgraph; the backend is `KforgeThunderCompiler` (Thunder's, with the two fixes it
@@ -2095,7 +2095,7 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    kwargs["transforms"] = [patterns, SdpaMaskShape(), LinearBiasSplit(), *_gemm_calls(), *transforms,
+    kwargs["transforms"] = [patterns, SdpaMaskShape(), LinearBiasSplit(), *_gemm_calls(gemm), *transforms,
                             ZeroCotangents(), BatchedChecks()]
     compile_kwargs = get_torch_compile_kwargs(**kwargs)
     backend = _compiler_class()(**{k: v for k, v in kwargs.items() if k not in compile_kwargs})
@@ -2105,15 +2105,16 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     return compiled
 
 
-def _gemm_calls() -> list:
-    """[kforge.ops.gemm.GemmCalls()] when KFORGE_GEMM is on (before the caller's transforms, so that
-    CUDA graphs capture the rewritten calls), else []."""
+def _gemm_calls(on: bool | None = None) -> list:
+    """[kforge.ops.gemm.GemmCalls()] when `on` (None: KFORGE_GEMM) is true, else []. It goes before the
+    caller's transforms, so that CUDA graphs capture the rewritten calls."""
     from .ops import gemm
 
-    return [gemm.GemmCalls()] if gemm.enabled() else []
+    return [gemm.GemmCalls()] if (gemm.enabled() if on is None else on) else []
 
 
-def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterable[str] = ALL_KINDS, **kwargs: Any):
+def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterable[str] = ALL_KINDS,
+        gemm: bool | None = None, **kwargs: Any):
     """`thunder.jit(fn)` with kforge first in the executor list, `LlamaPatternTransform(kinds=kinds)`
     (every step by default) and the prologue's input checks batched (`kforge.prologue`), for models
     Thunder can trace whose steps are written out in torch ops rather than through kforge's helpers.
@@ -2128,7 +2129,7 @@ def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterabl
     _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    transforms = [patterns, SdpaMaskShape(), LinearBiasSplit(), *_gemm_calls(), *transforms, ZeroCotangents(),
+    transforms = [patterns, SdpaMaskShape(), LinearBiasSplit(), *_gemm_calls(gemm), *transforms, ZeroCotangents(),
                   BatchedChecks()]
     jfn = thunder.jit(fn, transforms=transforms, **kwargs)
     jfn.llama_patterns = patterns

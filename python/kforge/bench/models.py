@@ -11,6 +11,8 @@ under `torch.autocast(bfloat16)`; fp32), on each backend:
   kforge         `kforge.jit(model)`; `kforge.compile(model)` on the Dynamo path (with --cudagraphs:
                  `cudagraphs=True`, kforge.cudagraphs' runner; thunder gets
                  `transforms=[thunder.transforms.cudagraph.CUDAGraphTransform()]`)
+  kforge+gemm    kforge with `gemm=True` (matrix products on kforge's cuBLASLt plans, kforge.ops.gemm):
+                 an A/B of that switch in one run
 
 Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW) with their 10th and
 90th percentiles, peak memory over a few steps taken alone, the first step's wall time (trace + compile + one step; by default every row starts
@@ -45,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-BACKENDS = ("eager", "torch.compile", "thunder", "kforge")
+BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm")
 SETUPS = ("bf16", "autocast", "fp32")
 # Default --size per zoo model: the sizes of issue 18's table.
 DEFAULT_SIZE = {"nanogpt": "124M", "plain-llama": "bench", "hf-llama": "bench", "hf-gpt2": "124M"}
@@ -231,11 +233,14 @@ def wrap(backend: str, model: Any, mode: str = "jit", *, cudagraphs: bool = Fals
         import thunder
 
         return thunder.jit(model, **extra)
-    if backend == "kforge":
+    if backend in ("kforge", "kforge+gemm"):
         import kforge
 
-        # kforge's runner (kforge.cudagraphs): Thunder's transform, gradients handed out without a copy
-        return kforge.compile(model, cudagraphs=cudagraphs) if mode == "dynamo" else kforge.jit(model, cudagraphs=cudagraphs)
+        # kforge's runner (kforge.cudagraphs): Thunder's transform, gradients handed out without a copy.
+        # kforge+gemm: GEMMs on kforge's cuBLASLt plans (kforge.ops.gemm), for A/B timing in one run.
+        gemm = True if backend == "kforge+gemm" else None
+        return (kforge.compile(model, cudagraphs=cudagraphs, gemm=gemm) if mode == "dynamo"
+                else kforge.jit(model, cudagraphs=cudagraphs, gemm=gemm))
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 
@@ -364,7 +369,7 @@ class Trainer:
         row["first_s"] = time.perf_counter() - t0
         row.update(first_step_phases(self.fn))
         compiles1 = _nvrtc_compiles()
-        if self.backend == "kforge" and compiles0 is not None and compiles1 is not None:
+        if self.backend.startswith("kforge") and compiles0 is not None and compiles1 is not None:
             row["nvrtc_compiles"] = compiles1 - compiles0
         row["first_loss"] = loss
         for _ in range(max(warmup - 1, 0)):
@@ -633,7 +638,7 @@ def _bench_group(case: ModelCase, setup: str, cfg: ModelsConfig, *, device: str,
     for backend in cfg.backends:
         row: dict[str, Any] = dict(model=case.label, size=case.size, setup=setup, backend=backend,
                                    cudagraphs=cudagraphs and backend != "eager", batch=cfg.batch, seq=cfg.seq)
-        if row["cudagraphs"] and backend == "kforge":
+        if row["cudagraphs"] and backend.startswith("kforge"):
             row["graph_runner"] = "kforge.cudagraphs"  # earlier records: Thunder's CUDAGraphTransform
         env: dict[str, str] = {}
         tr: Trainer | None = None
