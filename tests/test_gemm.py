@@ -26,7 +26,8 @@ from kforge.ops import gemm
 
 _C = kforge._C
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-GEMM_NAMES = {"kforge_gemm_mm", "kforge_gemm_mm_widen", "kforge_gemm_addmm_", "kforge_gemm_addmm", "kforge_gemm_linear"}
+GEMM_NAMES = {"kforge_gemm_mm", "kforge_gemm_mm_widen", "kforge_gemm_addmm_", "kforge_gemm_addmm", "kforge_gemm_linear",
+              "kforge_gemm_views"}
 
 
 def _stats_delta(before: dict) -> dict:
@@ -69,6 +70,8 @@ def test_cpu_tensors_take_the_aten_ops():
     (lambda: _C.gemm_mm(torch.randn(2, 5, 3), torch.randn(3, 2)), "mm: operands must be matrices, got 3-D and 2-D"),
     (lambda: _C.gemm_addmm_(torch.randn(5, 3), torch.randn(5, 3), torch.randn(3, 4)), "addmm_: accumulator of shape [5, 3]"),
     (lambda: _C.gemm_linear(torch.randn(2, 5), torch.randn(4, 3)), "linear: input [2, 5] and weight [4, 3]"),
+    (lambda: _C.gemm_views(torch.randn(2, 5), 3, False, torch.randn(3, 4), 4, False, None, False, None),
+     "views: an operand of shape [2, 5] is not rows of 3 elements"),
 ])
 def test_bad_shapes_name_the_op(call, message):
     with pytest.raises(kforge.KforgeError, match="kforge.gemm: " + message.replace("[", r"\[").replace("]", r"\]")):
@@ -107,7 +110,9 @@ def _gemm_census(trace) -> Counter:
     c = Counter()
     for b in trace.bound_symbols:
         ex = getattr(getattr(b.sym, "executor", None), "name", None)
-        if b.sym.name in GEMM_NAMES:
+        if b.sym.name == "kforge_gemm_views":  # by what it computes: c += A @ B, fp32 A @ B, A @ B
+            c["views: accumulate" if b.args[6] is not None else "views: widen" if b.args[7] else "views"] += 1
+        elif b.sym.name in GEMM_NAMES:
             c[b.sym.name] += 1
         elif (ex == "torch" and b.sym.name in ("matmul", "linear", "addmm")) or b.sym.name in (
                 "kforge_matmul_accumulate", "kforge_matmul_widen", "kforge_addmm_forward"):
@@ -116,15 +121,16 @@ def _gemm_census(trace) -> Counter:
 
 
 @pytest.mark.parametrize("model, setup, expect", [
-    # linears (forward), matmuls and the q / k / v and w1 / w3 input-gradient sums (backward)
+    # linears (forward), matmuls and the q / k / v and w1 / w3 input-gradient sums (backward), every
+    # backward GEMM with its views folded in
     ("plain_llama", dict(dtype=torch.bfloat16, autocast=False),
-     {"kforge_gemm_linear", "kforge_gemm_mm", "kforge_gemm_addmm_"}),
+     {"kforge_gemm_linear", "views", "views: accumulate"}),
     # autocast: the fp32 weights' gradients stored as fp32 (widen)
     ("plain_llama", dict(dtype=torch.bfloat16, autocast=True),
-     {"kforge_gemm_linear", "kforge_gemm_mm", "kforge_gemm_mm_widen"}),
+     {"kforge_gemm_linear", "views", "views: widen"}),
     # Conv1D's addmm forward, its backward's matmuls; the tied lm_head (97 outputs: not padded)
     ("hf_gpt2", dict(dtype=torch.bfloat16, autocast=False),
-     {"kforge_gemm_addmm", "kforge_gemm_mm", "kforge_gemm_linear"}),
+     {"kforge_gemm_addmm", "views", "kforge_gemm_linear"}),
 ])
 def test_every_gemm_of_a_fake_gpu_trace_is_rewritten(monkeypatch, model, setup, expect):
     import importlib
@@ -145,6 +151,39 @@ def test_every_gemm_of_a_fake_gpu_trace_is_rewritten(monkeypatch, model, setup, 
     for b in ft.backward.bound_symbols:
         if b.sym.name in GEMM_NAMES:
             assert BoundSymbolTag.BACKWARD in b.tags, b  # CUDA graphs split the backward on this tag
+    if model == "plain_llama":  # every view around the backward's GEMMs folded into them
+        assert not [b for b in ft.backward.bound_symbols if b.sym.name == "reshape"], ft.backward
+
+
+@pytest.mark.parametrize("model", ["plain_llama", "hf_gpt2", "nanogpt"])
+def test_rewritten_traces_train_like_eager_on_the_cpu(model):
+    """GemmCalls(devices=("cpu",)) rewrites a CPU model's traces as it does CUDA ones (every call then
+    takes its ATen op), so the rewrite itself, views folded and `del`s placed again, runs here: one
+    training step against eager, fp32."""
+    import importlib
+
+    import thunder
+
+    make = importlib.import_module(f"kforge.zoo.{model}").make
+    m, inputs, opts = make(size="micro", batch=2, seq=16, device="cpu", dtype=torch.float32)
+    eager = copy.deepcopy(m)
+    jm = kforge.jit(m, trace_cache=False, transforms=[gemm.GemmCalls(devices=("cpu",))])
+
+    def step(fn):
+        loss = opts["loss_fn"](fn(**inputs) if isinstance(inputs, dict) else fn(*inputs))
+        loss.backward()
+        return loss
+
+    before = gemm.stats()
+    loss, ref = step(jm), step(eager)
+    assert_close(loss.detach(), ref.detach(), torch.float32, "loss")
+    ref_grads = dict(eager.named_parameters())
+    for n, p in m.named_parameters():
+        assert_close(p.grad, ref_grads[n].grad, torch.float32, f"{n}.grad")
+    bwd = thunder.last_backward_traces(jm)[-1]
+    names = Counter(b.sym.name for b in bwd.bound_symbols)
+    assert names["kforge_gemm_views"] > 0 and names["reshape"] == 0, names
+    assert _stats_delta(before)["aten_calls"] >= names["kforge_gemm_views"]
 
 
 # ---- GPU: the entry points ----------------------------------------------------------------------
@@ -202,6 +241,30 @@ def test_widen_stores_the_fp32_sum(dtype):
     out = _C.gemm_mm_widen(a, b)
     assert out.dtype == torch.float32
     assert_close(out, _ref(a, b), torch.float32, "widen", tol=1e-5)  # no 16-bit rounding of the result
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_views_match_float64(dtype):
+    """The folded backward of a linear layer: dx = g @ W viewed as (B, T, in), dW = g^T @ x with g and x
+    given as (B, T, features), q / k / v sums accumulated, autocast's fp32 weight gradients widened."""
+    B, T, n, k = 2, 37, 96, 64
+    g, x, w = randn(B, T, n, dtype=dtype), randn(B, T, k, dtype=dtype), randn(n, k, dtype=dtype)
+    g2, x2 = g.reshape(-1, n).double(), x.reshape(-1, k).double()
+    dx = _C.gemm_views(g, n, False, w, k, False, None, False, (B, T, k))
+    assert dx.shape == (B, T, k)
+    assert_close(dx, (g2 @ w.double()).view(B, T, k), dtype, "dx")
+    dw = _C.gemm_views(g, n, True, x, k, False, None, False, None)
+    assert_close(dw, g2.t() @ x2, dtype, "dw")
+    acc = randn(B * T, k, dtype=dtype)
+    ref = acc.double() + g2 @ w.double()
+    out = _C.gemm_views(g, n, False, w, k, False, acc, False, (B, T, k))
+    assert out.data_ptr() == acc.data_ptr()
+    assert_close(out, ref.view(B, T, k), dtype, "accumulated")
+    if dtype == torch.bfloat16:
+        wide = _C.gemm_views(g, n, True, x, k, False, None, True, None)
+        assert wide.dtype == torch.float32
+        assert_close(wide, g2.t() @ x2, torch.float32, "widened", tol=1e-5)
 
 
 @gpu

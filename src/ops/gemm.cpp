@@ -297,7 +297,7 @@ at::Tensor out_for(const at::Tensor& a, const at::Tensor& b, at::ScalarType dtyp
 }
 
 // a @ b (2-D).
-at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
+at::Tensor gemm_mm(const at::Tensor& a, const at::Tensor& b) {
   check_matrices(a, b, "mm");
   if (a.is_cuda() && b.scalar_type() == a.scalar_type()) {
     at::Tensor d = out_for(a, b, a.scalar_type());
@@ -308,7 +308,7 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // a @ b stored as float32, for 16-bit a and b (the fp32 weight gradients of autocast).
-at::Tensor mm_widen(const at::Tensor& a, const at::Tensor& b) {
+at::Tensor gemm_mm_widen(const at::Tensor& a, const at::Tensor& b) {
   check_matrices(a, b, "mm_widen");
   if (a.is_cuda() && (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf)) {
     at::Tensor d = out_for(a, b, at::kFloat);
@@ -321,7 +321,7 @@ at::Tensor mm_widen(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // c += a @ b in place; returns c.
-at::Tensor addmm_(at::Tensor c, const at::Tensor& a, const at::Tensor& b) {
+at::Tensor gemm_addmm_(at::Tensor c, const at::Tensor& a, const at::Tensor& b) {
   check_matrices(a, b, "addmm_");
   KF_CHECK(c.dim() == 2 && c.size(0) == a.size(0) && c.size(1) == b.size(1), kOp,
            "addmm_: accumulator of shape ", c.sizes(), " for a product of shape (", a.size(0), ", ",
@@ -334,7 +334,7 @@ at::Tensor addmm_(at::Tensor c, const at::Tensor& a, const at::Tensor& b) {
 }
 
 // bias + a @ b, bias 1-D of b's columns (Hugging Face's Conv1D); other biases: ATen's addmm.
-at::Tensor addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b) {
+at::Tensor gemm_addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b) {
   check_matrices(a, b, "addmm");
   if (a.is_cuda() && bias.dim() == 1 && bias.size(0) == b.size(1) &&
       bias.scalar_type() == a.scalar_type()) {
@@ -346,7 +346,7 @@ at::Tensor addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& 
 }
 
 // F.linear: x (..., k) @ weight (n, k)^T [+ bias (n)], shaped (..., n).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias_) {
+at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias_) {
   KF_CHECK(x.defined() && weight.defined() && weight.dim() == 2 && x.dim() >= 1 &&
                x.size(-1) == weight.size(1),
            kOp, "linear: input ", x.sizes(), " and weight ", weight.sizes(), " are not a linear layer's");
@@ -363,6 +363,31 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   }
   aten_calls.fetch_add(1, std::memory_order_relaxed);
   return at::linear(x, weight, bias_);
+}
+
+// (t reshaped to rows of `cols` elements)[.t()]: a view where torch.reshape would give one.
+at::Tensor as_matrix(const at::Tensor& t, int64_t cols, bool transpose) {
+  KF_CHECK(t.defined() && cols > 0 && t.numel() % cols == 0, kOp, "views: an operand of shape ", t.sizes(),
+           " is not rows of ", cols, " elements");
+  at::Tensor m = t.dim() == 2 && t.size(1) == cols ? t : t.reshape({-1, cols});
+  return transpose ? m.t() : m;
+}
+
+// A GEMM with the views around it in one call (kforge.ops.gemm's folding): A = a as rows of `ka`
+// (transposed when ta), B likewise; D = A @ B (`widen`: stored as float32), or c += A @ B in place
+// when c is given; returned in `out_shape` when given (a view of D).
+at::Tensor gemm_views(const at::Tensor& a, int64_t ka, bool ta, const at::Tensor& b, int64_t kb, bool tb,
+                 const std::optional<at::Tensor>& c, bool widen,
+                 const std::optional<std::vector<int64_t>>& out_shape) {
+  const at::Tensor A = as_matrix(a, ka, ta), B = as_matrix(b, kb, tb);
+  at::Tensor d;
+  if (c.has_value() && c->defined()) {
+    KF_CHECK(!widen, kOp, "views: an accumulation cannot widen");
+    d = gemm_addmm_(c->dim() == 2 ? *c : c->view({-1, B.size(1)}), A, B);
+  } else {
+    d = widen ? gemm_mm_widen(A, B) : gemm_mm(A, B);
+  }
+  return out_shape.has_value() ? d.view(*out_shape) : d;
 }
 
 pybind11::dict stats() {
@@ -382,14 +407,19 @@ pybind11::dict stats() {
 
 KFORGE_BIND_OP(gemm) {
   namespace py = pybind11;
-  m.def("gemm_mm", &mm, "a @ b (2-D) on cuBLASLt with a cached plan; ATen's mm off the fast path",
+  m.def("gemm_mm", &gemm_mm, "a @ b (2-D) on cuBLASLt with a cached plan; ATen's mm off the fast path",
         py::arg("a"), py::arg("b"));
-  m.def("gemm_mm_widen", &mm_widen, "a @ b stored as float32 (16-bit a, b)", py::arg("a"), py::arg("b"));
-  m.def("gemm_addmm_", &addmm_, "c += a @ b in place; returns c", py::arg("c"), py::arg("a"), py::arg("b"));
-  m.def("gemm_addmm", &addmm, "bias + a @ b (bias 1-D: cuBLASLt's bias epilogue)", py::arg("bias"),
+  m.def("gemm_mm_widen", &gemm_mm_widen, "a @ b stored as float32 (16-bit a, b)", py::arg("a"), py::arg("b"));
+  m.def("gemm_addmm_", &gemm_addmm_, "c += a @ b in place; returns c", py::arg("c"), py::arg("a"), py::arg("b"));
+  m.def("gemm_addmm", &gemm_addmm, "bias + a @ b (bias 1-D: cuBLASLt's bias epilogue)", py::arg("bias"),
         py::arg("a"), py::arg("b"));
-  m.def("gemm_linear", &linear, "F.linear(x, weight, bias) on cuBLASLt", py::arg("x"), py::arg("weight"),
+  m.def("gemm_linear", &gemm_linear, "F.linear(x, weight, bias) on cuBLASLt", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
+  m.def("gemm_views", &gemm_views,
+        "(a as rows of ka)[.T] @ (b as rows of kb)[.T], stored as float32 when widen, accumulated into c "
+        "when given, viewed as out_shape when given",
+        py::arg("a"), py::arg("ka"), py::arg("ta"), py::arg("b"), py::arg("kb"), py::arg("tb"), py::arg("c"),
+        py::arg("widen"), py::arg("out_shape"));
   m.def("gemm_stats", &stats, "{cublaslt, fast_calls, aten_calls, plans, plans_without_kernel}");
 }
 

@@ -15,7 +15,9 @@ shape) and launch it on PyTorch's current stream with torch's own cuBLASLt handl
     kforge_matmul_widen(a, w)            fp32 result             -> kforge_gemm_mm_widen(a, w)
     kforge_addmm_forward(bias, a, w)     HF's Conv1D             -> kforge_gemm_addmm(bias, a, w)
 
-for CUDA tensors of one float dtype (bf16, fp16, fp32). Each name computes what it replaces with the
+for CUDA tensors of one float dtype (bf16, fp16, fp32), then folds the views around the backward's
+GEMMs into them (`kforge_gemm_views`: Thunder writes each linear layer's backward as reshapes and a
+transpose around two matmuls, ~2 us of host time per view call). Each name computes what it replaces with the
 same arithmetic (fp32 accumulation; TF32 only where torch allows it); a call whose run-time
 strides, alignment or torch settings are off the fast path goes to the ATen op it replaces, inside
 the same C++ call. `kforge._C.gemm_stats()` counts both kinds of calls.
@@ -26,12 +28,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.transform_common import Transform
 
 from .. import _C
-from .._thunder import OpSpec, operator, tensor_problem
+from .._thunder import OpSpec, operator
 
 __all__ = ["GemmCalls", "rewrite"]
 
@@ -65,16 +68,20 @@ gemm_linear = operator("gemm_linear", meta=_linear_meta, fn=_C.gemm_linear)
 # No torch symbol is claimed: the names enter traces through GemmCalls, after every other pass.
 SPEC = OpSpec("gemm", ())
 
-def _cuda_floats(*ts: Any) -> bool:
-    """All tensors, on one CUDA device, of one float dtype kforge's plans take (fp32, bf16, fp16)."""
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _floats_on(devices: tuple[str, ...], *ts: Any) -> bool:
+    """All tensors, on one device of a type in `devices`, of one float dtype the plans take (fp32, bf16,
+    fp16), none empty."""
     if not all(isinstance(t, TensorProxy) for t in ts):
         return False
     first = ts[0]
-    return (tensor_problem(first) is None
+    return (first.device.type in devices and dtypes.to_torch_dtype(first.dtype) in _FLOATS and first.numel != 0
             and all(t.device == first.device and t.dtype == first.dtype for t in ts))
 
 
-def _replacement(b: Any) -> Any | None:
+def _replacement(b: Any, devices: tuple[str, ...]) -> Any | None:
     """The kforge_gemm_* call that computes `b`, or None to keep it."""
     name = b.sym.name
     ex = getattr(getattr(b.sym, "executor", None), "name", None)
@@ -82,38 +89,140 @@ def _replacement(b: Any) -> Any | None:
     out = b.output
     if ex == "torch" and name == "matmul" and len(args) == 2 and not b.kwargs:
         a, w = args
-        if _cuda_floats(a, w) and a.ndim == 2 and w.ndim == 2:
+        if _floats_on(devices, a, w) and a.ndim == 2 and w.ndim == 2:
             return gemm_mm.bind(a, w, output=out)
     elif ex == "torch" and name == "linear" and len(args) in (2, 3) and not b.kwargs:
         x, w = args[:2]
         bias = args[2] if len(args) == 3 else None
-        if (_cuda_floats(x, w, *(() if bias is None else (bias,))) and x.ndim >= 2 and w.ndim == 2
+        if (_floats_on(devices, x, w, *(() if bias is None else (bias,))) and x.ndim >= 2 and w.ndim == 2
                 and (bias is None or bias.ndim == 1)):
             return gemm_linear.bind(x, w, bias, output=out)
     elif ex == "kforge" and name == "kforge_matmul_accumulate":
         c, a, w = args
-        if _cuda_floats(c, a, w):
+        if _floats_on(devices, c, a, w):
             return gemm_addmm_.bind(c, a, w, output=out)
     elif ex == "kforge" and name == "kforge_matmul_widen":
         a, w = args
-        if _cuda_floats(a, w):
+        if _floats_on(devices, a, w):
             return gemm_mm_widen.bind(a, w, output=out)
     elif ex == "kforge" and name == "kforge_addmm_forward":
         bias, a, w = args
-        if _cuda_floats(bias, a, w):
+        if _floats_on(devices, bias, a, w):
             return gemm_addmm.bind(bias, a, w, output=out)
     return None
 
 
-def rewrite(trace: Any) -> Any:
-    """`trace` with its GEMM calls on kforge's cuBLASLt plans (see the module docstring); `trace`
-    itself when it has none."""
+# ---- folding the views around a GEMM into its call ---------------------------------------------------
+# Thunder's backward of a linear layer is `reshape(g, (-1, n))`, `permute(.., (1, 0))`, `matmul`,
+# `reshape(result, shape)`: three or four view calls of ~2 us of host time each around every GEMM.
+# Views read only by one GEMM (and a reshape that is its result's only reader) become arguments of
+# `kforge_gemm_views`, which makes the same views in C++ (torch.reshape's rules: a view where one
+# exists, else a copy, exactly as the dropped call would have made).
+_RESHAPES = ("reshape", "torch_prims_reshape_impl")
+
+
+def _views_meta(a: TensorProxy, ka: int, ta: bool, b: TensorProxy, kb: int, tb: bool, c: TensorProxy | None,
+                widen: bool, out_shape: tuple | None) -> TensorProxy:
+    rows = a.numel // ka if not ta else ka
+    cols = kb if not tb else b.numel // kb
+    shape = tuple(out_shape) if out_shape is not None else (rows, cols)
+    if c is not None:
+        return TensorProxy(like=c, shape=shape)
+    return TensorProxy(like=a, shape=shape, dtype=dtypes.float32 if widen else a.dtype)
+
+
+gemm_views = operator("gemm_views", meta=_views_meta, fn=_C.gemm_views)
+_FOLDABLE = ("kforge_gemm_mm", "kforge_gemm_addmm_", "kforge_gemm_mm_widen")
+
+
+def _is_reshape(b: Any) -> bool:
+    return (b.sym.name in _RESHAPES and getattr(getattr(b.sym, "executor", None), "name", None) == "torch"
+            and len(b.flat_proxy_args) == 1 and isinstance(b.output, TensorProxy))
+
+
+def _is_transpose(b: Any) -> bool:
+    return (b.sym.name == "permute" and getattr(getattr(b.sym, "executor", None), "name", None) == "torch"
+            and len(b.args) == 2 and isinstance(b.args[0], TensorProxy) and b.args[0].ndim == 2
+            and tuple(b.args[1]) == (1, 0))
+
+
+def _fold_views(bsyms: list) -> tuple[list, int]:
+    """(bsyms with views folded into their GEMMs, number of view calls removed).
+
+    A 2-D reshape or transpose is folded when every reader of its result is a GEMM (or a folded
+    transpose read only by GEMMs): the gradient of a linear layer, `reshape(g, (-1, n))`, is read by
+    both the input's and the weight's GEMM, and one layer input by the q, k and v weight GEMMs."""
+    from thunder.core.prims import PrimIDs
+
+    producer: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}
+    for i, b in enumerate(bsyms):
+        for p in b.flat_proxy_outs:
+            producer[p.name] = i
+        if b.sym.id == PrimIDs.DEL:
+            continue
+        for p in b.flat_proxy_args:
+            readers.setdefault(p.name, []).append(i)
+    gemms = {i for i, b in enumerate(bsyms) if b.sym.name in _FOLDABLE}
+
+    def read_by(name: str, ok: set[int]) -> bool:
+        rs = readers.get(name, [])
+        return bool(rs) and all(r in ok for r in rs)
+
+    transposes = {i for i, b in enumerate(bsyms) if _is_transpose(b) and read_by(b.output.name, gemms)}
+    reshapes = {i for i, b in enumerate(bsyms) if _is_reshape(b) and b.output.ndim == 2
+                and read_by(b.output.name, gemms | transposes)}
+    # a reshape read by a transpose that stays (read by something else too) stays as well
+    reshapes = {i for i in reshapes if all(r in gemms or r in transposes for r in readers[bsyms[i].output.name])}
+    drop: set[int] = set()
+    replace: dict[int, Any] = {}
+    for i in sorted(gemms):
+        b = bsyms[i]
+        c, operands = (b.args[0], b.args[1:]) if b.sym.name == "kforge_gemm_addmm_" else (None, b.args)
+        parts = []
+        folded = False
+        for t in operands:
+            src, cols, trans = t, t.shape[1], False
+            j = producer.get(src.name)
+            if j in transposes:
+                drop.add(j)
+                folded = True
+                src, trans = bsyms[j].args[0], True
+                cols = src.shape[1]
+                j = producer.get(src.name)
+            if j in reshapes:
+                drop.add(j)
+                folded = True
+                src = bsyms[j].flat_proxy_args[0]
+            parts += [src, cols, trans]
+        out, out_shape = b.output, None
+        rs = readers.get(out.name, [])
+        if len(rs) == 1 and _is_reshape(bsyms[rs[0]]) and rs[0] not in reshapes:  # not another GEMM's operand
+            r = bsyms[rs[0]]
+            drop.add(rs[0])
+            folded = True
+            out, out_shape = r.output, tuple(r.output.shape)
+        if not folded:
+            continue
+        nb = gemm_views.bind(*parts, c, b.sym.name == "kforge_gemm_mm_widen", out_shape, output=out)
+        nb.tags.update(b.tags)
+        replace[i] = nb
+    if not replace:
+        return bsyms, 0
+    return [replace.get(i, b) for i, b in enumerate(bsyms) if i not in drop], len(drop)
+
+
+def rewrite(trace: Any, devices: tuple[str, ...] = ("cuda",)) -> Any:
+    """`trace` with its GEMM calls on kforge's cuBLASLt plans and the views around them folded into
+    those calls (see the module docstring), for tensors on `devices`; `trace` itself when it has no
+    GEMM to take."""
     from thunder.core.trace import TraceProvenance, from_trace
+    from thunder.executors.passes import del_last_used
 
     bsyms = []
     count = 0
     for b in trace.bound_symbols:
-        nb = _replacement(b)
+        nb = _replacement(b, devices)
         if nb is None:
             bsyms.append(b)
             continue
@@ -122,17 +231,29 @@ def rewrite(trace: Any) -> Any:
         count += 1
     if not count:
         return trace
+    bsyms, folded = _fold_views(bsyms)
     new = from_trace(trace)
     new.bound_symbols = bsyms
-    new.set_provenance(TraceProvenance(f"kforge: {count} GEMM calls on cuBLASLt plans"))
+    if folded:  # operands are now read later than their views were: every `del` placed again
+        new = del_last_used(new)
+    new.set_provenance(TraceProvenance(f"kforge: {count} GEMM calls on cuBLASLt plans, {folded} views folded "
+                                       f"into them"))
     return new
 
 
 class GemmCalls(Transform):
-    """Post-optimization: the final traces' GEMMs called on kforge's cuBLASLt plans (kforge.ops.gemm)."""
+    """Post-optimization: the final traces' GEMMs called on kforge's cuBLASLt plans (kforge.ops.gemm).
+    `devices`: device types whose tensors are taken (CUDA; tests take the CPU, where every call is
+    torch's own op)."""
+
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)) -> None:
+        self.devices = tuple(devices)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__module__}.{type(self).__qualname__}(devices={self.devices!r})"
 
     def transform_trace_post_optimization(self, computation_trace: Any, **kwargs: Any) -> Any:
-        return rewrite(computation_trace)
+        return rewrite(computation_trace, self.devices)
 
 
 def stats() -> dict:
