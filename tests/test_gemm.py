@@ -388,3 +388,27 @@ def test_users_models_tie_out_with_gemm_plans(monkeypatch, model, autocast):
     census = _gemm_census(thunder.last_traces(compiled)[-1]) + _gemm_census(thunder.last_backward_traces(compiled)[-1])
     assert census and not any(k.startswith("left") for k in census), census
     assert _stats_delta(before)["fast_calls"] >= sum(census.values()) // 2, (gemm.stats(), census)
+
+
+def test_programs_with_gemm_calls_round_trip_the_trace_cache():
+    """kforge.trace_cache writes and rebuilds programs that call the plans: each kforge_gemm_* global
+    comes back as the same launcher of kforge._C."""
+    import pickle
+
+    import thunder
+
+    from kforge import trace_cache
+    from kforge.zoo import plain_llama
+
+    ft = fake_cuda_trace(plain_llama.make, jit=lambda f: kforge.jit(f, trace_cache=False, gemm=True), size="micro")
+    entry = thunder.compile_stats(ft.fn).interpreter_cache[0]
+    compiled = thunder.compile_data(ft.fn).fn
+    record = pickle.loads(pickle.dumps(trace_cache.save_entry(ft.fn, entry)))
+    seen = set()
+    for rec in record["programs"].values():
+        rebuilt = trace_cache._program_of(trace_cache.rebuild_program(rec, compiled, []))
+        for name in rec["ctx"]:
+            if name.startswith("kforge_gemm"):
+                assert rebuilt.__globals__[name] is getattr(_C, name[len("kforge_"):]), name
+                seen.add(name)
+    assert {"kforge_gemm_linear", "kforge_gemm_views"} <= seen, seen
