@@ -222,7 +222,7 @@ std::unordered_map<Key, Plan, KeyHash>& plans() {
   return m;
 }
 
-// Counters for tests and kforge.inspect: calls that took a plan, and calls that went to ATen.
+// Counters (kforge.ops.gemm.stats): calls that took a plan, and calls that went to ATen.
 std::atomic<int64_t> fast_calls{0}, aten_calls{0};
 
 // D = A @ B [+ bias] [+ D when accumulate] on cuBLASLt; false (nothing launched) when this call is
