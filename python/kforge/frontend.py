@@ -51,6 +51,12 @@ def _check_fusion(who: str, fusion: object) -> None:
                         f"got {fusion!r}")
 
 
+def _check_switch(who: str, name: str, value: object) -> None:
+    """TypeError naming `who` and `name` unless `value` is True, False or None (the default)."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{who}: {name} must be True, False or None, got {value!r}")
+
+
 def _check_args(who: str, fn: object, fusion: object, transforms: object, kwargs: dict) -> None:
     """TypeError naming `who` and the argument for what thunder.jit / torch.compile would reject late
     or obscurely (a model that is not callable, a single transform not in a list, ...)."""
@@ -131,9 +137,8 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False
 
     _check_args("kforge.jit", fn, fusion, transforms, kwargs)
     _check("kforge.jit", cudagraphs)
-    for name, value in (("trace_cache", trace_cache), ("gemm", gemm)):
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"kforge.jit: {name} must be True, False or None, got {value!r}")
+    _check_switch("kforge.jit", "trace_cache", trace_cache)
+    _check_switch("kforge.jit", "gemm", gemm)
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
     jfn = _jit(fn, transforms=with_cudagraphs(transforms, cudagraphs), gemm=gemm, **kwargs)
@@ -155,8 +160,7 @@ def compile(model: Callable, /, *, fusion: bool | None = None, cudagraphs: bool 
 
     _check_args("kforge.compile", model, fusion, transforms, kwargs)
     _check("kforge.compile", cudagraphs)
-    if gemm is not None and not isinstance(gemm, bool):
-        raise TypeError(f"kforge.compile: gemm must be True, False or None, got {gemm!r}")
+    _check_switch("kforge.compile", "gemm", gemm)
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
     return thunderfx(model, transforms=with_cudagraphs(transforms, cudagraphs), gemm=gemm, **kwargs)

@@ -2082,7 +2082,7 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     `last_backward_traces` list the final Thunder traces of every subgraph, `llama_patterns` is
     the transform (its `rewrites` say what was replaced, or why not), `backend` the compiler (its
     `subgraph_infos` say how Dynamo's graphs were split and why, its `layout_boundaries` what was
-    checked and copied at the splits).
+    checked and copied at the splits). `gemm` (default: KFORGE_GEMM): GEMMs on kforge's cuBLASLt plans.
     """
     from thunder.dynamo.compiler import ThunderFXCompiledObject
     from thunder.dynamo.utils import get_torch_compile_kwargs
@@ -2118,7 +2118,8 @@ def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterabl
     """`thunder.jit(fn)` with kforge first in the executor list, `LlamaPatternTransform(kinds=kinds)`
     (every step by default) and the prologue's input checks batched (`kforge.prologue`), for models
     Thunder can trace whose steps are written out in torch ops rather than through kforge's helpers.
-    The transform is `fn.llama_patterns`."""
+    The transform is `fn.llama_patterns`. `gemm` (default: KFORGE_GEMM): GEMMs on kforge's cuBLASLt
+    plans (`kforge.ops.gemm`)."""
     import thunder
 
     from .fusion.zero_cotangents import ZeroCotangents
