@@ -535,10 +535,27 @@ def test_path_option_sends_plain_models_through_dynamo():
     assert models.build(case, "bf16", batch=1, seq=8, device="cpu", path="jit").mode == "jit"
 
 
+def test_gemm_backend_trains_with_the_plans_on():
+    """kforge+gemm (asked for by name, not a default): kforge.jit(gemm=True), a row of its own."""
+    assert "kforge+gemm" not in models.DEFAULT_BACKENDS
+    (row,) = models.bench_models(models.resolve(_args(dry=True, names=["plain-llama"], backends="kforge+gemm",
+                                                      setup="bf16")))["rows"]
+    assert row.get("error") is None and row["backend"] == "kforge+gemm" and math.isfinite(row["final_loss"])
+    import thunder
+
+    from kforge.ops.gemm import GemmCalls
+
+    def gemm_transforms(backend: str) -> list:
+        fn = models.wrap(backend, torch.nn.Linear(4, 4))
+        return [t for t in thunder.compile_data(fn).transforms if isinstance(t, GemmCalls)]
+
+    assert len(gemm_transforms("kforge+gemm")) == 1 and gemm_transforms("kforge") == []
+
+
 def test_resolve_presets_and_defaults():
     cfg = models.resolve(_args())
     assert [(c.label, c.size) for c in cfg.cases] == [("nanogpt", "124M"), ("plain-llama", "bench"), ("hf-llama", "bench")]
-    assert cfg.setups == ["bf16", "autocast"] and cfg.backends == list(models.BACKENDS)
+    assert cfg.setups == ["bf16", "autocast"] and cfg.backends == list(models.DEFAULT_BACKENDS)
     assert (cfg.batch, cfg.seq, cfg.steps, cfg.warmup, cfg.cudagraphs, cfg.cold) == (8, 1024, 10, 3, False, True)
     small = models.resolve(_args(preset="small"))
     assert [(c.label, c.size) for c in small.cases] == [("nanogpt", "124M")]

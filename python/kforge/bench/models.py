@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm")
+DEFAULT_BACKENDS = ("eager", "torch.compile", "thunder", "kforge")  # kforge+gemm: asked for by name
 SETUPS = ("bf16", "autocast", "fp32")
 # Default --size per zoo model: the sizes of issue 18's table.
 DEFAULT_SIZE = {"nanogpt": "124M", "plain-llama": "bench", "hf-llama": "bench", "hf-gpt2": "124M"}
@@ -559,7 +560,7 @@ def resolve(args: Any) -> ModelsConfig:
         cases.append(ModelCase(spec, spec, size))
     setup = pick("setup", "both")
     setups = {"both": ["bf16", "autocast"], "all": list(SETUPS)}.get(setup, [setup])
-    backends = [b.strip() for b in (args.backends or ",".join(BACKENDS)).split(",") if b.strip()]
+    backends = [b.strip() for b in (args.backends or ",".join(DEFAULT_BACKENDS)).split(",") if b.strip()]
     for b in backends:
         if b not in BACKENDS:
             raise UsageError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
