@@ -65,13 +65,29 @@ def test_cpu_tensors_take_the_aten_ops():
     assert _stats_delta(before) == {"fast_calls": 0, "aten_calls": 6}
 
 
+BAD_INPUT = {
+    "gemm_mm": (lambda: _C.gemm_mm(torch.randn(5, 3), torch.randn(4, 2)), "mm: shapes [5, 3] and [4, 2] cannot be multiplied"),
+    "gemm_mm_widen": (lambda: _C.gemm_mm_widen(torch.randn(5), torch.randn(5, 2)),
+                      "mm_widen: operands must be matrices, got 1-D and 2-D"),
+    "gemm_addmm": (lambda: _C.gemm_addmm(torch.randn(2), torch.randn(5, 3), torch.randn(2, 3)),
+                   "addmm: shapes [5, 3] and [2, 3] cannot be multiplied"),
+    "gemm_addmm_": (lambda: _C.gemm_addmm_(torch.randn(5, 3), torch.randn(5, 3), torch.randn(3, 4)),
+                    "addmm_: accumulator of shape [5, 3]"),
+    "gemm_linear": (lambda: _C.gemm_linear(torch.randn(2, 5), torch.randn(4, 3)), "linear: input [2, 5] and weight [4, 3]"),
+    "gemm_views": (lambda: _C.gemm_views(torch.randn(2, 5), 3, False, torch.randn(3, 4), 4, False, None, False, None),
+                   "views: an operand of shape [2, 5] is not rows of 3 elements"),
+}
+
+
+def test_every_entry_has_a_bad_input_case():
+    from test_bad_input import ANY_DEVICE
+
+    assert set(BAD_INPUT) == ANY_DEVICE - {"gemm_stats"}
+
+
 @pytest.mark.parametrize("call, message", [
-    (lambda: _C.gemm_mm(torch.randn(5, 3), torch.randn(4, 2)), "mm: shapes [5, 3] and [4, 2] cannot be multiplied"),
+    *BAD_INPUT.values(),
     (lambda: _C.gemm_mm(torch.randn(2, 5, 3), torch.randn(3, 2)), "mm: operands must be matrices, got 3-D and 2-D"),
-    (lambda: _C.gemm_addmm_(torch.randn(5, 3), torch.randn(5, 3), torch.randn(3, 4)), "addmm_: accumulator of shape [5, 3]"),
-    (lambda: _C.gemm_linear(torch.randn(2, 5), torch.randn(4, 3)), "linear: input [2, 5] and weight [4, 3]"),
-    (lambda: _C.gemm_views(torch.randn(2, 5), 3, False, torch.randn(3, 4), 4, False, None, False, None),
-     "views: an operand of shape [2, 5] is not rows of 3 elements"),
 ])
 def test_bad_shapes_name_the_op(call, message):
     with pytest.raises(kforge.KforgeError, match="kforge.gemm: " + message.replace("[", r"\[").replace("]", r"\]")):
