@@ -1,6 +1,6 @@
 """Host time of a kforge training step of a zoo model: is the step host-bound?
 
-    python3 dev/host_profile.py plain-llama [--size bench] [--autocast] [--steps 10] [--profile 5]
+    python3 dev/host_profile.py plain-llama [--size bench] [--autocast] [--gemm] [--steps 10] [--profile 5]
 
 Prints, per round of `--steps` steps, the host time to enqueue a step (perf_counter around the calls,
 no synchronisation) beside the wall time once the GPU has caught up. Enqueue close to wall means the
@@ -26,12 +26,13 @@ def main() -> None:
     ap.add_argument("model", choices=sorted(MODELS))
     ap.add_argument("--autocast", action="store_true", help="fp32 weights under torch.autocast(bf16)")
     ap.add_argument("--size", default="bench", help="the zoo size (GPT-2 models: 124M)")
+    ap.add_argument("--gemm", action="store_true", help="kforge.jit(gemm=True): GEMMs on kforge's cuBLASLt plans")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile", type=int, default=5, help="steps under cProfile (0: none)")
     args = ap.parse_args()
     model, inputs, opts = load_factory(MODELS[args.model])(size=args.size, batch=8, seq=1024, device="cuda",
                                                           autocast=args.autocast)
-    fn = wrap("kforge", model, opts.get("mode", "jit"))
+    fn = wrap("kforge+gemm" if args.gemm else "kforge", model, opts.get("mode", "jit"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ac = torch.autocast("cuda", dtype=opts["autocast"]) if opts.get("autocast") else contextlib.nullcontext()
     call = (lambda: fn(**inputs)) if isinstance(inputs, dict) else (lambda: fn(*inputs))
