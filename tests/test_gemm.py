@@ -171,6 +171,18 @@ def test_every_gemm_of_a_fake_gpu_trace_is_rewritten(monkeypatch, model, setup, 
         assert not [b for b in ft.backward.bound_symbols if b.sym.name == "reshape"], ft.backward
 
 
+def test_rewritten_backward_keeps_what_cuda_graphs_look_for():
+    """The rewrite mends `del`s in place: Thunder's CUDA-graph transform finds the backward's unpacking
+    of saved tensors by position, and kforge.jit(cudagraphs=True, gemm=True) graphs the whole step."""
+    from kforge.zoo import plain_llama
+
+    ft = fake_cuda_trace(plain_llama.make, jit=lambda f: kforge.jit(f, trace_cache=False, gemm=True, cudagraphs=True),
+                         size="micro", batch=2, seq=16, dtype=torch.bfloat16)
+    for tr in (ft.forward, ft.backward):
+        assert [b.sym.name for b in tr.bound_symbols if b.sym.name.startswith("CUDAGraph")] != [], tr
+        assert not [b for b in tr.bound_symbols if b.sym.name.startswith("kforge_gemm")], "a GEMM outside the graph"
+
+
 @pytest.mark.parametrize("model", ["plain_llama", "hf_gpt2", "nanogpt"])
 def test_rewritten_traces_train_like_eager_on_the_cpu(model):
     """GemmCalls(devices=("cpu",)) rewrites a CPU model's traces as it does CUDA ones (every call then

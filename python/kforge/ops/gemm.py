@@ -209,7 +209,46 @@ def _fold_views(bsyms: list) -> tuple[list, int]:
         replace[i] = nb
     if not replace:
         return bsyms, 0
-    return [replace.get(i, b) for i, b in enumerate(bsyms) if i not in drop], len(drop)
+    gone = {p.name for i in drop for p in bsyms[i].flat_proxy_outs}
+    gone |= {bsyms[i].output.name for i, nb in replace.items() if nb.output is not bsyms[i].output}
+    kept = [replace.get(i, b) for i, b in enumerate(bsyms) if i not in drop]
+    return _place_dels(kept, gone), len(drop)
+
+
+def _place_dels(bsyms: list, gone: set[str]) -> list:
+    """`bsyms` with their `del`s mended after folding: names no longer made dropped, and a name now read
+    after its `del` deleted after its last reader instead. Everything else keeps its place (Thunder's
+    CUDA-graph transform finds the backward's unpacking by position)."""
+    from thunder.core import prims
+    from thunder.core.prims import PrimIDs
+
+    last: dict[str, int] = {}
+    for i, b in enumerate(bsyms):
+        if b.sym.id != PrimIDs.DEL:
+            for p in (*b.flat_proxy_args, *b.flat_proxy_outs):
+                last[p.name] = i
+    moved: dict[int, list] = {}
+    out = []
+    for i, b in enumerate(bsyms):
+        if b.sym.id == PrimIDs.DEL:
+            names = b.flat_proxy_args
+            keep = []
+            for p in names:
+                if p.name in gone:
+                    continue
+                if last.get(p.name, -1) > i:
+                    moved.setdefault(last[p.name], []).append(p)
+                else:
+                    keep.append(p)
+            if len(keep) == len(names):
+                out.append(b)
+            elif keep:
+                out.append(prims.python_del.bind(*keep, output=None))
+        else:
+            out.append(b)
+        if i in moved:
+            out.append(prims.python_del.bind(*moved.pop(i), output=None))
+    return out
 
 
 def rewrite(trace: Any, devices: tuple[str, ...] = ("cuda",)) -> Any:
@@ -217,7 +256,6 @@ def rewrite(trace: Any, devices: tuple[str, ...] = ("cuda",)) -> Any:
     those calls (see the module docstring), for tensors on `devices`; `trace` itself when it has no
     GEMM to take."""
     from thunder.core.trace import TraceProvenance, from_trace
-    from thunder.executors.passes import del_last_used
 
     bsyms = []
     count = 0
@@ -234,8 +272,6 @@ def rewrite(trace: Any, devices: tuple[str, ...] = ("cuda",)) -> Any:
     bsyms, folded = _fold_views(bsyms)
     new = from_trace(trace)
     new.bound_symbols = bsyms
-    if folded:  # operands are now read later than their views were: every `del` placed again
-        new = del_last_used(new)
     new.set_provenance(TraceProvenance(f"kforge: {count} GEMM calls on cuBLASLt plans, {folded} views folded "
                                        f"into them"))
     return new
