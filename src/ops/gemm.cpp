@@ -17,6 +17,7 @@
 
 #include <ATen/Context.h>
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
