@@ -17,12 +17,13 @@ shape) and launch it on PyTorch's current stream with torch's own cuBLASLt handl
 
 for CUDA tensors of one float dtype (bf16, fp16, fp32), then folds the views around the backward's
 GEMMs into them (`kforge_gemm_views`: Thunder writes each linear layer's backward as reshapes and a
-transpose around two matmuls, ~2 us of host time per view call). Each name computes what it replaces with the
-same arithmetic (fp32 accumulation; TF32 only where torch allows it); a call whose run-time
-strides, alignment or torch settings are off the fast path goes to the ATen op it replaces, inside
-the same C++ call. `kforge._C.gemm_stats()` counts both kinds of calls.
+transpose around two matmuls, ~2 us of host time per view call). Each name computes what it
+replaces with the same arithmetic (fp32 accumulation; TF32 only where torch allows it); a call
+whose run-time strides, alignment or torch settings are off the fast path goes to the ATen op it
+replaces, inside the same C++ call. `stats()` counts both kinds of calls.
 
-Off by default until measured on a GPU: KFORGE_GEMM=1 turns it on for `kforge.jit` / `kforge.compile`.
+Off by default until measured on a GPU: `kforge.jit(model, gemm=True)` (also `kforge.compile`) or
+KFORGE_GEMM=1 turns it on.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from thunder.core.transform_common import Transform
 from .. import _C
 from .._thunder import OpSpec, operator
 
-__all__ = ["GemmCalls", "rewrite"]
+__all__ = ["GemmCalls", "enabled", "rewrite", "stats"]
 
 
 def _mm_meta(a: TensorProxy, b: TensorProxy) -> TensorProxy:
@@ -115,7 +116,7 @@ def _replacement(b: Any, devices: tuple[str, ...]) -> Any | None:
 # ---- folding the views around a GEMM into its call ---------------------------------------------------
 # Thunder's backward of a linear layer is `reshape(g, (-1, n))`, `permute(.., (1, 0))`, `matmul`,
 # `reshape(result, shape)`: three or four view calls of ~2 us of host time each around every GEMM.
-# Views read only by one GEMM (and a reshape that is its result's only reader) become arguments of
+# Views read only by GEMMs (and a reshape that is a GEMM result's only reader) become arguments of
 # `kforge_gemm_views`, which makes the same views in C++ (torch.reshape's rules: a view where one
 # exists, else a copy, exactly as the dropped call would have made).
 _RESHAPES = ("reshape", "torch_prims_reshape_impl")
