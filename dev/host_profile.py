@@ -56,6 +56,10 @@ def main() -> None:
         t2 = time.perf_counter()
         print(f"{args.model}{' autocast' if args.autocast else ''}: enqueue {1e3 * (t1 - t0) / args.steps:.2f} "
               f"ms/step, wall {1e3 * (t2 - t0) / args.steps:.2f} ms/step")
+    if args.gemm:  # did the plans take the calls, or did they fall back to ATen?
+        from kforge.ops import gemm
+
+        print("gemm:", gemm.stats())
     if args.profile:
         pr = cProfile.Profile()
         pr.enable()
