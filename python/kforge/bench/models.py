@@ -17,8 +17,9 @@ under `torch.autocast(bfloat16)`; fp32), on each backend:
 Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW) with their 10th and
 90th percentiles, peak memory over a few steps taken alone, the first step's wall time (trace + compile + one step; by default every row starts
 from empty kforge / Inductor / Triton disk caches), the final loss, and the error text of a backend
-that fails (the run goes on). --second-process times the first step of kforge and torch.compile again
-in a fresh process that finds the row's disk caches warm.
+that fails (the run goes on); kforge+gemm rows also count the first step's GEMM calls that took a plan
+and those that fell back to ATen (`gemm_calls`). --second-process times the first step of kforge and
+torch.compile again in a fresh process that finds the row's disk caches warm.
 
 The backends of one (model, set-up) are built and warmed up one after the other, stay alive together,
 and their timed steps alternate in blocks (`interleave`): the GPU machine's host speed drifts from
@@ -253,6 +254,14 @@ def path_of(backend: str, mode: str) -> str | None:
     return "dynamo" if mode == "dynamo" else "jit"
 
 
+def _gemm_calls() -> dict[str, int]:
+    """{"plan": calls on kforge's cuBLASLt plans, "aten": calls that fell back} since the process started."""
+    from kforge.ops import gemm
+
+    st = gemm.stats()
+    return {"plan": st["fast_calls"], "aten": st["aten_calls"]}
+
+
 # ---- caches --------------------------------------------------------------------------------------
 def cold_caches(root: str, key: str, *, drop_memory: bool = True) -> dict[str, str]:
     """Point kforge's, Inductor's and Triton's disk caches at fresh directories under root/key and
@@ -363,12 +372,15 @@ class Trainer:
         """Wrap, first step (timed on the wall clock), then `warmup - 1` untimed steps."""
         row: dict[str, Any] = {}
         compiles0 = _nvrtc_compiles()
+        gemm0 = _gemm_calls() if self.backend == "kforge+gemm" else None
         _sync(self.device)
         t0 = time.perf_counter()
         self.fn = wrap(self.backend, self.built.model, self.built.mode, cudagraphs=self.cudagraphs)
         loss = self.step().float().item()  # .item() waits for the step
         row["first_s"] = time.perf_counter() - t0
         row.update(first_step_phases(self.fn))
+        if gemm0 is not None:  # the first step's GEMM calls: on a plan, or fallen back to ATen
+            row["gemm_calls"] = {k: v - gemm0[k] for k, v in _gemm_calls().items()}
         compiles1 = _nvrtc_compiles()
         if self.backend.startswith("kforge") and compiles0 is not None and compiles1 is not None:
             row["nvrtc_compiles"] = compiles1 - compiles0
