@@ -382,7 +382,8 @@ def test_generated_shapes_match_float64(m, k, n, a_row, b_row, dtype):
 
 # ---- GPU: users' models with the flag on ----------------------------------------------------------
 @gpu
-@pytest.mark.parametrize("model, autocast", [("plain_llama", False), ("plain_llama", True), ("hf_gpt2", False)])
+@pytest.mark.parametrize("model, autocast", [("plain_llama", False), ("plain_llama", True), ("hf_gpt2", False),
+                                             ("nanogpt", False), ("nanogpt", True)])
 def test_users_models_tie_out_with_gemm_plans(monkeypatch, model, autocast):
     """One training step with KFORGE_GEMM=1 against eager: loss and every gradient within kforge's bf16
     tie-out tolerances, every GEMM of the traces on a plan, and plans actually launched."""
