@@ -54,13 +54,16 @@ struct LtApi {
 // Null when no libcublasLt is loaded or loadable (then every call takes the ATen path).
 const LtApi* lt() {
   static const LtApi* api = []() -> const LtApi* {
-    void* lib = RTLD_DEFAULT;
-    if (!dlsym(lib, "cublasLtMatmul")) {  // torch's libs loaded locally: open the one it ships
-      lib = nullptr;
-      for (const char* name : {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"})
-        if ((lib = dlopen(name, RTLD_NOW | RTLD_LOCAL))) break;
-      if (!lib) return nullptr;
-    }
+    // The library torch loaded (its handle is used with these functions): by soname if loaded, else
+    // whatever the process resolves, else one opened here.
+    const char* names[] = {"libcublasLt.so.13", "libcublasLt.so.12"};
+    void* lib = nullptr;
+    for (const char* name : names)
+      if ((lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD))) break;
+    if (!lib && dlsym(RTLD_DEFAULT, "cublasLtMatmul")) lib = RTLD_DEFAULT;
+    for (const char* name : names)
+      if (!lib) lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return nullptr;
     static LtApi a;
     bool ok = true;
     auto get = [&](auto& fn, const char* symbol) {
