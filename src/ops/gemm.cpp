@@ -248,9 +248,8 @@ bool lt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, a
   if (!aligned(a.data_ptr(), oa.ld, ea) || !aligned(b.data_ptr(), ob.ld, ea) ||
       !aligned(d.data_ptr(), ldd, ed))
     return false;
-  if (bias.defined() && ((reinterpret_cast<uintptr_t>(bias.data_ptr()) & 15) != 0 ||
-                         bias.scalar_type() != d.scalar_type() || bias.stride(0) != 1 ||
-                         bias.device() != a.device()))
+  if (bias.defined() && (!aligned16(bias) || bias.scalar_type() != d.scalar_type() ||
+                         bias.stride(0) != 1 || bias.device() != a.device()))
     return false;
   cublasComputeType_t ct;
   if (!compute_type(a.scalar_type(), ct)) return false;
@@ -261,15 +260,15 @@ bool lt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, a
                 static_cast<int8_t>(cuda_type(d.scalar_type())), static_cast<int8_t>(ct),
                 static_cast<int8_t>(a.get_device())};
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  void* workspace = at::cuda::getCUDABlasLtWorkspace();
-  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
-  Plan* plan;
   {
     std::lock_guard<std::mutex> lock(plans_mutex);
     auto it = plans().find(key);
-    if (it == plans().end()) it = plans().emplace(key, make_plan(key, handle, workspace_size)).first;
-    plan = &it->second;
-    if (!plan->ok || plan->workspace > workspace_size) return false;
+    if (it == plans().end())
+      it = plans().emplace(key, make_plan(key, handle, at::cuda::getCUDABlasLtWorkspaceSize())).first;
+    const Plan* plan = &it->second;
+    if (!plan->ok) return false;
+    // torch's workspace for this stream, looked up (a locked map) only for kernels that use one
+    void* workspace = plan->workspace ? at::cuda::getCUDABlasLtWorkspace() : nullptr;
     // The bias pointer lives in the shared descriptor: set and launched under the lock.
     if (bias.defined()) {
       const void* ptr = bias.data_ptr();

@@ -136,11 +136,18 @@ def _side(b: Any) -> bool:
 
 
 class _Trace:
-    def __init__(self, bsyms: Sequence[Any]) -> None:
+    """Bound symbols with, per proxy name, the index of its producer and the indices of its readers.
+    `skip_dels`: `del` statements do not count as readers (traces after Thunder placed them)."""
+
+    def __init__(self, bsyms: Sequence[Any], skip_dels: bool = False) -> None:
+        from thunder.core.prims import PrimIDs
+
         self.bsyms = list(bsyms)
         self.producer: dict[str, int] = {}
         self.readers: dict[str, set[int]] = {}
         for i, b in enumerate(self.bsyms):
+            if skip_dels and b.sym.id == PrimIDs.DEL:
+                continue
             for p in b.flat_proxy_args:
                 self.readers.setdefault(p.name, set()).add(i)
             for o in b.flat_proxy_outs:

@@ -98,19 +98,17 @@ def _replacement(b: Any, devices: tuple[str, ...]) -> Any | None:
         if (_floats_on(devices, x, w, *(() if bias is None else (bias,))) and x.ndim >= 2 and w.ndim == 2
                 and (bias is None or bias.ndim == 1)):
             return gemm_linear.bind(x, w, bias, output=out)
-    elif ex == "kforge" and name == "kforge_matmul_accumulate":
-        c, a, w = args
-        if _floats_on(devices, c, a, w):
-            return gemm_addmm_.bind(c, a, w, output=out)
-    elif ex == "kforge" and name == "kforge_matmul_widen":
-        a, w = args
-        if _floats_on(devices, a, w):
-            return gemm_mm_widen.bind(a, w, output=out)
-    elif ex == "kforge" and name == "kforge_addmm_forward":
-        bias, a, w = args
-        if _floats_on(devices, bias, a, w):
-            return gemm_addmm.bind(bias, a, w, output=out)
+    elif ex == "kforge" and name in _KFORGE_GEMMS and _floats_on(devices, *args):
+        return _KFORGE_GEMMS[name].bind(*args, output=out)
     return None
+
+
+# kforge's own GEMM names and the plan calls that take them, argument for argument.
+_KFORGE_GEMMS = {
+    "kforge_matmul_accumulate": gemm_addmm_,   # (c, a, w): c += a @ w
+    "kforge_matmul_widen": gemm_mm_widen,      # (a, w): fp32 a @ w
+    "kforge_addmm_forward": gemm_addmm,        # (bias, a, w): Conv1D
+}
 
 
 # ---- folding the views around a GEMM into its call ---------------------------------------------------
@@ -153,22 +151,15 @@ def _fold_views(bsyms: list) -> tuple[list, int]:
     A 2-D reshape or transpose is folded when every reader of its result is a GEMM (or a folded
     transpose read only by GEMMs): the gradient of a linear layer, `reshape(g, (-1, n))`, is read by
     both the input's and the weight's GEMM, and one layer input by the q, k and v weight GEMMs."""
-    from thunder.core.prims import PrimIDs
+    from ..fusion.matmul_acc import _Trace
 
-    producer: dict[str, int] = {}
-    readers: dict[str, list[int]] = {}
-    for i, b in enumerate(bsyms):
-        for p in b.flat_proxy_outs:
-            producer[p.name] = i
-        if b.sym.id == PrimIDs.DEL:
-            continue
-        for p in b.flat_proxy_args:
-            readers.setdefault(p.name, []).append(i)
+    tr = _Trace(bsyms, skip_dels=True)
+    producer, readers = tr.producer, tr.readers
     gemms = {i for i, b in enumerate(bsyms) if b.sym.name in _FOLDABLE}
 
     def read_by(name: str, ok: set[int]) -> bool:
-        rs = readers.get(name, [])
-        return bool(rs) and all(r in ok for r in rs)
+        rs = readers.get(name, set())
+        return bool(rs) and rs <= ok
 
     transposes = {i for i, b in enumerate(bsyms) if _is_transpose(b) and read_by(b.output.name, gemms)}
     reshapes = {i for i, b in enumerate(bsyms) if _is_reshape(b) and b.output.ndim == 2
@@ -197,7 +188,7 @@ def _fold_views(bsyms: list) -> tuple[list, int]:
                 src = bsyms[j].flat_proxy_args[0]
             parts += [src, cols, trans]
         out, out_shape = b.output, None
-        rs = readers.get(out.name, [])
+        rs = sorted(readers.get(out.name, ()))
         if len(rs) == 1 and _is_reshape(bsyms[rs[0]]) and rs[0] not in reshapes:  # not another GEMM's operand
             r = bsyms[rs[0]]
             drop.add(rs[0])
