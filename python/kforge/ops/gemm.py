@@ -82,10 +82,15 @@ def _floats_on(devices: tuple[str, ...], *ts: Any) -> bool:
             and all(t.device == first.device and t.dtype == first.dtype for t in ts))
 
 
+def _executor(b: Any) -> str | None:
+    """The name of the executor that runs bound symbol `b` in a final trace."""
+    return getattr(getattr(b.sym, "executor", None), "name", None)
+
+
 def _replacement(b: Any, devices: tuple[str, ...]) -> Any | None:
     """The kforge_gemm_* call that computes `b`, or None to keep it."""
     name = b.sym.name
-    ex = getattr(getattr(b.sym, "executor", None), "name", None)
+    ex = _executor(b)
     args = b.args
     out = b.output
     if ex == "torch" and name == "matmul" and len(args) == 2 and not b.kwargs:
@@ -135,12 +140,12 @@ _FOLDABLE = ("kforge_gemm_mm", "kforge_gemm_addmm_", "kforge_gemm_mm_widen")
 
 
 def _is_reshape(b: Any) -> bool:
-    return (b.sym.name in _RESHAPES and getattr(getattr(b.sym, "executor", None), "name", None) == "torch"
+    return (b.sym.name in _RESHAPES and _executor(b) == "torch"
             and len(b.flat_proxy_args) == 1 and isinstance(b.output, TensorProxy))
 
 
 def _is_transpose(b: Any) -> bool:
-    return (b.sym.name == "permute" and getattr(getattr(b.sym, "executor", None), "name", None) == "torch"
+    return (b.sym.name == "permute" and _executor(b) == "torch"
             and len(b.args) == 2 and isinstance(b.args[0], TensorProxy) and b.args[0].ndim == 2
             and tuple(b.args[1]) == (1, 0))
 
@@ -162,10 +167,9 @@ def _fold_views(bsyms: list) -> tuple[list, int]:
         return bool(rs) and rs <= ok
 
     transposes = {i for i, b in enumerate(bsyms) if _is_transpose(b) and read_by(b.output.name, gemms)}
+    # (a reshape read by a transpose that stays, read by something else too, stays as well)
     reshapes = {i for i, b in enumerate(bsyms) if _is_reshape(b) and b.output.ndim == 2
                 and read_by(b.output.name, gemms | transposes)}
-    # a reshape read by a transpose that stays (read by something else too) stays as well
-    reshapes = {i for i in reshapes if all(r in gemms or r in transposes for r in readers[bsyms[i].output.name])}
     drop: set[int] = set()
     replace: dict[int, Any] = {}
     for i in sorted(gemms):
