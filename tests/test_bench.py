@@ -535,13 +535,16 @@ def test_path_option_sends_plain_models_through_dynamo():
     assert models.build(case, "bf16", batch=1, seq=8, device="cpu", path="jit").mode == "jit"
 
 
-def test_gemm_backend_trains_with_the_plans_on():
-    """kforge+gemm (asked for by name, not a default): kforge.jit(gemm=True), a row of its own."""
-    assert "kforge+gemm" not in models.DEFAULT_BACKENDS
-    (row,) = models.bench_models(models.resolve(_args(dry=True, names=["plain-llama"], backends="kforge+gemm",
-                                                      setup="bf16")))["rows"]
-    assert row.get("error") is None and row["backend"] == "kforge+gemm" and math.isfinite(row["final_loss"])
-    assert row["gemm_calls"]["plan"] == 0 and row["gemm_calls"]["aten"] == 0  # CPU: the rewrite takes CUDA only
+def test_gemm_backends_switch_the_plans_on_and_off(monkeypatch):
+    """kforge+gemm / kforge-gemm (asked for by name, not defaults): kforge.jit(gemm=True / False), rows of
+    their own whatever KFORGE_GEMM says; plain kforge follows KFORGE_GEMM (on by default)."""
+    assert "kforge+gemm" not in models.DEFAULT_BACKENDS and "kforge-gemm" not in models.DEFAULT_BACKENDS
+    rows = models.bench_models(models.resolve(_args(dry=True, names=["plain-llama"], backends="kforge+gemm,kforge-gemm",
+                                                    setup="bf16")))["rows"]
+    assert [r["backend"] for r in rows] == ["kforge+gemm", "kforge-gemm"]
+    for row in rows:
+        assert row.get("error") is None and math.isfinite(row["final_loss"])
+        assert row["gemm_calls"] == {"plan": 0, "aten": 0}  # CPU: the rewrite takes CUDA only
     import thunder
 
     from kforge.ops.gemm import GemmCalls
@@ -550,7 +553,10 @@ def test_gemm_backend_trains_with_the_plans_on():
         fn = models.wrap(backend, torch.nn.Linear(4, 4))
         return [t for t in thunder.compile_data(fn).transforms if isinstance(t, GemmCalls)]
 
+    monkeypatch.setenv("KFORGE_GEMM", "0")
     assert len(gemm_transforms("kforge+gemm")) == 1 and gemm_transforms("kforge") == []
+    monkeypatch.delenv("KFORGE_GEMM")
+    assert gemm_transforms("kforge-gemm") == [] and len(gemm_transforms("kforge")) == 1
 
 
 def test_resolve_presets_and_defaults():

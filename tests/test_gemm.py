@@ -97,10 +97,13 @@ def test_bad_shapes_name_the_op(call, message):
 def test_flag_adds_the_transform(monkeypatch):
     from kforge.transforms import _gemm_calls
 
-    monkeypatch.delenv("KFORGE_GEMM", raising=False)
-    assert _gemm_calls() == []
-    monkeypatch.setenv("KFORGE_GEMM", "1")
+    monkeypatch.delenv("KFORGE_GEMM", raising=False)  # on by default
     assert [type(t) for t in _gemm_calls()] == [gemm.GemmCalls]
+    monkeypatch.setenv("KFORGE_GEMM", "0")
+    assert _gemm_calls() == []
+    assert [type(t) for t in _gemm_calls(True)] == [gemm.GemmCalls]
+    monkeypatch.setenv("KFORGE_GEMM", "1")
+    assert [type(t) for t in _gemm_calls()] == [gemm.GemmCalls] and _gemm_calls(False) == []
 
 
 def test_gemm_argument_must_be_a_bool():

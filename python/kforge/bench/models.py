@@ -11,13 +11,13 @@ under `torch.autocast(bfloat16)`; fp32), on each backend:
   kforge         `kforge.jit(model)`; `kforge.compile(model)` on the Dynamo path (with --cudagraphs:
                  `cudagraphs=True`, kforge.cudagraphs' runner; thunder gets
                  `transforms=[thunder.transforms.cudagraph.CUDAGraphTransform()]`)
-  kforge+gemm    kforge with `gemm=True` (matrix products on kforge's cuBLASLt plans, kforge.ops.gemm):
-                 an A/B of that switch in one run
+  kforge+gemm    kforge with `gemm=True` / `gemm=False` (matrix products on kforge's cuBLASLt plans,
+  kforge-gemm    kforge.ops.gemm, on by default): an A/B of that switch in one run
 
 Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW) with their 10th and
 90th percentiles, peak memory over a few steps taken alone, the first step's wall time (trace + compile + one step; by default every row starts
 from empty kforge / Inductor / Triton disk caches), the final loss, and the error text of a backend
-that fails (the run goes on); kforge+gemm rows also count the first step's GEMM calls that took a plan
+that fails (the run goes on); kforge rows also count the first step's GEMM calls that took a plan
 and those that fell back to ATen (`gemm_calls`). --second-process times the first step of kforge and
 torch.compile again in a fresh process that finds the row's disk caches warm.
 
@@ -48,8 +48,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm")
-DEFAULT_BACKENDS = ("eager", "torch.compile", "thunder", "kforge")  # kforge+gemm: asked for by name
+BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm", "kforge-gemm")
+DEFAULT_BACKENDS = ("eager", "torch.compile", "thunder", "kforge")  # kforge±gemm: asked for by name
 SETUPS = ("bf16", "autocast", "fp32")
 # Default --size per zoo model: the sizes of issue 18's table.
 DEFAULT_SIZE = {"nanogpt": "124M", "plain-llama": "bench", "hf-llama": "bench", "hf-gpt2": "124M"}
@@ -235,12 +235,12 @@ def wrap(backend: str, model: Any, mode: str = "jit", *, cudagraphs: bool = Fals
         import thunder
 
         return thunder.jit(model, **extra)
-    if backend in ("kforge", "kforge+gemm"):
+    if backend in ("kforge", "kforge+gemm", "kforge-gemm"):
         import kforge
 
         # kforge's runner (kforge.cudagraphs): Thunder's transform, gradients handed out without a copy.
-        # kforge+gemm: GEMMs on kforge's cuBLASLt plans (kforge.ops.gemm), for A/B timing in one run.
-        gemm = True if backend == "kforge+gemm" else None
+        # kforge±gemm: GEMMs on kforge's cuBLASLt plans (kforge.ops.gemm) or on torch's, for A/B in one run.
+        gemm = {"kforge+gemm": True, "kforge-gemm": False}.get(backend)
         return (kforge.compile(model, cudagraphs=cudagraphs, gemm=gemm) if mode == "dynamo"
                 else kforge.jit(model, cudagraphs=cudagraphs, gemm=gemm))
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -372,7 +372,7 @@ class Trainer:
         """Wrap, first step (timed on the wall clock), then `warmup - 1` untimed steps."""
         row: dict[str, Any] = {}
         compiles0 = _nvrtc_compiles()
-        gemm0 = _gemm_calls() if self.backend == "kforge+gemm" else None
+        gemm0 = _gemm_calls() if self.backend.startswith("kforge") else None
         _sync(self.device)
         t0 = time.perf_counter()
         self.fn = wrap(self.backend, self.built.model, self.built.mode, cudagraphs=self.cudagraphs)

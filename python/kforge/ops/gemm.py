@@ -22,8 +22,7 @@ replaces with the same arithmetic (fp32 accumulation; TF32 only where torch allo
 whose run-time strides, alignment or torch settings are off the fast path goes to the ATen op it
 replaces, inside the same C++ call. `stats()` counts both kinds of calls.
 
-Off by default until measured on a GPU: `kforge.jit(model, gemm=True)` (also `kforge.compile`) or
-KFORGE_GEMM=1 turns it on.
+On by default in kforge.jit / kforge.compile; `gemm=False` or KFORGE_GEMM=0 leaves the GEMMs to torch.
 """
 from __future__ import annotations
 
@@ -294,7 +293,7 @@ def stats() -> dict:
 
 
 def enabled() -> bool:
-    """Whether kforge.jit / kforge.compile add GemmCalls (KFORGE_GEMM, default off)."""
+    """Whether kforge.jit / kforge.compile add GemmCalls (KFORGE_GEMM, default on)."""
     from .. import _env
 
     return _env.flag("KFORGE_GEMM")
