@@ -725,12 +725,13 @@ def test_matmul_conversion_left_alone(case: str) -> None:
         assert o.dtype == r.dtype and torch.equal(o, r)
 
 
-def test_autocast_weight_gradients_come_from_widening_matmuls() -> None:
+def test_autocast_weight_gradients_come_from_widening_matmuls(monkeypatch) -> None:
     """The fake-traced plain Llama under autocast: every linear weight's gradient (fp32 weights, bf16
     matmuls) is one float32-output matmul; no region converts a matmul's result any more."""
     from conftest import fake_cuda_trace
     from kforge.zoo import plain_llama
 
+    monkeypatch.setenv("KFORGE_GEMM", "0")  # the fusion's names, before kforge.ops.gemm renames them
     ft = fake_cuda_trace(plain_llama.make, size="micro", batch=2, seq=16, autocast=True)
     names = [b.sym.name for b in ft.backward.bound_symbols]
     n_layers = names.count("kforge_swiglu_backward")
@@ -894,6 +895,8 @@ def test_llama_backward_regions_with_addmm(monkeypatch) -> None:
     from conftest import fake_cuda_trace
     from kforge.fusion import executor as fx, matmul_acc
     from kforge.zoo import plain_llama
+
+    monkeypatch.setenv("KFORGE_GEMM", "0")  # the fusion's names, before kforge.ops.gemm renames them
 
     def trace(accumulate: bool):
         if not accumulate:

@@ -465,7 +465,9 @@ def test_hf_gpt2_conv1d_layers_claimed(autocast):
     (in, out) shape, and nothing of Thunder's auto-registered addmm is left."""
     from conftest import fake_cuda_trace
 
-    traced = fake_cuda_trace(_hf_gpt2(torch.bfloat16, autocast), jit=kforge.jit, dynamo=False)
+    # gemm=False: the claim itself, before kforge.ops.gemm renames it (tests/test_gemm.py covers that).
+    traced = fake_cuda_trace(_hf_gpt2(torch.bfloat16, autocast), jit=functools.partial(kforge.jit, gemm=False),
+                             dynamo=False)
     fwd = [b for b in traced.forward.bound_symbols if b.sym.name == "kforge_addmm_forward"]
     assert len(fwd) == 4 * 2  # c_attn, attn.c_proj, c_fc, mlp.c_proj per layer
     for b in fwd:
@@ -504,18 +506,22 @@ def test_hf_gpt2_dynamo_path_keeps_conv1d_in_thunder():
 @gpu
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("bias_shape", [(96,), (1, 96), (37, 96)], ids=str)
-def test_addmm_forward_backward(dtype, bias_shape):
+@pytest.mark.parametrize("gemm", [False, True], ids=["torch-gemm", "kforge-gemm"])
+def test_addmm_forward_backward(dtype, bias_shape, gemm):
     """kforge_addmm on CUDA: forward and gradients against float64, the weight's gradient contiguous
-    in its (in, out) layout."""
+    in its (in, out) layout; its GEMMs on torch's matmul, or all on kforge's cuBLASLt plans (gemm)."""
     input = randn(*bias_shape, dtype=dtype).requires_grad_()
     mat1 = randn(37, 72, dtype=dtype).requires_grad_()
     mat2 = randn(72, 96, dtype=dtype, scale=0.1).requires_grad_()
     g = randn(37, 96, dtype=dtype)
-    jf = kforge.jit(lambda i, a, b: torch.addmm(i, a, b))
+    jf = kforge.jit(lambda i, a, b: torch.addmm(i, a, b), gemm=gemm)
     out = jf(input, mat1, mat2)
     out.backward(g)
     fwd, bwd = _addmm_names(jf)
-    assert "kforge_addmm_forward" in fwd and bwd.count("matmul") == 2, (fwd, bwd)
+    if gemm:
+        assert "kforge_gemm_addmm" in fwd and "matmul" not in bwd and "kforge_gemm_views" in bwd, (fwd, bwd)
+    else:
+        assert "kforge_addmm_forward" in fwd and bwd.count("matmul") == 2, (fwd, bwd)
     ref = _addmm_reference(input, mat1, mat2, g)
     tol = 2 * conftest.REL_TOL[dtype]
     assert out.dtype == dtype
@@ -539,7 +545,7 @@ def test_hf_gpt2_matches_eager(autocast):
         ref = ref_model(**inputs).loss
     loss.backward()
     ref.backward()
-    assert "kforge_addmm_forward" in symbol_names(thunder.last_traces(jm)[-1])
+    assert "kforge_gemm_addmm" in symbol_names(thunder.last_traces(jm)[-1])  # kforge_addmm_forward on a plan
     assert_close(loss, ref, torch.bfloat16, "loss", tol=2 * conftest.REL_TOL[torch.bfloat16])
     for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
         # bf16 rounding differs between the two programs: compare against the gradient's own scale.
