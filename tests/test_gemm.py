@@ -174,6 +174,21 @@ def test_every_gemm_of_a_fake_gpu_trace_is_rewritten(monkeypatch, model, setup, 
         assert not [b for b in ft.backward.bound_symbols if b.sym.name == "reshape"], ft.backward
 
 
+def test_fp32_gemms_stay_torchs():
+    """fp32 models traced as on a GPU keep torch's GEMMs (cuBLASLt's heuristic kernel for IEEE fp32 was
+    slower than torch's choice, see gemm.SIXTEEN_BIT); their 16-bit counterparts are rewritten."""
+    from kforge.zoo import nanogpt
+
+    census = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        ft = fake_cuda_trace(nanogpt.make, jit=lambda f: kforge.jit(f, trace_cache=False), size="micro", batch=2,
+                             seq=16, dtype=dtype)
+        census[dtype] = _gemm_census(ft.forward) + _gemm_census(ft.backward)
+    fp32, bf16 = census[torch.float32], census[torch.bfloat16]
+    assert fp32 and all(k.startswith("left: ") for k in fp32), fp32
+    assert bf16 and not [k for k in bf16 if k.startswith("left: ")], bf16
+
+
 def test_rewritten_backward_keeps_what_cuda_graphs_look_for():
     """The rewrite mends `del`s in place: Thunder's CUDA-graph transform finds the backward's unpacking
     of saved tensors by position, and kforge.jit(cudagraphs=True, gemm=True) graphs the whole step."""
@@ -188,7 +203,7 @@ def test_rewritten_backward_keeps_what_cuda_graphs_look_for():
 
 @pytest.mark.parametrize("model", ["plain_llama", "hf_gpt2", "nanogpt"])
 def test_rewritten_traces_train_like_eager_on_the_cpu(model):
-    """GemmCalls(devices=("cpu",)) rewrites a CPU model's traces as it does CUDA ones (every call then
+    """GemmCalls(devices=("cpu",), dtypes=(torch.float32,)) rewrites a CPU model's traces as it does CUDA ones (every call then
     takes its ATen op), so the rewrite itself, views folded and `del`s placed again, runs here: one
     training step against eager, fp32."""
     import importlib
@@ -198,7 +213,7 @@ def test_rewritten_traces_train_like_eager_on_the_cpu(model):
     make = importlib.import_module(f"kforge.zoo.{model}").make
     m, inputs, opts = make(size="micro", batch=2, seq=16, device="cpu", dtype=torch.float32)
     eager = copy.deepcopy(m)
-    jm = kforge.jit(m, trace_cache=False, transforms=[gemm.GemmCalls(devices=("cpu",))])
+    jm = kforge.jit(m, trace_cache=False, transforms=[gemm.GemmCalls(devices=("cpu",), dtypes=(torch.float32,))])
 
     def step(fn):
         loss = opts["loss_fn"](fn(**inputs) if isinstance(inputs, dict) else fn(*inputs))

@@ -15,7 +15,7 @@ shape) and launch it on PyTorch's current stream with torch's own cuBLASLt handl
     kforge_matmul_widen(a, w)            fp32 result             -> kforge_gemm_mm_widen(a, w)
     kforge_addmm_forward(bias, a, w)     HF's Conv1D             -> kforge_gemm_addmm(bias, a, w)
 
-for CUDA tensors of one float dtype (bf16, fp16, fp32), then folds the views around the backward's
+for CUDA tensors of one 16-bit dtype (bf16, fp16; fp32 GEMMs stay torch's), then folds the views around the backward's
 GEMMs into them (`kforge_gemm_views`: Thunder writes each linear layer's backward as reshapes and a
 transpose around two matmuls, ~2 us of host time per view call). Each name computes what it
 replaces with the same arithmetic (fp32 accumulation; TF32 only where torch allows it); a call
@@ -68,16 +68,20 @@ gemm_linear = operator("gemm_linear", meta=_linear_meta, fn=_C.gemm_linear)
 # No torch symbol is claimed: the names enter traces through GemmCalls, after every other pass.
 SPEC = OpSpec("gemm", ())
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# The operand dtypes GemmCalls takes by default. fp32 GEMMs stay torch's: on an H200, cuBLASLt's
+# heuristic kernel for IEEE fp32 made nanoGPT 124M's graphed fp32 step (B=4, T=64) 1.4 ms slower than
+# torch's cuBLAS choice (10.70 vs 9.27 ms), and fp32 steps are bound by GEMM time, not host time.
+# The fp32 entries stay right and tested for direct calls.
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
-def _floats_on(devices: tuple[str, ...], *ts: Any) -> bool:
-    """All tensors, on one device of a type in `devices`, of one float dtype the plans take (fp32, bf16,
-    fp16), none empty."""
+def _floats_on(on: tuple[tuple[str, ...], tuple[torch.dtype, ...]], *ts: Any) -> bool:
+    """All tensors, on one device of a type in on[0], of one dtype in on[1], none empty."""
     if not all(isinstance(t, TensorProxy) for t in ts):
         return False
     first = ts[0]
-    return (first.device.type in devices and dtypes.to_torch_dtype(first.dtype) in _FLOATS and first.numel != 0
+    devices, taken = on
+    return (first.device.type in devices and dtypes.to_torch_dtype(first.dtype) in taken and first.numel != 0
             and all(t.device == first.device and t.dtype == first.dtype for t in ts))
 
 
@@ -86,7 +90,7 @@ def _executor(b: Any) -> str | None:
     return getattr(getattr(b.sym, "executor", None), "name", None)
 
 
-def _replacement(b: Any, devices: tuple[str, ...]) -> Any | None:
+def _replacement(b: Any, on: tuple[tuple[str, ...], tuple[torch.dtype, ...]]) -> Any | None:
     """The kforge_gemm_* call that computes `b`, or None to keep it."""
     name = b.sym.name
     ex = _executor(b)
@@ -94,15 +98,15 @@ def _replacement(b: Any, devices: tuple[str, ...]) -> Any | None:
     out = b.output
     if ex == "torch" and name == "matmul" and len(args) == 2 and not b.kwargs:
         a, w = args
-        if _floats_on(devices, a, w) and a.ndim == 2 and w.ndim == 2:
+        if _floats_on(on, a, w) and a.ndim == 2 and w.ndim == 2:
             return gemm_mm.bind(a, w, output=out)
     elif ex == "torch" and name == "linear" and len(args) in (2, 3) and not b.kwargs:
         x, w = args[:2]
         bias = args[2] if len(args) == 3 else None
-        if (_floats_on(devices, x, w, *(() if bias is None else (bias,))) and x.ndim >= 2 and w.ndim == 2
+        if (_floats_on(on, x, w, *(() if bias is None else (bias,))) and x.ndim >= 2 and w.ndim == 2
                 and (bias is None or bias.ndim == 1)):
             return gemm_linear.bind(x, w, bias, output=out)
-    elif ex == "kforge" and name in _KFORGE_GEMMS and _floats_on(devices, *args):
+    elif ex == "kforge" and name in _KFORGE_GEMMS and _floats_on(on, *args):
         return _KFORGE_GEMMS[name].bind(*args, output=out)
     return None
 
@@ -246,16 +250,17 @@ def _place_dels(bsyms: list, gone: set[str]) -> list:
     return out
 
 
-def rewrite(trace: Any, devices: tuple[str, ...] = ("cuda",)) -> Any:
+def rewrite(trace: Any, devices: tuple[str, ...] = ("cuda",),
+            operand_dtypes: tuple[torch.dtype, ...] = SIXTEEN_BIT) -> Any:
     """`trace` with its GEMM calls on kforge's cuBLASLt plans and the views around them folded into
-    those calls (see the module docstring), for tensors on `devices`; `trace` itself when it has no
-    GEMM to take."""
+    those calls (see the module docstring), for operands on `devices` of one of `operand_dtypes`; `trace`
+    itself when it has no GEMM to take."""
     from thunder.core.trace import TraceProvenance, from_trace
 
     bsyms = []
     count = 0
     for b in trace.bound_symbols:
-        nb = _replacement(b, devices)
+        nb = _replacement(b, (tuple(devices), tuple(operand_dtypes)))
         if nb is None:
             bsyms.append(b)
             continue
@@ -275,16 +280,18 @@ def rewrite(trace: Any, devices: tuple[str, ...] = ("cuda",)) -> Any:
 class GemmCalls(Transform):
     """Post-optimization: the final traces' GEMMs called on kforge's cuBLASLt plans (kforge.ops.gemm).
     `devices`: device types whose tensors are taken (CUDA; tests take the CPU, where every call is
-    torch's own op)."""
+    torch's own op). `dtypes`: operand dtypes taken (default bf16 and fp16; float32 GEMMs stay torch's,
+    see SIXTEEN_BIT)."""
 
-    def __init__(self, devices: tuple[str, ...] = ("cuda",)) -> None:
+    def __init__(self, devices: tuple[str, ...] = ("cuda",), dtypes: tuple[torch.dtype, ...] = SIXTEEN_BIT) -> None:
         self.devices = tuple(devices)
+        self.dtypes = tuple(dtypes)
 
     def __repr__(self) -> str:
-        return f"{type(self).__module__}.{type(self).__qualname__}(devices={self.devices!r})"
+        return f"{type(self).__module__}.{type(self).__qualname__}(devices={self.devices!r}, dtypes={self.dtypes!r})"
 
     def transform_trace_post_optimization(self, computation_trace: Any, **kwargs: Any) -> Any:
-        return rewrite(computation_trace, self.devices)
+        return rewrite(computation_trace, self.devices, self.dtypes)
 
 
 def stats() -> dict:
