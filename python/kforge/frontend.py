@@ -130,7 +130,7 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False
     is not a list of Thunder transforms. `trace_cache` (default: KFORGE_TRACE_CACHE, on): the
     programs Thunder compiles are kept on disk and a later process starts from them instead of
     tracing again (`kforge.trace_cache`); restored programs carry no Thunder traces, so pass False
-    to inspect `thunder.last_traces`. `gemm` (default: KFORGE_GEMM, on): the traces' matrix products
+    to inspect `thunder.last_traces`. `gemm` (default: KFORGE_GEMM, on): the traces' bf16 / fp16 matrix products
     called on kforge's cuBLASLt plans (`kforge.ops.gemm`)."""
     from .cudagraphs import _check, with_cudagraphs
     from .transforms import jit as _jit
