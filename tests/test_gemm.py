@@ -113,6 +113,20 @@ def test_gemm_argument_must_be_a_bool():
         kforge.compile(torch.nn.Linear(2, 2), gemm=1)
 
 
+def test_launch_bench_calls_compute_what_they_name():
+    """`bench launch`'s GEMM rows (run here on CPU tensors, where the plan entries are the ATen ops):
+    each kforge call gives what its torch counterpart gives."""
+    calls = dict(gemm.launch_callables(m=6, k=8, n=4, device="cpu"))
+    out = {name: fn() for name, fn in calls.items()}
+    by = {name.split(" (")[0].split(",")[0]: v for name, v in out.items()}
+    assert torch.equal(by["kforge._C.gemm_mm"], by["torch.mm"])
+    assert torch.equal(by["kforge._C.gemm_linear"], by["F.linear"])
+    wgrad = [v for name, v in out.items() if "weight gradient" in name]
+    assert len(wgrad) == 2 and wgrad[0].shape == (4, 8) and torch.equal(wgrad[0], wgrad[1])
+    (igrad,) = [v for name, v in out.items() if "input gradient" in name]
+    assert igrad.shape == (2, 3, 8)
+
+
 def test_cpu_traces_are_left_alone():
     """The rewrite takes CUDA tensors only: a CPU model's traces come back unchanged."""
     import thunder

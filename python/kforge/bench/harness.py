@@ -280,15 +280,16 @@ def bench_model(which: str, args) -> dict:
 
 # ---- launch overhead -------------------------------------------------------------------------------
 def bench_launch(args) -> dict:
-    """Host microseconds per launch from Python: kforge's axpy vs torch.add on 1024 elements, and a
-    fusion region's generated kernel vs torch.add."""
+    """Host microseconds per launch from Python: kforge's axpy vs torch.add on 1024 elements, a fusion
+    region's generated kernel vs torch.add, and one GEMM call through torch and on kforge's plans."""
     import kforge
 
     from ..fusion.bench import launch_callables
+    from ..ops import gemm
 
     x, y = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
     calls = [("kforge._C.axpy", lambda: kforge._C.axpy(x, y, 1.0)),
-             ("torch.add", lambda: torch.add(x, y, alpha=1.0)), *launch_callables()]
+             ("torch.add", lambda: torch.add(x, y, alpha=1.0)), *launch_callables(), *gemm.launch_callables()]
     return {"kind": "launch", "rows": [{"launcher": name, "host_us_per_launch": _host_us(fn)} for name, fn in calls]}
 
 

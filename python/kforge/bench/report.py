@@ -607,7 +607,9 @@ HOW_MEASURED = """\
   calls the model as llm.c's training loop does, `model(idx, targets, return_logits=False)`: under
   Thunder a returned tensor always gets a gradient in the backward, and for unused (B, T, V) logits
   that is a 0.8 GB zero tensor added to the loss gradient.
-- **launch**: host microseconds per launch from Python, 1024-element axpy vs `torch.add`."""
+- **launch**: host microseconds per launch from Python, 1024-element axpy vs `torch.add`, a fusion
+  region's generated kernel vs `torch.add`, and one tiny bf16 GEMM call in each form through torch
+  and on kforge's cuBLASLt plans (`kforge.ops.gemm`), with an allocation and two views beside them."""
 
 
 def _rel(path: str, start_dir: str) -> str:

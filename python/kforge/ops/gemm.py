@@ -301,6 +301,34 @@ def stats() -> dict:
     return dict(_C.gemm_stats())
 
 
+def launch_callables(m: int = 64, k: int = 64, n: int = 64, device: str = "cuda") -> list[tuple[str, Any]]:
+    """(name, call) pairs for `bench launch`: one GEMM call in each form a trace makes it, through torch
+    and on kforge's plans, with the pieces such a call is made of (an output's allocation, the two views
+    of a linear layer's backward). bf16, (m, k, n) tiny by default, so that a kernel takes less GPU time
+    than its call takes host time: the loop measures the host."""
+    import torch.nn.functional as F
+
+    bt = (2, m // 2)  # activations as traces carry them: (B, T, features)
+    x = torch.randn(*bt, k, device=device, dtype=torch.bfloat16)  # a linear layer's input
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)  # its weight (out, in)
+    g = torch.randn(*bt, n, device=device, dtype=torch.bfloat16)  # its output's gradient
+    x2, wt = x.view(-1, k), w.t()
+    shape = f"({m} x {k} x {n} bf16)"
+    return [
+        (f"torch.empty ({m}, {n}) bf16: an output", lambda: torch.empty((m, n), device=device, dtype=torch.bfloat16)),
+        ("reshape + t(): two views", lambda: torch.reshape(x, (-1, k)).t()),
+        (f"torch.mm {shape}", lambda: torch.mm(x2, wt)),
+        (f"torch.matmul {shape}", lambda: torch.matmul(x2, wt)),
+        (f"F.linear {shape}", lambda: F.linear(x, w)),
+        ("torch.matmul, weight gradient with its views", lambda: torch.matmul(torch.reshape(g, (-1, n)).t(), x2)),
+        (f"kforge._C.gemm_mm {shape}", lambda: _C.gemm_mm(x2, wt)),
+        (f"kforge._C.gemm_linear {shape}", lambda: _C.gemm_linear(x, w, None)),
+        ("kforge._C.gemm_views, weight gradient", lambda: _C.gemm_views(g, n, True, x, k, False, None, False, None)),
+        ("kforge._C.gemm_views, input gradient", lambda: _C.gemm_views(g, n, False, w, k, False, None, False,
+                                                                       (*bt, k))),
+    ]
+
+
 def enabled() -> bool:
     """Whether kforge.jit / kforge.compile add GemmCalls (KFORGE_GEMM, default on)."""
     from .. import _env
