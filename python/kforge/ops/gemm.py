@@ -259,10 +259,11 @@ def rewrite(trace: Any, devices: tuple[str, ...] = ("cuda",),
     itself when it has no GEMM to take."""
     from thunder.core.trace import TraceProvenance, from_trace
 
+    on = (tuple(devices), tuple(operand_dtypes))
     bsyms = []
     count = 0
     for b in trace.bound_symbols:
-        nb = _replacement(b, (tuple(devices), tuple(operand_dtypes)))
+        nb = _replacement(b, on)
         if nb is None:
             bsyms.append(b)
             continue
@@ -320,7 +321,8 @@ def launch_callables(m: int = 64, k: int = 64, n: int = 64, device: str = "cuda"
         (f"torch.mm {shape}", lambda: torch.mm(x2, wt)),
         (f"torch.matmul {shape}", lambda: torch.matmul(x2, wt)),
         (f"F.linear {shape}", lambda: F.linear(x, w)),
-        ("torch.matmul, weight gradient with its views", lambda: torch.matmul(torch.reshape(g, (-1, n)).t(), x2)),
+        ("torch.matmul, weight gradient with its views", lambda: torch.matmul(torch.reshape(g, (-1, n)).t(),
+                                                                                torch.reshape(x, (-1, k)))),
         (f"kforge._C.gemm_mm {shape}", lambda: _C.gemm_mm(x2, wt)),
         (f"kforge._C.gemm_linear {shape}", lambda: _C.gemm_linear(x, w, None)),
         ("kforge._C.gemm_views, weight gradient", lambda: _C.gemm_views(g, n, True, x, k, False, None, False, None)),
