@@ -43,6 +43,9 @@ same thing, so kforge's grad transforms give the backward too. Spellings found (
                   the 0.5 and the product in any grouping, x**3 as pow or x*x*x    (one fp32 rounding where a 16-bit
                                                                                   spelling rounds each step, as
                                                                                   torch.compile computes it)
+  linear_group    two or more F.linear of one input, no bias, each output split     kforge.ops.linear_group.
+                  into heads by a view / reshape of its last dim (attention's       linear_group (one GEMM forward,
+                  q / k / v projections)                                          two backward)
 
 `find_patterns(trace)` recognises these subgraphs by dataflow (not by position in the trace):
 every op, constant, shape and dtype is checked, and every intermediate must feed only the next step
@@ -105,7 +108,8 @@ __all__ = [
 # The Llama steps of Hugging Face's Dynamo traces (the transform's default kinds, `find_llama_patterns`).
 KINDS = ("rms_norm", "rope", "swiglu", "repeat_kv")
 # The other steps of users' models (GPT-2 / nanoGPT and friends).
-STEP_KINDS = ("split_qkv", "merge_heads", "causal_softmax", "cross_entropy", "attention", "add_rms_norm", "gelu")
+STEP_KINDS = ("split_qkv", "merge_heads", "causal_softmax", "cross_entropy", "attention", "add_rms_norm", "gelu",
+              "linear_group")
 # Everything: what `jit` and `thunderfx` (so `kforge.jit` / `kforge.compile`) look for.
 ALL_KINDS = KINDS + STEP_KINDS
 # kind -> "module:function" of the plain-PyTorch helper whose kforge operator replaces the pattern.
@@ -121,6 +125,7 @@ HELPERS: dict[str, str] = {
     "attention": "kforge.ops.attention:attention",
     "add_rms_norm": "kforge.ops.rmsnorm:add_rms_norm",
     "gelu": "torch.nn.functional:gelu",  # torch's own, which kforge claims
+    "linear_group": "kforge.ops.linear_group:linear_group",
 }
 
 # Thunder symbol ids (thunder.torch, thunder.core.prims) of the ops the patterns are made of.
@@ -162,6 +167,7 @@ _MASKED_FILL = "torch.masked_fill"
 _CROSS_ENTROPY = "torch.nn.functional.cross_entropy"
 _DROPOUT = "torch.nn.functional.dropout"
 _SDPA = "torch.nn.functional.scaled_dot_product_attention"
+_LINEAR = "torch.nn.functional.linear"
 _RMS_NORM = "torch.rms_norm"
 _KFORGE_RMS_NORM = "kforge_rms_norm"  # kforge.ops.rmsnorm's operator, put in by an rms_norm match
 _KFORGE_REPEAT_KV = "kforge_repeat_kv"  # kforge.ops.gqa's operator, put in by a repeat_kv match
@@ -204,6 +210,9 @@ class Match:
              data movement op that came between the step and its downcast).
     problem: set when the spelling is recognised but not replaceable: why (the match is reported,
              never rewritten).
+    early:   place the replacement where the first of `bsyms` was (its inputs are all defined there)
+             rather than where the last output was made: linear_group, whose first output is read
+             before the last projection runs.
     """
 
     kind: str
@@ -214,6 +223,7 @@ class Match:
     prep: Callable[..., tuple] | None = None
     post: Callable[[tuple], tuple] | None = None
     problem: str | None = None
+    early: bool = False
 
     def __repr__(self) -> str:
         def show(a: Any) -> str:
@@ -1040,6 +1050,49 @@ def _match_gelu_erf(g: _Graph, erf: BoundSymbol) -> Match | None:
     return _gelu_match(g, x, (scale,), erf, "none")
 
 
+# ---- projections of one input --------------------------------------------------------------------------
+def _bias_free_linear(b: BoundSymbol) -> tuple[TensorProxy, TensorProxy] | None:
+    """(input, weight) of F.linear without a bias, the weight 2-D, else None."""
+    x, w = _arg(b, 0, "input"), _arg(b, 1, "weight")
+    if _arg(b, 2, "bias") is not None or not isinstance(x, TensorProxy) or not isinstance(w, TensorProxy):
+        return None
+    return (x, w) if w.ndim == 2 and x.ndim >= 2 else None
+
+
+def _split_into_heads(g: _Graph, out: TensorProxy) -> bool:
+    """`out`'s one reader is a view / reshape that splits its last dim in two (the heads), which a
+    column block of a wider product (rows further apart) allows as a view."""
+    user = g.only_consumer(out, _VIEW, _RESHAPE)
+    if user is None or not isinstance(user.output, TensorProxy):
+        return False
+    shape = tuple(user.output.shape)
+    lead = tuple(out.shape[:-1])
+    return (len(shape) == len(lead) + 2 and shape[:len(lead)] == lead
+            and shape[-2] * shape[-1] == out.shape[-1])
+
+
+def _match_linear_group(g: _Graph, lin: BoundSymbol) -> Match | None:
+    """Two or more bias-free F.linear of one input whose outputs are each split into heads (a Llama
+    attention's q / k / v projections), matched at the first of them. Outputs read any other way (a
+    SwiGLU's gate and up, which kforge's swiglu kernel wants dense) are left alone."""
+    parts = _bias_free_linear(lin)
+    if parts is None:
+        return None
+    x = parts[0]
+    group, weights = [], []
+    for b in g.consumers(x):
+        p = _bias_free_linear(b)
+        if (b.sym.id != _LINEAR or p is None or p[0].name != x.name or not isinstance(b.output, TensorProxy)
+                or not _split_into_heads(g, b.output) or p[1].dtype != x.dtype or p[1].device != x.device
+                or p[1].shape[1] != x.shape[-1] or any(w.name == p[1].name for w in weights)):
+            continue
+        group.append(b)
+        weights.append(p[1])
+    if len(group) < 2 or group[0] is not lin:
+        return None
+    return Match("linear_group", (x, tuple(weights)), tuple(b.output for b in group), tuple(group), early=True)
+
+
 # ---- GQA ----------------------------------------------------------------------------------------------
 def _heads_dim_match(x: TensorProxy, n: int, d: int, out: TensorProxy, bsyms: tuple) -> Match:
     """repeat_kv of 4-D `x` along dim d (1: (B, H, T, D) heads; 2: Meta's (B, T, H, D), transposed
@@ -1524,6 +1577,7 @@ _MATCHERS: dict[Any, tuple[str, Callable]] = {
     _ADD: ("add_rms_norm", _match_add_rms_norm),
     _TANH: ("gelu", _match_gelu_tanh),
     _ERF: ("gelu", _match_gelu_erf),
+    _LINEAR: ("linear_group", _match_linear_group),
 }
 _ROTATIONS: dict[Any, Callable] = {_CAT: _match_rope_half, _STACK: _match_rope_pairs,
                                    _VIEW_AS_REAL: _match_rope_complex}
@@ -1746,7 +1800,14 @@ class LlamaPatternTransform(Transform):
         # The replacement goes where the last of its outputs was computed: every input is defined by
         # then, and every reader of an output must come after it.
         outs = {o.name for o in m.outputs}
-        where = max(g.position[id(b)] for b in m.bsyms if any(o.name in outs for o in b.flat_proxy_outs))
+        if m.early:
+            where = min(g.position[id(b)] for b in m.bsyms)
+            for a in tree_flatten(m.args)[0]:
+                made = g.producer(a)
+                if made is not None and g.position[id(made)] >= where:
+                    return "an input is computed after the pattern starts"
+        else:
+            where = max(g.position[id(b)] for b in m.bsyms if any(o.name in outs for o in b.flat_proxy_outs))
         inside = {id(b) for b in m.bsyms}  # an output may feed the pattern's own later ops (add_rms_norm's s)
         for o in m.outputs:
             if any(g.position[id(u)] <= where for u in g.consumers(o) if id(u) not in inside):
