@@ -535,6 +535,20 @@ def test_path_option_sends_plain_models_through_dynamo():
     assert models.build(case, "bf16", batch=1, seq=8, device="cpu", path="jit").mode == "jit"
 
 
+def test_group_backend_leaves_out_the_linear_group_pattern():
+    """kforge-group (asked for by name): kforge.jit without the linear_group kind, every other kind kept."""
+    from kforge.transforms import ALL_KINDS
+
+    assert "kforge-group" not in models.DEFAULT_BACKENDS
+
+    def kinds(backend: str) -> tuple:
+        fn = models.wrap(backend, torch.nn.Linear(4, 4))
+        return fn.llama_patterns.kinds
+
+    assert kinds("kforge") == ALL_KINDS
+    assert kinds("kforge-group") == tuple(k for k in ALL_KINDS if k != "linear_group")
+
+
 def test_gemm_backends_switch_the_plans_on_and_off(monkeypatch):
     """kforge+gemm / kforge-gemm (asked for by name, not defaults): kforge.jit(gemm=True / False), rows of
     their own whatever KFORGE_GEMM says; plain kforge follows KFORGE_GEMM (on by default)."""

@@ -13,6 +13,8 @@ under `torch.autocast(bfloat16)`; fp32), on each backend:
                  `transforms=[thunder.transforms.cudagraph.CUDAGraphTransform()]`)
   kforge+gemm    kforge with `gemm=True` / `gemm=False` (matrix products on kforge's cuBLASLt plans,
   kforge-gemm    kforge.ops.gemm, on by default): an A/B of that switch in one run
+  kforge-group   kforge without the linear_group pattern (q / k / v projections as separate GEMMs,
+                 kforge.ops.linear_group): an A/B of that pattern
 
 Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW) with their 10th and
 90th percentiles, peak memory over a few steps taken alone, the first step's wall time (trace + compile + one step; by default every row starts
@@ -48,8 +50,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm", "kforge-gemm")
-DEFAULT_BACKENDS = ("eager", "torch.compile", "thunder", "kforge")  # kforge±gemm: asked for by name
+BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm", "kforge-gemm", "kforge-group")
+DEFAULT_BACKENDS = ("eager", "torch.compile", "thunder", "kforge")  # the A/B rows: asked for by name
 SETUPS = ("bf16", "autocast", "fp32")
 # Default --size per zoo model: the sizes of issue 18's table.
 DEFAULT_SIZE = {"nanogpt": "124M", "plain-llama": "bench", "hf-llama": "bench", "hf-gpt2": "124M"}
@@ -235,14 +237,16 @@ def wrap(backend: str, model: Any, mode: str = "jit", *, cudagraphs: bool = Fals
         import thunder
 
         return thunder.jit(model, **extra)
-    if backend in ("kforge", "kforge+gemm", "kforge-gemm"):
+    if backend in ("kforge", "kforge+gemm", "kforge-gemm", "kforge-group"):
         import kforge
+        from kforge.transforms import ALL_KINDS
 
         # kforge's runner (kforge.cudagraphs): Thunder's transform, gradients handed out without a copy.
         # kforge±gemm: GEMMs on kforge's cuBLASLt plans (kforge.ops.gemm) or on torch's, for A/B in one run.
         gemm = {"kforge+gemm": True, "kforge-gemm": False}.get(backend)
-        return (kforge.compile(model, cudagraphs=cudagraphs, gemm=gemm) if mode == "dynamo"
-                else kforge.jit(model, cudagraphs=cudagraphs, gemm=gemm))
+        kinds = tuple(k for k in ALL_KINDS if backend != "kforge-group" or k != "linear_group")
+        return (kforge.compile(model, cudagraphs=cudagraphs, gemm=gemm, kinds=kinds) if mode == "dynamo"
+                else kforge.jit(model, cudagraphs=cudagraphs, gemm=gemm, kinds=kinds))
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 
