@@ -535,18 +535,18 @@ def test_path_option_sends_plain_models_through_dynamo():
     assert models.build(case, "bf16", batch=1, seq=8, device="cpu", path="jit").mode == "jit"
 
 
-def test_group_backend_leaves_out_the_linear_group_pattern():
-    """kforge-group (asked for by name): kforge.jit without the linear_group kind, every other kind kept."""
+def test_group_backend_adds_the_linear_group_pattern():
+    """kforge+group (asked for by name): kforge.jit with the opt-in linear_group kind added to every default one."""
     from kforge.transforms import ALL_KINDS
 
-    assert "kforge-group" not in models.DEFAULT_BACKENDS
+    assert "kforge+group" not in models.DEFAULT_BACKENDS
 
     def kinds(backend: str) -> tuple:
         fn = models.wrap(backend, torch.nn.Linear(4, 4))
         return fn.llama_patterns.kinds
 
-    assert kinds("kforge") == ALL_KINDS
-    assert kinds("kforge-group") == tuple(k for k in ALL_KINDS if k != "linear_group")
+    assert "linear_group" not in ALL_KINDS and kinds("kforge") == ALL_KINDS
+    assert kinds("kforge+group") == ALL_KINDS + ("linear_group",)
 
 
 def test_gemm_backends_switch_the_plans_on_and_off(monkeypatch):

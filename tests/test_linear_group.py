@@ -19,10 +19,13 @@ from hypothesis import strategies as st
 
 import kforge
 from kforge.ops import linear_group as op
+from kforge.transforms import ALL_KINDS, OPT_IN_KINDS
 import conftest
 from conftest import assert_close, check_jit_matches_eager, fake_cuda_trace, gpu, randn
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# The pattern is opt-in (kforge.transforms.OPT_IN_KINDS): every test that wants it asks for it.
+jit = functools.partial(kforge.jit, kinds=ALL_KINDS + OPT_IN_KINDS)
 
 
 def check_impl(m: int, k: int, widths: tuple[int, ...], dtype: torch.dtype, device: str,
@@ -82,7 +85,7 @@ def test_plain_llama_groups_qkv_not_the_mlp():
     from kforge.zoo import plain_llama
 
     make = functools.partial(plain_llama.make, size="tiny", dtype=torch.bfloat16, batch=2, seq=64)
-    ft = fake_cuda_trace(make, jit=kforge.jit)
+    ft = fake_cuda_trace(make, jit=jit)
     fwd, bwd = _symbols(ft.forward), _symbols(ft.backward)
     n = fwd["kforge_linear_group_forward"]
     assert n == plain_llama.SIZES["tiny"]["n_layer"] and bwd["kforge_linear_group_backward"] == n
@@ -97,7 +100,8 @@ def test_hf_llama_groups_qkv():
     from kforge.zoo import hf_llama
 
     # Thunder's Dynamo path: the FX graph's linears and views.
-    ft = fake_cuda_trace(functools.partial(hf_llama.make, size="tiny", batch=2, seq=32))
+    ft = fake_cuda_trace(functools.partial(hf_llama.make, size="tiny", batch=2, seq=32),
+                         jit=functools.partial(kforge.transforms.jit, kinds=ALL_KINDS + OPT_IN_KINDS))
     n = _symbols(ft.forward)["kforge_linear_group_forward"]
     assert n >= 1 and _symbols(ft.backward)["kforge_linear_group_backward"] == n
 
@@ -129,9 +133,18 @@ def _kinds(build) -> list:
         model = zoo_build(build, device=device, dtype=torch.bfloat16)
         return model, (torch.randn(2, 8, 32, device=device, dtype=torch.bfloat16),), {}
 
-    ft = fake_cuda_trace(make, jit=kforge.jit)
+    ft = fake_cuda_trace(make, jit=jit)
     return [(r.match.kind, len(r.match.args[1]), r.applied) for r in ft.fn.llama_patterns.rewrites
             if r.match.kind == "linear_group"]
+
+
+def test_opt_in():
+    from kforge.zoo import plain_llama
+
+    make = functools.partial(plain_llama.make, size="tiny", dtype=torch.bfloat16, batch=2, seq=64)
+    assert "linear_group" not in ALL_KINDS
+    ft = fake_cuda_trace(make, jit=kforge.jit)
+    assert _symbols(ft.forward)["kforge_linear_group_forward"] == 0
 
 
 def test_pattern_and_near_misses():
@@ -181,7 +194,7 @@ def test_projections_under_kforge_jit(dtype):
     ref_model.load_state_dict(model.state_dict())
     x = randn(2, 19, 48, dtype=dtype).requires_grad_()
     x_ref = x.detach().clone().requires_grad_()
-    jm = kforge.jit(model)
+    jm = jit(model)
     outs, refs = jm(x), ref_model(x_ref)
     gs = [randn(*o.shape, dtype=dtype) for o in refs]
     torch.autograd.backward(outs, gs)

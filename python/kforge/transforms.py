@@ -44,8 +44,8 @@ same thing, so kforge's grad transforms give the backward too. Spellings found (
                                                                                   spelling rounds each step, as
                                                                                   torch.compile computes it)
   linear_group    two or more F.linear of one input, no bias, each output split     kforge.ops.linear_group.
-                  into heads by a view / reshape of its last dim (attention's       linear_group (one GEMM forward,
-                  q / k / v projections)                                          two backward)
+  (opt-in,        into heads by a view / reshape of its last dim (attention's       linear_group (one GEMM forward,
+  OPT_IN_KINDS)   q / k / v projections)                                          two backward)
 
 `find_patterns(trace)` recognises these subgraphs by dataflow (not by position in the trace):
 every op, constant, shape and dtype is checked, and every intermediate must feed only the next step
@@ -90,6 +90,7 @@ from thunder.core.transform_common import Transform
 __all__ = [
     "KINDS",
     "STEP_KINDS",
+    "OPT_IN_KINDS",
     "ALL_KINDS",
     "HELPERS",
     "Match",
@@ -108,10 +109,13 @@ __all__ = [
 # The Llama steps of Hugging Face's Dynamo traces (the transform's default kinds, `find_llama_patterns`).
 KINDS = ("rms_norm", "rope", "swiglu", "repeat_kv")
 # The other steps of users' models (GPT-2 / nanoGPT and friends).
-STEP_KINDS = ("split_qkv", "merge_heads", "causal_softmax", "cross_entropy", "attention", "add_rms_norm", "gelu",
-              "linear_group")
+STEP_KINDS = ("split_qkv", "merge_heads", "causal_softmax", "cross_entropy", "attention", "add_rms_norm", "gelu")
 # Everything: what `jit` and `thunderfx` (so `kforge.jit` / `kforge.compile`) look for.
 ALL_KINDS = KINDS + STEP_KINDS
+# Rewrites kforge can make but leaves out by default (`kinds=ALL_KINDS + OPT_IN_KINDS` asks for them):
+# linear_group made the plain Llama's step no faster and its peak memory 9 % higher on an H200
+# (docs/experiments/users-models.md, "One GEMM for q / k / v").
+OPT_IN_KINDS = ("linear_group",)
 # kind -> "module:function" of the plain-PyTorch helper whose kforge operator replaces the pattern.
 HELPERS: dict[str, str] = {
     "rms_norm": "kforge.ops.rmsnorm:rms_norm",
@@ -1594,9 +1598,9 @@ def _guarded(matcher: Callable, g: _Graph, b: BoundSymbol) -> Any:
 
 def _check_kinds(kinds: Iterable[str], who: str) -> tuple[str, ...]:
     kinds = tuple(kinds)
-    unknown = set(kinds) - set(ALL_KINDS)
+    unknown = set(kinds) - set(ALL_KINDS + OPT_IN_KINDS)
     if unknown:
-        raise ValueError(f"{who}: unknown kinds {sorted(unknown)}; choose from {ALL_KINDS}")
+        raise ValueError(f"{who}: unknown kinds {sorted(unknown)}; choose from {ALL_KINDS + OPT_IN_KINDS}")
     return kinds
 
 

@@ -13,7 +13,7 @@ under `torch.autocast(bfloat16)`; fp32), on each backend:
                  `transforms=[thunder.transforms.cudagraph.CUDAGraphTransform()]`)
   kforge+gemm    kforge with `gemm=True` / `gemm=False` (matrix products on kforge's cuBLASLt plans,
   kforge-gemm    kforge.ops.gemm, on by default): an A/B of that switch in one run
-  kforge-group   kforge without the linear_group pattern (q / k / v projections as separate GEMMs,
+  kforge+group   kforge with the opt-in linear_group pattern (q / k / v projections as one GEMM,
                  kforge.ops.linear_group): an A/B of that pattern
 
 Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW) with their 10th and
@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm", "kforge-gemm", "kforge-group")
+BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm", "kforge-gemm", "kforge+group")
 DEFAULT_BACKENDS = ("eager", "torch.compile", "thunder", "kforge")  # the A/B rows: asked for by name
 SETUPS = ("bf16", "autocast", "fp32")
 # Default --size per zoo model: the sizes of issue 18's table.
@@ -237,14 +237,14 @@ def wrap(backend: str, model: Any, mode: str = "jit", *, cudagraphs: bool = Fals
         import thunder
 
         return thunder.jit(model, **extra)
-    if backend in ("kforge", "kforge+gemm", "kforge-gemm", "kforge-group"):
+    if backend in ("kforge", "kforge+gemm", "kforge-gemm", "kforge+group"):
         import kforge
-        from kforge.transforms import ALL_KINDS
+        from kforge.transforms import ALL_KINDS, OPT_IN_KINDS
 
         # kforge's runner (kforge.cudagraphs): Thunder's transform, gradients handed out without a copy.
         # kforge±gemm: GEMMs on kforge's cuBLASLt plans (kforge.ops.gemm) or on torch's, for A/B in one run.
         gemm = {"kforge+gemm": True, "kforge-gemm": False}.get(backend)
-        kinds = tuple(k for k in ALL_KINDS if backend != "kforge-group" or k != "linear_group")
+        kinds = ALL_KINDS + OPT_IN_KINDS if backend == "kforge+group" else ALL_KINDS
         return (kforge.compile(model, cudagraphs=cudagraphs, gemm=gemm, kinds=kinds) if mode == "dynamo"
                 else kforge.jit(model, cudagraphs=cudagraphs, gemm=gemm, kinds=kinds))
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")

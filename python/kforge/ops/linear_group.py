@@ -6,7 +6,13 @@ costs about 10 us of cuBLASLt's own host time, and these steps are host-bound; w
 attention two of the three are also narrow (n = n_kv_heads * head_dim), which a GEMM runs less
 efficiently than one wide product. Grouped, the same work is one GEMM forward and two backward.
 
-Model helper (plain PyTorch; `kforge.jit`'s pattern transform puts it in for the projections):
+Opt-in: the pattern transform puts it in for the projections only when asked,
+`kforge.jit(model, kinds=kforge.transforms.ALL_KINDS + kforge.transforms.OPT_IN_KINDS)`. On an H200 the
+plain Llama's bf16 step was no faster with it (14.53 against 14.41 ms) and its peak memory 0.33 GiB
+higher, most likely because v, saved for the attention's backward, is a view that keeps the whole
+product alive (docs/experiments/users-models.md, "One GEMM for q / k / v").
+
+Model helper (plain PyTorch; the opt-in pattern puts it in for the projections):
     linear_group(x, weights) -> tuple(F.linear(x, w) for w in weights)
 
 Thunder symbols:
