@@ -1085,8 +1085,8 @@ def _match_linear_group(g: _Graph, lin: BoundSymbol) -> Match | None:
     x = parts[0]
     group, weights = [], []
     for b in g.consumers(x):
-        p = _bias_free_linear(b)
-        if (b.sym.id != _LINEAR or p is None or p[0].name != x.name or not isinstance(b.output, TensorProxy)
+        p = _bias_free_linear(b) if b.sym.id == _LINEAR else None
+        if (p is None or p[0].name != x.name or not isinstance(b.output, TensorProxy)
                 or not _split_into_heads(g, b.output) or p[1].dtype != x.dtype or p[1].device != x.device
                 or p[1].shape[1] != x.shape[-1] or any(w.name == p[1].name for w in weights)):
             continue
