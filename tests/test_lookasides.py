@@ -315,6 +315,51 @@ def test_disassembly_remembered_per_code_object(restore_lookaside):
     assert interpreter.dis is dis
 
 
+def test_autograd_link_made_without_meta_randn(restore_lookaside, monkeypatch):
+    """install() gives thunder.executors.torch_autograd a `torch` whose `randn` on the meta device is
+    `torch.empty` (Thunder's dummy tensor linking its autograd Functions), every other call and
+    attribute torch's own; a kforge.jit training step then never calls meta randn and matches eager;
+    uninstall() puts torch back."""
+    import copy
+
+    from thunder.executors import torch_autograd
+
+    lookasides.uninstall()
+    assert torch_autograd.torch is torch
+    assert lookasides.install() and lookasides.installed()
+    shim = torch_autograd.torch
+    assert shim is not torch and shim.Tensor is torch.Tensor and shim.autograd is torch.autograd
+    real_randn = torch.randn
+    calls = []
+
+    def counting_randn(*size, **kwargs):
+        calls.append(kwargs.get("device"))
+        return real_randn(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "randn", counting_randn)
+    for device in ("meta", torch.device("meta")):
+        t = shim.randn(1, device=device, requires_grad=True)
+        assert t.is_meta and t.shape == (1,) and t.requires_grad and t.dtype == torch.get_default_dtype()
+    assert calls == []
+    assert shim.randn(2, 3, device="cpu").shape == (2, 3) and calls == ["cpu"]
+    shim.randn(1, device="meta", generator=None)  # another call form: torch's own
+    assert calls == ["cpu", "meta"]
+    calls.clear()
+
+    torch.manual_seed(0)
+    net = _Net()
+    ref = copy.deepcopy(net)
+    x = torch.randn(3, 8)
+    jn = kforge.jit(net, trace_cache=False)
+    jn(x).square().sum().backward()
+    assert "meta" not in calls
+    ref(x).square().sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    lookasides.uninstall()
+    assert torch_autograd.torch is torch
+
+
 def test_module_call_shortcut_keeps_torch_compiled_modules(restore_lookaside):
     """`Module.__call__` goes straight to the forward only for modules that torch.compile has not
     wrapped: one whose `_compiled_call_impl` is set is called through it, as torch does."""

@@ -95,6 +95,13 @@ interpreter's module a `dis` that keeps each code object's instructions (a weak 
 traces are unchanged. Traced as on a GPU on a development CPU, the zoo's bench-size models took
 22.3 s instead of 25.9 (plain Llama), 18.8 instead of 21.7 (nanoGPT), 53.8 instead of 55.8 (HF Llama).
 It applies to every `thunder.jit` of the process while installed, since it changes no result.
+
+A fifth is not about tracing but about every call of a compiled function: Thunder's two autograd
+Functions (`thunder.executors.torch_autograd`) are linked by a dummy tensor on the meta device made
+with `torch.randn`, which on the meta device runs torch's Python reference decomposition, about
+0.26 ms a training step on a development CPU. `install()` gives that module a `torch` whose meta
+`randn` is `torch.empty` (a meta tensor has no values); everything else is torch itself. It applies
+to every `thunder.jit` of the process while installed, since it changes no result.
 """
 from __future__ import annotations
 
@@ -565,6 +572,27 @@ def _caching_dis() -> types.ModuleType:
 
 _DIS = _caching_dis()
 
+
+class _AutogradLinkTorch(types.ModuleType):
+    """`torch` as thunder.executors.torch_autograd sees it: the real module, except that a tensor
+    asked of `randn` on the meta device is made by `empty`. Thunder links its two autograd Functions
+    with such a tensor (`torch.randn(1, device="meta", requires_grad=True)` in the forward, another in
+    the backward); a meta tensor holds no values, so the two are the same tensor, but meta `randn` runs
+    torch's Python reference decomposition: 220 and 40 us a step against 2 us on a development CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def randn(*size: Any, **kwargs: Any) -> torch.Tensor:
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "meta" and "generator" not in kwargs:
+            return torch.empty(*size, **kwargs)
+        return torch.randn(*size, **kwargs)
+
+
+_AUTOGRAD_TORCH = _AutogradLinkTorch("torch", "kforge.lookasides: torch, with meta randn made by empty")
+
 _GLOBALS_LOOKUP = None  # Thunder's interpreter.globals_lookup, taken at the first install()
 
 
@@ -638,21 +666,25 @@ def _patches() -> list[tuple[Any, str, Any, str]]:
     Thunder's that install() replaces: Thunder's value is taken at the first install() and put back
     by uninstall()."""
     from thunder.core import dtypes, jit_ext
+    from thunder.executors import torch_autograd
 
     interpreter = _interpreter_module()
     return [(interpreter, "dis", _DIS, "_THUNDERS_DIS"),
             (interpreter, "globals_lookup", _globals_lookup, "_GLOBALS_LOOKUP"),
             (dtypes.dtype, "__eq__", _dtype_eq, "_DTYPE_EQ"),
-            (jit_ext, "process_recorded_modifications", _process_recorded_modifications, "_PROCESS_MODIFICATIONS")]
+            (jit_ext, "process_recorded_modifications", _process_recorded_modifications, "_PROCESS_MODIFICATIONS"),
+            (torch_autograd, "torch", _AUTOGRAD_TORCH, "_THUNDERS_TORCH")]
 
 
 _THUNDERS_DIS = None  # the interpreter module's `dis`, taken at the first install()
+_THUNDERS_TORCH = None  # thunder.executors.torch_autograd's `torch`, taken at the first install()
 
 
 def install() -> bool:
     """Registers kforge's lookasides with Thunder's interpreter (once per process): module calls and
     attribute reads, the DTensor dispatch wrappers, transformers' context variable, containment tests,
-    `next`, the global-name lookup and the remembered disassembly; in place of Thunder's own
+    `next`, the global-name lookup and the remembered disassembly; the autograd link's meta tensor made
+    by `torch.empty`; in place of Thunder's own
     entries, `F.multi_head_attention_forward` interpreted and reentrant checkpoints traced as
     non-reentrant; dtype comparisons as torch's; writes to modules made during the trace left out;
     `Tensor.requires_grad_`. False where something else already holds one of the other entries (that
