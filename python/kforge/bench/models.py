@@ -242,7 +242,8 @@ def wrap(backend: str, model: Any, mode: str = "jit", *, cudagraphs: bool = Fals
         from kforge.transforms import ALL_KINDS, OPT_IN_KINDS
 
         # kforge's runner (kforge.cudagraphs): Thunder's transform, gradients handed out without a copy.
-        # kforge±gemm: GEMMs on kforge's cuBLASLt plans (kforge.ops.gemm) or on torch's, for A/B in one run.
+        # kforge±gemm: GEMMs on kforge's cuBLASLt plans (kforge.ops.gemm) or on torch's, for A/B in one run;
+        # kforge+group: the opt-in linear_group pattern added to the default kinds.
         gemm = {"kforge+gemm": True, "kforge-gemm": False}.get(backend)
         kinds = ALL_KINDS + OPT_IN_KINDS if backend == "kforge+group" else ALL_KINDS
         return (kforge.compile(model, cudagraphs=cudagraphs, gemm=gemm, kinds=kinds) if mode == "dynamo"
