@@ -4,6 +4,7 @@
 
 #include "runtime/cuda_api.h"
 #include "runtime/generated.h"
+#include "runtime/guards.h"
 #include "runtime/torch_launch.h"
 
 namespace py = pybind11;
@@ -150,5 +151,6 @@ PYBIND11_MODULE(_C, m) {
       "Compile <kernel_dir>/<name>.cu for sm_<arch> (tests and experiments); returns lowered names.");
 
   bind_generated(m);
+  bind_guards(m);
   for (const auto& [name, bind] : op_bindings()) bind(m);
 }

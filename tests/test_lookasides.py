@@ -81,13 +81,32 @@ _ASSIGN = re.compile(r'^\s*(\w+): "([^"]*)" = (.+?)\s*(#.*)?$')
 _MODULE_ATTR = re.compile(r"^module(\.get_submodule\('[\w.]*'\)(\.\w+)?|\.get_(buffer|parameter)\('[\w.]*'\)|\.\w+)$")
 
 
+def _prologue_lines(jfn) -> list[str]:
+    """The final prologue's lines, with kforge's batched reads (kforge.prologue.Unpack) written out
+    one name a line, as Thunder prints its own reads."""
+    from thunder.core.codeutils import prettyprint
+
+    from kforge.prologue import _UNPACK, Unpack
+
+    lines: list[str] = []
+    for b in thunder.last_prologue_traces(jfn)[-1].bound_symbols:
+        unpack = (b._call_ctx or {}).get(b.sym.name)
+        if isinstance(unpack, Unpack):
+            module = prettyprint(b.args[0])
+            lines += [f"{prettyprint(out, with_type=True)} = {module}.{_UNPACK[unpack.kind][2]}('{name}')"
+                      for out, name in zip(b.output, unpack.names)]
+        else:
+            lines += b.python(indent=0)
+    return lines
+
+
 def _prologue_reads(jfn) -> dict[str, str]:
     """{what the prologue reads, its names resolved to the path from the module or the arguments:
     the type and value it checks}: `m1 = module.get_submodule('blocks.0')`, `f2 = m1.scale` gives
     "module.get_submodule('blocks.0').scale": "float 0.5"."""
     names: dict[str, str] = {}
     reads: dict[str, str] = {}
-    for line in str(thunder.last_prologue_traces(jfn)[-1]).splitlines():
+    for line in _prologue_lines(jfn):
         m = _ASSIGN.match(line)
         if m is None:
             continue

@@ -1,12 +1,15 @@
 """kforge.prologue (CPU): Thunder's per-call input checks batched into one call.
 
 The batched check must accept and reject exactly what Thunder's per-item checks do: the same cache
-hits and misses when a module's numbers, parameters or inputs change, the same results, and for
-generated values (NaN, 1 / 1.0 / True, shapes, dtypes, devices, requires_grad) the same verdict.
+hits and misses when a module's numbers, strings, parameters or inputs change, the same results, and
+for generated values (NaN, 1 / 1.0 / True, shapes, dtypes, devices, requires_grad, strings, tensor
+subclasses) the same verdict, in C++ (kforge._C.InputGuard) and in Python. The batched parameter,
+buffer and submodule reads return what Thunder's per-name reads return.
 """
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import thunder
@@ -15,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kforge
-from kforge.prologue import BatchedChecks, check_all
+from kforge.prologue import BatchedChecks, InputChecks, Unpack, check_all
 
 
 def _numbers_ok(n, v) -> bool:
@@ -81,15 +84,140 @@ def test_device_compared_as_thunder_prints_it():
         check_all([], [], [t], [((2, 3), "cuda:0", torch.float32, False)])
 
 
+def _tensor_ok(t, spec) -> bool:
+    """Thunder 0.2.6's check_tensor_shape_and_metadata, restated."""
+    shape, device, dtype, requires_grad = spec
+    return (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and str(t.device) == device
+            and t.dtype == dtype and t.requires_grad == requires_grad)
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass: the C++ guard leaves it to the Python checks."""
+
+
+_BASE_SPEC = ((3, 5), "cpu", torch.float32, False)
+
+
+def _variant(kind: str):
+    t = torch.randn(3, 5)
+    return {"same": t, "shape": torch.randn(5, 3), "rank": torch.randn(15), "dtype": t.double(),
+            "requires_grad": t.clone().requires_grad_(True), "meta": torch.empty(3, 5, device="meta"),
+            "strided view": torch.randn(5, 3).t(), "parameter": torch.nn.Parameter(t, requires_grad=False),
+            "subclass": t.as_subclass(_Sub), "empty dim": torch.randn(3, 0), "not a tensor": [[0.0] * 5] * 3}[kind]
+
+
+_KINDS = ["same", "shape", "rank", "dtype", "requires_grad", "meta", "strided view", "parameter", "subclass",
+          "empty dim", "not a tensor"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pairs=st.lists(st.tuples(_NUMBER, _NUMBER), max_size=6),
+       kinds=st.lists(st.sampled_from(_KINDS), max_size=5),
+       strings=st.lists(st.tuples(st.sampled_from(["none", "tanh", ""]), st.sampled_from(["none", "tanh", ""])),
+                        max_size=3))
+def test_input_checks_agree_with_thunders_checks(pairs, kinds, strings):
+    """Generated numbers, tensors (changed shape, dtype, device, requires_grad, strides, subclasses,
+    non-tensors) and strings: InputChecks, whose common case runs in C++, raises exactly when one of
+    Thunder's per-item checks fails, and its C++ guard never says "same" when they would fail."""
+    numbers, values = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+    tensors = tuple(_variant(k) for k in kinds)
+    specs = tuple(_BASE_SPEC for _ in kinds)
+    got_s, want_s = tuple(p[0] for p in strings), tuple(p[1] for p in strings)
+    checks = InputChecks(values, specs, want_s)
+    assert checks._native is not None  # the extension is built: the C++ path is what is tested
+    ok = (all(_numbers_ok(n, v) for n, v in pairs) and all(_tensor_ok(t, sp) for t, sp in zip(tensors, specs))
+          and all(a == b for a, b in strings))
+    if checks._native.matches(numbers, tensors, got_s):
+        assert ok
+    for c in (checks, pickle.loads(pickle.dumps(checks))):
+        if ok:
+            c(numbers, tensors, got_s)
+        else:
+            with pytest.raises((AssertionError, RuntimeError)):
+                c(numbers, tensors, got_s)
+
+
+def test_input_checks_without_the_extension(monkeypatch):
+    """Without kforge._C the Python checks alone decide, with the same verdicts."""
+    import kforge.prologue as prologue
+
+    monkeypatch.setattr(prologue, "_native_guard", lambda *a: None)
+    checks = InputChecks((1, 2.0), (_BASE_SPEC,), ("tanh",))
+    assert checks._native is None
+    checks((1, 2.0), (torch.randn(3, 5),), ("tanh",))
+    for numbers, tensors, strings in (((1, 2), (torch.randn(3, 5),), ("tanh",)),
+                                      ((1, 2.0), (torch.randn(3, 4),), ("tanh",)),
+                                      ((1, 2.0), (torch.randn(3, 5),), ("none",))):
+        with pytest.raises((AssertionError, RuntimeError)):
+            checks(numbers, tensors, strings)
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.head = torch.nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight  # tied: one parameter, two names
+        self.register_buffer("offset", torch.randn(8))
+
+    def forward(self, idx):
+        return self.head(self.emb(idx) + self.offset)
+
+
+def test_unpack_reads_what_thunder_reads():
+    """Unpack returns the objects ThunderModule.get_parameter / get_buffer / get_submodule return,
+    by name, also for the second name of a tied weight (not in the module's dict), after that name
+    is added to the dict and after one is taken out; and for a module without those dicts."""
+    tm = thunder.jit(_Tied())
+    names = ["emb.weight", "head.weight"]
+    unpack = Unpack("parameter", names)
+    for _ in range(2):
+        assert all(a is b for a, b in zip(unpack(tm), [tm.get_parameter(n) for n in names]))
+    other = torch.nn.Parameter(torch.randn(11, 8))
+    tm._overrides_parameters["head.weight"] = other
+    assert unpack(tm)[1] is other
+    del tm._overrides_parameters["head.weight"]
+    assert unpack(tm)[1] is tm._model.head.weight
+    assert Unpack("buffer", ["offset"])(tm)[0] is tm.get_buffer("offset")
+    mods = Unpack("submodule", ["emb", "head"])
+    assert mods(tm) == (tm._model.emb, tm._model.head)
+    assert pickle.loads(pickle.dumps(mods))(tm) == mods(tm)
+    plain = _Tied()  # an nn.Module: per-name reads
+    assert Unpack("parameter", names)(plain) == (plain.emb.weight, plain.emb.weight)
+    with pytest.raises(ValueError, match="kind"):
+        Unpack("attribute", names)
+
+
+def test_tied_weights_and_buffers_through_batched_reads():
+    """A model with a tied weight and a buffer under kforge.jit: one batched read per kind in the
+    prologue, eager's output and the tied weight's gradient (both uses summed)."""
+    torch.manual_seed(0)
+    net = _Tied()
+    jfn = kforge.jit(net)
+    idx = torch.randint(0, 11, (4, 5))
+    out = jfn(idx)
+    out.square().sum().backward()
+    grad = net.emb.weight.grad.clone()
+    net.zero_grad()
+    ref = net(idx)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(grad, net.emb.weight.grad)
+    names = _prologue_names(jfn)
+    assert names.count("kforge_unpack_parameters") == 1 and names.count("kforge_unpack_buffers") == 1
+    assert "unpack_parameter" not in names and "unpack_buffer" not in names
+
+
 class _Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(8, 8)
         self.norm = torch.nn.LayerNorm(8, eps=1e-5)
+        self.act = torch.nn.GELU()
         self.scale, self.use_norm = 0.5, True
 
     def forward(self, x):
-        y = self.lin(x) * self.scale
+        y = self.act(self.lin(x)) * self.scale
         return self.norm(y) if self.use_norm else y
 
 
@@ -102,7 +230,11 @@ def test_kforge_jit_prologue_has_one_check_call():
     jfn(torch.randn(4, 8))
     names = _prologue_names(jfn)
     assert names.count("kforge_check_inputs") == 1
-    assert "check_number_type_and_value" not in names and "check_tensor_metadata" not in names
+    for batched in ("check_number_type_and_value", "check_tensor_metadata", "check_string_value",
+                    "unpack_parameter", "unpack_buffer", "unpack_submodule"):
+        assert batched not in names, batched
+    for kind in ("parameters", "submodules"):
+        assert names.count(f"kforge_unpack_{kind}") == 1, kind
 
 
 def test_same_cache_hits_and_misses_as_thunders_checks():
@@ -128,6 +260,8 @@ def test_same_cache_hits_and_misses_as_thunders_checks():
         ("bool attribute", lambda m: setattr(m, "use_norm", False), x),
         ("bool back", lambda m: setattr(m, "use_norm", True), x),
         ("eps", lambda m: setattr(m.norm, "eps", 1e-3), x),
+        ("string attribute", lambda m: setattr(m.act, "approximate", "tanh"), x),
+        ("string back", lambda m: setattr(m.act, "approximate", "none"), x),
         ("requires_grad", lambda m: m.lin.weight.requires_grad_(False), x),
         ("input shape", lambda m: None, torch.randn(5, 8)),
         ("input requires_grad", lambda m: None, torch.randn(5, 8).requires_grad_(True)),

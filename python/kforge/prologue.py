@@ -12,17 +12,28 @@ the numbers: those the forward never read.)
 at once: C-level tuple comparisons in the common case, and, when anything differs, the original
 per-item checks in order, so the error (and with it Thunder's cache miss) is the one Thunder would
 have raised. Checks it cannot batch (symbolic shapes, non-number values) stay as they are.
+
+The call is an `InputChecks` object that holds the traced values and specs, so each call passes only
+what it reads; its comparisons run in C++ (`kforge._C.InputGuard`) when the extension is there. The
+parameters and buffers the prologue reads by name (one `module.get_parameter(name)` call each, about
+150 for a GPT-2) are read in one call too (`Unpack`).
 """
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["BatchedChecks", "check_all"]
+__all__ = ["BatchedChecks", "InputChecks", "Unpack", "check_all"]
 
 _NAME = "kforge_check_inputs"
+# kind: (symbol name, the ThunderModule's dict of that kind by name, its per-name getter)
+_UNPACK = {"parameter": ("kforge_unpack_parameters", "_overrides_parameters", "get_parameter"),
+           "buffer": ("kforge_unpack_buffers", "_overrides_buffers", "get_buffer"),
+           "submodule": ("kforge_unpack_submodules", "_module_cache", "get_submodule")}
 
 
 def _same_number(n: Any, v: Any) -> bool:
@@ -55,6 +66,94 @@ def check_all(numbers: Sequence[Any], values: Sequence[Any], tensors: Sequence[A
                 f"{str(t.device)}, {t.dtype}, {t.requires_grad}")
 
 
+def _native_guard(values: tuple, specs: tuple, string_values: tuple) -> Any:
+    """kforge._C.InputGuard for these values and specs, or None without the extension."""
+    try:
+        from . import _C
+    except ImportError:
+        return None
+    return _C.InputGuard(values, specs, (torch.Tensor, torch.nn.Parameter), string_values)
+
+
+class InputChecks:
+    """One prologue's batched checks: `checks(numbers, tensors, strings)` raises as Thunder's
+    per-item checks do unless `numbers` have the traced `values` (type and value), `tensors` match
+    the traced `specs` and `strings` equal the traced `string_values`. The common case (everything
+    the same) is one C++ pass; anything else goes to the Python checks (`check_all`). Pickles by its
+    values and specs (kforge's trace cache stores prologues)."""
+
+    __slots__ = ("values", "specs", "string_values", "_native")
+
+    def __init__(self, values: Sequence[Any], specs: Sequence[tuple], string_values: Sequence[str] = ()) -> None:
+        self.values = tuple(values)
+        self.specs = tuple((tuple(shape), device, dtype, requires_grad)
+                           for shape, device, dtype, requires_grad in specs)
+        self.string_values = tuple(string_values)
+        self._native = _native_guard(self.values, self.specs, self.string_values)
+
+    def __reduce__(self) -> tuple:
+        return (InputChecks, (self.values, self.specs, self.string_values))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is InputChecks and self.__reduce__() == other.__reduce__()
+
+    def __hash__(self) -> int:
+        return hash(self.__reduce__())
+
+    def __call__(self, numbers: tuple, tensors: tuple, strings: tuple = ()) -> None:
+        if self._native is not None and self._native.matches(numbers, tensors, strings):
+            return
+        check_all(numbers, self.values, tensors, self.specs)
+        if len(strings) != len(self.string_values):
+            raise RuntimeError(f"Expected {len(self.string_values)} strings, got {len(strings)}")
+        for s, v in zip(strings, self.string_values):
+            if not s == v:  # Thunder's check_string_value: equality only
+                raise RuntimeError(f"Expected '{s}' to be equal to '{v}'")
+
+
+class Unpack:
+    """`module.get_parameter(name)` (kind "parameter"), `get_buffer(name)` ("buffer") or
+    `get_submodule(name)` ("submodule") for every name at once: C-level lookups in the dict a
+    ThunderModule keeps of that kind by name, and the per-name call for a name it lacks (the second
+    name of a tied weight). Pickles by kind and names."""
+
+    __slots__ = ("kind", "names", "_gaps")
+
+    def __init__(self, kind: str, names: Sequence[str]) -> None:
+        if kind not in _UNPACK:
+            raise ValueError(f"kforge.prologue.Unpack: kind must be one of {sorted(_UNPACK)}, got {kind!r}")
+        self.kind, self.names = kind, tuple(names)
+        self._gaps: list[int] = []  # positions the dict lacked last time: looked up by name
+
+    def __reduce__(self) -> tuple:
+        return (Unpack, (self.kind, self.names))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Unpack and self.__reduce__() == other.__reduce__()
+
+    def __hash__(self) -> int:
+        return hash(self.__reduce__())
+
+    def __call__(self, module: Any) -> tuple:
+        _, table, getter = _UNPACK[self.kind]
+        known = getattr(module, table, None)
+        get = getattr(module, getter)
+        if type(known) is not dict:
+            return tuple(map(get, self.names))
+        vals = list(map(known.get, self.names, itertools.repeat(_MISSING)))
+        for i in self._gaps:
+            if vals[i] is _MISSING:
+                vals[i] = get(self.names[i])
+        if any(map(operator.is_, vals, itertools.repeat(_MISSING))):  # C-level identity tests, no tensor ==
+            self._gaps = [i for i, v in enumerate(vals) if v is _MISSING]
+            for i in self._gaps:
+                vals[i] = get(self.names[i])
+        return tuple(vals)
+
+
+_MISSING = object()
+
+
 @functools.lru_cache(maxsize=64)
 def _expected(specs: tuple) -> list:
     # torch.device(s) == t.device exactly when str(t.device) == s, for the canonical strings Thunder
@@ -63,18 +162,50 @@ def _expected(specs: tuple) -> list:
 
 
 @functools.cache
-def _symbol() -> Any:
+def _symbol(name: str = _NAME) -> Any:
     from thunder.core.prims import OpTags
     from thunder.core.symbol import Symbol
 
-    def bind_postprocess(bsym: Any) -> None:
-        bsym._call_ctx = {_NAME: check_all}
-
     # A python_impl keeps the symbol as it is when Thunder claims the prologue for its Python
-    # executor; the call context names the function the printed prologue calls; DONT_DCE, because
-    # it returns nothing and dead-code elimination would drop it (and the unpacks only it reads).
-    return Symbol(name=_NAME, id=_NAME, meta=lambda *args: None, is_prim=True, python_impl=check_all,
-                  tags=[OpTags.DONT_DCE], _bind_postprocess=bind_postprocess)
+    # executor; each bound symbol's call context names the object the printed prologue calls (an
+    # InputChecks / Unpack); DONT_DCE, because the checks return nothing and dead-code elimination
+    # would drop them (and the unpacks only they read).
+    return Symbol(name=name, id=name, meta=lambda *args: None, is_prim=True, python_impl=_without_context,
+                  tags=[OpTags.DONT_DCE])
+
+
+def _without_context(*args: Any) -> None:
+    raise RuntimeError("kforge.prologue: a batched prologue call was run without the object its call context names")
+
+
+def _unpack_kind(b: Any) -> str | None:
+    from thunder.core.prims import PrimIDs
+
+    return {PrimIDs.UNPACK_PARAMETER: "parameter", PrimIDs.UNPACK_BUFFER: "buffer",
+            PrimIDs.UNPACK_SUBMODULE: "submodule"}.get(b.sym.id)
+
+
+def _batched_unpacks(bsyms: list) -> list:
+    """`bsyms` with each kind's `module.get_parameter(name)` / `get_buffer(name)` /
+    `get_submodule(name)` unpacks as one `Unpack` call where the first of them was (they read only
+    the module, which comes before it).
+    Left as they are when they read more than one module or a name that is not a plain string."""
+    groups: dict[str, list] = {}
+    for b in bsyms:
+        kind = _unpack_kind(b)
+        if kind is not None:
+            groups.setdefault(kind, []).append(b)
+    out = list(bsyms)
+    for kind, group in groups.items():
+        modules = {id(b.args[0]) for b in group}
+        if len(modules) != 1 or not all(type(b.args[1]) is str for b in group):
+            continue
+        name = _UNPACK[kind][0]
+        call = _symbol(name).bind(group[0].args[0], output=tuple(b.output for b in group))
+        call = call.from_bsym(_call_ctx={name: Unpack(kind, [b.args[1] for b in group])})
+        drop = {id(b) for b in group[1:]}
+        out = [call if b is group[0] else b for b in out if id(b) not in drop]
+    return out
 
 
 def _plain_number(v: Any) -> bool:
@@ -82,13 +213,16 @@ def _plain_number(v: Any) -> bool:
 
 
 def _batchable(b: Any) -> str | None:
-    """'number' / 'tensor' for a check this transform can batch, else None."""
+    """'number' / 'string' / 'tensor' for a check this transform can batch, else None."""
     from thunder.core import prims
     from thunder.core.proxies import Proxy
 
     if b.sym.id == prims.PrimIDs.CHECK_NUMBER_TYPE_AND_VALUE:
         n, v = b.args
         return "number" if isinstance(n, Proxy) and _plain_number(v) else None
+    if b.sym.id == prims.PrimIDs.CHECK_STRING_VALUE:
+        s, v = b.args
+        return "string" if isinstance(s, Proxy) and type(v) is str else None
     if b.sym.id == prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA:
         t, shape, device, dtype, requires_grad = b.args
         plain = (all(type(s) is int for s in shape) and isinstance(device, str) and isinstance(dtype, torch.dtype)
@@ -104,24 +238,27 @@ def _transform_class() -> type:
 
     class BatchedChecks(Transform):
         """Thunder transform: the prologue's tensor and number checks as one `kforge_check_inputs`
-        call just before the prologue returns (`check_all`)."""
+        call just before the prologue returns (an `InputChecks`), and its parameter and buffer
+        reads as one call each (`Unpack`)."""
 
         def transform_traces_pre_prologue(self, prologue_trc, computation_trc, epilogue_trc, **kwargs):
-            numbers, tensors, rest = [], [], []
+            groups: dict[str | None, list] = {"number": [], "string": [], "tensor": [], None: []}
             for b in prologue_trc.bound_symbols:
-                kind = _batchable(b)
-                (numbers if kind == "number" else tensors if kind == "tensor" else rest).append(b)
-            if len(numbers) + len(tensors) < 2:
+                groups[_batchable(b)].append(b)
+            numbers, strings, tensors, rest = groups["number"], groups["string"], groups["tensor"], groups[None]
+            if len(numbers) + len(strings) + len(tensors) < 2:
                 return prologue_trc, computation_trc, epilogue_trc
             ret = [i for i, b in enumerate(rest) if b.sym.id == PrimIDs.RETURN]
             if len(ret) != 1 or ret[0] != len(rest) - 1:  # not the usual shape: leave it alone
                 return prologue_trc, computation_trc, epilogue_trc
-            check = _symbol().bind(tuple(b.args[0] for b in numbers), tuple(b.args[1] for b in numbers),
-                                   tuple(b.args[0] for b in tensors), tuple(tuple(b.args[1:]) for b in tensors),
-                                   output=None)
+            checks = InputChecks(tuple(b.args[1] for b in numbers), tuple(tuple(b.args[1:]) for b in tensors),
+                                 tuple(b.args[1] for b in strings))
+            check = _symbol().bind(tuple(b.args[0] for b in numbers), tuple(b.args[0] for b in tensors),
+                                   tuple(b.args[0] for b in strings), output=None)
+            check = check.from_bsym(_call_ctx={_NAME: checks})
             new = from_trace(prologue_trc)
-            new.bound_symbols = [*rest[:-1], check, rest[-1]]
-            new.set_provenance(TraceProvenance("kforge: the prologue's tensor and number checks in one call"))
+            new.bound_symbols = [*_batched_unpacks(rest[:-1]), check, rest[-1]]
+            new.set_provenance(TraceProvenance("kforge: the prologue's checks and parameter reads in one call each"))
             return new, computation_trc, epilogue_trc
 
     BatchedChecks.__qualname__ = "BatchedChecks"  # defined here so that importing kforge needs no Thunder

@@ -392,9 +392,10 @@ def _value_ok(v: Any) -> bool:
     import torch
 
     from .fusion.executor import _Passthrough
+    from .prologue import InputChecks, Unpack
 
     if _plain(v) or isinstance(v, (torch.dtype, torch.device, torch.memory_format, torch.layout, enum.Enum,
-                                   types.BuiltinFunctionType, _Passthrough)):
+                                   types.BuiltinFunctionType, _Passthrough, InputChecks, Unpack)):
         try:
             pickle.loads(pickle.dumps(v))
             return True
