@@ -379,6 +379,100 @@ def test_autograd_link_made_without_meta_randn(restore_lookaside, monkeypatch):
     assert torch_autograd.torch is torch
 
 
+def test_autograd_link_output_half_takes_only_returned_arguments(restore_lookaside):
+    """install() puts kforge's subclass of Thunder's ThunderOutputFunction in its module: a kforge.jit
+    step links the loss to the graph through one edge (the forward half), not one per parameter, and
+    gradients match eager; a function that returns an argument as it came in, or a view of one,
+    still works (the case Thunder passes the arguments for) and gives eager's gradients; uninstall()
+    puts Thunder's class back."""
+    import copy
+
+    from thunder.executors import torch_autograd
+
+    lookasides.uninstall()
+    thunders = torch_autograd.ThunderOutputFunction
+    assert lookasides.install() and lookasides.installed()
+    link = torch_autograd.ThunderOutputFunction
+    assert link is not thunders and issubclass(link, thunders) and link._kforge_thunders is thunders
+
+    torch.manual_seed(0)
+    net = _Net()
+    ref = copy.deepcopy(net)
+    x = torch.randn(3, 8)
+    loss = kforge.jit(net, trace_cache=False)(x)
+    assert type(loss.grad_fn).__name__ == "ThunderOutputLinkBackward"
+    assert len([f for f, _ in loss.grad_fn.next_functions if f is not None]) == 1
+    loss.backward()
+    ref(x).backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+    def passthrough(a, w):
+        return a, a.view(-1)[:5], (a * w).sum()
+
+    a, w = torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    out = kforge.jit(passthrough, trace_cache=False)(a, w)
+    (out[0].square().sum() + out[1].sum() + out[2]).backward()
+    ga, gw = a.grad.clone(), w.grad.clone()
+    a.grad = w.grad = None
+    ref_out = passthrough(a, w)
+    (ref_out[0].square().sum() + ref_out[1].sum() + ref_out[2]).backward()
+    torch.testing.assert_close(ga, a.grad)
+    torch.testing.assert_close(gw, w.grad)
+    lookasides.uninstall()
+    assert torch_autograd.ThunderOutputFunction is thunders
+
+
+def test_autograd_link_forward_half_skips_unwrapping_only_without_wrappers(restore_lookaside, monkeypatch):
+    """install() puts kforge's subclass of Thunder's ThunderFunction in its module: a kforge.jit step
+    calls torch's unwrapping of dead functorch wrappers (a Python call per argument) no more, and
+    matches eager; `_C.has_grad_wrapper` finds a torch.func.grad wrapper among the arguments (then
+    torch's own path runs); uninstall() puts Thunder's class back."""
+    import copy
+
+    import torch._functorch.utils as futils
+    from thunder.executors import torch_autograd
+
+    from kforge import _C
+
+    lookasides.uninstall()
+    thunders = torch_autograd.ThunderFunction
+    assert lookasides.install() and lookasides.installed()
+    link = torch_autograd.ThunderFunction
+    assert link is not thunders and issubclass(link, thunders) and link._kforge_thunders is thunders
+
+    seen = []
+    real = futils.unwrap_dead_wrappers
+
+    def counting(args):
+        seen.append(len(args))
+        return real(args)
+
+    monkeypatch.setattr(futils, "unwrap_dead_wrappers", counting)
+    torch.manual_seed(0)
+    net = _Net()
+    ref = copy.deepcopy(net)
+    x = torch.randn(3, 8)
+    kforge.jit(net, trace_cache=False)(x).backward()
+    assert not any(n > 2 for n in seen), seen  # the links' calls (every parameter) skipped it
+    ref(x).backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+    t = torch.randn(3)
+    assert not _C.has_grad_wrapper((t, 1, None, (t,))) and _C.has_grad_wrapper([t])  # a list: torch's path
+    found = []
+
+    def f(a):
+        found.append(_C.has_grad_wrapper((1, a)))
+        return (a * a).sum()
+
+    torch.func.grad(f)(t)
+    assert found == [True]
+    lookasides.uninstall()
+    assert torch_autograd.ThunderFunction is thunders
+
+
 def test_module_call_shortcut_keeps_torch_compiled_modules(restore_lookaside):
     """`Module.__call__` goes straight to the forward only for modules that torch.compile has not
     wrapped: one whose `_compiled_call_impl` is set is called through it, as torch does."""

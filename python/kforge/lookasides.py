@@ -107,6 +107,7 @@ from __future__ import annotations
 
 import dataclasses
 import dis as _dis
+import functools
 import threading
 import types
 import weakref
@@ -599,6 +600,63 @@ def _autograd_link_torch() -> types.ModuleType:
 
 _AUTOGRAD_TORCH = _autograd_link_torch()
 
+
+@functools.cache
+def _output_link() -> type:
+    """Thunder's ThunderOutputFunction (thunder.executors.torch_autograd) as its autograd link calls
+    it, but given only the arguments that an output is or views. Thunder passes it every argument of
+    the call (each parameter of the model) so that an output which is an argument as it came in does
+    not make autograd move a leaf into the graph; the function reads none of them and returns None
+    for each. An autograd Function's apply costs about 1.5 us an argument on a development CPU (its
+    Python wrapper unwraps each, the engine then makes an edge for each): for a GPT-2's 150
+    parameters about 0.2 ms a step, between the forward's last kernel and the backward's first."""
+    from thunder.executors.torch_autograd import ThunderOutputFunction
+
+    class ThunderOutputLink(ThunderOutputFunction):
+        _kforge_thunders = ThunderOutputFunction  # for code that patches Thunder's class itself
+
+        @classmethod
+        def apply(cls, dummy: Any, side_channel: Any, *args: Any) -> Any:
+            outs = side_channel.get("fw") if isinstance(side_channel, dict) else None
+            if not isinstance(outs, (tuple, list)):
+                return super().apply(dummy, side_channel, *args)
+            ids = set()
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    ids.add(id(o))
+                    if o._base is not None:  # a view's _base is its storage's root tensor
+                        ids.add(id(o._base))
+            return super().apply(dummy, side_channel, *[a for a in args if id(a) in ids])
+
+    ThunderOutputLink.__module__ = __name__
+    return ThunderOutputLink
+
+
+@functools.cache
+def _forward_link() -> type:
+    """Thunder's ThunderFunction (thunder.executors.torch_autograd), whose apply takes every argument
+    of the call, with torch's unwrapping of dead functorch wrappers (a Python call per argument, 0.7
+    us each on a development CPU) skipped where it has nothing to do: no functorch transform active and
+    no argument a functorch grad wrapper (`kforge._C.has_grad_wrapper`, one C++ pass)."""
+    from thunder.executors.torch_autograd import ThunderFunction
+
+    try:
+        from ._C import has_grad_wrapper
+    except ImportError:
+        has_grad_wrapper = None
+
+    class ThunderFunctionLink(ThunderFunction):
+        _kforge_thunders = ThunderFunction  # for code that patches Thunder's class itself
+
+        @classmethod
+        def apply(cls, *args: Any) -> Any:
+            if has_grad_wrapper is None or torch._C._are_functorch_transforms_active() or has_grad_wrapper(args):
+                return super().apply(*args)  # torch.autograd.Function.apply, which unwraps
+            return super(torch.autograd.Function, cls).apply(*args)  # the C++ apply it then calls
+
+    ThunderFunctionLink.__module__ = __name__
+    return ThunderFunctionLink
+
 _GLOBALS_LOOKUP = None  # Thunder's interpreter.globals_lookup, taken at the first install()
 
 
@@ -679,18 +737,23 @@ def _patches() -> list[tuple[Any, str, Any, str]]:
             (interpreter, "globals_lookup", _globals_lookup, "_GLOBALS_LOOKUP"),
             (dtypes.dtype, "__eq__", _dtype_eq, "_DTYPE_EQ"),
             (jit_ext, "process_recorded_modifications", _process_recorded_modifications, "_PROCESS_MODIFICATIONS"),
-            (torch_autograd, "torch", _AUTOGRAD_TORCH, "_THUNDERS_TORCH")]
+            (torch_autograd, "torch", _AUTOGRAD_TORCH, "_THUNDERS_TORCH"),
+            (torch_autograd, "ThunderOutputFunction", _output_link(), "_THUNDERS_OUTPUT_FUNCTION"),
+            (torch_autograd, "ThunderFunction", _forward_link(), "_THUNDERS_FUNCTION")]
 
 
 _THUNDERS_DIS = None  # the interpreter module's `dis`, taken at the first install()
 _THUNDERS_TORCH = None  # thunder.executors.torch_autograd's `torch`, taken at the first install()
+_THUNDERS_OUTPUT_FUNCTION = None  # its ThunderOutputFunction, taken at the first install()
+_THUNDERS_FUNCTION = None  # its ThunderFunction, taken at the first install()
 
 
 def install() -> bool:
     """Registers kforge's lookasides with Thunder's interpreter (once per process): module calls and
     attribute reads, the DTensor dispatch wrappers, transformers' context variable, containment tests,
     `next`, the global-name lookup and the remembered disassembly; the autograd link's meta tensor made
-    by `torch.empty`; in place of Thunder's own
+    by `torch.empty`, its output half given only the arguments an output is and its forward half
+    applied without torch's functorch unwrapping where there is nothing to unwrap; in place of Thunder's own
     entries, `F.multi_head_attention_forward` interpreted and reentrant checkpoints traced as
     non-reentrant; dtype comparisons as torch's; writes to modules made during the trace left out;
     `Tensor.requires_grad_`. False where something else already holds one of the other entries (that

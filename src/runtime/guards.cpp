@@ -104,9 +104,26 @@ class InputGuard {
   py::object types_holder_;  // keeps the types alive
 };
 
+// Whether any of `args` is a functorch grad wrapper (torch.func.grad / vjp's wrapped tensors): only
+// then has torch's autograd.Function.apply anything to unwrap (its unwrap_dead_wrappers), a Python
+// call per argument that kforge's autograd link skips otherwise (kforge/lookasides.py).
+bool has_grad_wrapper(py::handle args) {
+  PyObject* t = args.ptr();
+  if (!PyTuple_Check(t)) return true;  // not what the link passes: take torch's path
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); ++i) {
+    PyObject* o = PyTuple_GET_ITEM(t, i);
+    if (THPVariable_Check(o) && THPVariable_Unpack(o).key_set().has(c10::DispatchKey::FuncTorchGradWrapper)) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 void bind_guards(py::module_& m) {
+  m.def("has_grad_wrapper", &has_grad_wrapper, py::arg("args"),
+        "Whether any item of the tuple `args` is a functorch grad-wrapped tensor (True for a non-tuple).");
   py::class_<InputGuard>(m, "InputGuard",
                          "The comparisons of Thunder's prologue checks in one pass (kforge.prologue.InputChecks).")
       .def(py::init<py::tuple, py::sequence, py::sequence, py::tuple>(), py::arg("values"), py::arg("specs"),

@@ -223,8 +223,12 @@ def install() -> None:
         return
     from thunder.executors import torch_autograd as ta
 
-    fn_forward = ta.ThunderFunction.forward
-    out_forward = ta.ThunderOutputFunction.forward
+    # Thunder's own classes, also where kforge.lookasides has put its subclasses in the module (which
+    # inherit the patched forwards)
+    out_cls = getattr(ta.ThunderOutputFunction, "_kforge_thunders", ta.ThunderOutputFunction)
+    fn_cls = getattr(ta.ThunderFunction, "_kforge_thunders", ta.ThunderFunction)
+    fn_forward = fn_cls.forward
+    out_forward = out_cls.forward
 
     def forward(ctx, return_none, compiled_backward, side_channel, *rest):
         accepts = _accepts_none(compiled_backward)
@@ -240,6 +244,6 @@ def install() -> None:
             ctx.set_materialize_grads(False)
         return out_forward(ctx, dummy, side_channel, *args)
 
-    ta.ThunderFunction.forward = staticmethod(forward)
-    ta.ThunderOutputFunction.forward = staticmethod(output_forward)
+    fn_cls.forward = staticmethod(forward)
+    out_cls.forward = staticmethod(output_forward)
     _installed = True
