@@ -25,7 +25,8 @@ C = kforge._C
 RUNTIME = {"configure", "set_cache", "set_log_handler", "set_poison_outputs", "cache_info",
            "clear_memory_cache", "reset_cache_stats", "nvrtc_version", "nvrtc_library", "nvrtc_supported_archs",
            "device_arch", "programs", "kernel_coverage", "compile", "compile_source", "compile_generated", "name_expressions",
-           "plan", "plan_layouts", "plan_ops"}  # plans: host arithmetic, no tensors (tests/test_plan.py)
+           "plan", "plan_layouts", "plan_ops",  # plans: host arithmetic, no tensors (tests/test_plan.py)
+           "has_grad_wrapper"}  # any tuple; its cases in tests/test_lookasides.py
 
 
 def with_variant(op, variant, call):

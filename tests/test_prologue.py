@@ -137,6 +137,30 @@ def test_input_checks_agree_with_thunders_checks(pairs, kinds, strings):
                 c(numbers, tensors, got_s)
 
 
+def test_native_guard_rejects_malformed_specs_and_arguments():
+    """kforge._C.InputGuard: a malformed spec is a TypeError / ValueError when it is made; arguments
+    that are not tuples of the traced lengths are never "same"."""
+    from kforge import _C
+
+    types = (torch.Tensor, torch.nn.Parameter)
+    with pytest.raises(ValueError, match="spec"):
+        _C.InputGuard((), [((3,), "cpu", torch.float32)], types, ())
+    with pytest.raises(TypeError, match="dtype"):
+        _C.InputGuard((), [((3,), "cpu", "float32", False)], types, ())
+    with pytest.raises(TypeError, match="types"):
+        _C.InputGuard((), [], (1,), ())
+    with pytest.raises(TypeError, match="str"):
+        _C.InputGuard((), [], types, (1,))
+    with pytest.raises(RuntimeError):
+        _C.InputGuard((), [((3,), "gpu:0", torch.float32, False)], types, ())
+    guard = _C.InputGuard((1,), [((3,), "cpu", torch.float32, False)], types, ("a",))
+    t = torch.randn(3)
+    assert guard.matches((1,), (t,), ("a",))
+    for args in (([1], (t,), ("a",)), ((1,), [t], ("a",)), ((1,), (t,), ["a"]), ((), (t,), ("a",)),
+                 ((1,), (), ("a",)), ((1,), (t,), ()), ((1, 2), (t,), ("a",))):
+        assert not guard.matches(*args)
+
+
 def test_input_checks_without_the_extension(monkeypatch):
     """Without kforge._C the Python checks alone decide, with the same verdicts."""
     import kforge.prologue as prologue

@@ -657,6 +657,7 @@ def _forward_link() -> type:
     ThunderFunctionLink.__module__ = __name__
     return ThunderFunctionLink
 
+
 _GLOBALS_LOOKUP = None  # Thunder's interpreter.globals_lookup, taken at the first install()
 
 
@@ -753,9 +754,9 @@ def install() -> bool:
     attribute reads, the DTensor dispatch wrappers, transformers' context variable, containment tests,
     `next`, the global-name lookup and the remembered disassembly; the autograd link's meta tensor made
     by `torch.empty`, its output half given only the arguments an output is and its forward half
-    applied without torch's functorch unwrapping where there is nothing to unwrap; in place of Thunder's own
-    entries, `F.multi_head_attention_forward` interpreted and reentrant checkpoints traced as
-    non-reentrant; dtype comparisons as torch's; writes to modules made during the trace left out;
+    applied without torch's functorch unwrapping where there is nothing to unwrap; in place of
+    Thunder's own entries, `F.multi_head_attention_forward` interpreted and reentrant checkpoints
+    traced as non-reentrant; dtype comparisons as torch's; writes to modules made during the trace left out;
     `Tensor.requires_grad_`. False where something else already holds one of the other entries (that
     one stays as it is; the others are registered)."""
     from thunder.core.jit_ext import _general_jit_lookaside_map

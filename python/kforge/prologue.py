@@ -11,12 +11,13 @@ the numbers: those the forward never read.)
 `BatchedChecks` replaces those checks with one call that makes the same comparisons over all of them
 at once: C-level tuple comparisons in the common case, and, when anything differs, the original
 per-item checks in order, so the error (and with it Thunder's cache miss) is the one Thunder would
-have raised. Checks it cannot batch (symbolic shapes, non-number values) stay as they are.
+have raised. Checks it cannot batch (symbolic shapes, values other than numbers and strings) stay
+as they are.
 
 The call is an `InputChecks` object that holds the traced values and specs, so each call passes only
 what it reads; its comparisons run in C++ (`kforge._C.InputGuard`) when the extension is there. The
-parameters and buffers the prologue reads by name (one `module.get_parameter(name)` call each, about
-150 for a GPT-2) are read in one call too (`Unpack`).
+parameters, buffers and submodules the prologue reads by name (one `module.get_parameter(name)` call
+each, about 150 for a GPT-2) are read in one call per kind too (`Unpack`).
 """
 from __future__ import annotations
 
@@ -188,8 +189,8 @@ def _unpack_kind(b: Any) -> str | None:
 def _batched_unpacks(bsyms: list) -> list:
     """`bsyms` with each kind's `module.get_parameter(name)` / `get_buffer(name)` /
     `get_submodule(name)` unpacks as one `Unpack` call where the first of them was (they read only
-    the module, which comes before it).
-    Left as they are when they read more than one module or a name that is not a plain string."""
+    the module, which comes before it). Left as they are when they read more than one module or a
+    name that is not a plain string."""
     groups: dict[str, list] = {}
     for b in bsyms:
         kind = _unpack_kind(b)
@@ -237,9 +238,9 @@ def _transform_class() -> type:
     from thunder.core.transform_common import Transform
 
     class BatchedChecks(Transform):
-        """Thunder transform: the prologue's tensor and number checks as one `kforge_check_inputs`
-        call just before the prologue returns (an `InputChecks`), and its parameter and buffer
-        reads as one call each (`Unpack`)."""
+        """Thunder transform: the prologue's tensor, number and string checks as one
+        `kforge_check_inputs` call just before the prologue returns (an `InputChecks`), and its
+        parameter, buffer and submodule reads as one call per kind (`Unpack`)."""
 
         def transform_traces_pre_prologue(self, prologue_trc, computation_trc, epilogue_trc, **kwargs):
             groups: dict[str | None, list] = {"number": [], "string": [], "tensor": [], None: []}
