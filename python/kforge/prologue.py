@@ -118,12 +118,13 @@ class Unpack:
     ThunderModule keeps of that kind by name, and the per-name call for a name it lacks (the second
     name of a tied weight). Pickles by kind and names."""
 
-    __slots__ = ("kind", "names", "_gaps")
+    __slots__ = ("kind", "names", "_table", "_getter", "_gaps")
 
     def __init__(self, kind: str, names: Sequence[str]) -> None:
         if kind not in _UNPACK:
             raise ValueError(f"kforge.prologue.Unpack: kind must be one of {sorted(_UNPACK)}, got {kind!r}")
         self.kind, self.names = kind, tuple(names)
+        _, self._table, self._getter = _UNPACK[kind]
         self._gaps: list[int] = []  # positions the dict lacked last time: looked up by name
 
     def __reduce__(self) -> tuple:
@@ -136,9 +137,8 @@ class Unpack:
         return hash(self.__reduce__())
 
     def __call__(self, module: Any) -> tuple:
-        _, table, getter = _UNPACK[self.kind]
-        known = getattr(module, table, None)
-        get = getattr(module, getter)
+        known = getattr(module, self._table, None)
+        get = getattr(module, self._getter)
         if type(known) is not dict:
             return tuple(map(get, self.names))
         vals = list(map(known.get, self.names, itertools.repeat(_MISSING)))
