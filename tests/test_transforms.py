@@ -310,6 +310,92 @@ def test_autocast_splitter_still_splits_unsupported_ops():
     assert "arctan" in info.split_reasons[0].info
 
 
+def test_splitter_checks_each_distinct_node_once():
+    """Thunder's splitter traces a symbol and its vjp for every node it checks; kforge.compile checks a
+    node whose target, argument metadata and constants repeat one that passed in the graph only once
+    (Hugging Face's 12-layer Llama: most of the first step). Nodes that fail are checked every time,
+    so each split names its own node, and the result is eager's."""
+    from unittest import mock
+
+    import thunder.dynamo.splitter as splitter
+
+    import kforge
+
+    def fn(x, ws):
+        for w in ws:  # four layers alike: one check per distinct node
+            x = torch.relu(F.linear(x, w)) * 0.5
+        x = torch.arctan(x)  # no Thunder symbol: goes to Inductor, each time with its own reason
+        x = F.linear(x, ws[0]) * 0.5
+        return torch.arctan(x).sum()
+
+    x = torch.randn(3, 8)
+    ws = [torch.randn(8, 8, requires_grad=True) for _ in range(4)]
+    original, checked = splitter.is_node_supported_by_thunder, Counter()
+
+    def counting(node, thunder_options):
+        checked[str(node.target)] += 1
+        return original(node, thunder_options)
+
+    torch._dynamo.reset()
+    try:
+        with mock.patch.object(splitter, "is_node_supported_by_thunder", counting):
+            compiled = kforge.compile(fn)
+            out = compiled(x, ws)
+        infos = compiled._backend.subgraph_infos
+    finally:
+        torch._dynamo.reset()
+    out.backward()
+    grads = [w.grad.clone() for w in ws]
+    for w in ws:
+        w.grad = None
+    ref = fn(x, ws)
+    ref.backward()
+    torch.testing.assert_close(out, ref)
+    for g, w in zip(grads, ws):
+        torch.testing.assert_close(g, w.grad)
+    (info,) = infos
+    # relu and mul alike in all places: one check each; linear twice (the first one's x needs no
+    # gradient, the others' do); the two arctans both checked
+    assert checked[str(F.linear)] == 2 and checked[str(torch.relu)] == 1 and checked["<built-in function mul>"] == 1, checked
+    assert checked[str(torch.arctan)] == 2, checked
+    reasons = [r.info for r in info.split_reasons]
+    assert len(reasons) == 2 and all("arctan" in r for r in reasons) and reasons[0] != reasons[1], reasons
+
+
+def test_node_check_key_reads_what_the_check_reads():
+    """Equal keys only where Thunder's check sees the same thing: the target, every argument's shape,
+    dtype, device and requires_grad, constants by type and value; no key where the check reads more
+    (a get_attr submodule, an argument without an example value)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def graph(*examples, const=2, target=torch.mul, get_attr=False):
+        g = torch.fx.Graph()
+        args = []
+        for i, e in enumerate(examples):
+            n = g.placeholder(f"a{i}")
+            if e is not None:
+                n.meta["example_value"] = e
+            args.append(n)
+        if get_attr:
+            args.append(g.get_attr("sub"))
+        return g.call_function(target, (*args, const))
+
+    with FakeTensorMode():
+        a, b = torch.empty(4, 8), torch.empty(8, 4).t()  # same shape, other strides
+        base = kt._node_check_key(graph(a))
+        assert base is not None
+        assert kt._node_check_key(graph(b)) == base  # proxies carry no strides
+        assert kt._node_check_key(graph(torch.empty(4, 9))) != base
+        assert kt._node_check_key(graph(torch.empty(4, 8, dtype=BF16))) != base
+        assert kt._node_check_key(graph(torch.empty(4, 8, requires_grad=True))) != base
+        assert kt._node_check_key(graph(a, const=2.0)) != base
+        assert kt._node_check_key(graph(a, const=True)) != base
+        assert kt._node_check_key(graph(a, target=torch.add)) != base
+        assert kt._node_check_key(graph(None)) is None
+        assert kt._node_check_key(graph(a, get_attr=True)) is None
+        assert kt._node_check_key(graph(a, const=object())) is None
+
+
 def _contiguous_add(a, b):
     """An operator that allocates its output contiguous whatever its inputs' layout (as kforge's
     generated kernels and Thunder's fusions do): eager's a + b keeps a's layout."""

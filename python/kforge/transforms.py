@@ -1919,20 +1919,86 @@ def _kept_fallback(node: Any, thunder_options: dict) -> bool:
     return executor in (thunder_options.get("executors") or ()) and node.target in executor._lookasides
 
 
+class _Uncheckable(Exception):
+    """A node argument whose check result may depend on more than its metadata."""
+
+
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout,
+                   torch.memory_format, type(Ellipsis))
+
+
+def _node_check_key(node: Any) -> tuple | None:
+    """What Thunder's check of an FX node reads, as a hashable key, or None where it reads more.
+
+    The check (thunder.dynamo.utils.is_node_supported_by_thunder) runs the node's Thunder symbol, and
+    its grad transform where an input requires grad, on fresh proxies made from each argument's
+    example value: shape, dtype, device and requires_grad (proxies carry no strides), and the constant
+    arguments as given. Equal keys get equal verdicts. A model's layers repeat the same nodes, and
+    each check traces a vjp: on Hugging Face's 12-layer Llama the splitter's checks were most of the
+    first step. Arguments read in other ways (a submodule of a get_attr node, an object without an
+    example value such as an autocast context) make the node uncacheable."""
+
+    def value(v: Any) -> tuple:
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(dim(d) for d in v.shape), v.dtype, v.device, v.layout, v.requires_grad)
+        if isinstance(v, tuple):
+            return ("tuple", *map(value, v))
+        if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
+            return ("sym", dim(v))
+        raise _Uncheckable
+
+    def dim(d: Any) -> Any:
+        if isinstance(d, torch.SymInt | torch.SymFloat | torch.SymBool):
+            if not d.node.has_hint():
+                raise _Uncheckable
+            return d.node.hint
+        return d
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            if a.op == "get_attr" or "example_value" not in a.meta:
+                raise _Uncheckable
+            return ("node", value(a.meta["example_value"]))
+        if isinstance(a, (tuple, list)):
+            return (type(a).__name__, *map(arg, a))
+        if isinstance(a, dict):
+            return ("dict", *((k, arg(v)) for k, v in a.items()))
+        if isinstance(a, slice):
+            return ("slice", arg(a.start), arg(a.stop), arg(a.step))
+        if isinstance(a, _CONSTANT_TYPES):
+            return (type(a), a)  # 1, 1.0 and True are different arguments
+        raise _Uncheckable
+
+    try:
+        key = (node.op, node.target, arg(node.args), arg(dict(node.kwargs)))
+        hash(key)
+    except (_Uncheckable, TypeError):
+        return None
+    return key
+
+
 @contextlib.contextmanager
 def _splitter_patches():
     """While Thunder's splitter runs: the mask builders in _FALLBACKS_KEPT and the torch functions
     kforge's executor replaces (torch.addmm) stay in Thunder, and under torch.autocast a node its
-    check rejects is checked again with the autocast applied, and kept in Thunder when that passes
-    (Dynamo compiles one frame at a time; the splitter's module global is restored afterwards)."""
+    check rejects is checked again with the autocast applied, and kept in Thunder when that passes; a
+    node whose check would repeat one that passed in this graph (`_node_check_key`) passes without
+    running it again (Dynamo compiles one frame at a time; the splitter's module global is restored
+    afterwards)."""
     import thunder.dynamo.splitter as splitter
 
     ambient = _ambient_autocast()
     original = splitter.is_node_supported_by_thunder
+    supported: set[tuple] = set()
 
     def is_node_supported_by_thunder(node: Any, thunder_options: dict) -> tuple[bool, Any]:
+        key = _node_check_key(node)
+        if key is not None and key in supported:
+            return True, None
         ok, reason = original(node, thunder_options)
         if ok:
+            if key is not None:
+                supported.add(key)
             return ok, reason
         if _kept_fallback(node, thunder_options):
             return True, None
