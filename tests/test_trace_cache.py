@@ -97,7 +97,7 @@ if os.environ.get("STAND_IN_GRAPHS"):
     kwargs["transforms"] = [graphs]
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    jnet = kforge.jit(net, **kwargs)
+    jnet = (kforge.compile if os.environ.get("DYNAMO") else kforge.jit)(net, **kwargs)
     for _ in range(int(sys.argv[5])):
         net.zero_grad()
         y = jnet(x)
@@ -261,6 +261,74 @@ def test_corrupt_file_warns_once_and_traces(project, damage):
     assert again["general_jit_calls"] == 0 and again["warnings"] == []
 
 
+# ---- kforge.compile (Thunder's Dynamo path) -------------------------------------------------------------
+def test_dynamo_second_process_restores_without_tracing(project):
+    """kforge.compile: Dynamo runs in both processes, Thunder traces its piece in the first only; two
+    steps give the first process's outputs and gradients bit for bit, and inspect names the switch."""
+    first, out1 = project(steps=2, DYNAMO="1")
+    assert first["general_jit_calls"] == 1 and first["stats"]["saved"] == 1, first
+    second, out2 = project(steps=2, DYNAMO="1")
+    assert second["general_jit_calls"] == 0 and second["stats"]["restored"] == 1, second
+    assert second["warnings"] == [] and _same(out1, out2) and second["max_err"] < 1e-5
+    assert "kforge.compile(model, trace_cache=False)" in second["inspect_error"], second
+
+
+@pytest.mark.parametrize("shape,dtype", [((5, 8), "float32"), ((3, 8), "float64")])
+def test_dynamo_changed_inputs_trace_again(project, shape, dtype):
+    """Thunder's Dynamo path takes the input checks out of its prologues (Dynamo's guards stand for
+    them), so an entry traced for other inputs must never be restored: the piece's example inputs
+    are in the key, and other shapes or dtypes trace (with correct results) into an entry of their own."""
+    project(DYNAMO="1")
+    report, _ = project(shape=shape, dtype=dtype, DYNAMO="1")
+    assert report["stats"]["restored"] == 0 and report["general_jit_calls"] == 1, report
+    assert report["max_err"] < 1e-5
+    assert len(_entries(project.tmp)) == 2
+    third, _ = project(shape=shape, dtype=dtype, DYNAMO="1")
+    assert third["general_jit_calls"] == 0 and third["stats"]["restored"] == 1, third
+
+
+def test_dynamo_turned_off(project):
+    """kforge.compile(trace_cache=False) over KFORGE_TRACE_CACHE=1: nothing written or restored."""
+    for _ in range(2):
+        report, _ = project(DYNAMO="1", JIT_KWARGS="{'trace_cache': False}")
+        assert report["general_jit_calls"] == 1 and report["stats"]["saved"] == 0, report
+    assert _entries(project.tmp) == []
+
+
+def test_graph_key_reads_the_code_and_the_example_inputs():
+    """A Dynamo piece's key: its generated code and its inputs' shapes, strides, dtypes and
+    requires_grad; symbolic shapes are refused. Thunder's prologue-pruning transform (no repr of its
+    own) is described with its configuration."""
+    from thunder.transforms.extraction_only_prologue_transform import ExtractionOnlyPrologueTransform
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from kforge import trace_cache
+
+    def piece(example, op=torch.sin):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        x.meta["example_value"] = example
+        g.output(g.call_function(op, (x,)))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    with FakeTensorMode():
+        a = torch.empty(4, 8)
+        keys = [trace_cache._graph_key(piece(e)) for e in
+                (a, torch.empty(8, 4).t(), torch.empty(4, 9), a.double(), torch.empty(4, 8, requires_grad=True))]
+        keys.append(trace_cache._graph_key(piece(a, torch.cos)))
+    assert len(set(keys)) == len(keys), keys
+    with FakeTensorMode():
+        assert trace_cache._graph_key(piece(torch.empty(4, 8))) == keys[0]  # the same piece again
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        n = mode.shape_env.create_unbacked_symint()
+        with pytest.raises(trace_cache.Unserializable, match="symbolic"):
+            trace_cache._graph_key(piece(torch.empty(n, 8)))
+    on, off = (trace_cache._describe_transform(ExtractionOnlyPrologueTransform(skip_check_on_input_tensors=v))
+               for v in (True, False))
+    assert on != off and "('skip_check_on_input_tensors', True)" in on, on
+
+
 # ---- in one process ----------------------------------------------------------------------------------
 def test_key_names_what_tracing_depends_on():
     import kforge
@@ -326,18 +394,19 @@ def _equivalent(original, rebuilt, original_keys: dict, name: str) -> None:
         assert type(original) is type(rebuilt) and original == rebuilt, name
 
 
-@pytest.mark.parametrize("zoo", ["plain_llama", "nanogpt"])
+@pytest.mark.parametrize("zoo", ["plain_llama", "nanogpt", "hf_llama"])
 def test_fake_gpu_programs_round_trip(zoo):
     """The programs of a Llama traced as on a GPU (kforge operators, fusion kernels, Thunder's torch
     and Python executors): every global is serialized, pickled, and rebuilt to an equivalent object
-    after the fusion regions are forgotten, so the kernels are rebuilt from their IR."""
+    after the fusion regions are forgotten, so the kernels are rebuilt from their IR. Hugging Face's
+    Llama: the graph Dynamo makes of it, as kforge.compile's pieces are traced."""
     import thunder
 
     from kforge import trace_cache
     from kforge.fusion.executor import forget_regions, regions
     import importlib
 
-    ft = fake_cuda_trace(importlib.import_module(f"kforge.zoo.{zoo}").make, size="micro")
+    ft = fake_cuda_trace(importlib.import_module(f"kforge.zoo.{zoo}").make, size="micro", dynamo=zoo == "hf_llama")
     entry = thunder.compile_stats(ft.fn).interpreter_cache[0]
     compiled = thunder.compile_data(ft.fn).fn
     record = pickle.loads(pickle.dumps(trace_cache.save_entry(ft.fn, entry)))
@@ -466,25 +535,29 @@ def test_graphed_training_restored_on_a_gpu(tmp_path):
 
 HF_SCRIPT = '''
 import json
+import os
 import torch
 import kforge
 from kforge import trace_cache
 from kforge.zoo import hf_llama
 
 m, inputs, opts = hf_llama.make(size="micro", batch=2, seq=16, device="cpu", dtype=torch.float32)
-loss = opts["loss_fn"](kforge.jit(m)(**inputs))
+compile = kforge.compile if os.environ.get("DYNAMO") else kforge.jit
+loss = opts["loss_fn"](compile(m)(**inputs))
 loss.backward()
 print(json.dumps({"loss": loss.item(), "grads": [p.grad.double().sum().item() for p in m.parameters()],
                   "stats": trace_cache.stats()}))
 '''
 
 
-def test_hugging_face_llama_restores(tmp_path):
+@pytest.mark.parametrize("path", ["jit", "dynamo"])
+def test_hugging_face_llama_restores(tmp_path, path):
     """transformers' LlamaForCausalLM under kforge.jit: its programs name a memory format, and its
     trace runs dataclasses' generated methods (code from a string, charged to the module that
-    defines the dataclass) and the frozen stdlib. The second process restores and gives the first
-    one's loss and gradients exactly."""
-    first, second = (_child(tmp_path, HF_SCRIPT, timeout=600, KFORGE_TRACE_CACHE="1") for _ in range(2))
+    defines the dataclass) and the frozen stdlib; under kforge.compile, Thunder traces Dynamo's graph
+    of it. The second process restores and gives the first one's loss and gradients exactly."""
+    env = dict(KFORGE_TRACE_CACHE="1", DYNAMO="1" if path == "dynamo" else None)
+    first, second = (_child(tmp_path, HF_SCRIPT, timeout=600, **env) for _ in range(2))
     assert first["stats"]["saved"] == 1 and first["stats"]["unserializable"] == 0, first["stats"]
     assert second["stats"]["restored"] == 1 and second["stats"]["traced"] == 0, second["stats"]
     assert second["loss"] == first["loss"] and second["grads"] == first["grads"]

@@ -7,7 +7,7 @@
     KFORGE_FUSION            boolean, default on: kforge's fusion executor in kforge.executors()
     KFORGE_DEPENDENT_LAUNCH  boolean, default on: programmatic dependent launches on sm_90+ (A/B timing)
     KFORGE_LOOKASIDES        boolean, default on: kforge.jit / kforge.compile install kforge.lookasides
-    KFORGE_TRACE_CACHE       boolean, default on: kforge.jit keeps Thunder's compiled programs on disk
+    KFORGE_TRACE_CACHE       boolean, default on: kforge.jit / kforge.compile keep Thunder's compiled programs on disk
     KFORGE_GEMM              boolean, default on: GEMMs on kforge's cached cuBLASLt plans (kforge.ops.gemm)
     KFORGE_COMMIT            commit recorded by kforge.bench where the checkout has no .git
 
@@ -48,7 +48,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("KFORGE_FUSION", "flag", True, "kforge's fusion executor in kforge.executors()"),
     Knob("KFORGE_DEPENDENT_LAUNCH", "flag", True, "programmatic dependent launches (sm_90+)"),
     Knob("KFORGE_LOOKASIDES", "flag", True, "kforge.lookasides: module calls and Tensor methods traced faster"),
-    Knob("KFORGE_TRACE_CACHE", "flag", True, "kforge.jit keeps Thunder's compiled programs on disk (kforge.trace_cache)"),
+    Knob("KFORGE_TRACE_CACHE", "flag", True, "kforge.jit / kforge.compile keep Thunder's compiled programs on disk (kforge.trace_cache)"),
     Knob("KFORGE_GEMM", "flag", True, "the traces' GEMMs called on kforge's cached cuBLASLt plans (kforge.ops.gemm)"),
     Knob("KFORGE_COMMIT", "text", None, "commit that kforge.bench records"),
 )}

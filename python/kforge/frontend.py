@@ -150,17 +150,24 @@ def jit(fn: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False
 
 
 def compile(model: Callable, /, *, fusion: bool | None = None, cudagraphs: bool = False,
-            transforms: Sequence[Any] = (), gemm: bool | None = None, **kwargs: Any):
+            transforms: Sequence[Any] = (), trace_cache: bool | None = None, gemm: bool | None = None,
+            **kwargs: Any):
     """`torch.compile(model)` with Thunder as its backend (Thunder's Dynamo path), `kforge.executors()`
     and the pattern transforms: for models `thunder.jit` cannot trace (Hugging Face's LlamaForCausalLM
-    runs either way). `cudagraphs` and `gemm` as in `kforge.jit`. Other keyword arguments go to Thunder /
-    torch.compile. Raises TypeError as `kforge.jit` does for bad arguments."""
+    runs either way). `cudagraphs`, `trace_cache` and `gemm` as in `kforge.jit`: with the trace cache,
+    every Thunder piece of Dynamo's graphs is restored from disk by a later process, which then runs
+    Dynamo but not Thunder's tracing. Other keyword arguments go to Thunder / torch.compile. Raises
+    TypeError as `kforge.jit` does for bad arguments."""
+    from . import trace_cache as tc
     from .cudagraphs import _check, with_cudagraphs
     from .transforms import thunderfx
 
     _check_args("kforge.compile", model, fusion, transforms, kwargs)
     _check("kforge.compile", cudagraphs)
+    _check_switch("kforge.compile", "trace_cache", trace_cache)
     _check_switch("kforge.compile", "gemm", gemm)
     _compile_kernels_in_background()
     kwargs.setdefault("executors", executors(fusion=fusion))
-    return thunderfx(model, transforms=with_cudagraphs(transforms, cudagraphs), gemm=gemm, **kwargs)
+    cached = tc.enabled() if trace_cache is None else (trace_cache and tc.disk_usable())
+    return thunderfx(model, transforms=with_cudagraphs(transforms, cudagraphs), gemm=gemm, trace_cache=cached,
+                     **kwargs)

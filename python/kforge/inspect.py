@@ -465,9 +465,13 @@ def inspect(
     mode, fns = thunder_functions(compiled)
     fwd, bwd, claimed, declined, left_out = Counter(), Counter(), Counter(), Counter(), Counter()
     f_traces, b_traces, fusions = [], [], []
+    from . import trace_cache
+
+    restored = False  # a program restored from disk: no traces to report
     for fn in fns:
         traces, f, b = _final_traces(fn)
         if f is None:
+            restored = restored or trace_cache.has_restored(fn)
             continue
         fusions += _fusions(f, "forward") + (_fusions(b, "backward") if b is not None else [])
         import thunder
@@ -497,13 +501,12 @@ def inspect(
                 c, d = _walk_offers(_offered_trace(btraces), executors)
                 claimed += c
                 declined += d
+    if restored:  # also where only some of Dynamo's pieces were restored: the report would omit them
+        entry = "kforge.compile" if mode == "dynamo" else "kforge.jit"
+        raise ValueError("kforge.inspect: the compiled function runs programs restored from kforge's trace "
+                         f"cache, which keeps no traces; compile it with {entry}(model, trace_cache=False) "
+                         "(or KFORGE_TRACE_CACHE=0) to inspect it")
     if not f_traces:
-        from . import trace_cache
-
-        if trace_cache.has_restored(fn):
-            raise ValueError("kforge.inspect: the compiled function runs programs restored from kforge's trace "
-                             "cache, which keeps no traces; compile it with kforge.jit(model, trace_cache=False) "
-                             "(or KFORGE_TRACE_CACHE=0) to inspect it")
         raise ValueError("kforge.inspect: the compiled function has no traces yet; call it first")
     if declines is not None:
         declined = Counter({(s, r): n for s, rs in declines.items() for r, n in rs.items()})

@@ -2136,6 +2136,30 @@ def _guard_layouts(split_gm: torch.fx.GraphModule) -> list[LayoutBoundary]:
     return boundaries
 
 
+@contextlib.contextmanager
+def _pieces_cached(on: bool):
+    """While Thunder's Dynamo backend splits a graph: with `on`, each piece it gives to thunder.jit
+    gets kforge's trace cache (`kforge.trace_cache.attach`) before its first call."""
+    if not on:
+        yield
+        return
+    import thunder.dynamo.compiler as compiler
+
+    from . import trace_cache
+
+    original = compiler._splitter
+
+    def splitter(gm: Any, thunder_jit: Callable, *args: Any, **kwargs: Any) -> Any:
+        return original(gm, lambda piece, **options: trace_cache.attach(thunder_jit(piece, **options)),
+                        *args, **kwargs)
+
+    compiler._splitter = splitter
+    try:
+        yield
+    finally:
+        compiler._splitter = original
+
+
 def _compiler_class():
     """KforgeThunderCompiler, made on first use (thunder.dynamo is imported only by the Dynamo path)."""
     global _KforgeThunderCompiler
@@ -2153,15 +2177,19 @@ def _compiler_class():
               check of the strides Inductor compiled that piece for (eager's layouts, from Dynamo's fake
               values): a value in another layout (Thunder's proxies carry no strides; kforge's kernels
               and generated kernels allocate contiguous outputs) is copied into it, counted in
-              `layout_boundaries` and reported once with a `LayoutCopyWarning`.
+              `layout_boundaries` and reported once with a `LayoutCopyWarning`;
+            - with `trace_cache=True`, every Thunder piece keeps its compiled programs on disk
+              (`kforge.trace_cache`, keyed by the piece's code and example inputs too), so a second
+              process runs Dynamo but not Thunder's tracing.
             """
 
-            def __init__(self, **thunder_options: Any):
+            def __init__(self, *, trace_cache: bool = False, **thunder_options: Any):
                 super().__init__(**thunder_options)
                 self.layout_boundaries: list[LayoutBoundary] = []
+                self.trace_cache = trace_cache
 
             def __call__(self, gm: torch.fx.GraphModule, sample_args: list):
-                with _splitter_patches():
+                with _splitter_patches(), _pieces_cached(self.trace_cache):
                     split = super().__call__(gm, sample_args)
                 self.layout_boundaries += _guard_layouts(split)
                 return split
@@ -2200,7 +2228,7 @@ def _install_lookasides() -> None:
 
 
 def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterable[str] = ALL_KINDS,
-              gemm: bool | None = None, **kwargs: Any):
+              gemm: bool | None = None, trace_cache: bool = False, **kwargs: Any):
     """`thunder.dynamo.thunderfx(model)` (torch.compile with Thunder as its backend) with kforge first
     in the executor list and `LlamaPatternTransform(kinds=kinds)` (every step by default) applied to
     every Thunder subgraph; the backend is `KforgeThunderCompiler` (Thunder's, with the two fixes it
@@ -2214,6 +2242,7 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     the transform (its `rewrites` say what was replaced, or why not), `backend` the compiler (its
     `subgraph_infos` say how Dynamo's graphs were split and why, its `layout_boundaries` what was
     checked and copied at the splits). `gemm` (default: KFORGE_GEMM): GEMMs on kforge's cuBLASLt plans.
+    `trace_cache`: every Thunder piece's programs kept on disk (`kforge.trace_cache`).
     """
     from thunder.dynamo.compiler import ThunderFXCompiledObject
     from thunder.dynamo.utils import get_torch_compile_kwargs
@@ -2229,7 +2258,8 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     kwargs["transforms"] = [patterns, SdpaMaskShape(), LinearBiasSplit(), *_gemm_calls(gemm), *transforms,
                             ZeroCotangents(), BatchedChecks()]
     compile_kwargs = get_torch_compile_kwargs(**kwargs)
-    backend = _compiler_class()(**{k: v for k, v in kwargs.items() if k not in compile_kwargs})
+    backend = _compiler_class()(trace_cache=trace_cache,
+                                **{k: v for k, v in kwargs.items() if k not in compile_kwargs})
     compiled = ThunderFXCompiledObject(backend, torch.compile(model, backend=backend, **compile_kwargs))
     compiled.llama_patterns = patterns
     compiled.backend = backend
