@@ -295,6 +295,43 @@ def test_dynamo_turned_off(project):
     assert _entries(project.tmp) == []
 
 
+BREAK_SCRIPT = COUNTING + '''from kforge import trace_cache
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        return torch.sin(self.b(h)) * 2
+
+
+torch.manual_seed(0)
+net, x = Net(), torch.randn(3, 8)
+compiled = kforge.compile(net)
+for _ in range(2):
+    net.zero_grad()
+    y = compiled(x)
+    y.sum().backward()
+print(json.dumps({"general_jit_calls": calls[0], "stats": trace_cache.stats(), "y": y.tolist(),
+                  "grads": [p.grad.tolist() for p in net.parameters()]}))
+'''
+
+
+def test_dynamo_graph_break_pieces_restored(tmp_path):
+    """A model Dynamo compiles as two graphs (a graph break; Thunder appends its prologue-pruning
+    transform to options shared by both): each graph's piece has its own key, both are restored, and
+    two steps give the first process's outputs and gradients exactly."""
+    first, second = (_child(tmp_path, BREAK_SCRIPT, KFORGE_TRACE_CACHE="1") for _ in range(2))
+    assert first["general_jit_calls"] == 2 and first["stats"]["saved"] == 2, first
+    assert second["general_jit_calls"] == 0 and second["stats"]["restored"] == 2, second
+    assert second["y"] == first["y"] and second["grads"] == first["grads"]
+    assert len(_entries(tmp_path)) == 2
+
+
 def test_graph_key_reads_the_code_and_the_example_inputs():
     """A Dynamo piece's key: its generated code and its inputs' shapes, strides, dtypes and
     requires_grad; symbolic shapes are refused. Thunder's prologue-pruning transform (no repr of its
