@@ -391,6 +391,12 @@ def test_users_model_targets_and_table():
     warm_target = next(t for t in report.TARGETS if "warm from the disk cache" in t.text)
     status, figures = warm_target.check(report.current_tables([traced]))
     assert status == "**not met**" and "0 Thunder programs restored" in figures, figures
+    # ... nor one that restored a program and traced anyway (its prologue rejected the inputs)
+    for r in traced["rows"]:
+        if r["backend"] == "kforge":
+            r["traces_restored_2nd"], r["traced_2nd"] = 1, 1
+    status, figures = warm_target.check(report.current_tables([traced]))
+    assert status == "**not met**" and "1 traced" in figures, figures
     assert rows["launch overhead < 10 µs host time per launch"] == ("no run", "")
     slow = report.current_tables([_users_run(18.5, 19.0, 40.0)])
     assert report.TARGETS[0].check(slow)[0] == "**not met**"

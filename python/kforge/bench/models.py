@@ -501,6 +501,7 @@ def second_process(case: ModelCase, setup: str, backend: str, *, batch: int, seq
             res = {f"{k}_2nd": v for k, v in out.items() if k.startswith("first_")}
             res["nvrtc_compiles_2nd"] = out.get("nvrtc_compiles")
             res["traces_restored_2nd"] = out.get("traces_restored")
+            res["traced_2nd"] = out.get("traced")
             if out.get("error"):
                 res["error_2nd"] = out["error"]
             return {k: v for k, v in res.items() if v is not None}
@@ -524,7 +525,9 @@ def _child(spec_json: str) -> int:
         res = {k: v for k, v in row.items() if k.startswith("first_")}
         res["nvrtc_compiles"] = row.get("nvrtc_compiles")
         if "kforge.trace_cache" in sys.modules:
-            res["traces_restored"] = sys.modules["kforge.trace_cache"].stats()["restored"]
+            stats = sys.modules["kforge.trace_cache"].stats()
+            # traced: Thunder traced anyway (a restored entry its prologue rejected, or none stored)
+            res["traces_restored"], res["traced"] = stats["restored"], stats["traced"]
     except Exception as e:  # reported by the parent in the row
         res = {"error": _error(e)}
     print(json.dumps(res))

@@ -425,12 +425,13 @@ def _kforge_warm(by: dict[str, dict]) -> tuple[bool | None, str]:
         return None, ""
     n = r.get("nvrtc_compiles_2nd")
     c = by.get("torch.compile", {}).get("first_s_2nd")
-    restored = r.get("traces_restored_2nd")
-    # Warm: nothing compiled again, and where the row counts Thunder programs (kforge.jit's trace
-    # cache), some restored: a process that traced again is not warm, however few kernels it built.
-    ok = n == 0 and restored != 0
+    restored, traced = r.get("traces_restored_2nd"), r.get("traced_2nd")
+    # Warm: nothing compiled again, and where the row counts Thunder programs (the trace cache), some
+    # restored and none traced: a process that traced again is not warm, however few kernels it built.
+    ok = n == 0 and restored != 0 and not traced
     return ok, (f"{r['first_s_2nd']:.1f} s, {n if n is not None else '?'} NVRTC compiles"
                 + (f", {restored} Thunder programs restored" if restored is not None else "")
+                + (f", {traced} traced" if traced else "")
                 + (f" (torch.compile {c:.1f} s)" if c is not None else ""))
 
 
