@@ -333,8 +333,8 @@ def test_dynamo_graph_break_pieces_restored(tmp_path):
 
 
 def test_graph_key_reads_the_code_and_the_example_inputs():
-    """A Dynamo piece's key: its generated code and its inputs' shapes, strides, dtypes and
-    requires_grad; symbolic shapes are refused. Thunder's prologue-pruning transform (no repr of its
+    """A Dynamo piece's key: its generated code, its inputs' and held tensors' shapes, strides, dtypes
+    and requires_grad; symbolic shapes are refused. Thunder's prologue-pruning transform (no repr of its
     own) is described with its configuration."""
     from thunder.transforms.extraction_only_prologue_transform import ExtractionOnlyPrologueTransform
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -357,6 +357,14 @@ def test_graph_key_reads_the_code_and_the_example_inputs():
     assert len(set(keys)) == len(keys), keys
     with FakeTensorMode():
         assert trace_cache._graph_key(piece(torch.empty(4, 8))) == keys[0]  # the same piece again
+    def holding(weight):  # a graph that reads a tensor it holds (a get_attr), not an input
+        root = torch.nn.Module()
+        root.w = torch.nn.Parameter(weight)
+        g = torch.fx.Graph()
+        g.output(g.call_function(torch.sin, (g.get_attr("w"),)))
+        return trace_cache._graph_key(torch.fx.GraphModule(root, g))
+
+    assert holding(torch.randn(4, 8)) == holding(torch.randn(4, 8)) != holding(torch.randn(4, 9))
     with FakeTensorMode(shape_env=ShapeEnv()) as mode:
         n = mode.shape_env.create_unbacked_symint()
         with pytest.raises(trace_cache.Unserializable, match="symbolic"):

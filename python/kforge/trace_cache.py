@@ -351,6 +351,8 @@ def _graph_key(gm: Any) -> str:
     for name, mod in gm.named_modules():
         if _is_graph_module(mod):
             h.update(f"{name}\0{mod.code}\0".encode())
+    import torch
+
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             if "example_value" not in node.meta:
@@ -360,8 +362,12 @@ def _graph_key(gm: Any) -> str:
             attr = gm
             for part in str(node.target).split("."):
                 attr = getattr(attr, part)
-            if not _is_graph_module(attr):  # a submodule's code is hashed above; tensors by layout
+            if not isinstance(attr, (torch.nn.Module, torch.Tensor)):  # tensors: below
                 h.update(repr((node.target, _example(attr))).encode())
+    # the tensors the graph holds (its constants, a called submodule's weights): the pruned prologue
+    # does not check their layouts either
+    for name, t in (*gm.named_parameters(), *gm.named_buffers()):
+        h.update(repr((name, _example(t))).encode())
     return h.hexdigest()
 
 

@@ -1989,7 +1989,7 @@ def _splitter_patches():
 
     ambient = _ambient_autocast()
     original = splitter.is_node_supported_by_thunder
-    supported: set[tuple] = set()
+    supported: set[tuple] = set()  # keys of passed checks; the options and autocast are this graph's
 
     def is_node_supported_by_thunder(node: Any, thunder_options: dict) -> tuple[bool, Any]:
         key = _node_check_key(node)
@@ -2006,6 +2006,8 @@ def _splitter_patches():
             return ok, reason
         with _autocast_compile_data(*ambient):
             ok_autocast, _ = original(node, thunder_options)
+        if ok_autocast and key is not None:
+            supported.add(key)
         return (True, None) if ok_autocast else (ok, reason)
 
     splitter.is_node_supported_by_thunder = is_node_supported_by_thunder
