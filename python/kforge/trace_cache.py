@@ -80,8 +80,9 @@ _FORMAT = 1
 # Entries kept per model and key; the oldest beyond this are removed when a new one is written.
 _MAX_ENTRIES = 8
 # Key directories kept under traces/ (each kforge, torch or Thunder version, model and option set
-# makes its own); the least recently written or restored beyond this are removed on a write.
-_MAX_KEYS = 32
+# makes its own, and under kforge.compile each of Dynamo's graphs); the least recently written or
+# restored beyond this are removed on a write.
+_MAX_KEYS = 64
 
 _stats = {"traced": 0, "restored": 0, "saved": 0, "skipped_stale": 0, "corrupt": 0, "unserializable": 0}
 _lock = threading.Lock()
