@@ -221,6 +221,8 @@ def test_bad_trace_cache_argument():
 
     with pytest.raises(TypeError, match="kforge.jit: trace_cache must be True, False or None"):
         kforge.jit(torch.nn.Linear(2, 2), trace_cache="yes")
+    with pytest.raises(TypeError, match="kforge.compile: trace_cache must be True, False or None"):
+        kforge.compile(torch.nn.Linear(2, 2), trace_cache=1)
 
 
 def test_changed_model_source_traces_again(project):
