@@ -10,6 +10,7 @@
 #   SANITIZE_TIMEOUT=900 scripts/sanitize.sh                      # seconds per run (default 1200)
 #   JOBS=8 scripts/sanitize.sh                                     # runs at once (default 1)
 #   PYTEST_ARGS="-v" scripts/sanitize.sh                           # names each test before it runs
+#   PARTS=2 JOBS=2 SELECTIONS=rmsnorm scripts/sanitize.sh          # each selection as 2 runs (--shard i/2)
 #   SUMMARY_ONLY=1 OUT=dir scripts/sanitize.sh                     # summarise dir/sanitize/*.log again
 #
 # Writes $OUT/sanitize/<tool>-<selection>-dl<0|1>.log (compute-sanitizer and pytest output), and the
@@ -45,6 +46,9 @@ TOOLS=${TOOLS:-"memcheck racecheck synccheck initcheck"}
 DL=${DL:-"1 0"}
 SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-1200}
 JOBS=${JOBS:-1}
+# PARTS > 1 splits each selection into that many runs (pytest --shard i/PARTS, logs <selection>_pIofN):
+# the sanitizer slows one process, not the GPU, so parts side by side finish a long selection sooner.
+PARTS=${PARTS:-1}
 PYTEST_ARGS=${PYTEST_ARGS:-}
 SANITIZER=${SANITIZER:-compute-sanitizer}
 command -v "$SANITIZER" >/dev/null || SANITIZER=/usr/local/cuda/bin/compute-sanitizer
@@ -141,7 +145,13 @@ if [ "$SUMMARY_ONLY" != 1 ]; then
             continue
           fi
           [ -n "${SEL[$name]:-}" ] || { echo "unknown selection $name"; continue; }
-          start "$tool" "$name" "${SEL[$name]}" "$dl"
+          if [ "$PARTS" -gt 1 ]; then
+            for ((p = 1; p <= PARTS; p++)); do
+              start "$tool" "${name}_p${p}of$PARTS" "${SEL[$name]} --shard $p/$PARTS" "$dl"
+            done
+          else
+            start "$tool" "$name" "${SEL[$name]}" "$dl"
+          fi
         done
       fi
     done
