@@ -141,3 +141,26 @@ def test_jobs_capped_by_gpu_memory(tmp_path):
             assert line in r.stdout, r.stdout + r.stderr
         else:
             assert "JOBS=8 ->" not in r.stdout, r.stdout
+
+
+def test_parts_split_a_selection_into_disjoint_shards(tmp_path):
+    """PARTS=N runs a selection as N pytest shards: together they hold exactly the whole selection's
+    tests, none twice."""
+
+    def collected(parts: int) -> dict[str, list[str]]:
+        out = tmp_path / f"parts{parts}"
+        env = dict(os.environ, OUT=str(out), TOOLS="none", SELECTIONS="colsum", DL="1", PARTS=str(parts),
+                   JOBS=str(parts), PYTEST_ARGS="--collect-only")
+        r = subprocess.run(["bash", "scripts/sanitize.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        logs = sorted((out / "sanitize").glob("none-colsum*-dl1.log"))
+        return {p.name: [l for l in p.read_text().splitlines() if l.startswith("tests/")] for p in logs}
+
+    whole = collected(1)
+    assert list(whole) == ["none-colsum-dl1.log"] and len(whole["none-colsum-dl1.log"]) > 10, whole
+    parts = collected(3)
+    assert list(parts) == [f"none-colsum_p{i}of3-dl1.log" for i in (1, 2, 3)], list(parts)
+    ids = [i for p in parts.values() for i in p]
+    assert all(parts.values()), parts
+    assert len(ids) == len(set(ids)) and sorted(ids) == sorted(whole["none-colsum-dl1.log"])
