@@ -10,7 +10,7 @@
 #   SANITIZE_TIMEOUT=900 scripts/sanitize.sh                      # seconds per run (default 1200)
 #   JOBS=8 scripts/sanitize.sh                                     # runs at once (default 1)
 #   PYTEST_ARGS="-v" scripts/sanitize.sh                           # names each test before it runs
-#   PARTS=2 JOBS=2 SELECTIONS=rmsnorm scripts/sanitize.sh          # each selection as 2 runs (--shard i/2)
+#   PARTS=2 JOBS=2 SELECTIONS=rmsnorm scripts/sanitize.sh          # each selection (cover too) as 2 runs
 #   SUMMARY_ONLY=1 OUT=dir scripts/sanitize.sh                     # summarise dir/sanitize/*.log again
 #
 # Writes $OUT/sanitize/<tool>-<selection>-dl<0|1>.log (compute-sanitizer and pytest output), and the
@@ -111,7 +111,7 @@ run_one() {  # tool, selection name, pytest args, dl
   local tool=$1 name=$2 args=$3 dl=$4
   local log="$LOGS/$tool-$name-dl$dl.log"
   local envs=(KFORGE_DEPENDENT_LAUNCH="$dl" KERNEL_COVERAGE_FILE="$LOGS/$tool-$name-dl$dl.coverage.json")
-  [ "$name" = cover ] && envs+=(SANITIZE_NODEIDS_FILE="$COVER")
+  case "$name" in cover|cover_p*) envs+=(SANITIZE_NODEIDS_FILE="$COVER");; esac
   case "$tool" in memcheck|initcheck) envs+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1);; esac
   local extra=()
   # racecheck: report hazards found by its analysis (default mode); warnings count as hazards too.
@@ -141,16 +141,17 @@ if [ "$SUMMARY_ONLY" != 1 ]; then
         for name in $SELECTIONS; do
           if [ "$name" = cover ]; then
             [ -s "$COVER" ] || { echo "cover: no node ids in $COVER (run TOOLS=none first)"; continue; }
-            start "$tool" cover "tests/" "$dl"
-            continue
+            args="tests/"
+          else
+            [ -n "${SEL[$name]:-}" ] || { echo "unknown selection $name"; continue; }
+            args=${SEL[$name]}
           fi
-          [ -n "${SEL[$name]:-}" ] || { echo "unknown selection $name"; continue; }
           if [ "$PARTS" -gt 1 ]; then
             for ((p = 1; p <= PARTS; p++)); do
-              start "$tool" "${name}_p${p}of$PARTS" "${SEL[$name]} --shard $p/$PARTS" "$dl"
+              start "$tool" "${name}_p${p}of$PARTS" "$args --shard $p/$PARTS" "$dl"
             done
           else
-            start "$tool" "$name" "${SEL[$name]}" "$dl"
+            start "$tool" "$name" "$args" "$dl"
           fi
         done
       fi

@@ -144,23 +144,29 @@ def test_jobs_capped_by_gpu_memory(tmp_path):
 
 
 def test_parts_split_a_selection_into_disjoint_shards(tmp_path):
-    """PARTS=N runs a selection as N pytest shards: together they hold exactly the whole selection's
-    tests, none twice."""
+    """PARTS=N runs a selection, `cover` included, as N pytest shards: together they hold exactly the
+    whole selection's tests, none twice."""
 
-    def collected(parts: int) -> dict[str, list[str]]:
-        out = tmp_path / f"parts{parts}"
-        env = dict(os.environ, OUT=str(out), TOOLS="none", SELECTIONS="colsum", DL="1", PARTS=str(parts),
-                   JOBS=str(parts), PYTEST_ARGS="--collect-only")
+    def collected(selection: str, parts: int, **env_extra: str) -> dict[str, list[str]]:
+        out = tmp_path / f"{selection}{parts}"
+        env = dict(os.environ, OUT=str(out), TOOLS="none", SELECTIONS=selection, DL="1", PARTS=str(parts),
+                   JOBS=str(parts), PYTEST_ARGS="--collect-only", **env_extra)
         r = subprocess.run(["bash", "scripts/sanitize.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 0, r.stdout + r.stderr
-        logs = sorted((out / "sanitize").glob("none-colsum*-dl1.log"))
+        logs = sorted((out / "sanitize").glob(f"none-{selection}*-dl1.log"))
         return {p.name: [l for l in p.read_text().splitlines() if l.startswith("tests/")] for p in logs}
 
-    whole = collected(1)
+    def check(selection: str, whole: list[str], parts: dict[str, list[str]]) -> None:
+        assert list(parts) == [f"none-{selection}_p{i}of3-dl1.log" for i in (1, 2, 3)], list(parts)
+        ids = [i for p in parts.values() for i in p]
+        assert all(parts.values()), parts
+        assert len(ids) == len(set(ids)) and sorted(ids) == sorted(whole)
+
+    whole = collected("colsum", 1)
     assert list(whole) == ["none-colsum-dl1.log"] and len(whole["none-colsum-dl1.log"]) > 10, whole
-    parts = collected(3)
-    assert list(parts) == [f"none-colsum_p{i}of3-dl1.log" for i in (1, 2, 3)], list(parts)
-    ids = [i for p in parts.values() for i in p]
-    assert all(parts.values()), parts
-    assert len(ids) == len(set(ids)) and sorted(ids) == sorted(whole["none-colsum-dl1.log"])
+    whole = whole["none-colsum-dl1.log"]
+    check("colsum", whole, collected("colsum", 3))
+    cover = tmp_path / "cover.txt"
+    cover.write_text("\n".join(whole[::2]) + "\n")
+    check("cover", whole[::2], collected("cover", 3, COVER=str(cover)))
