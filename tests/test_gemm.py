@@ -412,6 +412,79 @@ def test_generated_shapes_match_float64(m, k, n, a_row, b_row, dtype):
     assert_close(_C.gemm_mm(a, b), _ref(a, b), dtype, f"{m}x{k}x{n}")
 
 
+# ---- GPU: tuning (KFORGE_GEMM_TUNE) ------------------------------------------------------------------
+@pytest.fixture
+def tuned_plans():
+    """Tuning on with no plan made yet; afterwards off again, with the tuned plans dropped."""
+    gemm.set_tune(True, forget=True)
+    yield
+    gemm.set_tune(False, forget=True)
+
+
+def _tuned(m: int, k: int, n: int) -> list[dict]:
+    return [t for t in gemm.tuning() if (t["m"], t["k"], t["n"]) == (m, k, n)]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n", [(257, 136, 72), (1024, 768, 2048), (2048, 2048, 768)])
+def test_tuned_plans_match_float64(tuned_plans, dtype, m, k, n):
+    """Every entry on a tuned plan: float64-right, the accumulator added to once (the candidates are
+    timed into a scratch output), the same bits call after call, the choice listed with its times."""
+    a, b = _operand(m, k, True, dtype), _operand(k, n, False, dtype)
+    bias, c = randn(n, dtype=dtype), randn(m, n, dtype=dtype)
+    out = _C.gemm_mm(a, b)
+    assert_close(out, _ref(a, b), dtype, f"tuned mm {m}x{k}x{n}")
+    assert torch.equal(_C.gemm_mm(a, b), out)
+    assert_close(_C.gemm_addmm(bias, a, b), _ref(a, b) + bias.double(), dtype, "tuned addmm")
+    ref = c.double() + _ref(a, b)
+    _C.gemm_addmm_(c, a, b)
+    assert_close(c, ref, dtype, "tuned addmm_ (added once)")
+    tuned = _tuned(m, k, n)
+    assert len(tuned) == 3, gemm.tuning()  # mm, bias, accumulate: three plans
+    for t in tuned:
+        assert 0 <= t["chosen"] < len(t["times_us"]) and t["times_us"][t["chosen"]] > 0, t
+        assert t["times_us"][t["chosen"]] <= min(x for x in t["times_us"] if x > 0) / 0.97 + 1e-3, t
+    st_ = gemm.stats()
+    assert st_["tune"] and st_["tuned"] >= 3 and st_["plans_without_kernel"] == 0
+
+
+@gpu
+def test_tuning_waits_for_a_call_outside_graph_capture(tuned_plans):
+    """A plan first made during capture is not tuned there (timing synchronises, which capture
+    forbids): the graph replays the heuristic's kernel, right; the next call outside capture tunes."""
+    dt = torch.bfloat16
+    a, b = randn(384, 256, dtype=dt), randn(256, 320, dtype=dt)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = _C.gemm_mm(a, b)
+    assert not _tuned(384, 256, 320) and gemm.stats()["plans"] >= 1
+    a.copy_(randn(384, 256, dtype=dt))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close(captured, _ref(a, b), dt, "captured, untuned")
+    assert_close(_C.gemm_mm(a, b), _ref(a, b), dt, "tuned after capture")
+    assert len(_tuned(384, 256, 320)) == 1
+
+
+@gpu
+def test_tuning_off_runs_the_heuristics_first(tuned_plans):
+    """With tuning off no candidate is timed: the plan runs what torch's cuBLASLt path would."""
+    gemm.set_tune(False, forget=True)
+    dt = torch.bfloat16
+    a, b = randn(200, 128, dtype=dt), randn(128, 96, dtype=dt)
+    assert_close(_C.gemm_mm(a, b), _ref(a, b), dt, "untuned")
+    assert not gemm.tuning() and gemm.stats()["tuned"] == 0
+
+
+def test_set_tune_takes_bools():
+    with pytest.raises(TypeError, match="set_tune"):
+        gemm.set_tune(1)
+    before = gemm.stats()["tune"]
+    gemm.set_tune(before)
+    assert gemm.stats()["tune"] is before
+
+
 # ---- GPU: users' models with the flag on ----------------------------------------------------------
 @gpu
 @pytest.mark.parametrize("model, autocast", [("plain_llama", False), ("plain_llama", True), ("hf_gpt2", False),

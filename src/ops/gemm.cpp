@@ -17,10 +17,12 @@
 
 #include <ATen/Context.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
 
+#include "../runtime/cuda_api.h"
 #include "../runtime/torch_launch.h"
 
 namespace kforge {
@@ -166,15 +168,24 @@ struct Plan {
   bool ok = false;
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo{};
+  cublasLtMatmulAlgo_t algo{};  // what calls launch: candidates[chosen]
   size_t workspace = 0;
+  // The heuristic's answers, best first; an untuned plan runs the first (what torch's cuBLASLt path
+  // would). Tuning (KFORGE_GEMM_TUNE) times each on the call's operands once and keeps the fastest.
+  std::vector<cublasLtMatmulHeuristicResult_t> candidates;
+  int chosen = 0;
+  bool tuned = false;
+  std::vector<float> times_us;  // per candidate, from tuning (empty until tuned)
 };
+
+// Candidates asked of the heuristic per shape when tuning.
+constexpr int kCandidates = 8;
 
 // D (m x n, row-major, ld ldd) = A (m x k) @ B (k x n) [+ bias (n)] [+ D]. cuBLAS is column-major,
 // so it computes D^T = B^T @ A^T: its first operand is B, its second A. A row-major matrix read
 // column-major is its own transpose, so a row-major operand needs no transpose and a column-major
 // one does.
-Plan make_plan(const Key& key, cublasLtHandle_t handle, size_t workspace) {
+Plan make_plan(const Key& key, cublasLtHandle_t handle, size_t workspace, int want) {
   const LtApi& L = *lt();
   Plan p;
   const auto ab = static_cast<cudaDataType_t>(key.ab_type), dt = static_cast<cudaDataType_t>(key.d_type);
@@ -208,16 +219,88 @@ Plan make_plan(const Key& key, cublasLtHandle_t handle, size_t workspace) {
   for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
     L.MatmulPreferenceSetAttribute(pref, attr, &align, sizeof align);
-  cublasLtMatmulHeuristicResult_t result{};
+  std::vector<cublasLtMatmulHeuristicResult_t> results(std::max(want, 1));
   int found = 0;
-  const cublasStatus_t s =
-      L.MatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+  const cublasStatus_t s = L.MatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref,
+                                                    static_cast<int>(results.size()), results.data(), &found);
   L.MatmulPreferenceDestroy(pref);
-  if (s != CUBLAS_STATUS_SUCCESS || found < 1 || result.state != CUBLAS_STATUS_SUCCESS) return p;
-  p.algo = result.algo;
-  p.workspace = result.workspaceSize;
+  if (s != CUBLAS_STATUS_SUCCESS) return p;
+  for (int i = 0; i < found; ++i)
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) p.candidates.push_back(results[i]);
+  if (p.candidates.empty()) return p;
+  p.algo = p.candidates[0].algo;
+  p.workspace = p.candidates[0].workspaceSize;
   p.ok = true;
   return p;
+}
+
+// Tuning: on/off for the process (kforge.ops.gemm sets it from KFORGE_GEMM_TUNE at import).
+std::atomic<bool> tune_on{false};
+// A candidate replaces the heuristic's first only when it is this much faster: timing noise alone
+// should not change which kernel (and so which rounding) a shape gets from one process to the next.
+constexpr float kTuneMargin = 0.97f;
+constexpr int kTuneReps = 5;
+
+// One launch of candidate i of `plan` (the bias pointer already set in its descriptor).
+cublasStatus_t launch(const LtApi& L, const Plan& plan, const cublasLtMatmulAlgo_t& algo, size_t ws_bytes,
+                      cublasLtHandle_t handle, const void* a, const void* b, void* d, bool accumulate,
+                      void* workspace, cudaStream_t stream) {
+  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  return L.Matmul(handle, plan.desc, &one, b, plan.a, a, plan.b, &beta, d, plan.d, d, plan.d, &algo,
+                  workspace, ws_bytes, stream);
+}
+
+// Times every candidate of `plan` on the call's operands into a scratch output (m rows of ldd
+// elements, from torch's allocator) and picks the fastest, the heuristic's first unless another is
+// kTuneMargin faster. Synchronises the stream: done once per shape, never while the stream is being
+// captured into a CUDA graph. Called with plans_mutex held.
+void tune(Plan& plan, const Key& key, const at::Tensor& a, const at::Tensor& b, cublasLtHandle_t handle,
+          cudaStream_t stream) {
+  const LtApi& L = *lt();
+  const DriverApi& D = driver();
+  const size_t ws_size = at::cuda::getCUDABlasLtWorkspaceSize();
+  void* workspace = at::cuda::getCUDABlasLtWorkspace();
+  const at::ScalarType d_type = key.d_type == static_cast<int8_t>(CUDA_R_32F) ? at::kFloat : a.scalar_type();
+  const at::Tensor scratch = at::zeros({key.m * key.ldd}, a.options().dtype(d_type));
+  CUevent start = nullptr, stop = nullptr;
+  check_cu(D.EventCreate(&start, CU_EVENT_DEFAULT), "kforge.gemm: tuning: cuEventCreate");
+  check_cu(D.EventCreate(&stop, CU_EVENT_DEFAULT), "kforge.gemm: tuning: cuEventCreate");
+  const auto cu_stream = reinterpret_cast<CUstream>(stream);
+  plan.times_us.assign(plan.candidates.size(), -1.0f);
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    const auto& c = plan.candidates[i];
+    auto run = [&] {
+      return launch(L, plan, c.algo, c.workspaceSize, handle, a.data_ptr(), b.data_ptr(),
+                    scratch.data_ptr(), key.accumulate, workspace, stream) == CUBLAS_STATUS_SUCCESS;
+    };
+    if (c.workspaceSize > ws_size || !run()) continue;  // warm-up; one that cannot launch is never chosen
+    bool ok = D.EventRecord(start, cu_stream) == CUDA_SUCCESS;
+    for (int r = 0; r < kTuneReps && ok; ++r) ok = run();
+    float ms = 0;
+    ok = ok && D.EventRecord(stop, cu_stream) == CUDA_SUCCESS && D.EventSynchronize(stop) == CUDA_SUCCESS &&
+         D.EventElapsedTime(&ms, start, stop) == CUDA_SUCCESS;
+    if (ok) plan.times_us[i] = 1000.0f * ms / kTuneReps;
+  }
+  D.EventDestroy(start);
+  D.EventDestroy(stop);
+  // The fastest launchable candidate; the heuristic's first unless the fastest beats it by the margin.
+  int best = 0;
+  for (size_t i = 1; i < plan.times_us.size(); ++i) {
+    const float t = plan.times_us[i];
+    if (t > 0 && (plan.times_us[best] <= 0 || t < plan.times_us[best])) best = static_cast<int>(i);
+  }
+  if (best != 0 && plan.times_us[0] > 0 && plan.times_us[best] >= kTuneMargin * plan.times_us[0]) best = 0;
+  plan.chosen = best;
+  plan.algo = plan.candidates[best].algo;
+  plan.workspace = plan.candidates[best].workspaceSize;
+  plan.tuned = true;
+}
+
+// Whether `stream` is being captured into a CUDA graph (or its status cannot be read): no tuning then.
+bool capturing(cudaStream_t stream) {
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  return driver().StreamIsCapturing(reinterpret_cast<CUstream>(stream), &status) != CUDA_SUCCESS ||
+         status != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
 std::mutex plans_mutex;
@@ -263,10 +346,20 @@ bool lt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, a
   {
     std::lock_guard<std::mutex> lock(plans_mutex);
     auto it = plans().find(key);
+    const bool tuning = tune_on.load(std::memory_order_relaxed);
     if (it == plans().end())
-      it = plans().emplace(key, make_plan(key, handle, at::cuda::getCUDABlasLtWorkspaceSize())).first;
-    const Plan* plan = &it->second;
+      it = plans().emplace(key, make_plan(key, handle, at::cuda::getCUDABlasLtWorkspaceSize(),
+                                          tuning ? kCandidates : 1)).first;
+    Plan* plan = &it->second;
     if (!plan->ok) return false;
+    if (tuning && !plan->tuned && plan->candidates.size() > 1) {
+      const cudaStream_t s = c10::cuda::getCurrentCUDAStream(a.get_device()).stream();
+      if (bias.defined()) {
+        const void* ptr = bias.data_ptr();
+        L->MatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof ptr);
+      }
+      if (!capturing(s)) tune(*plan, key, a, b, handle, s);
+    }
     // torch's workspace for this stream, looked up (a locked map) only for kernels that use one
     void* workspace = plan->workspace ? at::cuda::getCUDABlasLtWorkspace() : nullptr;
     // The bias pointer lives in the shared descriptor: set and launched under the lock.
@@ -401,9 +494,50 @@ pybind11::dict stats() {
   std::lock_guard<std::mutex> lock(plans_mutex);
   int64_t ok = 0;
   for (const auto& [key, plan] : plans()) ok += plan.ok;
+  int64_t tuned = 0, changed = 0;
+  for (const auto& [key, plan] : plans()) {
+    tuned += plan.tuned;
+    changed += plan.tuned && plan.chosen != 0;
+  }
   d["plans"] = static_cast<int64_t>(plans().size());
   d["plans_without_kernel"] = static_cast<int64_t>(plans().size()) - ok;
+  d["tune"] = tune_on.load();
+  d["tuned"] = tuned;
+  d["tuned_changed"] = changed;
   return d;
+}
+
+// Per tuned plan: shape, layouts, dtypes, the candidates' times (us; -1: not launchable) and the
+// one chosen, for kforge.ops.gemm.tuning().
+pybind11::list tuning() {
+  pybind11::list out;
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  for (const auto& [key, plan] : plans()) {
+    if (!plan.tuned) continue;
+    pybind11::dict d;
+    d["m"] = key.m;
+    d["n"] = key.n;
+    d["k"] = key.k;
+    d["a_row_major"] = key.a_row;
+    d["b_row_major"] = key.b_row;
+    d["bias"] = key.bias;
+    d["accumulate"] = key.accumulate;
+    d["ab_type"] = static_cast<int>(key.ab_type);
+    d["d_type"] = static_cast<int>(key.d_type);
+    d["device"] = static_cast<int>(key.device);
+    d["times_us"] = plan.times_us;
+    d["chosen"] = plan.chosen;
+    out.append(d);
+  }
+  return out;
+}
+
+// Turns tuning on or off for plans made from now on and untuned plans; `forget` drops every plan
+// (tests: the next call of each shape makes, and with tuning on tunes, its plan afresh).
+void set_tune(bool on, bool forget) {
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  tune_on.store(on);
+  if (forget) plans().clear();  // descriptors leak, as for plans of a whole process
 }
 
 }  // namespace
@@ -423,7 +557,11 @@ KFORGE_BIND_OP(gemm) {
         "when given, viewed as out_shape when given",
         py::arg("a"), py::arg("ka"), py::arg("ta"), py::arg("b"), py::arg("kb"), py::arg("tb"), py::arg("c"),
         py::arg("widen"), py::arg("out_shape"));
-  m.def("gemm_stats", &stats, "{cublaslt, fast_calls, aten_calls, plans, plans_without_kernel}");
+  m.def("gemm_stats", &stats,
+        "{cublaslt, fast_calls, aten_calls, plans, plans_without_kernel, tune, tuned, tuned_changed}");
+  m.def("gemm_tuning", &tuning, "per tuned plan: shape, layouts, dtypes, candidates' times (us), chosen");
+  m.def("gemm_set_tune", &set_tune, "time the heuristic's candidates per shape and keep the fastest",
+        py::arg("on"), py::arg("forget") = false);
 }
 
 }  // namespace kforge

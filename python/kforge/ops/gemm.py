@@ -25,6 +25,15 @@ whose run-time strides, alignment or torch settings are off the fast path goes t
 replaces, inside the same C++ call. `stats()` counts both kinds of calls.
 
 On by default in kforge.jit / kforge.compile; `gemm=False` or KFORGE_GEMM=0 leaves the GEMMs to torch.
+
+Tuning (opt-in, KFORGE_GEMM_TUNE=1 or `set_tune(True)`): a plan then asks the heuristic for up to 8
+kernels, times each on its first call's operands (five launches after a warm-up, into a scratch
+output; the stream is synchronised once per shape, never during CUDA-graph capture) and keeps the
+fastest, the heuristic's first unless another is 3 % faster. torch's cuBLASLt path runs the heuristic's
+first, so tuning can only change which of cuBLASLt's kernels a shape gets: the same arithmetic, but
+possibly another summation order, so results may differ in rounding from untuned calls (and, where two
+kernels time within noise of each other, from one process to the next). `tuning()` lists each tuned
+shape's candidates' times and the choice.
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ from thunder.core.transform_common import Transform
 from .. import _C
 from .._thunder import OpSpec, operator
 
-__all__ = ["GemmCalls", "enabled", "rewrite", "stats"]
+__all__ = ["GemmCalls", "enabled", "rewrite", "set_tune", "stats", "tuning"]
 
 
 def _mm_meta(a: TensorProxy, b: TensorProxy) -> TensorProxy:
@@ -298,8 +307,34 @@ class GemmCalls(Transform):
 
 
 def stats() -> dict:
-    """{cublaslt: found, fast_calls, aten_calls, plans, plans_without_kernel} since the process started."""
+    """{cublaslt: found, fast_calls, aten_calls, plans, plans_without_kernel, tune: on, tuned: plans
+    tuned, tuned_changed: of those, plans running another kernel than the heuristic's first} since the
+    process started."""
     return dict(_C.gemm_stats())
+
+
+def set_tune(on: bool, forget: bool = False) -> None:
+    """Tuning on or off (see the module's docstring) for plans made from now on and plans not yet
+    tuned; `forget` drops every plan, so that each shape's next call makes (and tunes) its plan anew."""
+    if not isinstance(on, bool) or not isinstance(forget, bool):
+        raise TypeError(f"kforge.ops.gemm.set_tune: on and forget must be bool, got {on!r}, {forget!r}")
+    _C.gemm_set_tune(on, forget)
+
+
+def tuning() -> list[dict]:
+    """Per tuned plan: m, n, k, operand layouts, bias, accumulate, cuBLAS data types, device, the
+    candidates' times in microseconds in the heuristic's order (-1: could not launch) and `chosen`,
+    the index of the one its calls run."""
+    return [dict(d) for d in _C.gemm_tuning()]
+
+
+def _tune_from_env() -> None:
+    from .. import _env
+
+    _C.gemm_set_tune(_env.flag("KFORGE_GEMM_TUNE"), False)
+
+
+_tune_from_env()
 
 
 def launch_callables(m: int = 64, k: int = 64, n: int = 64, device: str = "cuda") -> list[tuple[str, Any]]:
