@@ -555,6 +555,24 @@ def test_group_backend_adds_the_linear_group_pattern():
     assert kinds("kforge+group") == ALL_KINDS + ("linear_group",)
 
 
+def test_tune_backend_switches_gemm_tuning_per_step(monkeypatch):
+    """kforge+tune (asked for by name): each of its steps turns GEMM tuning on, each plain kforge step
+    sets it as KFORGE_GEMM_TUNE says (off unset), so that the two rows alternate in one process."""
+    from kforge.ops import gemm
+
+    assert "kforge+tune" not in models.DEFAULT_BACKENDS
+    seen: list[tuple[bool, bool]] = []
+    real = gemm.set_tune
+    monkeypatch.setattr(gemm, "set_tune", lambda on, forget=False: (seen.append((on, forget)), real(on, forget)))
+    monkeypatch.delenv("KFORGE_GEMM_TUNE", raising=False)
+    rows = models.bench_models(models.resolve(_args(dry=True, names=["plain-llama"], backends="kforge,kforge+tune",
+                                                    setup="bf16")))["rows"]
+    assert [r["backend"] for r in rows] == ["kforge", "kforge+tune"]
+    assert all(r.get("error") is None and math.isfinite(r["final_loss"]) for r in rows), rows
+    assert {on for on, _ in seen} == {False, True} and not any(forget for _, forget in seen), seen
+    real(False)
+
+
 def test_gemm_backends_switch_the_plans_on_and_off(monkeypatch):
     """kforge+gemm / kforge-gemm (asked for by name, not defaults): kforge.jit(gemm=True / False), rows of
     their own whatever KFORGE_GEMM says; plain kforge follows KFORGE_GEMM (on by default)."""

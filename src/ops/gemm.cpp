@@ -141,14 +141,17 @@ bool compute_type(at::ScalarType t, cublasComputeType_t& ct) {
 }
 
 // ---- plans -------------------------------------------------------------------------------------
+// `tune`: made while tuning was on. Tuned and untuned plans of a shape are kept apart, so that a
+// process can switch between them (the bench's kforge and kforge+tune rows, timed alternately).
 struct Key {
   int64_t m, n, k, lda, ldb, ldd;
-  bool a_row, b_row, bias, accumulate;
+  bool a_row, b_row, bias, accumulate, tune;
   int8_t ab_type, d_type, compute, device;
   bool operator==(const Key& o) const {
     return m == o.m && n == o.n && k == o.k && lda == o.lda && ldb == o.ldb && ldd == o.ldd &&
            a_row == o.a_row && b_row == o.b_row && bias == o.bias && accumulate == o.accumulate &&
-           ab_type == o.ab_type && d_type == o.d_type && compute == o.compute && device == o.device;
+           tune == o.tune && ab_type == o.ab_type && d_type == o.d_type && compute == o.compute &&
+           device == o.device;
   }
 };
 struct KeyHash {
@@ -156,7 +159,7 @@ struct KeyHash {
     size_t h = 1469598103934665603ull;
     for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldd})
       h = (h ^ static_cast<size_t>(v)) * 1099511628211ull;
-    const int64_t bits = k.a_row | k.b_row << 1 | k.bias << 2 | k.accumulate << 3 |
+    const int64_t bits = k.a_row | k.b_row << 1 | k.bias << 2 | k.accumulate << 3 | int64_t(k.tune) << 36 |
                          int64_t(k.ab_type) << 4 | int64_t(k.d_type) << 12 |
                          int64_t(k.compute) << 20 | int64_t(k.device) << 28;
     return (h ^ static_cast<size_t>(bits)) * 1099511628211ull;
@@ -338,7 +341,8 @@ bool lt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, a
   if (!compute_type(a.scalar_type(), ct)) return false;
 
   const c10::cuda::CUDAGuard guard(a.device());
-  const Key key{m, n, k, oa.ld, ob.ld, ldd, oa.row_major, ob.row_major, bias.defined(), accumulate,
+  const bool tuning = tune_on.load(std::memory_order_relaxed);
+  const Key key{m, n, k, oa.ld, ob.ld, ldd, oa.row_major, ob.row_major, bias.defined(), accumulate, tuning,
                 static_cast<int8_t>(cuda_type(a.scalar_type())),
                 static_cast<int8_t>(cuda_type(d.scalar_type())), static_cast<int8_t>(ct),
                 static_cast<int8_t>(a.get_device())};
@@ -346,7 +350,6 @@ bool lt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, a
   {
     std::lock_guard<std::mutex> lock(plans_mutex);
     auto it = plans().find(key);
-    const bool tuning = tune_on.load(std::memory_order_relaxed);
     if (it == plans().end())
       it = plans().emplace(key, make_plan(key, handle, at::cuda::getCUDABlasLtWorkspaceSize(),
                                           tuning ? kCandidates : 1)).first;
@@ -532,8 +535,8 @@ pybind11::list tuning() {
   return out;
 }
 
-// Turns tuning on or off for plans made from now on and untuned plans; `forget` drops every plan
-// (tests: the next call of each shape makes, and with tuning on tunes, its plan afresh).
+// Turns tuning on or off for the calls from now on (each setting keeps plans of its own); `forget`
+// drops every plan (tests: the next call of each shape makes, and with tuning on tunes, its plan afresh).
 void set_tune(bool on, bool forget) {
   std::lock_guard<std::mutex> lock(plans_mutex);
   tune_on.store(on);

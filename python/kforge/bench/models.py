@@ -15,6 +15,8 @@ under `torch.autocast(bfloat16)`; fp32), on each backend:
   kforge-gemm    kforge.ops.gemm, on by default): an A/B of that switch in one run
   kforge+group   kforge with the opt-in linear_group pattern (q / k / v projections as one GEMM,
                  kforge.ops.linear_group): an A/B of that pattern
+  kforge+tune    kforge with its GEMM plans tuned (kforge.ops.gemm.set_tune, KFORGE_GEMM_TUNE): each
+                 step switches tuning on, the other kforge rows' steps set it as the environment does
 
 Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW) with their 10th and
 90th percentiles, peak memory over a few steps taken alone, the first step's wall time (trace + compile + one step; by default every row starts
@@ -50,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm", "kforge-gemm", "kforge+group")
+BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm", "kforge-gemm", "kforge+group", "kforge+tune")
 DEFAULT_BACKENDS = ("eager", "torch.compile", "thunder", "kforge")  # the A/B rows: asked for by name
 SETUPS = ("bf16", "autocast", "fp32")
 # Default --size per zoo model: the sizes of issue 18's table.
@@ -237,7 +239,7 @@ def wrap(backend: str, model: Any, mode: str = "jit", *, cudagraphs: bool = Fals
         import thunder
 
         return thunder.jit(model, **extra)
-    if backend in ("kforge", "kforge+gemm", "kforge-gemm", "kforge+group"):
+    if backend in ("kforge", "kforge+gemm", "kforge-gemm", "kforge+group", "kforge+tune"):
         import kforge
         from kforge.transforms import ALL_KINDS, OPT_IN_KINDS
 
@@ -357,6 +359,13 @@ class Trainer:
                          else contextlib.nullcontext())
         self.cudagraphs = cudagraphs
         self.mark_step = cudagraphs and backend == "torch.compile"
+        # GEMM tuning is a process-wide switch (tuned and untuned plans are kept apart): each kforge
+        # step sets it, on for kforge+tune, as the environment says for the other kforge rows.
+        self.tune: bool | None = None
+        if backend.startswith("kforge"):
+            from kforge import _env
+
+            self.tune = backend == "kforge+tune" or _env.flag("KFORGE_GEMM_TUNE")
         self.fn: Any = None
         self.times: list[float] = []
         self.losses: list[float] = []
@@ -366,6 +375,10 @@ class Trainer:
 
         if self.mark_step:  # a new iteration for CUDA-graph trees: earlier outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
+        if self.tune is not None:
+            from kforge.ops import gemm
+
+            gemm.set_tune(self.tune)
         with self.autocast:
             loss = self.built.loss_fn(self.built.call(self.fn))
         loss.backward()

@@ -314,8 +314,9 @@ def stats() -> dict:
 
 
 def set_tune(on: bool, forget: bool = False) -> None:
-    """Tuning on or off (see the module's docstring) for plans made from now on and plans not yet
-    tuned; `forget` drops every plan, so that each shape's next call makes (and tunes) its plan anew."""
+    """Tuning on or off (see the module's docstring) for the calls from now on: tuned and untuned plans
+    are kept apart, so switching back and forth re-tunes nothing. `forget` drops every plan, so that
+    each shape's next call makes (and, tuning, tunes) its plan anew."""
     if not isinstance(on, bool) or not isinstance(forget, bool):
         raise TypeError(f"kforge.ops.gemm.set_tune: on and forget must be bool, got {on!r}, {forget!r}")
     _C.gemm_set_tune(on, forget)
