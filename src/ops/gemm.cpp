@@ -16,10 +16,13 @@
 #include <dlfcn.h>
 
 #include <ATen/Context.h>
+#include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 
 #include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include "../runtime/cuda_api.h"
@@ -37,6 +40,8 @@ struct LtApi {
                                            const void*, size_t);
   cublasStatus_t (*MatrixLayoutCreate)(cublasLtMatrixLayout_t*, cudaDataType, uint64_t, uint64_t,
                                        int64_t);
+  cublasStatus_t (*MatmulDescDestroy)(cublasLtMatmulDesc_t);
+  cublasStatus_t (*MatrixLayoutDestroy)(cublasLtMatrixLayout_t);
   cublasStatus_t (*MatmulPreferenceCreate)(cublasLtMatmulPreference_t*);
   cublasStatus_t (*MatmulPreferenceDestroy)(cublasLtMatmulPreference_t);
   cublasStatus_t (*MatmulPreferenceSetAttribute)(cublasLtMatmulPreference_t,
@@ -75,6 +80,8 @@ const LtApi* lt() {
     get(a.MatmulDescCreate, "cublasLtMatmulDescCreate");
     get(a.MatmulDescSetAttribute, "cublasLtMatmulDescSetAttribute");
     get(a.MatrixLayoutCreate, "cublasLtMatrixLayoutCreate");
+    get(a.MatmulDescDestroy, "cublasLtMatmulDescDestroy");
+    get(a.MatrixLayoutDestroy, "cublasLtMatrixLayoutDestroy");
     get(a.MatmulPreferenceCreate, "cublasLtMatmulPreferenceCreate");
     get(a.MatmulPreferenceDestroy, "cublasLtMatmulPreferenceDestroy");
     get(a.MatmulPreferenceSetAttribute, "cublasLtMatmulPreferenceSetAttribute");
@@ -177,8 +184,9 @@ struct Plan {
   // would). Tuning (KFORGE_GEMM_TUNE) times each on the call's operands once and keeps the fastest.
   std::vector<cublasLtMatmulHeuristicResult_t> candidates;
   int chosen = 0;
-  bool tuned = false;
-  std::vector<float> times_us;  // per candidate, from tuning (empty until tuned)
+  bool tuned = false;         // tuning chose (or there was one candidate, or timing failed)
+  bool tuning = false;        // a thread is timing the candidates; calls meanwhile run the first
+  std::vector<float> times_us;  // per candidate, from tuning (-1: not launchable; empty: not timed)
 };
 
 // Candidates asked of the heuristic per shape when tuning.
@@ -244,66 +252,95 @@ std::atomic<bool> tune_on{false};
 constexpr float kTuneMargin = 0.97f;
 constexpr int kTuneReps = 5;
 
-// One launch of candidate i of `plan` (the bias pointer already set in its descriptor).
-cublasStatus_t launch(const LtApi& L, const Plan& plan, const cublasLtMatmulAlgo_t& algo, size_t ws_bytes,
-                      cublasLtHandle_t handle, const void* a, const void* b, void* d, bool accumulate,
-                      void* workspace, cudaStream_t stream) {
-  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  return L.Matmul(handle, plan.desc, &one, b, plan.a, a, plan.b, &beta, d, plan.d, d, plan.d, &algo,
-                  workspace, ws_bytes, stream);
-}
-
-// Times every candidate of `plan` on the call's operands into a scratch output (m rows of ldd
-// elements, from torch's allocator) and picks the fastest, the heuristic's first unless another is
-// kTuneMargin faster. Synchronises the stream: done once per shape, never while the stream is being
-// captured into a CUDA graph. Called with plans_mutex held.
-void tune(Plan& plan, const Key& key, const at::Tensor& a, const at::Tensor& b, cublasLtHandle_t handle,
-          cudaStream_t stream) {
+void destroy(const Plan& p) {
   const LtApi& L = *lt();
-  const DriverApi& D = driver();
-  const size_t ws_size = at::cuda::getCUDABlasLtWorkspaceSize();
-  void* workspace = at::cuda::getCUDABlasLtWorkspace();
-  const at::ScalarType d_type = key.d_type == static_cast<int8_t>(CUDA_R_32F) ? at::kFloat : a.scalar_type();
-  const at::Tensor scratch = at::zeros({key.m * key.ldd}, a.options().dtype(d_type));
-  CUevent start = nullptr, stop = nullptr;
-  check_cu(D.EventCreate(&start, CU_EVENT_DEFAULT), "kforge.gemm: tuning: cuEventCreate");
-  check_cu(D.EventCreate(&stop, CU_EVENT_DEFAULT), "kforge.gemm: tuning: cuEventCreate");
-  const auto cu_stream = reinterpret_cast<CUstream>(stream);
-  plan.times_us.assign(plan.candidates.size(), -1.0f);
-  for (size_t i = 0; i < plan.candidates.size(); ++i) {
-    const auto& c = plan.candidates[i];
-    auto run = [&] {
-      return launch(L, plan, c.algo, c.workspaceSize, handle, a.data_ptr(), b.data_ptr(),
-                    scratch.data_ptr(), key.accumulate, workspace, stream) == CUBLAS_STATUS_SUCCESS;
-    };
-    if (c.workspaceSize > ws_size || !run()) continue;  // warm-up; one that cannot launch is never chosen
-    bool ok = D.EventRecord(start, cu_stream) == CUDA_SUCCESS;
-    for (int r = 0; r < kTuneReps && ok; ++r) ok = run();
-    float ms = 0;
-    ok = ok && D.EventRecord(stop, cu_stream) == CUDA_SUCCESS && D.EventSynchronize(stop) == CUDA_SUCCESS &&
-         D.EventElapsedTime(&ms, start, stop) == CUDA_SUCCESS;
-    if (ok) plan.times_us[i] = 1000.0f * ms / kTuneReps;
-  }
-  D.EventDestroy(start);
-  D.EventDestroy(stop);
-  // The fastest launchable candidate; the heuristic's first unless the fastest beats it by the margin.
-  int best = 0;
-  for (size_t i = 1; i < plan.times_us.size(); ++i) {
-    const float t = plan.times_us[i];
-    if (t > 0 && (plan.times_us[best] <= 0 || t < plan.times_us[best])) best = static_cast<int>(i);
-  }
-  if (best != 0 && plan.times_us[0] > 0 && plan.times_us[best] >= kTuneMargin * plan.times_us[0]) best = 0;
-  plan.chosen = best;
-  plan.algo = plan.candidates[best].algo;
-  plan.workspace = plan.candidates[best].workspaceSize;
-  plan.tuned = true;
+  if (p.desc) L.MatmulDescDestroy(p.desc);
+  for (auto layout : {p.a, p.b, p.d})
+    if (layout) L.MatrixLayoutDestroy(layout);
 }
 
-// Whether `stream` is being captured into a CUDA graph (or its status cannot be read): no tuning then.
+struct TuneResult {
+  int chosen = 0;
+  std::vector<float> times_us;
+  std::optional<cublasLtMatmulHeuristicResult_t> pick;  // the chosen candidate; none: keep the first
+};
+
+// Times the heuristic's candidates for `key` on this call's operands and picks the fastest, the
+// first unless another is kTuneMargin faster. Runs without plans_mutex, on descriptors of its own
+// (the shared plan's bias pointer stays the callers'). Each candidate: a warm-up, then kTuneReps
+// launches between two events, all queued back to back after the stream has drained, then one
+// synchronisation. Outputs go to `d` itself, which the call overwrites afterwards, or, for an
+// accumulating plan, to a zeroed scratch from torch's allocator. Never throws: a failure (out of
+// memory for the scratch, an event error) leaves the heuristic's first. The thread's capture mode
+// is relaxed meanwhile, so that a graph another thread is capturing is not invalidated by the
+// allocation or the synchronisation.
+TuneResult tune_candidates(const Key& key, const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
+                           const at::Tensor& d, cublasLtHandle_t handle, const c10::cuda::CUDAStream& stream) {
+  TuneResult r;
+  const LtApi& L = *lt();
+  const size_t ws_size = at::cuda::getCUDABlasLtWorkspaceSize();
+  Plan own = make_plan(key, handle, ws_size, kCandidates);
+  try {
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+    if (!own.ok) throw std::runtime_error("no plan");
+    if (key.bias) {
+      const void* ptr = bias.data_ptr();
+      L.MatmulDescSetAttribute(own.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof ptr);
+    }
+    void* workspace = at::cuda::getCUDABlasLtWorkspace();
+    const at::Tensor out = key.accumulate ? at::zeros({key.m * key.ldd}, d.options()) : d;
+    const float one = 1.0f, beta = key.accumulate ? 1.0f : 0.0f;
+    auto run = [&](const cublasLtMatmulHeuristicResult_t& c) {
+      return L.Matmul(handle, own.desc, &one, b.data_ptr(), own.a, a.data_ptr(), own.b, &beta, out.data_ptr(),
+                      own.d, out.data_ptr(), own.d, &c.algo, workspace, c.workspaceSize,
+                      stream.stream()) == CUBLAS_STATUS_SUCCESS;
+    };
+    const size_t n = own.candidates.size();
+    std::vector<c10::cuda::CUDAEvent> start, stop;
+    start.reserve(n);
+    stop.reserve(n);
+    std::vector<bool> launched(n, false);
+    stream.synchronize();  // the step's queued work first: every candidate then starts alike
+    for (size_t i = 0; i < n; ++i) {
+      start.emplace_back(cudaEventDefault);
+      stop.emplace_back(cudaEventDefault);
+      const auto& c = own.candidates[i];
+      if (c.workspaceSize > ws_size || !run(c)) continue;  // warm-up; one that cannot launch is never chosen
+      start[i].record(stream);
+      bool ok = true;
+      for (int rep = 0; rep < kTuneReps && ok; ++rep) ok = run(c);
+      stop[i].record(stream);
+      launched[i] = ok;
+    }
+    stream.synchronize();
+    r.times_us.assign(n, -1.0f);
+    for (size_t i = 0; i < n; ++i)
+      if (launched[i]) r.times_us[i] = 1000.0f * start[i].elapsed_time(stop[i]) / kTuneReps;
+    int best = 0;
+    for (size_t i = 1; i < n; ++i) {
+      const float t = r.times_us[i];
+      if (t >= 0 && (r.times_us[best] < 0 || t < r.times_us[best])) best = static_cast<int>(i);
+    }
+    if (best != 0 && r.times_us[0] >= 0 && r.times_us[best] >= kTuneMargin * r.times_us[0]) best = 0;
+    r.chosen = best;
+    if (r.times_us[best] >= 0) r.pick = own.candidates[best];
+  } catch (const std::exception&) {
+    r = TuneResult{};
+  }
+  destroy(own);
+  return r;
+}
+
+// Whether `stream` is being captured into a CUDA graph, or its status cannot be read (the legacy
+// default stream while another stream captures): no tuning then.
 bool capturing(cudaStream_t stream) {
-  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
-  return driver().StreamIsCapturing(reinterpret_cast<CUstream>(stream), &status) != CUDA_SUCCESS ||
-         status != CU_STREAM_CAPTURE_STATUS_NONE;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(stream, &status);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky-free error so torch's next check does not see it
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
 }
 
 std::mutex plans_mutex;
@@ -347,37 +384,61 @@ bool lt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, a
                 static_cast<int8_t>(cuda_type(d.scalar_type())), static_cast<int8_t>(ct),
                 static_cast<int8_t>(a.get_device())};
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  {
+  const c10::cuda::CUDAStream cstream = c10::cuda::getCurrentCUDAStream(a.get_device());
+  const cudaStream_t stream = cstream.stream();
+  // Looks the plan up (made on a shape's first call) and, unless this call is to tune it first,
+  // launches it under the lock: the bias pointer lives in the shared descriptor.
+  auto lookup_and_launch = [&](bool may_tune) -> int {  // 1 launched, 0 off the fast path, 2 tune first
     std::lock_guard<std::mutex> lock(plans_mutex);
     auto it = plans().find(key);
     if (it == plans().end())
       it = plans().emplace(key, make_plan(key, handle, at::cuda::getCUDABlasLtWorkspaceSize(),
                                           tuning ? kCandidates : 1)).first;
     Plan* plan = &it->second;
-    if (!plan->ok) return false;
-    if (tuning && !plan->tuned && plan->candidates.size() > 1) {
-      const cudaStream_t s = c10::cuda::getCurrentCUDAStream(a.get_device()).stream();
-      if (bias.defined()) {
-        const void* ptr = bias.data_ptr();
-        L->MatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof ptr);
+    if (!plan->ok) return 0;
+    if (may_tune && tuning && !plan->tuned && !plan->tuning) {
+      if (plan->candidates.size() < 2) {
+        plan->tuned = true;  // nothing to choose
+      } else if (!capturing(stream)) {
+        plan->tuning = true;  // other calls of this shape run the heuristic's first meanwhile
+        return 2;
       }
-      if (!capturing(s)) tune(*plan, key, a, b, handle, s);
     }
     // torch's workspace for this stream, looked up (a locked map) only for kernels that use one
     void* workspace = plan->workspace ? at::cuda::getCUDABlasLtWorkspace() : nullptr;
-    // The bias pointer lives in the shared descriptor: set and launched under the lock.
     if (bias.defined()) {
       const void* ptr = bias.data_ptr();
       L->MatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof ptr);
     }
     const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.get_device()).stream();
     const cublasStatus_t s =
         L->Matmul(handle, plan->desc, &one, b.data_ptr(), plan->a, a.data_ptr(), plan->b, &beta,
                   d.data_ptr(), plan->d, d.data_ptr(), plan->d, &plan->algo, workspace,
                   plan->workspace, stream);
     KF_CHECK(s == CUBLAS_STATUS_SUCCESS, kOp, "cublasLtMatmul failed (status ", static_cast<int>(s),
              ") for (", m, " x ", k, ") @ (", k, " x ", n, "), ", a.scalar_type());
+    return 1;
+  };
+  int done = lookup_and_launch(true);
+  if (done == 0) return false;
+  if (done == 2) {
+    TuneResult r = tune_candidates(key, a, b, bias, d, handle, cstream);
+    {
+      std::lock_guard<std::mutex> lock(plans_mutex);
+      auto it = plans().find(key);  // gone if set_tune(forget) ran meanwhile: made again below
+      if (it != plans().end()) {
+        Plan& p = it->second;
+        if (r.pick) {
+          p.chosen = r.chosen;
+          p.algo = r.pick->algo;
+          p.workspace = r.pick->workspaceSize;
+        }
+        p.times_us = std::move(r.times_us);
+        p.tuned = true;
+        p.tuning = false;
+      }
+    }
+    if (lookup_and_launch(false) == 0) return false;
   }
   fast_calls.fetch_add(1, std::memory_order_relaxed);
   return true;
@@ -510,8 +571,8 @@ pybind11::dict stats() {
   return d;
 }
 
-// Per tuned plan: shape, layouts, dtypes, the candidates' times (us; -1: not launchable) and the
-// one chosen, for kforge.ops.gemm.tuning().
+// Per tuned plan: shape, layouts, dtypes, compute type, the candidates' times (us; -1: not
+// launchable; empty: one candidate, or timing failed) and the one chosen, for kforge.ops.gemm.tuning().
 pybind11::list tuning() {
   pybind11::list out;
   std::lock_guard<std::mutex> lock(plans_mutex);
@@ -521,6 +582,10 @@ pybind11::list tuning() {
     d["m"] = key.m;
     d["n"] = key.n;
     d["k"] = key.k;
+    d["lda"] = key.lda;
+    d["ldb"] = key.ldb;
+    d["ldd"] = key.ldd;
+    d["compute"] = static_cast<int>(key.compute);
     d["a_row_major"] = key.a_row;
     d["b_row_major"] = key.b_row;
     d["bias"] = key.bias;

@@ -54,15 +54,6 @@ const DriverApi& driver() {
       bind(lib, api.ModuleGetFunction, "cuModuleGetFunction", n);
       bind(lib, api.FuncSetAttribute, "cuFuncSetAttribute", n);
       bind(lib, api.LaunchKernel, "cuLaunchKernel", n);
-      bind(lib, api.StreamIsCapturing, "cuStreamIsCapturing", n);
-      bind(lib, api.EventCreate, "cuEventCreate", n);
-      bind(lib, api.EventRecord, "cuEventRecord", n);
-      bind(lib, api.EventSynchronize, "cuEventSynchronize", n);
-      // CUDA 13's headers name only the _v2 entry point; older drivers export only the first.
-      api.EventElapsedTime =
-          reinterpret_cast<decltype(api.EventElapsedTime)>(dlsym(lib, "cuEventElapsedTime_v2"));
-      if (!api.EventElapsedTime) bind(lib, api.EventElapsedTime, "cuEventElapsedTime", n);
-      bind(lib, api.EventDestroy, "cuEventDestroy_v2", n);
       api.LaunchKernelEx =
           reinterpret_cast<decltype(api.LaunchKernelEx)>(dlsym(lib, "cuLaunchKernelEx"));
     } catch (const Error& e) {

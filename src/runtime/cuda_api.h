@@ -28,13 +28,6 @@ struct DriverApi {
                            unsigned, CUstream, void**, void**);
   // Optional (null when the driver predates it): launches with attributes, for dependent launches.
   CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
-  // Capture status and timing events (kforge.ops.gemm's tuning times cuBLASLt's candidates).
-  CUresult (*StreamIsCapturing)(CUstream, CUstreamCaptureStatus*);
-  CUresult (*EventCreate)(CUevent*, unsigned int);
-  CUresult (*EventRecord)(CUevent, CUstream);
-  CUresult (*EventSynchronize)(CUevent);
-  CUresult (*EventElapsedTime)(float*, CUevent, CUevent);
-  CUresult (*EventDestroy)(CUevent);
 };
 
 struct NvrtcApi {

@@ -26,10 +26,12 @@ replaces, inside the same C++ call. `stats()` counts both kinds of calls.
 
 On by default in kforge.jit / kforge.compile; `gemm=False` or KFORGE_GEMM=0 leaves the GEMMs to torch.
 
-Tuning (opt-in, KFORGE_GEMM_TUNE=1 or `set_tune(True)`): a plan then asks the heuristic for up to 8
-kernels, times each on its first call's operands (five launches after a warm-up, into a scratch
-output; the stream is synchronised once per shape, never during CUDA-graph capture) and keeps the
-fastest, the heuristic's first unless another is 3 % faster. torch's cuBLASLt path runs the heuristic's
+Tuning (opt-in: KFORGE_GEMM_TUNE=1, read when this module is imported, or `set_tune(True)`): a plan
+then asks the heuristic for up to 8 kernels, times each on its first call's operands (five launches
+after a warm-up, into the call's own output or, when it accumulates, a zeroed scratch; the stream is
+drained before and synchronised after, once per shape, never during CUDA-graph capture, without
+holding the plans' lock) and keeps the fastest, the heuristic's first unless another is 3 % faster.
+A failure while timing (no memory for the scratch) keeps the first. torch's cuBLASLt path runs the heuristic's
 first, so tuning can only change which of cuBLASLt's kernels a shape gets: the same arithmetic, but
 possibly another summation order, so results may differ in rounding from untuned calls (and, where two
 kernels time within noise of each other, from one process to the next). `tuning()` lists each tuned
@@ -323,8 +325,9 @@ def set_tune(on: bool, forget: bool = False) -> None:
 
 
 def tuning() -> list[dict]:
-    """Per tuned plan: m, n, k, operand layouts, bias, accumulate, cuBLAS data types, device, the
-    candidates' times in microseconds in the heuristic's order (-1: could not launch) and `chosen`,
+    """Per tuned plan: m, n, k, leading dimensions and operand layouts, bias, accumulate, cuBLAS data
+    and compute types, device, the candidates' times in microseconds in the heuristic's order (-1:
+    could not launch; empty: a single candidate, or timing failed and the first is kept) and `chosen`,
     the index of the one its calls run."""
     return [dict(d) for d in _C.gemm_tuning()]
 
