@@ -334,6 +334,63 @@ def test_dynamo_graph_break_pieces_restored(tmp_path):
     assert len(_entries(tmp_path)) == 2
 
 
+SPLIT_SCRIPT = COUNTING + '''import re
+from collections import Counter
+
+import thunder.dynamo.splitter as splitter
+import torch.nn.functional as F
+from kforge import trace_cache
+
+checked = Counter()
+original = splitter.is_node_supported_by_thunder
+
+
+def counting(node, thunder_options):
+    checked[getattr(node.target, "__name__", str(node.target))] += 1
+    return original(node, thunder_options)
+
+
+splitter.is_node_supported_by_thunder = counting
+
+
+def fn(x, ws):
+    for w in ws:
+        x = torch.relu(F.linear(x, w)) * 0.5
+    x = torch.arctan(x)  # no Thunder symbol: Inductor's, with its reason
+    return (F.linear(x, ws[0]) * 0.5).sum()
+
+
+torch.manual_seed(0)
+x = torch.randn(3, 8)
+ws = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+compiled = kforge.compile(fn)
+with torch.autocast("cpu", dtype=torch.bfloat16, enabled=os.environ.get("AC") == "1"):
+    out = compiled(x, ws)
+out.backward()
+reasons = [re.sub(r" at 0x[0-9a-f]+", "", str(r.info))  # addresses differ between processes
+           for info in compiled._backend.subgraph_infos for r in info.split_reasons]
+print(json.dumps({"checked": dict(checked), "stats": trace_cache.stats(), "out": out.item(),
+                  "grads": [w.grad.tolist() for w in ws], "reasons": reasons}))
+'''
+
+
+def test_dynamo_splitter_verdicts_restored(tmp_path):
+    """kforge.compile's second process passes the nodes that passed Thunder's splitter check in the
+    first (kept with the trace cache, keyed by the graph) without checking them again; a node that
+    failed is checked again and the split names its reason as before; results are the first
+    process's. Under another autocast the key differs: every node is checked."""
+    first, second = (_child(tmp_path, SPLIT_SCRIPT, KFORGE_TRACE_CACHE="1") for _ in range(2))
+    assert first["stats"]["splits_saved"] == 1 and first["stats"]["splits_restored"] == 0, first
+    assert sum(first["checked"].values()) > 3, first["checked"]
+    assert second["stats"]["splits_restored"] == 1 and second["stats"]["restored"] >= 1, second
+    arctan = {k: v for k, v in first["checked"].items() if k == "arctan"}
+    assert arctan and {k: v for k, v in second["checked"].items()} == arctan, (first["checked"], second["checked"])
+    assert second["reasons"] == first["reasons"] and any("arctan" in r for r in second["reasons"]), second["reasons"]
+    assert second["out"] == first["out"] and second["grads"] == first["grads"]
+    other = _child(tmp_path, SPLIT_SCRIPT, KFORGE_TRACE_CACHE="1", AC="1")
+    assert other["stats"]["splits_restored"] == 0 and sum(other["checked"].values()) > sum(arctan.values()), other
+
+
 def test_graph_key_reads_the_code_and_the_example_inputs():
     """A Dynamo piece's key: its generated code, its inputs' and held tensors' shapes, strides, dtypes
     and requires_grad; symbolic shapes are refused. Thunder's prologue-pruning transform (no repr of its

@@ -1978,20 +1978,24 @@ def _node_check_key(node: Any) -> tuple | None:
 
 
 @contextlib.contextmanager
-def _splitter_patches():
+def _splitter_patches(known: frozenset[str] | None = None, passed: set[str] | None = None):
     """While Thunder's splitter runs: the mask builders in _FALLBACKS_KEPT and the torch functions
     kforge's executor replaces (torch.addmm) stay in Thunder, and under torch.autocast a node its
     check rejects is checked again with the autocast applied, and kept in Thunder when that passes; a
     node whose check would repeat one that passed in this graph (`_node_check_key`) passes without
     running it again (Dynamo compiles one frame at a time; the splitter's module global is restored
-    afterwards)."""
+    afterwards). `known`: names of nodes that passed in an earlier process (the trace cache's
+    verdicts for this very graph), passed without a check; `passed` collects the names of the nodes
+    that pass here."""
     import thunder.dynamo.splitter as splitter
 
     ambient = _ambient_autocast()
     original = splitter.is_node_supported_by_thunder
     supported: set[tuple] = set()  # keys of passed checks; the options and autocast are this graph's
 
-    def is_node_supported_by_thunder(node: Any, thunder_options: dict) -> tuple[bool, Any]:
+    def verdict(node: Any, thunder_options: dict) -> tuple[bool, Any]:
+        if known is not None and node.name in known:
+            return True, None
         key = _node_check_key(node)
         if key is not None and key in supported:
             return True, None
@@ -2009,6 +2013,12 @@ def _splitter_patches():
         if ok_autocast and key is not None:
             supported.add(key)
         return (True, None) if ok_autocast else (ok, reason)
+
+    def is_node_supported_by_thunder(node: Any, thunder_options: dict) -> tuple[bool, Any]:
+        ok, reason = verdict(node, thunder_options)
+        if ok and passed is not None:
+            passed.add(node.name)
+        return ok, reason
 
     splitter.is_node_supported_by_thunder = is_node_supported_by_thunder
     try:
@@ -2191,8 +2201,19 @@ def _compiler_class():
                 self.trace_cache = trace_cache
 
             def __call__(self, gm: torch.fx.GraphModule, sample_args: list):
-                with _splitter_patches(), _pieces_cached(self.trace_cache):
+                key = known = passed = None
+                if self.trace_cache:  # the splitter's verdicts of an earlier process, when kept
+                    from . import trace_cache
+
+                    try:
+                        key = trace_cache.split_key(gm, self.thunder_options, _ambient_autocast())
+                        known, passed = trace_cache.load_split(key), set()
+                    except trace_cache.Unserializable:
+                        key = None
+                with _splitter_patches(known, passed), _pieces_cached(self.trace_cache):
                     split = super().__call__(gm, sample_args)
+                if key is not None and known is None:
+                    trace_cache.save_split(key, passed)
                 self.layout_boundaries += _guard_layouts(split)
                 return split
 
