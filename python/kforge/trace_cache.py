@@ -383,9 +383,6 @@ def key_parts(fn: Any) -> dict[str, Any]:
     """What, besides the inputs the prologue checks, decides the programs tracing `fn` (a thunder.jit
     function) produces. Raises Unserializable when part of it cannot be stated reproducibly."""
     import thunder
-    import torch
-
-    from . import __version__, lookasides
 
     cd = thunder.compile_data(fn)
     if cd is None:
@@ -399,12 +396,7 @@ def key_parts(fn: Any) -> dict[str, Any]:
     target = cd.fn
     model = target if isinstance(target, types.FunctionType) else type(target)
     return {
-        "format": _FORMAT,
-        "python": sys.version,
-        "torch": torch.__version__,
-        "thunder": getattr(thunder, "__version__", "?"),
-        "kforge": __version__,
-        "kforge_sources": _kforge_tree_hash(),
+        **_environment(),
         "model": f"{model.__module__}.{model.__qualname__}",
         "executors": [(e.name, str(getattr(e, "version", None))) for e in cd.executors_list
                       if not e.name.startswith("__ad_hoc_executor")],  # Thunder's per-jit executor
@@ -413,11 +405,29 @@ def key_parts(fn: Any) -> dict[str, Any]:
         "sharp_edges": str(cd.sharp_edges),
         "disable_torch_autograd": bool(cd.disable_torch_autograd_support),
         "debug_options": repr(cd.debug_options),
+        "graph": _graph_key(target) if _is_graph_module(target) else None,
+    }
+
+
+def _environment() -> dict[str, Any]:
+    """The parts of a key that are the process's, not the model's: versions, kforge's sources and
+    switches, the lookasides, torch's backend flags, the GPU."""
+    import thunder
+    import torch
+
+    from . import __version__, lookasides
+
+    return {
+        "format": _FORMAT,
+        "python": sys.version,
+        "torch": torch.__version__,
+        "thunder": getattr(thunder, "__version__", "?"),
+        "kforge": __version__,
+        "kforge_sources": _kforge_tree_hash(),
         "kforge_env": {k: os.environ.get(k, "") for k in sorted(_env.KNOBS) if _env.KNOBS[k].kind == "flag"},
         "kforge_lookasides": lookasides.installed(),
         "backends": _backend_flags(),
         "device": _device(),
-        "graph": _graph_key(target) if _is_graph_module(target) else None,
     }
 
 
@@ -937,25 +947,13 @@ def split_key(gm: Any, options: dict[str, Any], autocast: Any) -> dict[str, Any]
     """What decides Thunder's splitter verdicts on the Dynamo graph `gm`: its code and example
     inputs (`_graph_key`), the splitter's Thunder options, the ambient autocast, and the versions,
     sources, switches, backend flags and GPU every entry's key holds. Raises Unserializable."""
-    import thunder
     import torch
 
-    from . import __version__, lookasides
-
     return {
-        "format": _FORMAT,
-        "python": sys.version,
-        "torch": torch.__version__,
-        "thunder": getattr(thunder, "__version__", "?"),
-        "kforge": __version__,
-        "kforge_sources": _kforge_tree_hash(),
+        **_environment(),
         "options": sorted((k, _describe_option(k, v)) for k, v in options.items()),
         "autocast": None if autocast is None else (autocast[0], str(autocast[1])),
         "grad_enabled": torch.is_grad_enabled(),
-        "kforge_env": {k: os.environ.get(k, "") for k in sorted(_env.KNOBS) if _env.KNOBS[k].kind == "flag"},
-        "kforge_lookasides": lookasides.installed(),
-        "backends": _backend_flags(),
-        "device": _device(),
         "graph": _graph_key(gm),
     }
 
