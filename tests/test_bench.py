@@ -570,6 +570,7 @@ def test_tune_backend_switches_gemm_tuning_per_step(monkeypatch):
     assert [r["backend"] for r in rows] == ["kforge", "kforge+tune"]
     assert all(r.get("error") is None and math.isfinite(r["final_loss"]) for r in rows), rows
     assert {on for on, _ in seen} == {False, True} and not any(forget for _, forget in seen), seen
+    assert "gemm_tuning" not in rows[0] and rows[1]["gemm_tuning"] == []  # CPU: no GEMM takes a plan
     real(False)
 
 

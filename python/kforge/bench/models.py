@@ -22,7 +22,8 @@ Per row: median ms of CUDA-event-timed full steps (forward, backward, fused Adam
 90th percentiles, peak memory over a few steps taken alone, the first step's wall time (trace + compile + one step; by default every row starts
 from empty kforge / Inductor / Triton disk caches), the final loss, and the error text of a backend
 that fails (the run goes on); kforge rows also count the first step's GEMM calls that took a plan
-and those that fell back to ATen (`gemm_calls`). --second-process times the first step of kforge and
+and those that fell back to ATen (`gemm_calls`), kforge+tune rows each tuned shape's candidates'
+times and choice (`gemm_tuning`). --second-process times the first step of kforge and
 torch.compile again in a fresh process that finds the row's disk caches warm.
 
 The backends of one (model, set-up) are built and warmed up one after the other, stay alive together,
@@ -399,6 +400,10 @@ class Trainer:
         row.update(first_step_phases(self.fn))
         if gemm0 is not None:  # the first step's GEMM calls: on a plan, or fallen back to ATen
             row["gemm_calls"] = {k: v - gemm0[k] for k, v in _gemm_calls().items()}
+        if self.tune:  # each tuned shape's candidates' times and the kernel kept (kforge.ops.gemm)
+            from kforge.ops import gemm
+
+            row["gemm_tuning"] = gemm.tuning()
         compiles1 = _nvrtc_compiles()
         if self.backend.startswith("kforge") and compiles0 is not None and compiles1 is not None:
             row["nvrtc_compiles"] = compiles1 - compiles0
