@@ -485,6 +485,9 @@ def test_tuning_off_runs_the_heuristics_first(tuned_plans):
 def test_set_tune_takes_bools():
     with pytest.raises(TypeError, match="set_tune"):
         gemm.set_tune(1)
+    for bad in (1, None, "on"):  # pybind11 would read 1 as True and None as False
+        with pytest.raises(TypeError):
+            _C.gemm_set_tune(bad)
     before = gemm.stats()["tune"]
     gemm.set_tune(before)
     assert gemm.stats()["tune"] is before

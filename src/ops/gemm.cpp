@@ -629,7 +629,7 @@ KFORGE_BIND_OP(gemm) {
         "{cublaslt, fast_calls, aten_calls, plans, plans_without_kernel, tune, tuned, tuned_changed}");
   m.def("gemm_tuning", &tuning, "per tuned plan: shape, layouts, dtypes, candidates' times (us), chosen");
   m.def("gemm_set_tune", &set_tune, "time the heuristic's candidates per shape and keep the fastest",
-        py::arg("on"), py::arg("forget") = false);
+        py::arg("on").noconvert(), py::arg("forget").noconvert() = false);
 }
 
 }  // namespace kforge
