@@ -1302,3 +1302,54 @@ def test_nan_and_inf_patterns_follow_torch(shape: tuple, dim: int, dtype: torch.
               ("mean", 2e-6, terms / x.shape[dim]), (f"amax {dtype}", 0.0, None)]
     for o, r, (name, tol, scale) in zip(_flat(out), _flat(reductions(x)), checks):
         _assert_same_pattern(o, r, f"{name} over {dim} of {shape}", tol=tol, scale=scale)
+
+
+
+def _norm_then_more(fold: bool, dtype: torch.dtype, monkeypatch) -> tuple:
+    """out = rms_norm(x) * u + sin(x) under kforge.jit: x's gradient is the norm's dx plus g * cos(x),
+    added by an add kernel or (fold) by the norm's backward. Returns (out, grads, backward symbols)."""
+    import thunder
+
+    import kforge
+    from kforge.fusion import executor as fusion_executor
+
+    monkeypatch.setenv("KFORGE_TRACE_CACHE", "0")  # traced here, not restored from disk
+    if not fold:
+        monkeypatch.setattr(fusion_executor, "fold_residual_grads", lambda bsyms, *a, **k: (list(bsyms), 0))
+    rows, d = 1037, 768  # odd row count; many blocks
+    x = randn(rows, d, dtype=dtype, seed=11).requires_grad_()
+    w = (1 + 0.1 * randn(d, dtype=dtype, seed=12)).requires_grad_()
+    u = randn(rows, d, dtype=dtype, seed=13)
+    g = randn(rows, d, dtype=dtype, seed=14)
+
+    def fn(x, w, u):
+        return F.rms_norm(x, (d,), w, 1e-5) * u + torch.sin(x)
+
+    jf = kforge.jit(fn)
+    out = jf(x, w, u)
+    out.backward(g)
+    names = [b.sym.name for b in thunder.last_backward_traces(jf)[-1].bound_symbols]
+    return out.detach(), (x.grad, w.grad), names
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_residual_gradient_added_by_the_norm_backward(monkeypatch, dtype: torch.dtype) -> None:
+    """The fusion pass hands the add of a norm input's other gradient to the RMSNorm backward kernel
+    (kforge.fusion.norm_epilogues). fp32 (autocast's residual stream): bit for bit the separate add (one
+    fp32 add, one rounding either way). bf16: one rounding where the add kernel rounded dx first; both
+    within bf16 rounding of float64."""
+    with monkeypatch.context() as m:
+        out0, (dx0, dw0), names0 = _norm_then_more(False, dtype, m)
+    with monkeypatch.context() as m:
+        out1, (dx1, dw1), names1 = _norm_then_more(True, dtype, m)
+    assert "kforge_rmsnorm_backward" in names0 and "kforge_add_rmsnorm_backward" not in names0, names0
+    assert "kforge_add_rmsnorm_backward" in names1 and "kforge_rmsnorm_backward" not in names1, names1
+    assert torch.equal(out0, out1) and torch.equal(dw0, dw1)
+    if dtype == torch.float32:
+        assert torch.equal(dx0, dx1)
+    x = randn(1037, 768, dtype=dtype, seed=11).double().requires_grad_()
+    w = (1 + 0.1 * randn(768, dtype=dtype, seed=12)).double()
+    u, g = randn(1037, 768, dtype=dtype, seed=13).double(), randn(1037, 768, dtype=dtype, seed=14).double()
+    (F.rms_norm(x, (768,), w, 1e-5) * u + torch.sin(x)).backward(g)
+    assert_close(dx1, x.grad.to(dtype), dtype, "dx (folded)")

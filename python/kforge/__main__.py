@@ -337,6 +337,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print("kforge profile needs a CUDA GPU; none is visible.", file=sys.stderr)
         return 2
     w = build_workload(args)
+    if args.autocast:
+        # Weights as --dtype / the factory made them; the step runs under torch.autocast.
+        w.autocast = _torch_dtype(args.autocast)
     compiled = compile_workload(w, args.backend, cudagraphs=args.cudagraphs)
     mark = args.cudagraphs and args.backend == "torch.compile"
     report = profile(_train_step(w, compiled, mark_step=mark), steps=args.steps, warmup=args.warmup, trace_file=args.trace)
@@ -524,6 +527,9 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--cudagraphs", action="store_true",
                     help="torch.compile mode='reduce-overhead'; thunder with Thunder's CUDAGraphTransform; "
                          "kforge with kforge.jit(cudagraphs=True)")
+    pr.add_argument("--autocast", choices=("bf16", "fp16"),
+                    help="run the step under torch.autocast of this dtype (with --dtype fp32: fp32 weights + "
+                         "autocast, the usual mixed-precision set-up)")
     pr.add_argument("--trace", metavar="FILE", help="also write a Chrome trace (Perfetto)")
     pr.add_argument("--json", metavar="FILE", help="write the summary as JSON")
 

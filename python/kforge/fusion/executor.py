@@ -30,6 +30,7 @@ from . import codegen, ir as fir
 from .dedupe import dedupe_views
 from .input_casts import gather_input_casts
 from .matmul_acc import accumulate_matmuls, widen_matmuls
+from .norm_epilogues import fold_residual_grads
 from .partition import Group, partition
 
 __all__ = ["KforgeFusionExecutor", "FusedRegion", "FusionInfo", "regions", "lower_fusion", "describe"]
@@ -228,6 +229,7 @@ class KforgeFusionExecutor(FusionExecutor):
         self.accumulated = 0  # adds the last pass turned into matmul accumulation (addmm)
         self.widened = 0  # conversions to float32 the last pass moved into their matmuls
         self.gathered = 0  # conversions of trace inputs the last pass made in one kforge_cast_inputs
+        self.norm_folded = 0  # adds the last pass moved into RMSNorm kernels
         self.deduped = 0  # repeated view symbols the last pass removed
 
     def get_fuel(self, amount: int = 1, /) -> bool:
@@ -265,6 +267,8 @@ class KforgeFusionExecutor(FusionExecutor):
         bsyms, self.accumulated = accumulate_matmuls(bsyms)
         # A 16-bit matmul converted to float32 (autocast's weight gradients) stores float32 itself.
         bsyms, self.widened = widen_matmuls(bsyms)
+        # Residual gradients added by the RMSNorm backward kernels (autocast's fp32 residual stream).
+        bsyms, self.norm_folded = fold_residual_grads(bsyms)
         # Autocast's weight casts that the forward returns: made together, in one launch.
         bsyms, self.gathered = gather_input_casts(bsyms, _trace_inputs(trace), _returned(trace))
         order, groups, reasons = partition(bsyms, self._fusible, self._legal)
@@ -294,8 +298,8 @@ class KforgeFusionExecutor(FusionExecutor):
         self._legal_cache = {}
         ms = (time.perf_counter() - t0) * 1e3
         fused.set_provenance(TraceProvenance(f"kforge fusion: {counter} regions, {self.accumulated} adds and "
-                                             f"{self.widened} conversions into matmuls, {self.gathered} input casts "
-                                             f"gathered, {self.deduped} repeated views removed (took {ms:.0f} milliseconds)"))
+                                             f"{self.widened} conversions into matmuls, {self.norm_folded} adds into norms, "
+                                             f"{self.gathered} input casts gathered, {self.deduped} repeated views removed (took {ms:.0f} milliseconds)"))
         self._precompile_trace(fused)
         return fused
 

@@ -1,0 +1,70 @@
+"""Additions and conversions around kforge's RMSNorm kernels done by those kernels.
+
+Under autocast (fp32 weights, 16-bit matmuls) a Llama keeps its residual stream in float32, so the
+pattern pass's `add_rms_norm` (one dtype on both sides of the add) does not apply, and the norms'
+neighbours are separate kernels. The fusion pass first hands two of them to the norm kernels:
+
+fold_residual_grads: the backward of `h = x + f(norm(x))` adds the residual's gradient to the norm's
+    input gradient. `add(dres, kforge_rmsnorm_backward(dy, x, ...)[0])`, where the norm's dx is read
+    by that add alone, becomes `kforge_add_rmsnorm_backward(dy, dres, x, ...)`: the backward kernel
+    adds dres before its one store (`dresidual`), bit for bit the fp32 sum eager makes, and no add
+    kernel re-reads dx.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = ["fold_residual_grads"]
+
+
+def _is_plain_add(b: Any) -> bool:
+    """add(a, b) of two tensors of one shape and dtype, alpha 1, result of that shape and dtype."""
+    from thunder.core.proxies import TensorProxy
+
+    if b.sym.name != "add" or len(b.args) != 2 or b.kwargs.get("alpha", None) not in (None, 1):
+        return False
+    out = b.flat_outs[0] if len(b.flat_outs) == 1 else None
+    return (isinstance(out, TensorProxy) and all(isinstance(a, TensorProxy) for a in b.args)
+            and all(a.dtype == out.dtype and tuple(a.shape) == tuple(out.shape) for a in b.args))
+
+
+def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
+    """`bsyms` (a trace's top-level bound symbols) with each residual gradient added in its RMSNorm
+    backward (see the module docstring); returns (new bound symbols, number of adds removed). The new
+    call takes the norm's place, so dres must be made before it (it always is in Thunder's backward:
+    the residual's gradient comes from the later layers)."""
+    from ..ops.rmsnorm import add_rmsnorm_backward, rmsnorm_backward
+    from .matmul_acc import _Trace, _side
+
+    tr = _Trace(bsyms)
+    replace: dict[int, Any] = {}
+    drop: set[int] = set()
+    for i, b in enumerate(tr.bsyms):
+        if not _is_plain_add(b):
+            continue
+        for which in (0, 1):
+            dx, dres = b.args[which], b.args[1 - which]
+            j = tr.producer.get(dx.name)
+            if j is None or j in replace or tr.bsyms[j].sym.id != rmsnorm_backward.id:
+                continue
+            norm = tr.bsyms[j]
+            outs = norm.output
+            if outs[0] is not dx and getattr(outs[0], "name", None) != dx.name:
+                continue
+            if not tr.only_reader(dx.name, i) or _side(norm) != _side(b):
+                continue
+            k = tr.producer.get(dres.name)
+            if k is not None and k >= j:  # dres must exist where the norm's backward runs
+                continue
+            dy, x = norm.args[0], norm.args[1]
+            if dx.device.type not in devices or dres.dtype != x.dtype or tuple(dres.shape) != tuple(x.shape):
+                continue
+            weight, rstd, ndim, cbw = norm.args[2:6]
+            nb = add_rmsnorm_backward.bind(dy, dres, x, weight, rstd, ndim, cbw, output=(b.flat_outs[0], outs[1]))
+            nb.tags.update(norm.tags)
+            replace[j] = nb
+            drop.add(i)
+            break
+    if not replace:
+        return list(bsyms), 0
+    return [replace.get(i, b) for i, b in enumerate(tr.bsyms) if i not in drop], len(drop)
