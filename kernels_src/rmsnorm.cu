@@ -95,6 +95,18 @@ KF_DEVICE void store_chunk(T* row, int c, int D, const Chunk<T>& p) {
   }
 }
 
+// Four fp32 results stored as 16-bit Y: one 8-byte store (VEC) or element-wise.
+template <typename Y, bool VEC>
+KF_DEVICE void store_narrow(Y* row, int c, int D, const float (&o)[4]) {
+  if constexpr (VEC) {
+    *reinterpret_cast<uint2*>(row + c * 4) = make_uint2(Word<Y>::pack2(o[0], o[1]), Word<Y>::pack2(o[2], o[3]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (c * 4 + i < D) row[c * 4 + i] = from_float<Y>(o[i]);
+  }
+}
+
 // Weight chunk (default caching: every row reads it), or ones when there is no weight.
 template <typename T, bool VEC>
 KF_DEVICE Chunk<T> weight_chunk(const T* weight, int c, int D) {
@@ -119,9 +131,11 @@ constexpr int fwd_min_blocks(int K, bool vec, bool res = false) {
 // plus one __syncthreads for rows of several warps. Many blocks per SM (<= 64 registers per thread).
 // RES: residual's chunks are loaded with x's; s = T(x + residual) replaces x (stored right away, so
 // only the rounded s waits out the reduction in registers).
-template <typename T, int K, bool VEC, bool RES = false>
+// Y: y's type. A 16-bit Y with fp32 T (an fp32 residual stream under autocast, whose norm output
+// only a cast to the matmuls' dtype reads) stores y rounded once from the fp32 result, as eager's cast.
+template <typename T, int K, bool VEC, bool RES = false, typename Y = T>
 __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
-    rmsnorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ y,
+    rmsnorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight, Y* __restrict__ y,
                            float* __restrict__ rstd, long long rows, int D, float inv_d, float eps,
                            int zero, int cast_before_weight, const T* __restrict__ residual,
                            T* __restrict__ s) {
@@ -177,7 +191,7 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
 
   // The weight is loaded only now, one chunk ahead of its use (an L1 hit: every block of the SM reads
   // it), so it holds no registers through the reduction and few after it.
-  T* yr = y + row * D;
+  Y* yr = y + row * D;
   const bool cbw = cast_before_weight && sizeof(T) < 4;
   const int tx = blockDim.x;
   Chunk<T> wnext = (int)threadIdx.x < nchunk ? weight_chunk<T, VEC>(weight, threadIdx.x, D) : Chunk<T>::words(0u);
@@ -197,7 +211,10 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
       }
 #pragma unroll
       for (int i = 0; i < V; ++i) o[i] *= wc.f(i);
-      store_chunk<T, VEC>(yr, c, D, E::from(o));
+      if constexpr (sizeof(Y) == sizeof(T))
+        store_chunk<T, VEC>(yr, c, D, E::from(o));
+      else
+        store_narrow<Y, VEC>(yr, c, D, o);
     }
   }
 }

@@ -1019,7 +1019,8 @@ _PLAN_D = sorted({*range(1, 41), *(b + d for b in (64, 128, 256, 512, 768, 1024,
 
 @functools.lru_cache(maxsize=None)
 def smallest_case_per_kernel() -> dict:
-    """{name expression: (op, rows, D, dtype name, aligned, cast_before_weight, dresidual, variant)}:
+    """{name expression: (op, rows, D, dtype name, aligned, cast_before_weight, dresidual or y's dtype
+    name, variant)}:
     for every instantiation the launchers' plans can pick (kforge._C.plan, host arithmetic: no GPU),
     the smallest input that picks it. rmsnorm_dweight_kernel<T, D % 4 == 0> runs after every
     backward outside the ring when there is a weight."""
@@ -1037,6 +1038,10 @@ def smallest_case_per_kernel() -> dict:
         for opname in ("rmsnorm_forward", "add_rmsnorm_forward"):
             p = kforge._C.plan(opname, shape, dt, aligned=aligned, cast_before_weight=cbw)
             keep(p["kernel"].replace("{T}", tname), (opname, rows, D, dt, aligned, cbw, False, 0))
+        if dt == "float32":  # a 16-bit y (autocast's fp32 stream); the case's `res` slot names y's type
+            for y in ("bfloat16", "float16"):
+                p = kforge._C.plan("rmsnorm_forward", shape, dt, aligned=aligned, cast_before_weight=cbw, y_dtype=y)
+                keep(p["kernel"], ("rmsnorm_forward", rows, D, dt, aligned, cbw, y, 0))
         for res, variant in itertools.product((False, True), range(3)):
             p = kforge._C.plan("rmsnorm_backward", shape, dt, aligned=aligned, cast_before_weight=cbw,
                                dresidual=res, variant=variant)
@@ -1080,9 +1085,69 @@ def test_every_instantiation_matches_float64(expr, case):
 
     x, dy = laid_out(randn(rows, D, dtype=dtype, seed=1)), laid_out(randn(rows, D, dtype=dtype, seed=2))
     w = randn(D, dtype=dtype, scale=0.5, seed=3) + 1
-    if opname == "add_rmsnorm_forward" or res:
+    if isinstance(res, str):  # rmsnorm_forward's 16-bit y of fp32 x: that type of the fp32 kernel's y
+        y_dtype = getattr(torch, res)
+        y, rstd = kforge._C.rmsnorm_forward(x, w, 1e-5, 1, cbw, y_dtype=y_dtype)
+        y32, rstd32 = kforge._C.rmsnorm_forward(x, w, 1e-5, 1, cbw)
+        assert y.dtype == y_dtype and torch.equal(y, y32.to(y_dtype)) and torch.equal(rstd, rstd32), expr
+    elif opname == "add_rmsnorm_forward" or res:
         check_add(x, laid_out(randn(rows, D, dtype=dtype, seed=4)), w, dy,
                   laid_out(randn(rows, D, dtype=dtype, seed=5)) if res else None, cbw, what=expr, variant=variant)
     else:
         check(x, w, dy, cbw, what=expr, variant=variant)
     assert expr in conftest.launched("rmsnorm"), f"{expr} did not launch for {case}"
+
+
+# ---- a 16-bit y of fp32 x (autocast's residual stream; kforge.fusion.norm_epilogues) ------------------
+@gpu
+@pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("cast_before_weight", [True, False], ids=["hf", "torch"])
+@pytest.mark.parametrize("shape", [(8192, 768), (37, 4096), (3, 5, 4100), (17, 6), (1, 8192), (1000, 64), (9, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_forward_stores_a_narrow_y(shape, cast_before_weight, y_dtype):
+    """rmsnorm_forward(fp32 x, y_dtype=bf16 / fp16): y is bit for bit the fp32 kernel's y converted by
+    torch (one rounding of the same fp32 value), rstd the same; 8-byte stores (D % 4 == 0) and
+    element-wise ones (odd D); within the 16-bit type's rounding of float64."""
+    x = randn(*shape, seed=3)
+    w = 1 + 0.1 * randn(shape[-1], seed=4)
+    y, rstd = kforge._C.rmsnorm_forward(x, w, 1e-5, 1, cast_before_weight, y_dtype=y_dtype)
+    y32, rstd32 = kforge._C.rmsnorm_forward(x, w, 1e-5, 1, cast_before_weight)
+    assert y.dtype == y_dtype and y.shape == x.shape and y.is_contiguous()
+    assert torch.equal(y, y32.to(y_dtype)) and torch.equal(rstd, rstd32)
+    ref = F.rms_norm(x.double(), (shape[-1],), w.double(), 1e-5)
+    assert_close(y, ref.to(y_dtype), y_dtype, "narrow y")
+
+
+@gpu
+def test_forward_narrow_y_misaligned_input_and_bad_requests():
+    """A misaligned x (element-wise path) still gives the converted fp32 result; y_dtype for 16-bit x,
+    a float64 y or a residual add is refused naming the op."""
+    base = randn(65 * 768 + 1, seed=5)
+    x = base[1:].view(65, 768)  # 4-byte offset: no 16-byte loads
+    w = randn(768, seed=6)
+    y, _ = kforge._C.rmsnorm_forward(x, w, 1e-6, 1, False, y_dtype=torch.bfloat16)
+    assert torch.equal(y, kforge._C.rmsnorm_forward(x.clone(), w, 1e-6, 1, False)[0].bfloat16())
+    with pytest.raises(kforge.KforgeError, match="rmsnorm_forward.*only float32 x"):
+        kforge._C.rmsnorm_forward(x.bfloat16(), w.bfloat16(), 1e-6, 1, False, y_dtype=torch.float16)
+    with pytest.raises(kforge.KforgeError, match="rmsnorm_forward.*only float32 x"):
+        kforge._C.rmsnorm_forward(x, w, 1e-6, 1, False, y_dtype=torch.float64)
+    y, _ = kforge._C.rmsnorm_forward(x, w, 1e-6, 1, False, y_dtype=torch.float32)  # x's own type: as before
+    assert y.dtype == torch.float32
+
+
+def test_autocast_norms_store_bf16_themselves():
+    """The fake-traced plain Llama under autocast (kforge.jit): every RMSNorm of the fp32 residual
+    stream stores bf16 itself (no region converts a norm's output), and every norm backward but the last
+    one's adds the residual's gradient (kforge.fusion.norm_epilogues)."""
+    from kforge.zoo import plain_llama
+
+    ft = conftest.fake_cuda_trace(plain_llama.make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=True)
+    norms = [b for b in ft.forward.bound_symbols if b.sym.name == "kforge_rmsnorm_forward"]
+    assert len(norms) == 3 and all(b.args[5] == torch.bfloat16 and b.output[0].dtype == thunder.dtypes.bfloat16
+                                   for b in norms), [str(b) for b in norms]
+    outs = {b.output[0].name for b in norms}
+    for b in ft.forward.bound_symbols:
+        if b.sym.name.startswith("kforgeFusion"):
+            assert not outs & {p.name for p in b.flat_proxy_args}, str(b)
+    names = [b.sym.name for b in ft.backward.bound_symbols]
+    assert names.count("kforge_add_rmsnorm_backward") == 2 and names.count("kforge_rmsnorm_backward") == 1

@@ -95,7 +95,17 @@ py::dict rmsnorm_fwd(const Query& q, bool res) {
   const int64_t D = rms_row(q), V = 16 / q.elem_size;
   const RmsnormPlan p = plan_rmsnorm_forward(prod(q.shape) / D, static_cast<int>((D + V - 1) / V),
                                              q.aligned && D % V == 0, res);
-  py::dict d = base(p, rmsnorm_kernel_name(p, true));
+  // y_dtype: a 16-bit y of fp32 x (rmsnorm_forward's y_dtype); x's own type changes nothing.
+  std::string narrow;
+  if (q.options.contains("y_dtype") && !q.options["y_dtype"].is_none()) {
+    const std::string y = py::str(q.options["y_dtype"]);
+    if (elem_size_of(y) != q.elem_size) {
+      require(q.f32 && !res, res ? "add_rmsnorm_forward" : "rmsnorm_forward",
+              "only float32 x may store a bfloat16 / float16 y (no residual)");
+      narrow = y.find("bfloat16") != std::string::npos ? "bf16" : "half";
+    }
+  }
+  py::dict d = base(p, rmsnorm_kernel_name(p, true, narrow));
   d["vec"] = p.vec;
   return d;
 }
@@ -297,7 +307,7 @@ KFORGE_BIND_OP(plans) {
       "an element). sms / smem_optin: the device's SM count and opt-in shared memory per block "
       "(defaults: H100 SXM). Options by op: layernorm max_warps, variant, weight, bias (backward: "
       "whether their gradients are wanted); rmsnorm normalized_ndim, cast_before_weight, "
-      "dresidual, variant; gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "
+      "dresidual, variant, y_dtype (rmsnorm_forward of float32 x: a 16-bit y); gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "
       "(B, H, T, D)); split_qkv_forward / merge_heads_backward n_head, split_qkv_backward / "
       "merge_heads_forward head_strides (their head-major input's (batch, head, token) strides; "
       "default contiguous). colsum launches twice: grid / block, then final_kernel on final_grid / "

@@ -25,6 +25,17 @@ using rms_plan::kFwdK, rms_plan::kBwdThreads, rms_plan::kMaxChunks;
 Kernel fwd_kernels[2][2][4] = {{KF_FWD4(false, ""), KF_FWD4(true, "")},
                                {KF_FWD4(false, ", true"), KF_FWD4(true, ", true")}};
 #undef KF_FWD4
+// fp32 x, 16-bit y (autocast's fp32 residual stream; kernels_src/rmsnorm.cu): [bf16 / fp16][VEC][K].
+#define KF_NARROW4(Y, VEC)                                                             \
+  {                                                                                    \
+    {prog, "rmsnorm_forward_kernel<float, 1, " #VEC ", false, " #Y ">"},               \
+        {prog, "rmsnorm_forward_kernel<float, 2, " #VEC ", false, " #Y ">"},           \
+        {prog, "rmsnorm_forward_kernel<float, 4, " #VEC ", false, " #Y ">"},           \
+        {prog, "rmsnorm_forward_kernel<float, 8, " #VEC ", false, " #Y ">"}            \
+  }
+Kernel fwd_narrow_kernels[2][2][4] = {{KF_NARROW4(bf16, false), KF_NARROW4(bf16, true)},
+                                      {KF_NARROW4(half, false), KF_NARROW4(half, true)}};
+#undef KF_NARROW4
 
 // Backward kernels: K chunks per thread and row, R rows per group at a time, VEC, CBW
 // (cast_before_weight, 16-bit types only: fp32 is the same either way), blocks of at most
@@ -121,9 +132,12 @@ Kernel dweight_kernels[2] = {{prog, "rmsnorm_dweight_kernel<{T}, false>"},
 TestingOverride bwd_override("rmsnorm_backward", rms_plan::kNumVariants, /*has_max_warps=*/false);
 
 // The plan's kernels in the tables above (fail: a plan without its instantiation).
-Kernel& forward_kernel(const RmsnormPlan& p) {
+// narrow: -1 for y of x's type, else 0 (bf16) / 1 (fp16) y of fp32 x.
+Kernel& forward_kernel(const RmsnormPlan& p, int narrow = -1) {
   for (int i = 0; i < 4; ++i)
-    if (kFwdK[i] == p.K) return fwd_kernels[p.res ? 1 : 0][p.vec ? 1 : 0][i];
+    if (kFwdK[i] == p.K)
+      return narrow >= 0 ? fwd_narrow_kernels[narrow][p.vec ? 1 : 0][i]
+                         : fwd_kernels[p.res ? 1 : 0][p.vec ? 1 : 0][i];
   fail("rmsnorm_forward", "no kernel for K = ", p.K);
 }
 
@@ -183,26 +197,36 @@ std::optional<at::Tensor> same_as_x(const std::optional<at::Tensor>& t, const at
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> forward(
     const char* op, const at::Tensor& x_, const std::optional<at::Tensor>& residual_,
     const std::optional<at::Tensor>& weight_, double eps, int64_t normalized_ndim,
-    bool cast_before_weight) {
+    bool cast_before_weight, std::optional<at::ScalarType> y_dtype = std::nullopt) {
   const at::Tensor x = input(x_, op, "x");
   const int64_t D = row_length(x, normalized_ndim, op);
   const auto weight = weight_input(weight_, x, D, op);
   const auto residual = same_as_x(residual_, x, op, "residual");
+  int narrow = -1;
+  if (y_dtype && *y_dtype != x.scalar_type()) {
+    KF_CHECK(x.scalar_type() == at::kFloat && (*y_dtype == at::kBFloat16 || *y_dtype == at::kHalf) &&
+                 !residual,
+             op, "y_dtype ", to_str(*y_dtype), " for x of ", to_str(x.scalar_type()),
+             ": only float32 x may store a bfloat16 / float16 y (no residual)");
+    narrow = *y_dtype == at::kBFloat16 ? 0 : 1;
+  }
   LaunchOn on(x);
   const int64_t rows = x.numel() / D;
-  at::Tensor y = new_output_like(x);
+  at::Tensor y = narrow < 0 ? new_output_like(x) : new_output(x.sizes(), x.options().dtype(*y_dtype));
   at::Tensor rstd = new_output({rows}, x.options().dtype(at::kFloat));
   std::optional<at::Tensor> s;
   if (residual) s = new_output_like(x);
   if (rows == 0) return {y, rstd, s};
   const int64_t V = 16 / x.element_size();
-  const bool vec = D % V == 0 && aligned16(x) && aligned16(y) && (!weight || aligned16(*weight)) &&
+  // A narrow y's chunk is 8 bytes: 8-byte aligned rows (D % 4 == 0) and base.
+  const bool y_ok = narrow < 0 ? aligned16(y) : (reinterpret_cast<uintptr_t>(y.data_ptr()) & 7) == 0;
+  const bool vec = D % V == 0 && aligned16(x) && y_ok && (!weight || aligned16(*weight)) &&
                    (!residual || (aligned16(*residual) && aligned16(*s)));
   const RmsnormPlan p =
       plan_rmsnorm_forward(rows, static_cast<int>((D + V - 1) / V), vec, residual.has_value());
   KF_CHECK(p.error.empty(), op, p.error);
   const int zero = 0;  // see opaque() in the kernel
-  forward_kernel(p).launch(
+  forward_kernel(p, narrow).launch(
       dtype_of(x, op), on.device, on.stream, static_cast<unsigned>(p.grid),
       Dim3(static_cast<unsigned>(p.block_x), static_cast<unsigned>(p.block_y)), 0, x.data_ptr(),
       ptr(weight), y.data_ptr(), rstd.data_ptr(), static_cast<long long>(rows), static_cast<int>(D),
@@ -214,9 +238,10 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> forward(
 std::tuple<at::Tensor, at::Tensor> rmsnorm_forward(const at::Tensor& x,
                                                    const std::optional<at::Tensor>& weight,
                                                    double eps, int64_t normalized_ndim,
-                                                   bool cast_before_weight) {
-  auto [y, rstd, s] =
-      forward("rmsnorm_forward", x, std::nullopt, weight, eps, normalized_ndim, cast_before_weight);
+                                                   bool cast_before_weight,
+                                                   std::optional<at::ScalarType> y_dtype) {
+  auto [y, rstd, s] = forward("rmsnorm_forward", x, std::nullopt, weight, eps, normalized_ndim,
+                              cast_before_weight, y_dtype);
   return {y, rstd};
 }
 
@@ -292,9 +317,12 @@ KFORGE_BIND_OP(rmsnorm) {
   m.def("rmsnorm_forward", &rmsnorm_forward,
         "RMSNorm over the last `normalized_ndim` dims: returns (y, rstd) with rstd float32 of one "
         "element per row. cast_before_weight: y = weight * T(x * rstd) (Hugging Face Llama), else "
-        "y = T(x * rstd * weight) (torch F.rms_norm). weight may be None.",
+        "y = T(x * rstd * weight) (torch F.rms_norm). weight may be None. y_dtype (None: x's): "
+        "bfloat16 / float16 for float32 x stores y rounded once from the fp32 result, as "
+        "rmsnorm_forward(x)[0].to(y_dtype).",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),
-        pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true);
+        pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true,
+        pybind11::arg("y_dtype") = pybind11::none());
   m.def("add_rmsnorm_forward", &add_rmsnorm_forward,
         "Residual add fused into rmsnorm_forward: s = x + residual (fp32 add, rounded once to x's "
         "dtype, as eager's add), then RMSNorm of s; returns (y, rstd, s). residual has x's shape, "

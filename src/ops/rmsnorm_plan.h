@@ -182,10 +182,13 @@ inline RmsnormPlan plan_rmsnorm_backward(int64_t rows, int64_t D, int64_t elem_s
   return p;
 }
 
-inline std::string rmsnorm_kernel_name(const RmsnormPlan& p, bool forward) {
+// narrow_y: "bf16" / "half" for the forward of fp32 x storing a 16-bit y (no residual), else empty.
+inline std::string rmsnorm_kernel_name(const RmsnormPlan& p, bool forward, const std::string& narrow_y = "") {
   const auto b = [](bool v) { return std::string(v ? "true" : "false"); };
   const auto i = [](int v) { return std::to_string(v); };
   const std::string res = p.res ? ", true" : "";
+  if (forward && !narrow_y.empty())
+    return "rmsnorm_forward_kernel<float, " + i(p.K) + ", " + b(p.vec) + ", false, " + narrow_y + ">";
   if (forward) return "rmsnorm_forward_kernel<{T}, " + i(p.K) + ", " + b(p.vec) + res + ">";
   if (p.layout_id == RmsnormLayout::ring)
     return "rmsnorm_backward_ring_kernel<{T}, " + i(p.K) + ", " + i(p.S) + ", " + b(p.cbw) + ", " +

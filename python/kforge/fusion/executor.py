@@ -30,7 +30,7 @@ from . import codegen, ir as fir
 from .dedupe import dedupe_views
 from .input_casts import gather_input_casts
 from .matmul_acc import accumulate_matmuls, widen_matmuls
-from .norm_epilogues import fold_residual_grads
+from .norm_epilogues import fold_residual_grads, narrow_norm_outputs
 from .partition import Group, partition
 
 __all__ = ["KforgeFusionExecutor", "FusedRegion", "FusionInfo", "regions", "lower_fusion", "describe"]
@@ -229,7 +229,7 @@ class KforgeFusionExecutor(FusionExecutor):
         self.accumulated = 0  # adds the last pass turned into matmul accumulation (addmm)
         self.widened = 0  # conversions to float32 the last pass moved into their matmuls
         self.gathered = 0  # conversions of trace inputs the last pass made in one kforge_cast_inputs
-        self.norm_folded = 0  # adds the last pass moved into RMSNorm kernels
+        self.norm_folded = 0  # adds and conversions the last pass moved into RMSNorm kernels
         self.deduped = 0  # repeated view symbols the last pass removed
 
     def get_fuel(self, amount: int = 1, /) -> bool:
@@ -269,6 +269,9 @@ class KforgeFusionExecutor(FusionExecutor):
         bsyms, self.widened = widen_matmuls(bsyms)
         # Residual gradients added by the RMSNorm backward kernels (autocast's fp32 residual stream).
         bsyms, self.norm_folded = fold_residual_grads(bsyms)
+        # ... and fp32 norms whose output only a cast to 16 bits reads store that type themselves.
+        bsyms, narrowed = narrow_norm_outputs(bsyms)
+        self.norm_folded += narrowed
         # Autocast's weight casts that the forward returns: made together, in one launch.
         bsyms, self.gathered = gather_input_casts(bsyms, _trace_inputs(trace), _returned(trace))
         order, groups, reasons = partition(bsyms, self._fusible, self._legal)
@@ -298,7 +301,7 @@ class KforgeFusionExecutor(FusionExecutor):
         self._legal_cache = {}
         ms = (time.perf_counter() - t0) * 1e3
         fused.set_provenance(TraceProvenance(f"kforge fusion: {counter} regions, {self.accumulated} adds and "
-                                             f"{self.widened} conversions into matmuls, {self.norm_folded} adds into norms, "
+                                             f"{self.widened} conversions into matmuls, {self.norm_folded} adds and conversions into norms, "
                                              f"{self.gathered} input casts gathered, {self.deduped} repeated views removed (took {ms:.0f} milliseconds)"))
         self._precompile_trace(fused)
         return fused

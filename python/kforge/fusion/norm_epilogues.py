@@ -9,12 +9,16 @@ fold_residual_grads: the backward of `h = x + f(norm(x))` adds the residual's gr
     by that add alone, becomes `kforge_add_rmsnorm_backward(dy, dres, x, ...)`: the backward kernel
     adds dres before its one store (`dresidual`), bit for bit the fp32 sum eager makes, and no add
     kernel re-reads dx.
+narrow_norm_outputs: the norm of the fp32 stream is read only by a conversion to the matmuls' 16-bit
+    type. `convert(kforge_rmsnorm_forward(x, ...)[0], bf16)` becomes `kforge_rmsnorm_forward(x, ...,
+    y_dtype=bf16)`: the kernel stores y as bf16, rounded once from its fp32 result as the conversion
+    did, so neither the fp32 y nor a conversion kernel's pass over it is left.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["fold_residual_grads"]
+__all__ = ["fold_residual_grads", "narrow_norm_outputs"]
 
 
 def _is_plain_add(b: Any) -> bool:
@@ -65,6 +69,42 @@ def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
             replace[j] = nb
             drop.add(i)
             break
+    if not replace:
+        return list(bsyms), 0
+    return [replace.get(i, b) for i, b in enumerate(tr.bsyms) if i not in drop], len(drop)
+
+
+def narrow_norm_outputs(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
+    """`bsyms` with each fp32 RMSNorm whose output only a conversion to bf16 / fp16 reads storing that
+    type itself (see the module docstring); returns (new bound symbols, number of conversions removed).
+    Run after `dedupe_views`, which leaves one conversion of a tensor to a dtype."""
+    from thunder.core import dtypes
+
+    from ..ops.rmsnorm import rmsnorm_forward
+    from .matmul_acc import _Trace, _side, is_conversion
+
+    tr = _Trace(bsyms)
+    replace: dict[int, Any] = {}
+    drop: set[int] = set()
+    for j, norm in enumerate(tr.bsyms):
+        if norm.sym.id != rmsnorm_forward.id or (len(norm.args) > 5 and norm.args[5] is not None):
+            continue
+        x, y = norm.args[0], norm.output[0]
+        if x.dtype != dtypes.float32 or y.device.type not in devices:
+            continue
+        readers = tr.readers.get(y.name, set())
+        if len(readers) != 1:
+            continue
+        i = next(iter(readers))
+        cast = tr.bsyms[i]
+        out = cast.flat_outs[0] if len(cast.flat_outs) == 1 else None
+        if (not is_conversion(cast) or out is None or out.dtype not in (dtypes.bfloat16, dtypes.float16)
+                or tuple(out.shape) != tuple(y.shape) or _side(cast) != _side(norm)):
+            continue
+        nb = rmsnorm_forward.bind(*norm.args[:5], dtypes.to_torch_dtype(out.dtype), output=(out, norm.output[1]))
+        nb.tags.update(norm.tags)
+        replace[j] = nb
+        drop.add(i)
     if not replace:
         return list(bsyms), 0
     return [replace.get(i, b) for i, b in enumerate(tr.bsyms) if i not in drop], len(drop)

@@ -9,11 +9,13 @@ Model helpers (plain PyTorch; `thunder.jit` swaps them for kforge when kforge is
 Thunder symbols:
     kforge_rms_norm(x, weight, eps=1e-6) -> y
         registered with `replaces=rms_norm`; decomposes into thunder.torch ops when declined.
-    kforge_rmsnorm_forward(x, weight, eps, normalized_ndim, cast_before_weight) -> (y, rstd)
+    kforge_rmsnorm_forward(x, weight, eps, normalized_ndim, cast_before_weight[, y_dtype]) -> (y, rstd)
     kforge_rmsnorm_backward(dy, x, weight, rstd, normalized_ndim, cast_before_weight) -> (dx, dweight)
         the kernels (kforge._C.rmsnorm_forward / rmsnorm_backward); rstd is float32 of shape (rows,),
         weight may be None (then dweight is None). cast_before_weight=True: y = weight * T(x * rstd)
-        (HF); False: y = T(x * rstd * weight) (torch F.rms_norm, thunder.torch.rms_norm).
+        (HF); False: y = T(x * rstd * weight) (torch F.rms_norm, thunder.torch.rms_norm). y_dtype
+        (bf16 / fp16 for fp32 x; only kforge.fusion's norm_epilogues passes it): y stored as that
+        type, rounded once from the fp32 result, in place of a conversion kernel.
         Tests force the backward's other kernels with kforge._testing.override("rmsnorm_backward",
         variant=1) (never the shared-memory ring kernel: the kernels for inputs the ring does not
         take); the operators always take the launcher's own choice (kforge._C.plan).
@@ -105,9 +107,10 @@ def _add_rms_norm_like(x: TensorProxy, residual: TensorProxy, weight: TensorProx
 
 
 # ---- kernel operators --------------------------------------------------------------------------------
-def _forward_meta(x, weight, eps, normalized_ndim, cast_before_weight):
+def _forward_meta(x, weight, eps, normalized_ndim, cast_before_weight, y_dtype=None):
     rows = math.prod(x.shape[: x.ndim - normalized_ndim])
-    return TensorProxy(like=x), TensorProxy(like=x, shape=(rows,), dtype=dtypes.float32)
+    y = TensorProxy(like=x) if y_dtype is None else TensorProxy(like=x, dtype=dtypes.to_dtype(y_dtype))
+    return y, TensorProxy(like=x, shape=(rows,), dtype=dtypes.float32)
 
 
 def _backward_meta(dy, x, weight, rstd, normalized_ndim, cast_before_weight):
