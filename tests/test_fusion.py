@@ -1088,6 +1088,37 @@ def test_users_models_tie_out(model: str, dtype: torch.dtype) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("model", ["plain_llama", "hf_llama"])
+def test_users_models_tie_out_under_autocast(model: str) -> None:
+    """fp32 weights + bf16 autocast under kforge.jit / kforge.compile (the norms' bf16 outputs and
+    residual-gradient adds in the norm kernels, kforge.fusion.norm_epilogues): loss and every gradient
+    against eager's autocast step, both within bf16 error of the fp32 step."""
+    import copy
+    import importlib
+
+    import kforge
+
+    make = importlib.import_module(f"kforge.zoo.{model}").make
+    m, inputs, opts = make(size="micro", batch=2, seq=16, autocast=True)
+    jm = (kforge.compile if opts.get("mode") == "dynamo" else kforge.jit)(copy.deepcopy(m))
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (inputs, {})
+    ref32 = copy.deepcopy(m)
+    with torch.autocast("cuda", torch.bfloat16):
+        ref_loss = opts["loss_fn"](m(*args, **kwargs))
+        loss = opts["loss_fn"](jm(*args, **kwargs))
+    ref_loss.backward()
+    loss.backward()
+    loss32 = opts["loss_fn"](ref32(*args, **kwargs))
+    loss32.backward()
+    assert_close(loss.detach(), ref_loss.detach(), torch.bfloat16, "loss vs eager autocast", tol=2e-2)
+    ref_grads, grads32 = dict(m.named_parameters()), dict(ref32.named_parameters())
+    for name, p in jm.named_parameters():
+        assert p.grad.dtype == torch.float32, name
+        assert_close(p.grad, ref_grads[name].grad, torch.bfloat16, f"{name} vs eager autocast", tol=0.1)
+        assert_close(p.grad, grads32[name].grad, torch.bfloat16, f"{name} vs fp32", tol=0.1)
+
+
+@gpu
 @pytest.mark.parametrize("model", ["plain_llama", "nanogpt"])
 def test_cuda_graph_transform(model: str) -> None:
     """kforge.jit with Thunder's CUDAGraphTransform: fusions and kforge ops captured, replays match eager
