@@ -7,8 +7,8 @@ neighbours are separate kernels. The fusion pass first hands two of them to the 
 fold_residual_grads: the backward of `h = x + f(norm(x))` adds the residual's gradient to the norm's
     input gradient. `add(dres, kforge_rmsnorm_backward(dy, x, ...)[0])`, where the norm's dx is read
     by that add alone, becomes `kforge_add_rmsnorm_backward(dy, dres, x, ...)`: the backward kernel
-    adds dres before its one store (`dresidual`), bit for bit the fp32 sum eager makes, and no add
-    kernel re-reads dx.
+    adds dres before its one store (`dresidual`; in fp32, within an ulp of eager's sum, as the last
+    multiply and the add may be one FMA), and no add kernel re-reads dx.
 narrow_norm_outputs: the norm of the fp32 stream is read only by a conversion to the matmuls' 16-bit
     type. `convert(kforge_rmsnorm_forward(x, ...)[0], bf16)` becomes `kforge_rmsnorm_forward(x, ...,
     y_dtype=bf16)`: the kernel stores y as bf16, rounded once from its fp32 result as the conversion
