@@ -374,8 +374,8 @@ def test_profile_gpu_gpt2(tmp_path):
 def test_profile_gpu_under_autocast(tmp_path):
     """--dtype fp32 --autocast bf16: fp32 weights, the step under bf16 autocast, so the GEMMs run in
     bf16 (cuBLASLt's bf16 kernels on kforge's plans) and AdamW updates fp32 weights."""
-    rc, out, err = run_cli("profile", "llama", "--size", "tiny", "--dtype", "fp32", "--autocast", "bf16",
-                           "--steps", "2", "--json", str(tmp_path / "p.json"))
+    rc, out, err = run_cli("profile", "--model", "kforge.zoo.plain_llama:make", "--size", "micro", "--dtype", "fp32",
+                           "--autocast", "bf16", "--steps", "2", "--json", str(tmp_path / "p.json"))
     assert rc == 0, err
     data = json.loads((tmp_path / "p.json").read_text())
     ops = {o["op"] for o in data["by_op"]}
