@@ -21,30 +21,19 @@ from typing import Any, Sequence
 __all__ = ["fold_residual_grads", "narrow_norm_outputs"]
 
 
-def _is_plain_add(b: Any) -> bool:
-    """add(a, b) of two tensors of one shape and dtype, alpha 1, result of that shape and dtype."""
-    from thunder.core.proxies import TensorProxy
-
-    if b.sym.name != "add" or len(b.args) != 2 or b.kwargs.get("alpha", None) not in (None, 1):
-        return False
-    out = b.flat_outs[0] if len(b.flat_outs) == 1 else None
-    return (isinstance(out, TensorProxy) and all(isinstance(a, TensorProxy) for a in b.args)
-            and all(a.dtype == out.dtype and tuple(a.shape) == tuple(out.shape) for a in b.args))
-
-
 def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
     """`bsyms` (a trace's top-level bound symbols) with each residual gradient added in its RMSNorm
     backward (see the module docstring); returns (new bound symbols, number of adds removed). The new
     call takes the norm's place, so dres must be made before it (it always is in Thunder's backward:
     the residual's gradient comes from the later layers)."""
     from ..ops.rmsnorm import add_rmsnorm_backward, rmsnorm_backward
-    from .matmul_acc import _Trace, _side
+    from .matmul_acc import _is_add, _Trace, _side
 
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
     drop: set[int] = set()
     for i, b in enumerate(tr.bsyms):
-        if not _is_plain_add(b):
+        if not _is_add(b):
             continue
         for which in (0, 1):
             dx, dres = b.args[which], b.args[1 - which]
