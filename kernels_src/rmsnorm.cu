@@ -95,6 +95,21 @@ KF_DEVICE void store_chunk(T* row, int c, int D, const Chunk<T>& p) {
   }
 }
 
+// Four 16-bit X of chunk c (an fp32 chunk's width) as two packed words: one 8-byte load (VEC) or
+// element-wise, zeros past D. Read once: evict-first.
+template <typename X, bool VEC>
+KF_DEVICE uint2 load_narrow(const X* row, int c, int D) {
+  if constexpr (VEC) {
+    return __ldcs(reinterpret_cast<const uint2*>(row + c * 4));
+  } else {
+    u32 w[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (c * 4 + i < D) w[i >> 1] |= bits_of(row[c * 4 + i]) << (16 * (i & 1));
+    return make_uint2(w[0], w[1]);
+  }
+}
+
 // Four fp32 results stored as 16-bit Y: one 8-byte store (VEC) or element-wise.
 template <typename Y, bool VEC>
 KF_DEVICE void store_narrow(Y* row, int c, int D, const float (&o)[4]) {
@@ -133,9 +148,11 @@ constexpr int fwd_min_blocks(int K, bool vec, bool res = false) {
 // only the rounded s waits out the reduction in registers).
 // Y: y's type. A 16-bit Y with fp32 T (an fp32 residual stream under autocast, whose norm output
 // only a cast to the matmuls' dtype reads) stores y rounded once from the fp32 result, as eager's cast.
-template <typename T, int K, bool VEC, bool RES = false, typename Y = T>
+// X: x's type, 16-bit with fp32 T only under RES (autocast's bf16 branch added to the fp32 stream):
+// s = float(x) + residual, eager's upcast and fp32 add; x's four elements per chunk wait packed.
+template <typename T, int K, bool VEC, bool RES = false, typename Y = T, typename X = T>
 __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
-    rmsnorm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight, Y* __restrict__ y,
+    rmsnorm_forward_kernel(const X* __restrict__ x, const T* __restrict__ weight, Y* __restrict__ y,
                            float* __restrict__ rstd, long long rows, int D, float inv_d, float eps,
                            int zero, int cast_before_weight, const T* __restrict__ residual,
                            T* __restrict__ s) {
@@ -146,13 +163,20 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
   const int nchunk = (D + V - 1) / V;
   const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
   const bool live = row < rows;
-  const T* xr = x + row * D;
+  constexpr bool NX = sizeof(X) < sizeof(T);  // a 16-bit x added to an fp32 residual
+  static_assert(!NX || (RES && sizeof(T) == 4), "a narrower x only with an fp32 residual");
+  const X* xr = x + row * D;
 
   Chunk<T> xc[K], rc[RES ? K : 1];
+  uint2 xn[NX ? K : 1];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int c = threadIdx.x + k * blockDim.x;
-    xc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(xr, c, D) : Chunk<T>::words(0u);
+    if constexpr (NX)
+      xn[k] = live && c < nchunk ? load_narrow<X, VEC>(xr, c, D) : make_uint2(0u, 0u);
+    else
+      xc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(reinterpret_cast<const T*>(xr), c, D)
+                                 : Chunk<T>::words(0u);
     if constexpr (RES)
       rc[k] = live && c < nchunk ? load_chunk<T, VEC, true>(residual + row * D, c, D) : Chunk<T>::words(0u);
   }
@@ -162,8 +186,15 @@ __global__ void __launch_bounds__(256, fwd_min_blocks(K, VEC, RES))
     for (int k = 0; k < K; ++k) {
       const int c = threadIdx.x + k * blockDim.x;
       float f[V];
+      if constexpr (NX) {
+        Word<X>::unpack(xn[k].x, &f[0]);
+        Word<X>::unpack(xn[k].y, &f[2]);
 #pragma unroll
-      for (int i = 0; i < V; ++i) f[i] = xc[k].f(i) + rc[k].f(i);
+        for (int i = 0; i < V; ++i) f[i] += rc[k].f(i);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[i] = xc[k].f(i) + rc[k].f(i);
+      }
       xc[k] = E::from(f);  // zeros stay zeros past the row and the tensor
       if (live && c < nchunk) store_chunk<T, VEC>(sr, c, D, xc[k]);
     }

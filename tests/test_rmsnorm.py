@@ -1038,10 +1038,14 @@ def smallest_case_per_kernel() -> dict:
         for opname in ("rmsnorm_forward", "add_rmsnorm_forward"):
             p = kforge._C.plan(opname, shape, dt, aligned=aligned, cast_before_weight=cbw)
             keep(p["kernel"].replace("{T}", tname), (opname, rows, D, dt, aligned, cbw, False, 0))
-        if dt == "float32":  # a 16-bit y (autocast's fp32 stream); the case's `res` slot names y's type
+        if dt == "float32":  # autocast's fp32 stream: the case's `res` slot names the 16-bit types
             for y in ("bfloat16", "float16"):
                 p = kforge._C.plan("rmsnorm_forward", shape, dt, aligned=aligned, cast_before_weight=cbw, y_dtype=y)
                 keep(p["kernel"], ("rmsnorm_forward", rows, D, dt, aligned, cbw, y, 0))
+                for y_dtype in (None, y):  # a 16-bit x added to the fp32 residual; y fp32 or x's type
+                    p = kforge._C.plan("add_rmsnorm_forward", shape, dt, aligned=aligned, cast_before_weight=cbw,
+                                       x_dtype=y, y_dtype=y_dtype)
+                    keep(p["kernel"], ("add_rmsnorm_forward", rows, D, dt, aligned, cbw, (y, y_dtype), 0))
         for res, variant in itertools.product((False, True), range(3)):
             p = kforge._C.plan("rmsnorm_backward", shape, dt, aligned=aligned, cast_before_weight=cbw,
                                dresidual=res, variant=variant)
@@ -1081,11 +1085,20 @@ def test_every_instantiation_matches_float64(expr, case):
     dtype = _PLAN_DTYPES[dt][0]
 
     def laid_out(t):  # one element off 16 bytes: the element-wise paths
-        return t if aligned else torch.empty(t.numel() + 1, dtype=dtype, device="cuda")[1:].view(t.shape).copy_(t)
+        return t if aligned else torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")[1:].view(t.shape).copy_(t)
 
     x, dy = laid_out(randn(rows, D, dtype=dtype, seed=1)), laid_out(randn(rows, D, dtype=dtype, seed=2))
     w = randn(D, dtype=dtype, scale=0.5, seed=3) + 1
-    if isinstance(res, str):  # rmsnorm_forward's 16-bit y of fp32 x: that type of the fp32 kernel's y
+    if isinstance(res, tuple):  # a 16-bit x added to the fp32 residual: the fp32 kernel on the upcast x
+        x16, y_dtype = getattr(torch, res[0]), res[1] and getattr(torch, res[1])
+        x16 = laid_out(randn(rows, D, seed=1).to(x16))  # one element off 8 bytes when not aligned
+        r = laid_out(randn(rows, D, seed=4))
+        y, rstd, s = kforge._C.add_rmsnorm_forward(x16, r, w, 1e-5, 1, cbw, y_dtype=y_dtype)
+        # the same plan (rows, chunks, vector access): the same reduction order, so the same bits
+        y32, rstd32, s32 = kforge._C.add_rmsnorm_forward(laid_out(x16.float()), r, w, 1e-5, 1, cbw)
+        assert torch.equal(s, s32) and torch.equal(rstd, rstd32), expr
+        assert torch.equal(y, y32 if y_dtype is None else y32.to(y_dtype)), expr
+    elif isinstance(res, str):  # rmsnorm_forward's 16-bit y of fp32 x: that type of the fp32 kernel's y
         y_dtype = getattr(torch, res)
         y, rstd = kforge._C.rmsnorm_forward(x, w, 1e-5, 1, cbw, y_dtype=y_dtype)
         y32, rstd32 = kforge._C.rmsnorm_forward(x, w, 1e-5, 1, cbw)
@@ -1151,3 +1164,30 @@ def test_autocast_norms_store_bf16_themselves():
             assert not outs & {p.name for p in b.flat_proxy_args}, str(b)
     names = [b.sym.name for b in ft.backward.bound_symbols]
     assert names.count("kforge_add_rmsnorm_backward") == 2 and names.count("kforge_rmsnorm_backward") == 1
+
+
+@gpu
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(8192, 768), (3, 5, 4100), (17, 6), (1000, 64)], ids=lambda s: "x".join(map(str, s)))
+def test_add_of_a_16_bit_x_to_an_fp32_residual(shape, x_dtype):
+    """add_rmsnorm_forward(bf16 / fp16 x, fp32 residual): s is eager's `residual + x.float()` bit for
+    bit, y (fp32, or x's type) and rstd within fp32 / 16-bit rounding of float64; the gradients of
+    the norm on s are those of the fp32 path."""
+    x = randn(*shape, dtype=x_dtype, seed=7)
+    r = randn(*shape, seed=8)
+    w = 1 + 0.1 * randn(shape[-1], seed=9)
+    for y_dtype in (None, x_dtype):
+        y, rstd, s = kforge._C.add_rmsnorm_forward(x, r, w, 1e-5, 1, False, y_dtype=y_dtype)
+        assert s.dtype == torch.float32 and torch.equal(s, r + x.float())
+        assert y.dtype == (y_dtype or torch.float32) and rstd.dtype == torch.float32
+        ref = F.rms_norm((r.double() + x.double()), (shape[-1],), w.double(), 1e-5)
+        assert_close(y, ref.to(y.dtype), y.dtype, f"y ({y_dtype})")
+    with pytest.raises(kforge.KforgeError, match="add_rmsnorm_forward.*y_dtype"):
+        kforge._C.add_rmsnorm_forward(x, r, w, 1e-5, 1, False,
+                                      y_dtype=torch.float16 if x_dtype == torch.bfloat16 else torch.bfloat16)
+    with pytest.raises(kforge.KforgeError, match="add_rmsnorm_forward.*y_dtype"):
+        kforge._C.add_rmsnorm_forward(x.float(), r, w, 1e-5, 1, False, y_dtype=x_dtype)
+    with pytest.raises(kforge.KforgeError, match="residual has dtype"):
+        kforge._C.add_rmsnorm_forward(x, r.to(x_dtype).half() if x_dtype == torch.bfloat16 else r.bfloat16(), w, 1e-5)
+    with pytest.raises(kforge.KforgeError, match="weight has dtype"):
+        kforge._C.add_rmsnorm_forward(x, r, w.to(x_dtype), 1e-5)

@@ -95,17 +95,20 @@ py::dict rmsnorm_fwd(const Query& q, bool res) {
   const int64_t D = rms_row(q), V = 16 / q.elem_size;
   const RmsnormPlan p = plan_rmsnorm_forward(prod(q.shape) / D, static_cast<int>((D + V - 1) / V),
                                              q.aligned && D % V == 0, res);
-  // y_dtype: a 16-bit y of fp32 x (rmsnorm_forward's y_dtype); x's own type changes nothing.
-  std::string narrow;
-  if (q.options.contains("y_dtype") && !q.options["y_dtype"].is_none()) {
-    const std::string y = py::str(q.options["y_dtype"]);
-    if (elem_size_of(y) != q.elem_size) {
-      require(q.f32 && !res, res ? "add_rmsnorm_forward" : "rmsnorm_forward",
-              "only float32 x may store a bfloat16 / float16 y (no residual)");
-      narrow = y.find("bfloat16") != std::string::npos ? "bf16" : "half";
-    }
-  }
-  py::dict d = base(p, rmsnorm_kernel_name(p, true, narrow));
+  // dtype is the stream's (s, residual) type. y_dtype: a 16-bit y of fp32 dtype; x_dtype
+  // (add_rmsnorm_forward): a 16-bit x added to the fp32 residual, y then float32 or x's type.
+  const auto opt16 = [&](const char* name) -> std::string {
+    if (!q.options.contains(name) || q.options[name].is_none()) return "";
+    const std::string t = py::str(q.options[name]);
+    if (elem_size_of(t) == q.elem_size) return "";
+    return t.find("bfloat16") != std::string::npos ? "bf16" : "half";
+  };
+  const char* op = res ? "add_rmsnorm_forward" : "rmsnorm_forward";
+  const std::string narrow = opt16("y_dtype"), narrow_x = res ? opt16("x_dtype") : "";
+  require(narrow.empty() || (q.f32 && (!res || narrow == narrow_x)), op,
+          "only float32 x may store a bfloat16 / float16 y (with a residual: float32 residual, y of x's type)");
+  require(narrow_x.empty() || q.f32, op, "a 16-bit x takes a float32 residual");
+  py::dict d = base(p, rmsnorm_kernel_name(p, true, narrow, narrow_x));
   d["vec"] = p.vec;
   return d;
 }
@@ -307,7 +310,8 @@ KFORGE_BIND_OP(plans) {
       "an element). sms / smem_optin: the device's SM count and opt-in shared memory per block "
       "(defaults: H100 SXM). Options by op: layernorm max_warps, variant, weight, bias (backward: "
       "whether their gradients are wanted); rmsnorm normalized_ndim, cast_before_weight, "
-      "dresidual, variant, y_dtype (rmsnorm_forward of float32 x: a 16-bit y); gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "
+      "dresidual, variant, y_dtype (a 16-bit y of float32 dtype), x_dtype (add_rmsnorm_forward: a "
+      "16-bit x added to the float32 residual of dtype); gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "
       "(B, H, T, D)); split_qkv_forward / merge_heads_backward n_head, split_qkv_backward / "
       "merge_heads_forward head_strides (their head-major input's (batch, head, token) strides; "
       "default contiguous). colsum launches twice: grid / block, then final_kernel on final_grid / "

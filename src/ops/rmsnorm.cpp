@@ -36,6 +36,21 @@ Kernel fwd_kernels[2][2][4] = {{KF_FWD4(false, ""), KF_FWD4(true, "")},
 Kernel fwd_narrow_kernels[2][2][4] = {{KF_NARROW4(bf16, false), KF_NARROW4(bf16, true)},
                                       {KF_NARROW4(half, false), KF_NARROW4(half, true)}};
 #undef KF_NARROW4
+// 16-bit x added to an fp32 residual (autocast's branch into the fp32 stream), y fp32 or x's type:
+// [x bf16 / fp16][y float / x's][VEC][K].
+#define KF_MIXED4(X, Y, VEC)                                                                \
+  {                                                                                         \
+    {prog, "rmsnorm_forward_kernel<float, 1, " #VEC ", true, " #Y ", " #X ">"},             \
+        {prog, "rmsnorm_forward_kernel<float, 2, " #VEC ", true, " #Y ", " #X ">"},         \
+        {prog, "rmsnorm_forward_kernel<float, 4, " #VEC ", true, " #Y ", " #X ">"},         \
+        {prog, "rmsnorm_forward_kernel<float, 8, " #VEC ", true, " #Y ", " #X ">"}          \
+  }
+Kernel fwd_mixed_kernels[2][2][2][4] = {
+    {{KF_MIXED4(bf16, float, false), KF_MIXED4(bf16, float, true)},
+     {KF_MIXED4(bf16, bf16, false), KF_MIXED4(bf16, bf16, true)}},
+    {{KF_MIXED4(half, float, false), KF_MIXED4(half, float, true)},
+     {KF_MIXED4(half, half, false), KF_MIXED4(half, half, true)}}};
+#undef KF_MIXED4
 
 // Backward kernels: K chunks per thread and row, R rows per group at a time, VEC, CBW
 // (cast_before_weight, 16-bit types only: fp32 is the same either way), blocks of at most
@@ -132,12 +147,15 @@ Kernel dweight_kernels[2] = {{prog, "rmsnorm_dweight_kernel<{T}, false>"},
 TestingOverride bwd_override("rmsnorm_backward", rms_plan::kNumVariants, /*has_max_warps=*/false);
 
 // The plan's kernels in the tables above (fail: a plan without its instantiation).
-// narrow: -1 for y of x's type, else 0 (bf16) / 1 (fp16) y of fp32 x.
-Kernel& forward_kernel(const RmsnormPlan& p, int narrow = -1) {
+// narrow: -1 for y of the residual stream's type T, else 0 (bf16) / 1 (fp16) y of fp32 T.
+// narrow_x: -1 for x of type T, else 0 (bf16) / 1 (fp16) x added to an fp32 residual.
+Kernel& forward_kernel(const RmsnormPlan& p, int narrow = -1, int narrow_x = -1) {
   for (int i = 0; i < 4; ++i)
-    if (kFwdK[i] == p.K)
+    if (kFwdK[i] == p.K) {
+      if (narrow_x >= 0) return fwd_mixed_kernels[narrow_x][narrow >= 0 ? 1 : 0][p.vec ? 1 : 0][i];
       return narrow >= 0 ? fwd_narrow_kernels[narrow][p.vec ? 1 : 0][i]
                          : fwd_kernels[p.res ? 1 : 0][p.vec ? 1 : 0][i];
+    }
   fail("rmsnorm_forward", "no kernel for K = ", p.K);
 }
 
@@ -199,35 +217,47 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> forward(
     const std::optional<at::Tensor>& weight_, double eps, int64_t normalized_ndim,
     bool cast_before_weight, std::optional<at::ScalarType> y_dtype = std::nullopt) {
   const at::Tensor x = input(x_, op, "x");
+  const auto is16 = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; };
+  // A 16-bit x added to an fp32 residual (autocast's branch into the fp32 stream): the residual's
+  // type is the kernel's T (s, weight, a wide y), and x is upcast before the add, as eager's add.
+  const bool mixed = residual_ && residual_->defined() && residual_->scalar_type() == at::kFloat &&
+                     is16(x.scalar_type());
+  const at::Tensor t = mixed ? input(*residual_, op, "residual") : x;  // T's tensor
+  if (mixed) {
+    KF_CHECK(t.device() == x.device(), op, "residual must be a CUDA tensor on ", x.device());
+    KF_CHECK(t.sizes() == x.sizes(), op, "residual and x sizes differ: ", t.sizes(), " vs ", x.sizes());
+  }
   const int64_t D = row_length(x, normalized_ndim, op);
-  const auto weight = weight_input(weight_, x, D, op);
-  const auto residual = same_as_x(residual_, x, op, "residual");
+  const auto weight = weight_input(weight_, t, D, op);
+  const auto residual = mixed ? std::optional<at::Tensor>(t) : same_as_x(residual_, x, op, "residual");
   int narrow = -1;
-  if (y_dtype && *y_dtype != x.scalar_type()) {
-    KF_CHECK(x.scalar_type() == at::kFloat && (*y_dtype == at::kBFloat16 || *y_dtype == at::kHalf) &&
-                 !residual,
+  const int narrow_x = mixed ? (x.scalar_type() == at::kBFloat16 ? 0 : 1) : -1;
+  if (y_dtype && *y_dtype != t.scalar_type()) {
+    KF_CHECK(t.scalar_type() == at::kFloat && is16(*y_dtype) && (!residual || *y_dtype == x.scalar_type()),
              op, "y_dtype ", to_str(*y_dtype), " for x of ", to_str(x.scalar_type()),
-             ": only float32 x may store a bfloat16 / float16 y (no residual)");
+             ": only float32 x may store a bfloat16 / float16 y (with a residual: float32 residual, y of x's type)");
     narrow = *y_dtype == at::kBFloat16 ? 0 : 1;
   }
   LaunchOn on(x);
   const int64_t rows = x.numel() / D;
-  at::Tensor y = narrow < 0 ? new_output_like(x) : new_output(x.sizes(), x.options().dtype(*y_dtype));
-  at::Tensor rstd = new_output({rows}, x.options().dtype(at::kFloat));
+  at::Tensor y = narrow < 0 ? new_output_like(t) : new_output(t.sizes(), t.options().dtype(*y_dtype));
+  at::Tensor rstd = new_output({rows}, t.options().dtype(at::kFloat));
   std::optional<at::Tensor> s;
-  if (residual) s = new_output_like(x);
+  if (residual) s = new_output_like(t);
   if (rows == 0) return {y, rstd, s};
-  const int64_t V = 16 / x.element_size();
-  // A narrow y's chunk is 8 bytes: 8-byte aligned rows (D % 4 == 0) and base.
-  const bool y_ok = narrow < 0 ? aligned16(y) : (reinterpret_cast<uintptr_t>(y.data_ptr()) & 7) == 0;
-  const bool vec = D % V == 0 && aligned16(x) && y_ok && (!weight || aligned16(*weight)) &&
+  const int64_t V = 16 / t.element_size();
+  // A 16-bit y or x of fp32 T moves 8 bytes a chunk: 8-byte aligned rows (D % 4 == 0) and base.
+  const auto aligned8 = [](const at::Tensor& a) { return (reinterpret_cast<uintptr_t>(a.data_ptr()) & 7) == 0; };
+  const bool y_ok = narrow < 0 ? aligned16(y) : aligned8(y);
+  const bool x_ok = mixed ? aligned8(x) : aligned16(x);
+  const bool vec = D % V == 0 && x_ok && y_ok && (!weight || aligned16(*weight)) &&
                    (!residual || (aligned16(*residual) && aligned16(*s)));
   const RmsnormPlan p =
       plan_rmsnorm_forward(rows, static_cast<int>((D + V - 1) / V), vec, residual.has_value());
   KF_CHECK(p.error.empty(), op, p.error);
   const int zero = 0;  // see opaque() in the kernel
-  forward_kernel(p, narrow).launch(
-      dtype_of(x, op), on.device, on.stream, static_cast<unsigned>(p.grid),
+  forward_kernel(p, narrow, narrow_x).launch(
+      dtype_of(t, op), on.device, on.stream, static_cast<unsigned>(p.grid),
       Dim3(static_cast<unsigned>(p.block_x), static_cast<unsigned>(p.block_y)), 0, x.data_ptr(),
       ptr(weight), y.data_ptr(), rstd.data_ptr(), static_cast<long long>(rows), static_cast<int>(D),
       1.0f / static_cast<float>(D), static_cast<float>(eps), zero, int(cast_before_weight),
@@ -247,10 +277,12 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_forward(const at::Tensor& x,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rmsnorm_forward(
     const at::Tensor& x, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
-    double eps, int64_t normalized_ndim, bool cast_before_weight) {
+    double eps, int64_t normalized_ndim, bool cast_before_weight,
+    std::optional<at::ScalarType> y_dtype) {
   const char* op = "add_rmsnorm_forward";
   KF_CHECK(residual.defined(), op, "residual is undefined");
-  auto [y, rstd, s] = forward(op, x, residual, weight, eps, normalized_ndim, cast_before_weight);
+  auto [y, rstd, s] =
+      forward(op, x, residual, weight, eps, normalized_ndim, cast_before_weight, y_dtype);
   return {y, rstd, *s};
 }
 
@@ -326,9 +358,12 @@ KFORGE_BIND_OP(rmsnorm) {
   m.def("add_rmsnorm_forward", &add_rmsnorm_forward,
         "Residual add fused into rmsnorm_forward: s = x + residual (fp32 add, rounded once to x's "
         "dtype, as eager's add), then RMSNorm of s; returns (y, rstd, s). residual has x's shape, "
-        "dtype and device.",
+        "dtype and device, or is float32 with a bfloat16 / float16 x (autocast's branch added to an "
+        "fp32 stream: s = float(x) + residual, weight float32); y_dtype (None: s's type, or x's "
+        "16-bit type with a float32 residual) as rmsnorm_forward's.",
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"),
-        pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true);
+        pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true,
+        pybind11::arg("y_dtype") = pybind11::none());
   m.def("rmsnorm_backward", &rmsnorm_backward,
         "Backward of rmsnorm_forward from the saved rstd: returns (dx, dweight), dweight None when "
         "weight is None; dweight is reduced in a fixed order (deterministic, the same bits every "

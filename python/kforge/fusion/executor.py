@@ -30,7 +30,7 @@ from . import codegen, ir as fir
 from .dedupe import dedupe_views
 from .input_casts import gather_input_casts
 from .matmul_acc import accumulate_matmuls, widen_matmuls
-from .norm_epilogues import fold_residual_grads, narrow_norm_outputs
+from .norm_epilogues import fold_branch_adds, fold_residual_grads, narrow_norm_outputs
 from .partition import Group, partition
 
 __all__ = ["KforgeFusionExecutor", "FusedRegion", "FusionInfo", "regions", "lower_fusion", "describe"]
@@ -271,7 +271,9 @@ class KforgeFusionExecutor(FusionExecutor):
         bsyms, self.norm_folded = fold_residual_grads(bsyms)
         # ... and fp32 norms whose output only a cast to 16 bits reads store that type themselves.
         bsyms, narrowed = narrow_norm_outputs(bsyms)
-        self.norm_folded += narrowed
+        # ... and the fp32 stream's add of an upcast 16-bit branch goes into the norm after it.
+        bsyms, branched = fold_branch_adds(bsyms)
+        self.norm_folded += narrowed + branched
         # Autocast's weight casts that the forward returns: made together, in one launch.
         bsyms, self.gathered = gather_input_casts(bsyms, _trace_inputs(trace), _returned(trace))
         order, groups, reasons = partition(bsyms, self._fusible, self._legal)

@@ -13,12 +13,17 @@ narrow_norm_outputs: the norm of the fp32 stream is read only by a conversion to
     type. `convert(kforge_rmsnorm_forward(x, ...)[0], bf16)` becomes `kforge_rmsnorm_forward(x, ...,
     y_dtype=bf16)`: the kernel stores y as bf16, rounded once from its fp32 result as the conversion
     did, so neither the fp32 y nor a conversion kernel's pass over it is left.
+fold_branch_adds: the norm's input is the fp32 stream plus a 16-bit branch (the attention's or the
+    MLP's output projection) upcast, `add(h, convert(b16, float32))`. The add and the conversion
+    become part of the norm: `kforge_add_rmsnorm_forward(b16, h, ...)` reads the branch as bf16, adds
+    it in fp32 (eager's upcast and add, bit for bit) and writes s (the stream) itself, so s is not
+    written and read back between two kernels.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["fold_residual_grads", "narrow_norm_outputs"]
+__all__ = ["fold_branch_adds", "fold_residual_grads", "narrow_norm_outputs"]
 
 
 def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
@@ -97,3 +102,57 @@ def narrow_norm_outputs(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
     if not replace:
         return list(bsyms), 0
     return [replace.get(i, b) for i, b in enumerate(tr.bsyms) if i not in drop], len(drop)
+
+
+def fold_branch_adds(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
+    """`bsyms` with each fp32 RMSNorm of `stream + upcast 16-bit branch` made one
+    `kforge_add_rmsnorm_forward` at the add's place (see the module docstring); returns (new bound
+    symbols, number of adds and conversions removed). Run after `narrow_norm_outputs`: a norm storing
+    16-bit y keeps it when that is the branch's type (the kernels' pairing)."""
+    from thunder.core import dtypes
+
+    from ..ops.rmsnorm import add_rmsnorm_forward, rmsnorm_forward
+    from .matmul_acc import _is_add, _Trace, _side, is_conversion
+
+    tr = _Trace(bsyms)
+    replace: dict[int, Any] = {}
+    drop: set[int] = set()
+    for j, norm in enumerate(tr.bsyms):
+        if norm.sym.id != rmsnorm_forward.id:
+            continue
+        s = norm.args[0]
+        i = tr.producer.get(s.name)
+        # Hugging Face's `hidden_states.to(torch.float32)` of the fp32 stream: a shallow_copy between
+        # the add and the norm, which stays (reading s from the new call)
+        if i is not None and tr.bsyms[i].sym.name == "shallow_copy" and len(tr.bsyms[i].flat_proxy_args) == 1:
+            s = tr.bsyms[i].flat_proxy_args[0]
+            i = tr.producer.get(s.name)
+        if i is None or i in replace or i in drop or not _is_add(tr.bsyms[i]) or s.dtype != dtypes.float32:
+            continue
+        add = tr.bsyms[i]
+        if _side(add) != _side(norm) or s.device.type not in devices:
+            continue
+        y_dtype = norm.args[5] if len(norm.args) > 5 else None
+        for which in (0, 1):
+            up, h = add.args[which], add.args[1 - which]
+            k = tr.producer.get(up.name)
+            if k is None or k in drop or not tr.only_reader(up.name, i) or not is_conversion(tr.bsyms[k]):
+                continue
+            src = tr.bsyms[k].flat_proxy_args
+            if len(src) != 1 or src[0].dtype not in (dtypes.bfloat16, dtypes.float16):
+                continue
+            b16 = src[0]
+            if tuple(b16.shape) != tuple(s.shape) or (y_dtype is not None and dtypes.to_dtype(y_dtype) != b16.dtype):
+                continue
+            # the norm's other arguments (its weight) must exist where the add was
+            if any((tr.producer.get(p.name, -1) >= i) for p in norm.flat_proxy_args[1:]):
+                continue
+            y, rstd = norm.output
+            nb = add_rmsnorm_forward.bind(b16, h, *norm.args[1:5], y_dtype, output=(y, rstd, s))
+            nb.tags.update(norm.tags)
+            replace[i] = nb
+            drop.update((j, k))
+            break
+    if not replace:
+        return list(bsyms), 0
+    return [replace.get(i, b) for i, b in enumerate(tr.bsyms) if i not in drop], 2 * len(replace)

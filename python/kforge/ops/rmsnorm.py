@@ -21,9 +21,11 @@ Thunder symbols:
         take); the operators always take the launcher's own choice (kforge._C.plan).
     kforge_add_rms_norm(x, residual, weight, eps=1e-6, *, cast_before_weight=True) -> (s, y)
         registered with `replaces=add_rms_norm`; decomposes into thunder.torch ops when declined.
-    kforge_add_rmsnorm_forward(x, residual, weight, eps, normalized_ndim, cast_before_weight)
+    kforge_add_rmsnorm_forward(x, residual, weight, eps, normalized_ndim, cast_before_weight[, y_dtype])
         -> (y, rstd, s): kforge._C.add_rmsnorm_forward, the add fused into the forward kernel (s is
-        eager's `x + residual`, bit for bit, and is what gets normalised).
+        eager's `x + residual`, bit for bit, and is what gets normalised). A bf16 / fp16 x with a
+        float32 residual (only kforge.fusion's norm_epilogues passes it: autocast's branch added to
+        the fp32 stream) is upcast first, as eager's add; y_dtype as rmsnorm_forward's.
     kforge_add_rmsnorm_backward(dy, ds, s, weight, rstd, normalized_ndim, cast_before_weight)
         -> (dx, dweight): kforge._C.rmsnorm_backward(..., dresidual=ds): dx = the norm's input
         gradient + ds, rounded once; it is the gradient of both x and residual. ds may be None.
@@ -117,9 +119,10 @@ def _backward_meta(dy, x, weight, rstd, normalized_ndim, cast_before_weight):
     return TensorProxy(like=x), None if weight is None else TensorProxy(like=weight)
 
 
-def _add_forward_meta(x, residual, weight, eps, normalized_ndim, cast_before_weight):
-    y, rstd = _forward_meta(x, weight, eps, normalized_ndim, cast_before_weight)
-    return y, rstd, TensorProxy(like=x)
+def _add_forward_meta(x, residual, weight, eps, normalized_ndim, cast_before_weight, y_dtype=None):
+    # s (and y unless y_dtype) have the residual's type: x's, or float32 with a 16-bit x
+    y, rstd = _forward_meta(residual, weight, eps, normalized_ndim, cast_before_weight, y_dtype)
+    return y, rstd, TensorProxy(like=residual)
 
 
 def _add_backward_meta(dy, ds, s, weight, rstd, normalized_ndim, cast_before_weight):
