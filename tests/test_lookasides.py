@@ -491,7 +491,9 @@ def test_module_call_shortcut_keeps_torch_compiled_modules(restore_lookaside):
     out = kforge.jit(net)(x)
     assert seen, "the compiled call was skipped"
     block._compiled_call_impl = None
-    torch.testing.assert_close(out, net(x), rtol=0, atol=0)
+    # fp32 tolerance, not bits: Thunder's decomposed layer_norm rounds differently from eager's fused
+    # CPU kernel on some machines (an ulp on an AMD EPYC development host)
+    torch.testing.assert_close(out, net(x))
 
 
 def test_hugging_face_traces_identical_without_the_speed_ups(restore_lookaside, monkeypatch):
