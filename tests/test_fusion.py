@@ -410,7 +410,8 @@ def test_users_models_fuse(model: str, autocast: bool) -> None:
     ft = fake_cuda_trace(make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=autocast)
     for trace in (ft.forward, ft.backward):
         fusions = _fusions(trace)
-        assert fusions, "no fusion in the trace"
+        # the plain Llama's autocast forward has none left: its casts and adds are in kforge's norms
+        assert fusions or (trace is ft.forward and model == "plain_llama" and autocast), "no fusion in the trace"
         for b in fusions:
             names = {s.sym.name for s in b.subsymbols}
             assert not names & {"linear", "matmul"}, names

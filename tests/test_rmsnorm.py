@@ -820,12 +820,12 @@ def test_add_cpu_fallback_without_grad():
                 torch.testing.assert_close(a, b)
 
 
-def _torch_add_forward(x, residual, weight, eps, nd, cast_before_weight):
+def _torch_add_forward(x, residual, weight, eps, nd, cast_before_weight, y_dtype=None):
     """add_rmsnorm_forward's results in torch (CPU stand-in for the kernel): (y, rstd, s)."""
     s = x + residual
     rstd = torch.rsqrt(s.double().pow(2).mean(-1) + eps).float()
     _, y = op.add_rms_norm(x, residual, weight, eps, cast_before_weight=cast_before_weight)
-    return y, rstd.reshape(-1), s
+    return (y if y_dtype is None else y.to(y_dtype)), rstd.reshape(-1), s
 
 
 def _torch_add_backward(seen):
@@ -1150,14 +1150,23 @@ def test_forward_narrow_y_misaligned_input_and_bad_requests():
 
 def test_autocast_norms_store_bf16_themselves():
     """The fake-traced plain Llama under autocast (kforge.jit): every RMSNorm of the fp32 residual
-    stream stores bf16 itself (no region converts a norm's output), and every norm backward but the last
-    one's adds the residual's gradient (kforge.fusion.norm_epilogues)."""
+    stream stores bf16 itself (no region converts a norm's output) and, but the first, adds the bf16
+    branch to the stream itself; every norm backward but the last one's adds the residual's gradient
+    (kforge.fusion.norm_epilogues)."""
     from kforge.zoo import plain_llama
 
     ft = conftest.fake_cuda_trace(plain_llama.make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=True)
-    norms = [b for b in ft.forward.bound_symbols if b.sym.name == "kforge_rmsnorm_forward"]
-    assert len(norms) == 3 and all(b.args[5] == torch.bfloat16 and b.output[0].dtype == thunder.dtypes.bfloat16
-                                   for b in norms), [str(b) for b in norms]
+    names = [b.sym.name for b in ft.forward.bound_symbols]
+    norms = [b for b in ft.forward.bound_symbols if b.sym.name in ("kforge_rmsnorm_forward", "kforge_add_rmsnorm_forward")]
+    y_dtype = {"kforge_rmsnorm_forward": 5, "kforge_add_rmsnorm_forward": 6}
+    assert len(norms) == 3 and all(b.args[y_dtype[b.sym.name]] == torch.bfloat16
+                                   and b.output[0].dtype == thunder.dtypes.bfloat16 for b in norms), [str(b) for b in norms]
+    # the stream's add of each bf16 branch is in the norm after it (every norm but the first layer's)
+    assert names.count("kforge_add_rmsnorm_forward") == 2, names
+    for b in norms:
+        if b.sym.name == "kforge_add_rmsnorm_forward":
+            x, residual = b.args[:2]
+            assert x.dtype == thunder.dtypes.bfloat16 and residual.dtype == b.output[2].dtype == thunder.dtypes.float32
     outs = {b.output[0].name for b in norms}
     for b in ft.forward.bound_symbols:
         if b.sym.name.startswith("kforgeFusion"):

@@ -14,43 +14,29 @@ Program prog("rmsnorm");
 using rms_plan::kFwdK, rms_plan::kBwdThreads, rms_plan::kMaxChunks;
 
 // Forward kernels by RES (the residual add fused), VEC (16-byte accesses; otherwise element-wise, for
-// odd sizes and misaligned pointers) and K, the 16-byte chunks of x each thread keeps in registers.
-#define KF_FWD4(VEC, RES)                                              \
-  {                                                                    \
-    {prog, "rmsnorm_forward_kernel<{T}, 1, " #VEC RES ">"},            \
-        {prog, "rmsnorm_forward_kernel<{T}, 2, " #VEC RES ">"},        \
-        {prog, "rmsnorm_forward_kernel<{T}, 4, " #VEC RES ">"},        \
-        {prog, "rmsnorm_forward_kernel<{T}, 8, " #VEC RES ">"}         \
+// odd sizes and misaligned pointers) and K, the 16-byte chunks of x each thread keeps in registers:
+// rmsnorm_forward_kernel<T, K, VEC, RES, Y, X>, the four K of one T and (VEC, RES, Y, X).
+#define KF_FWD4(T, VEC, REST)                                                  \
+  {                                                                            \
+    {prog, "rmsnorm_forward_kernel<" T ", 1, " #VEC REST ">"},                 \
+        {prog, "rmsnorm_forward_kernel<" T ", 2, " #VEC REST ">"},             \
+        {prog, "rmsnorm_forward_kernel<" T ", 4, " #VEC REST ">"},             \
+        {prog, "rmsnorm_forward_kernel<" T ", 8, " #VEC REST ">"}              \
   }
-Kernel fwd_kernels[2][2][4] = {{KF_FWD4(false, ""), KF_FWD4(true, "")},
-                               {KF_FWD4(false, ", true"), KF_FWD4(true, ", true")}};
-#undef KF_FWD4
+Kernel fwd_kernels[2][2][4] = {{KF_FWD4("{T}", false, ""), KF_FWD4("{T}", true, "")},
+                               {KF_FWD4("{T}", false, ", true"), KF_FWD4("{T}", true, ", true")}};
 // fp32 x, 16-bit y (autocast's fp32 residual stream; kernels_src/rmsnorm.cu): [bf16 / fp16][VEC][K].
-#define KF_NARROW4(Y, VEC)                                                             \
-  {                                                                                    \
-    {prog, "rmsnorm_forward_kernel<float, 1, " #VEC ", false, " #Y ">"},               \
-        {prog, "rmsnorm_forward_kernel<float, 2, " #VEC ", false, " #Y ">"},           \
-        {prog, "rmsnorm_forward_kernel<float, 4, " #VEC ", false, " #Y ">"},           \
-        {prog, "rmsnorm_forward_kernel<float, 8, " #VEC ", false, " #Y ">"}            \
-  }
-Kernel fwd_narrow_kernels[2][2][4] = {{KF_NARROW4(bf16, false), KF_NARROW4(bf16, true)},
-                                      {KF_NARROW4(half, false), KF_NARROW4(half, true)}};
-#undef KF_NARROW4
+Kernel fwd_narrow_kernels[2][2][4] = {
+    {KF_FWD4("float", false, ", false, bf16"), KF_FWD4("float", true, ", false, bf16")},
+    {KF_FWD4("float", false, ", false, half"), KF_FWD4("float", true, ", false, half")}};
 // 16-bit x added to an fp32 residual (autocast's branch into the fp32 stream), y fp32 or x's type:
 // [x bf16 / fp16][y float / x's][VEC][K].
-#define KF_MIXED4(X, Y, VEC)                                                                \
-  {                                                                                         \
-    {prog, "rmsnorm_forward_kernel<float, 1, " #VEC ", true, " #Y ", " #X ">"},             \
-        {prog, "rmsnorm_forward_kernel<float, 2, " #VEC ", true, " #Y ", " #X ">"},         \
-        {prog, "rmsnorm_forward_kernel<float, 4, " #VEC ", true, " #Y ", " #X ">"},         \
-        {prog, "rmsnorm_forward_kernel<float, 8, " #VEC ", true, " #Y ", " #X ">"}          \
-  }
 Kernel fwd_mixed_kernels[2][2][2][4] = {
-    {{KF_MIXED4(bf16, float, false), KF_MIXED4(bf16, float, true)},
-     {KF_MIXED4(bf16, bf16, false), KF_MIXED4(bf16, bf16, true)}},
-    {{KF_MIXED4(half, float, false), KF_MIXED4(half, float, true)},
-     {KF_MIXED4(half, half, false), KF_MIXED4(half, half, true)}}};
-#undef KF_MIXED4
+    {{KF_FWD4("float", false, ", true, float, bf16"), KF_FWD4("float", true, ", true, float, bf16")},
+     {KF_FWD4("float", false, ", true, bf16, bf16"), KF_FWD4("float", true, ", true, bf16, bf16")}},
+    {{KF_FWD4("float", false, ", true, float, half"), KF_FWD4("float", true, ", true, float, half")},
+     {KF_FWD4("float", false, ", true, half, half"), KF_FWD4("float", true, ", true, half, half")}}};
+#undef KF_FWD4
 
 // Backward kernels: K chunks per thread and row, R rows per group at a time, VEC, CBW
 // (cast_before_weight, 16-bit types only: fp32 is the same either way), blocks of at most

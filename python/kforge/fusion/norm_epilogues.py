@@ -2,7 +2,7 @@
 
 Under autocast (fp32 weights, 16-bit matmuls) a Llama keeps its residual stream in float32, so the
 pattern pass's `add_rms_norm` (one dtype on both sides of the add) does not apply, and the norms'
-neighbours are separate kernels. The fusion pass first hands two of them to the norm kernels:
+neighbours are separate kernels. The fusion pass first hands three of them to the norm kernels:
 
 fold_residual_grads: the backward of `h = x + f(norm(x))` adds the residual's gradient to the norm's
     input gradient. `add(dres, kforge_rmsnorm_backward(dy, x, ...)[0])`, where the norm's dx is read
@@ -47,7 +47,7 @@ def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
                 continue
             norm = tr.bsyms[j]
             outs = norm.output
-            if outs[0] is not dx and getattr(outs[0], "name", None) != dx.name:
+            if outs[0].name != dx.name:  # dweight, not dx
                 continue
             if not tr.only_reader(dx.name, i) or _side(norm) != _side(b):
                 continue
