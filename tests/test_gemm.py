@@ -556,3 +556,48 @@ def test_programs_with_gemm_calls_round_trip_the_trace_cache():
                 assert rebuilt.__globals__[name] is getattr(_C, name[len("kforge_"):]), name
                 seen.add(name)
     assert {"kforge_gemm_linear", "kforge_gemm_views"} <= seen, seen
+
+
+_RECORD_RUN = """
+import json, torch, kforge
+from kforge.ops import gemm
+from kforge import _C
+out = []
+for m, k, n in [(1024, 768, 2048), (2048, 2048, 768), (257, 136, 72)]:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    out.append(_C.gemm_mm(a, b).float().sum().item())
+print(json.dumps({"tuning": gemm.tuning(), "stats": gemm.stats()}))
+"""
+
+
+@gpu
+def test_tuning_choices_come_back_from_the_record(tmp_path):
+    """A second process with tuning on takes every timed shape's kernel from the first one's tuning
+    record (the same index, not timed), and a process without the record file times again."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KFORGE_GEMM_TUNE": "1", "KFORGE_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", _RECORD_RUN], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = run()
+    timed = {(t["m"], t["n"], t["k"]): t["chosen"] for t in first["tuning"] if t["times_us"]}
+    assert timed and not any(t["restored"] for t in first["tuning"]), first
+    records = list((tmp_path / "cache").glob("gemm-tuning-*.txt"))
+    assert len(records) == 1 and len(records[0].read_text().splitlines()) == len(timed)
+    second = run()
+    again = {(t["m"], t["n"], t["k"]): t for t in second["tuning"]}
+    for shape, chosen in timed.items():
+        assert again[shape]["restored"] and not again[shape]["times_us"], again[shape]
+        assert again[shape]["chosen"] == chosen, (shape, chosen, again[shape])
+    assert second["stats"]["tuned_restored"] == len(timed)
+    records[0].unlink()
+    third = run()
+    assert not any(t["restored"] for t in third["tuning"]) and third["stats"]["tuned_restored"] == 0

@@ -19,10 +19,19 @@
 #include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <cctype>
+#include <cstring>
+#include <fstream>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <unordered_map>
 
 #include "../runtime/cuda_api.h"
@@ -56,6 +65,7 @@ struct LtApi {
                            cublasLtMatrixLayout_t, const void*, cublasLtMatrixLayout_t, const void*,
                            const void*, cublasLtMatrixLayout_t, void*, cublasLtMatrixLayout_t,
                            const cublasLtMatmulAlgo_t*, void*, size_t, cudaStream_t);
+  size_t (*GetVersion)();  // optional (0 when absent): names the tuning record
 };
 
 // Null when no libcublasLt is loaded or loadable (then every call takes the ATen path).
@@ -87,6 +97,7 @@ const LtApi* lt() {
     get(a.MatmulPreferenceSetAttribute, "cublasLtMatmulPreferenceSetAttribute");
     get(a.MatmulAlgoGetHeuristic, "cublasLtMatmulAlgoGetHeuristic");
     get(a.Matmul, "cublasLtMatmul");
+    a.GetVersion = reinterpret_cast<size_t (*)()>(dlsym(lib, "cublasLtGetVersion"));
     return ok ? &a : nullptr;
   }();
   return api;
@@ -186,6 +197,7 @@ struct Plan {
   int chosen = 0;
   bool tuned = false;         // tuning chose (or there was one candidate, or timing failed)
   bool tuning = false;        // a thread is timing the candidates; calls meanwhile run the first
+  bool restored = false;      // the choice came from the tuning record (not timed in this process)
   std::vector<float> times_us;  // per candidate, from tuning (-1: not launchable; empty: not timed)
 };
 
@@ -331,6 +343,111 @@ TuneResult tune_candidates(const Key& key, const at::Tensor& a, const at::Tensor
   return r;
 }
 
+// ---- the tuning record: each tuned shape's kernel, kept on disk -----------------------------------
+// Tuning picks by timing, so two processes could pick different kernels for a shape (and round
+// differently). The first pick is kept in kforge's cache directory, one text file per GPU model and
+// cuBLASLt version, a line per shape: the key's fields, the chosen algo's bytes in hex, its workspace.
+// A later process with tuning on takes a shape's kernel from there when cuBLASLt's heuristic still
+// offers it (the candidates are compared byte for byte), without timing. Appends are one write(2) of
+// a whole line to a file opened O_APPEND, so processes tuning side by side interleave whole lines;
+// a line that does not parse is skipped. Nothing here is fatal: no record means timing as before.
+using AlgoBytes = std::array<uint64_t, sizeof(cublasLtMatmulAlgo_t) / sizeof(uint64_t)>;
+static_assert(sizeof(cublasLtMatmulAlgo_t) % sizeof(uint64_t) == 0);
+
+std::string key_text(const Key& k) {
+  std::ostringstream o;
+  o << k.m << ' ' << k.n << ' ' << k.k << ' ' << k.lda << ' ' << k.ldb << ' ' << k.ldd << ' ' << k.a_row
+    << ' ' << k.b_row << ' ' << k.bias << ' ' << k.accumulate << ' ' << int(k.ab_type) << ' '
+    << int(k.d_type) << ' ' << int(k.compute);
+  return o.str();
+}
+
+AlgoBytes algo_bytes(const cublasLtMatmulAlgo_t& a) {
+  AlgoBytes b;
+  std::memcpy(b.data(), &a, sizeof a);
+  return b;
+}
+
+struct TuneRecord {
+  std::string path;  // empty: no disk cache
+  bool loaded = false;
+  std::unordered_map<std::string, std::pair<AlgoBytes, size_t>> chosen;  // key_text -> algo, workspace
+};
+
+std::unordered_map<int, TuneRecord>& tune_records() {
+  static std::unordered_map<int, TuneRecord> records;
+  return records;
+}
+bool record_unread = false;  // set_tune(forget): choices are made afresh (and still appended)
+
+// The record file of `device` (plans_mutex held by the caller).
+TuneRecord& tune_record(int device) {
+  TuneRecord& r = tune_records()[device];
+  if (r.loaded) return r;
+  r.loaded = true;
+  const Config& cfg = config();
+  if (!cfg.disk_cache || cfg.cache_dir.empty()) return r;
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return r;
+  }
+  std::string name = prop.name;
+  for (char& c : name)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  const LtApi* L = lt();
+  const size_t version = L && L->GetVersion ? L->GetVersion() : 0;
+  r.path = cfg.cache_dir + "/gemm-tuning-" + name + "-sm" + std::to_string(prop.major * 10 + prop.minor) +
+           "-cublaslt" + std::to_string(version) + ".txt";
+  if (record_unread) return r;
+  std::ifstream in(r.path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t bar = line.find('|');
+    if (bar == std::string::npos) continue;
+    std::istringstream rest(line.substr(bar + 1));
+    AlgoBytes b{};
+    size_t ws = 0;
+    bool ok = true;
+    for (uint64_t& w : b) ok = ok && static_cast<bool>(rest >> std::hex >> w);
+    ok = ok && static_cast<bool>(rest >> std::dec >> ws);
+    if (ok) r.chosen[line.substr(0, bar)] = {b, ws};  // a later line for the same shape wins
+  }
+  return r;
+}
+
+// Appends `key`'s chosen kernel to the record (called without plans_mutex; `path` copied under it).
+void record_choice(const std::string& path, const std::string& key, const cublasLtMatmulAlgo_t& algo, size_t ws) {
+  if (path.empty()) return;
+  std::ostringstream o;
+  o << key << '|' << std::hex;
+  for (uint64_t w : algo_bytes(algo)) o << ' ' << w;
+  o << std::dec << ' ' << ws << '\n';
+  const std::string line = o.str();
+  ::mkdir(path.substr(0, path.rfind('/')).c_str(), 0755);  // usually there already (the kernel cache)
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) return;
+  (void)!::write(fd, line.data(), line.size());
+  ::close(fd);
+}
+
+// Takes `key`'s kernel from the tuning record when one of the plan's candidates is it (plans_mutex
+// held): the plan is then tuned, with no times of its own.
+bool restore_choice(const Key& key, Plan& plan) {
+  const TuneRecord& rec = tune_record(key.device);
+  const auto it = rec.chosen.find(key_text(key));
+  if (it == rec.chosen.end()) return false;
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    if (algo_bytes(plan.candidates[i].algo) != it->second.first) continue;
+    plan.chosen = static_cast<int>(i);
+    plan.algo = plan.candidates[i].algo;
+    plan.workspace = plan.candidates[i].workspaceSize;
+    plan.tuned = plan.restored = true;
+    return true;
+  }
+  return false;  // cuBLASLt no longer offers that kernel here: time the candidates again
+}
+
 // Whether `stream` is being captured into a CUDA graph, or its status cannot be read (the legacy
 // default stream while another stream captures): no tuning then.
 bool capturing(cudaStream_t stream) {
@@ -399,6 +516,8 @@ bool lt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, a
     if (may_tune && tuning && !plan->tuned && !plan->tuning) {
       if (plan->candidates.size() < 2) {
         plan->tuned = true;  // nothing to choose
+      } else if (restore_choice(key, *plan)) {
+        // an earlier process's pick, still among the heuristic's candidates
       } else if (!capturing(stream)) {
         plan->tuning = true;  // other calls of this shape run the heuristic's first meanwhile
         return 2;
@@ -423,6 +542,7 @@ bool lt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, a
   if (done == 0) return false;
   if (done == 2) {
     TuneResult r = tune_candidates(key, a, b, bias, d, handle, cstream);
+    std::string record_path;
     {
       std::lock_guard<std::mutex> lock(plans_mutex);
       auto it = plans().find(key);  // gone if set_tune(forget) ran meanwhile: made again below
@@ -432,12 +552,16 @@ bool lt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, a
           p.chosen = r.chosen;
           p.algo = r.pick->algo;
           p.workspace = r.pick->workspaceSize;
+          TuneRecord& rec = tune_record(key.device);
+          rec.chosen[key_text(key)] = {algo_bytes(p.algo), p.workspace};
+          record_path = rec.path;
         }
         p.times_us = std::move(r.times_us);
         p.tuned = true;
         p.tuning = false;
       }
     }
+    if (r.pick) record_choice(record_path, key_text(key), r.pick->algo, r.pick->workspaceSize);
     if (lookup_and_launch(false) == 0) return false;
   }
   fast_calls.fetch_add(1, std::memory_order_relaxed);
@@ -558,16 +682,18 @@ pybind11::dict stats() {
   std::lock_guard<std::mutex> lock(plans_mutex);
   int64_t ok = 0;
   for (const auto& [key, plan] : plans()) ok += plan.ok;
-  int64_t tuned = 0, changed = 0;
+  int64_t tuned = 0, changed = 0, restored = 0;
   for (const auto& [key, plan] : plans()) {
     tuned += plan.tuned;
     changed += plan.tuned && plan.chosen != 0;
+    restored += plan.restored;
   }
   d["plans"] = static_cast<int64_t>(plans().size());
   d["plans_without_kernel"] = static_cast<int64_t>(plans().size()) - ok;
   d["tune"] = tune_on.load();
   d["tuned"] = tuned;
   d["tuned_changed"] = changed;
+  d["tuned_restored"] = restored;
   return d;
 }
 
@@ -595,17 +721,23 @@ pybind11::list tuning() {
     d["device"] = static_cast<int>(key.device);
     d["times_us"] = plan.times_us;
     d["chosen"] = plan.chosen;
+    d["restored"] = plan.restored;
     out.append(d);
   }
   return out;
 }
 
 // Turns tuning on or off for the calls from now on (each setting keeps plans of its own); `forget`
-// drops every plan (tests: the next call of each shape makes, and with tuning on tunes, its plan afresh).
+// drops every plan and stops reading the tuning record (tests: the next call of each shape makes,
+// and with tuning on times, its plan afresh; its choice is still appended to the record).
 void set_tune(bool on, bool forget) {
   std::lock_guard<std::mutex> lock(plans_mutex);
   tune_on.store(on);
-  if (forget) plans().clear();  // descriptors leak, as for plans of a whole process
+  if (forget) {
+    plans().clear();  // descriptors leak, as for plans of a whole process
+    tune_records().clear();
+    record_unread = true;
+  }
 }
 
 }  // namespace
@@ -626,8 +758,11 @@ KFORGE_BIND_OP(gemm) {
         py::arg("a"), py::arg("ka"), py::arg("ta"), py::arg("b"), py::arg("kb"), py::arg("tb"), py::arg("c"),
         py::arg("widen"), py::arg("out_shape"));
   m.def("gemm_stats", &stats,
-        "{cublaslt, fast_calls, aten_calls, plans, plans_without_kernel, tune, tuned, tuned_changed}");
-  m.def("gemm_tuning", &tuning, "per tuned plan: shape, layouts, dtypes, candidates' times (us), chosen");
+        "{cublaslt, fast_calls, aten_calls, plans, plans_without_kernel, tune, tuned, tuned_changed, "
+        "tuned_restored}");
+  m.def("gemm_tuning", &tuning,
+        "per tuned plan: shape, layouts, dtypes, candidates' times (us), chosen, restored (taken from "
+        "the tuning record in kforge's cache directory, not timed)");
   m.def("gemm_set_tune", &set_tune, "time the heuristic's candidates per shape and keep the fastest",
         py::arg("on").noconvert(), py::arg("forget").noconvert() = false);
 }

@@ -33,9 +33,11 @@ drained before and synchronised after, once per shape, never during CUDA-graph c
 holding the plans' lock) and keeps the fastest, the heuristic's first unless another is 3 % faster.
 A failure while timing (no memory for the scratch) keeps the first. torch's cuBLASLt path runs the heuristic's
 first, so tuning can only change which of cuBLASLt's kernels a shape gets: the same arithmetic, but
-possibly another summation order, so results may differ in rounding from untuned calls (and, where two
-kernels time within noise of each other, from one process to the next). `tuning()` lists each tuned
-shape's candidates' times and the choice.
+possibly another summation order, so results may differ in rounding from untuned calls. Each choice
+is appended to a tuning record in kforge's cache directory (per GPU model and cuBLASLt version); a
+later process takes a shape's kernel from it without timing, while cuBLASLt still offers that kernel,
+so the kernel (and the rounding) stays the same from one process to the next. `tuning()` lists each
+tuned shape's candidates' times and the choice.
 """
 from __future__ import annotations
 
@@ -310,15 +312,16 @@ class GemmCalls(Transform):
 
 def stats() -> dict:
     """{cublaslt: found, fast_calls, aten_calls, plans, plans_without_kernel, tune: on, tuned: plans
-    tuned, tuned_changed: of those, plans running another kernel than the heuristic's first} since the
-    process started."""
+    tuned, tuned_changed: of those, plans running another kernel than the heuristic's first,
+    tuned_restored: of those, plans whose kernel came from the tuning record} since the process
+    started."""
     return dict(_C.gemm_stats())
 
 
 def set_tune(on: bool, forget: bool = False) -> None:
     """Tuning on or off (see the module's docstring) for the calls from now on: tuned and untuned plans
-    are kept apart, so switching back and forth re-tunes nothing. `forget` drops every plan, so that
-    each shape's next call makes (and, tuning, tunes) its plan anew."""
+    are kept apart, so switching back and forth re-tunes nothing. `forget` drops every plan and stops
+    reading the tuning record, so that each shape's next call makes (and, tuning, times) its plan anew."""
     if not isinstance(on, bool) or not isinstance(forget, bool):
         raise TypeError(f"kforge.ops.gemm.set_tune: on and forget must be bool, got {on!r}, {forget!r}")
     _C.gemm_set_tune(on, forget)
@@ -327,8 +330,10 @@ def set_tune(on: bool, forget: bool = False) -> None:
 def tuning() -> list[dict]:
     """Per tuned plan: m, n, k, leading dimensions and operand layouts, bias, accumulate, cuBLAS data
     and compute types, device, the candidates' times in microseconds in the heuristic's order (-1:
-    could not launch; empty: a single candidate, or timing failed and the first is kept) and `chosen`,
-    the index of the one its calls run."""
+    could not launch; empty: a single candidate, timing failed and the first is kept, or restored)
+    and `chosen`, the index of the one its calls run. `restored`: the choice was read from the tuning
+    record (`gemm-tuning-<GPU>-sm<XY>-cublaslt<version>.txt` in kforge's cache directory, where each
+    timed choice is appended), so every process on that machine runs the same kernel for the shape."""
     return [dict(d) for d in _C.gemm_tuning()]
 
 
