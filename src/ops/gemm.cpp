@@ -345,12 +345,14 @@ TuneResult tune_candidates(const Key& key, const at::Tensor& a, const at::Tensor
 
 // ---- the tuning record: each tuned shape's kernel, kept on disk -----------------------------------
 // Tuning picks by timing, so two processes could pick different kernels for a shape (and round
-// differently). The first pick is kept in kforge's cache directory, one text file per GPU model and
+// differently). Each pick is appended to kforge's cache directory, one text file per GPU model and
 // cuBLASLt version, a line per shape: the key's fields, the chosen algo's bytes in hex, its workspace.
 // A later process with tuning on takes a shape's kernel from there when cuBLASLt's heuristic still
-// offers it (the candidates are compared byte for byte), without timing. Appends are one write(2) of
-// a whole line to a file opened O_APPEND, so processes tuning side by side interleave whole lines;
-// a line that does not parse is skipped. Nothing here is fatal: no record means timing as before.
+// offers it (the candidates are compared byte for byte), without timing; the first line of a shape
+// wins, so processes that timed a shape side by side (each appending its own pick) are followed by
+// processes that all run the first. Appends are one write(2) of a whole line to a file opened
+// O_APPEND, so processes interleave whole lines; a line that does not parse is skipped. Nothing here
+// is fatal: no record means timing as before. set_tune(forget) turns the record off for the process.
 using AlgoBytes = std::array<uint64_t, sizeof(cublasLtMatmulAlgo_t) / sizeof(uint64_t)>;
 static_assert(sizeof(cublasLtMatmulAlgo_t) % sizeof(uint64_t) == 0);
 
@@ -369,7 +371,8 @@ AlgoBytes algo_bytes(const cublasLtMatmulAlgo_t& a) {
 }
 
 struct TuneRecord {
-  std::string path;  // empty: no disk cache
+  std::string dir;   // the cache directory it was read from ("": no disk cache)
+  std::string path;  // empty: no record (disk cache off, or set_tune(forget))
   bool loaded = false;
   std::unordered_map<std::string, std::pair<AlgoBytes, size_t>> chosen;  // key_text -> algo, workspace
 };
@@ -378,28 +381,25 @@ std::unordered_map<int, TuneRecord>& tune_records() {
   static std::unordered_map<int, TuneRecord> records;
   return records;
 }
-bool record_unread = false;  // set_tune(forget): choices are made afresh (and still appended)
+bool record_off = false;  // set_tune(forget): no record read or written (tests time afresh)
 
-// The record file of `device` (plans_mutex held by the caller).
+// The record of `device`, read on first use and again when the cache directory changed (plans_mutex
+// held by the caller).
 TuneRecord& tune_record(int device) {
   TuneRecord& r = tune_records()[device];
-  if (r.loaded) return r;
-  r.loaded = true;
   const Config& cfg = config();
-  if (!cfg.disk_cache || cfg.cache_dir.empty()) return r;
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return r;
-  }
-  std::string name = prop.name;
+  const std::string dir = cfg.disk_cache && !record_off ? cfg.cache_dir : "";
+  if (r.loaded && r.dir == dir) return r;
+  r = TuneRecord{dir, "", true, {}};
+  if (dir.empty()) return r;
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);  // torch's cached copy
+  std::string name = prop->name;
   for (char& c : name)
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
   const LtApi* L = lt();
   const size_t version = L && L->GetVersion ? L->GetVersion() : 0;
-  r.path = cfg.cache_dir + "/gemm-tuning-" + name + "-sm" + std::to_string(prop.major * 10 + prop.minor) +
+  r.path = dir + "/gemm-tuning-" + name + "-sm" + std::to_string(prop->major * 10 + prop->minor) +
            "-cublaslt" + std::to_string(version) + ".txt";
-  if (record_unread) return r;
   std::ifstream in(r.path);
   std::string line;
   while (std::getline(in, line)) {
@@ -411,7 +411,7 @@ TuneRecord& tune_record(int device) {
     bool ok = true;
     for (uint64_t& w : b) ok = ok && static_cast<bool>(rest >> std::hex >> w);
     ok = ok && static_cast<bool>(rest >> std::dec >> ws);
-    if (ok) r.chosen[line.substr(0, bar)] = {b, ws};  // a later line for the same shape wins
+    if (ok) r.chosen.emplace(line.substr(0, bar), std::make_pair(b, ws));  // a shape's first line wins
   }
   return r;
 }
@@ -553,7 +553,8 @@ bool lt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, a
           p.algo = r.pick->algo;
           p.workspace = r.pick->workspaceSize;
           TuneRecord& rec = tune_record(key.device);
-          rec.chosen[key_text(key)] = {algo_bytes(p.algo), p.workspace};
+          // first pick wins here too (another thread may have restored or timed this key's twin)
+          rec.chosen.emplace(key_text(key), std::make_pair(algo_bytes(p.algo), p.workspace));
           record_path = rec.path;
         }
         p.times_us = std::move(r.times_us);
@@ -728,15 +729,15 @@ pybind11::list tuning() {
 }
 
 // Turns tuning on or off for the calls from now on (each setting keeps plans of its own); `forget`
-// drops every plan and stops reading the tuning record (tests: the next call of each shape makes,
-// and with tuning on times, its plan afresh; its choice is still appended to the record).
+// drops every plan and turns the tuning record off (tests: the next call of each shape makes, and
+// with tuning on times, its plan afresh, and nothing is written to the user's cache).
 void set_tune(bool on, bool forget) {
   std::lock_guard<std::mutex> lock(plans_mutex);
   tune_on.store(on);
   if (forget) {
     plans().clear();  // descriptors leak, as for plans of a whole process
     tune_records().clear();
-    record_unread = true;
+    record_off = true;
   }
 }
 

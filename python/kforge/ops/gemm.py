@@ -320,8 +320,9 @@ def stats() -> dict:
 
 def set_tune(on: bool, forget: bool = False) -> None:
     """Tuning on or off (see the module's docstring) for the calls from now on: tuned and untuned plans
-    are kept apart, so switching back and forth re-tunes nothing. `forget` drops every plan and stops
-    reading the tuning record, so that each shape's next call makes (and, tuning, times) its plan anew."""
+    are kept apart, so switching back and forth re-tunes nothing. `forget` drops every plan and turns
+    the tuning record off for the process, so that each shape's next call makes (and, tuning, times)
+    its plan anew and nothing is written to the cache directory (tests)."""
     if not isinstance(on, bool) or not isinstance(forget, bool):
         raise TypeError(f"kforge.ops.gemm.set_tune: on and forget must be bool, got {on!r}, {forget!r}")
     _C.gemm_set_tune(on, forget)
@@ -333,7 +334,8 @@ def tuning() -> list[dict]:
     could not launch; empty: a single candidate, timing failed and the first is kept, or restored)
     and `chosen`, the index of the one its calls run. `restored`: the choice was read from the tuning
     record (`gemm-tuning-<GPU>-sm<XY>-cublaslt<version>.txt` in kforge's cache directory, where each
-    timed choice is appended), so every process on that machine runs the same kernel for the shape."""
+    timed choice is appended; a shape's first line wins), so the processes on that machine run the
+    same kernel for the shape."""
     return [dict(d) for d in _C.gemm_tuning()]
 
 
