@@ -186,6 +186,12 @@ class _Trace:
         return None
 
 
+def spliced(tr: _Trace, replace: dict[int, Any], drop: set[int]) -> tuple[list, int]:
+    """(tr's bound symbols with `replace`'s in their places and `drop`'s left out, len(drop)): the end of
+    a rewrite pass over a _Trace."""
+    return [replace.get(i, b) for i, b in enumerate(tr.bsyms) if i not in drop], len(drop)
+
+
 def _matmul_ok(b: Any, like: Any, devices: Sequence[str]) -> bool:
     a, w = b.flat_proxy_args
     out = b.flat_outs[0]
@@ -274,6 +280,4 @@ def widen_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> t
         nb.tags.update(mm.tags)
         replace[j] = nb
         drop.add(i)
-    if not replace:
-        return list(bsyms), 0
-    return [replace.get(i, b) for i, b in enumerate(tr.bsyms) if i not in drop], len(drop)
+    return spliced(tr, replace, drop)

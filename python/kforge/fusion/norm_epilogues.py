@@ -32,7 +32,7 @@ def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
     call takes the norm's place, so dres must be made before it (it always is in Thunder's backward:
     the residual's gradient comes from the later layers)."""
     from ..ops.rmsnorm import add_rmsnorm_backward, rmsnorm_backward
-    from .matmul_acc import _is_add, _Trace, _side
+    from .matmul_acc import _is_add, _Trace, _side, spliced
 
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
@@ -63,9 +63,7 @@ def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
             replace[j] = nb
             drop.add(i)
             break
-    if not replace:
-        return list(bsyms), 0
-    return [replace.get(i, b) for i, b in enumerate(tr.bsyms) if i not in drop], len(drop)
+    return spliced(tr, replace, drop)
 
 
 def narrow_norm_outputs(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
@@ -75,7 +73,7 @@ def narrow_norm_outputs(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
     from thunder.core import dtypes
 
     from ..ops.rmsnorm import rmsnorm_forward
-    from .matmul_acc import _Trace, _side, is_conversion
+    from .matmul_acc import _Trace, _side, is_conversion, spliced
 
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
@@ -99,9 +97,7 @@ def narrow_norm_outputs(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
         nb.tags.update(norm.tags)
         replace[j] = nb
         drop.add(i)
-    if not replace:
-        return list(bsyms), 0
-    return [replace.get(i, b) for i, b in enumerate(tr.bsyms) if i not in drop], len(drop)
+    return spliced(tr, replace, drop)
 
 
 def fold_branch_adds(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
@@ -112,7 +108,7 @@ def fold_branch_adds(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -
     from thunder.core import dtypes
 
     from ..ops.rmsnorm import add_rmsnorm_forward, rmsnorm_forward
-    from .matmul_acc import _is_add, _Trace, _side, is_conversion
+    from .matmul_acc import _is_add, _Trace, _side, is_conversion, spliced
 
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
@@ -153,6 +149,4 @@ def fold_branch_adds(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -
             replace[i] = nb
             drop.update((j, k))
             break
-    if not replace:
-        return list(bsyms), 0
-    return [replace.get(i, b) for i, b in enumerate(tr.bsyms) if i not in drop], 2 * len(replace)
+    return spliced(tr, replace, drop)  # each fold drops the norm and the conversion
