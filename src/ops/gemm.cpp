@@ -699,7 +699,8 @@ pybind11::dict stats() {
 }
 
 // Per tuned plan: shape, layouts, dtypes, compute type, the candidates' times (us; -1: not
-// launchable; empty: one candidate, or timing failed) and the one chosen, for kforge.ops.gemm.tuning().
+// launchable; empty: one candidate, timing failed, or restored from the tuning record) and the one
+// chosen, for kforge.ops.gemm.tuning().
 pybind11::list tuning() {
   pybind11::list out;
   std::lock_guard<std::mutex> lock(plans_mutex);
