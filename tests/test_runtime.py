@@ -647,3 +647,22 @@ def test_version_is_written_once():
     setup_py = (ROOT / "setup.py").read_text(encoding="utf-8")
     assert "version=read_version()" in setup_py and f'"{kforge.__version__}"' not in setup_py
     assert 'requires = ["setuptools' in (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+
+
+def test_the_runtime_uses_no_iostreams():
+    """src/ reads, writes and formats text with C stdio and std::string only. libstdc++'s streams and
+    locale facets have crashed inside LibTorch processes: std::regex, and a number written through an
+    ostringstream (the first tuned GEMM call segfaulted on a GPU machine); CPU runs never reach most
+    of those paths, so the rule is checked on the sources."""
+    src = Path(__file__).resolve().parent.parent / "src"
+    banned = re.compile(r"#include\s*<(sstream|fstream|iostream|istream|ostream|iomanip|regex|locale)>"
+                        r"|std::(i|o)?(string|f)stream\b|std::(regex|cout|cerr|locale)\b")
+    found = []
+    for path in sorted(src.rglob("*")):
+        if path.suffix not in (".cpp", ".h", ".hpp", ".cc"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//", 1)[0]
+            if banned.search(code):
+                found.append(f"{path.relative_to(src.parent)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)

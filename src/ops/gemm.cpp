@@ -27,11 +27,11 @@
 #include <array>
 #include <atomic>
 #include <cctype>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <unordered_map>
 
 #include "../runtime/cuda_api.h"
@@ -356,12 +356,14 @@ TuneResult tune_candidates(const Key& key, const at::Tensor& a, const at::Tensor
 using AlgoBytes = std::array<uint64_t, sizeof(cublasLtMatmulAlgo_t) / sizeof(uint64_t)>;
 static_assert(sizeof(cublasLtMatmulAlgo_t) % sizeof(uint64_t) == 0);
 
+// Built and parsed by hand with C stdio, as the runtime does (no iostreams: see program.cpp's
+// read_file): a number written through a string stream crashed the first tuned call on a GPU machine.
 std::string key_text(const Key& k) {
-  std::ostringstream o;
-  o << k.m << ' ' << k.n << ' ' << k.k << ' ' << k.lda << ' ' << k.ldb << ' ' << k.ldd << ' ' << k.a_row
-    << ' ' << k.b_row << ' ' << k.bias << ' ' << k.accumulate << ' ' << int(k.ab_type) << ' '
-    << int(k.d_type) << ' ' << int(k.compute);
-  return o.str();
+  std::string t;
+  for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldd, int64_t(k.a_row), int64_t(k.b_row), int64_t(k.bias),
+                    int64_t(k.accumulate), int64_t(k.ab_type), int64_t(k.d_type), int64_t(k.compute)})
+    t += (t.empty() ? "" : " ") + std::to_string(v);
+  return t;
 }
 
 AlgoBytes algo_bytes(const cublasLtMatmulAlgo_t& a) {
@@ -400,30 +402,42 @@ TuneRecord& tune_record(int device) {
   const size_t version = L && L->GetVersion ? L->GetVersion() : 0;
   r.path = dir + "/gemm-tuning-" + name + "-sm" + std::to_string(prop->major * 10 + prop->minor) +
            "-cublaslt" + std::to_string(version) + ".txt";
-  std::ifstream in(r.path);
-  std::string line;
-  while (std::getline(in, line)) {
-    const size_t bar = line.find('|');
-    if (bar == std::string::npos) continue;
-    std::istringstream rest(line.substr(bar + 1));
+  FILE* in = std::fopen(r.path.c_str(), "r");
+  if (!in) return r;
+  char* buf = nullptr;
+  size_t cap = 0;
+  while (::getline(&buf, &cap, in) > 0) {
+    char* bar = std::strchr(buf, '|');
+    if (!bar) continue;
     AlgoBytes b{};
-    size_t ws = 0;
+    const char* p = bar + 1;
     bool ok = true;
-    for (uint64_t& w : b) ok = ok && static_cast<bool>(rest >> std::hex >> w);
-    ok = ok && static_cast<bool>(rest >> std::dec >> ws);
-    if (ok) r.chosen.emplace(line.substr(0, bar), std::make_pair(b, ws));  // a shape's first line wins
+    for (uint64_t& w : b) {
+      char* end = nullptr;
+      w = std::strtoull(p, &end, 16);
+      ok = ok && end != p;
+      p = end;
+    }
+    char* end = nullptr;
+    const size_t ws = std::strtoull(p, &end, 10);
+    ok = ok && end != p;
+    if (ok) r.chosen.emplace(std::string(buf, bar), std::make_pair(b, ws));  // a shape's first line wins
   }
+  std::free(buf);
+  std::fclose(in);
   return r;
 }
 
 // Appends `key`'s chosen kernel to the record (called without plans_mutex; `path` copied under it).
 void record_choice(const std::string& path, const std::string& key, const cublasLtMatmulAlgo_t& algo, size_t ws) {
   if (path.empty()) return;
-  std::ostringstream o;
-  o << key << '|' << std::hex;
-  for (uint64_t w : algo_bytes(algo)) o << ' ' << w;
-  o << std::dec << ' ' << ws << '\n';
-  const std::string line = o.str();
+  std::string line = key + "|";
+  char word[24];
+  for (uint64_t w : algo_bytes(algo)) {
+    std::snprintf(word, sizeof word, " %llx", static_cast<unsigned long long>(w));
+    line += word;
+  }
+  line += " " + std::to_string(ws) + "\n";
   ::mkdir(path.substr(0, path.rfind('/')).c_str(), 0755);  // usually there already (the kernel cache)
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (fd < 0) return;

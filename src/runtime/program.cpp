@@ -18,10 +18,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <set>
-#include <sstream>
 #include <algorithm>
 #include <condition_variable>
 #include <thread>
@@ -47,13 +45,32 @@ std::string hex64(uint64_t v) {
   return buf;
 }
 
+// No iostreams in the runtime (tests/test_runtime.py keeps it so): libstdc++'s stream and locale
+// machinery has crashed inside LibTorch processes (std::regex, and numbers written through a string
+// stream), so files are read with stdio and text is split by hand.
 bool read_file(const std::string& path, std::string& out) {
-  std::ifstream f(path, std::ios::binary);
+  FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) return false;
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  out = ss.str();
-  return true;
+  out.clear();
+  char buf[1 << 14];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
+  const bool ok = !std::ferror(f);
+  std::fclose(f);
+  return ok;
+}
+
+// `text` cut at each `sep` (a trailing one ends the last part).
+std::vector<std::string> split(const std::string& text, char sep) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find(sep, start);
+    if (end == std::string::npos) end = text.size();
+    parts.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return parts;
 }
 
 // `#include "name"` on this line -> name, else "". Hand-parsed: std::regex has crashed inside
@@ -73,9 +90,7 @@ std::string quoted_include(const std::string& line) {
 void collect_headers(const std::string& dir, const std::string& text,
                      std::vector<std::pair<std::string, std::string>>& headers,
                      std::set<std::string>& seen) {
-  std::istringstream lines(text);
-  std::string line;
-  while (std::getline(lines, line)) {
+  for (const std::string& line : split(text, '\n')) {
     std::string name = quoted_include(line);
     if (name.empty() || !seen.insert(name).second) continue;
     std::string body;
@@ -255,10 +270,8 @@ std::string errno_text(const std::string& what, int err) { return what + ": " + 
 // mkdir -p; returns "" when `path` is a directory afterwards, else why not.
 std::string mkdirs(const std::string& path) {
   std::string cur;
-  std::istringstream parts(path);
-  std::string part;
   if (!path.empty() && path[0] == '/') cur = "/";
-  while (std::getline(parts, part, '/')) {
+  for (const std::string& part : split(path, '/')) {
     if (part.empty()) continue;
     cur += part + "/";
     if (::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST) return errno_text("mkdir " + cur, errno);
