@@ -627,11 +627,17 @@ def test_hf_llama_dynamo_tieout_and_training(attn, dtype):
             fwd += symbol_counts(t)
         for t in compiled.last_backward_traces:
             bwd += symbol_counts(t)
-        # an RMSNorm after a same-dtype residual add runs as add_rms_norm (its add folded in)
-        assert fwd["kforge_add_rmsnorm_forward"] == bwd["kforge_add_rmsnorm_backward"] == kinds["add_rms_norm"]
+        # an RMSNorm after a same-dtype residual add runs as add_rms_norm (its add folded in); in the
+        # backward the fusion pass also adds each norm input's other gradient (the residual's) in the
+        # norm's kernel: every norm but the last, and the last too when its forward add was folded
+        n_norms, adds = kinds["rms_norm"], kinds["add_rms_norm"]
+        assert fwd["kforge_add_rmsnorm_forward"] == adds and fwd["kforge_rmsnorm_forward"] == n_norms - adds, dict(fwd)
+        want_bwd = adds + 1 if adds else n_norms - 1
+        assert bwd["kforge_add_rmsnorm_backward"] == want_bwd, (dict(bwd), want_bwd)
+        assert bwd["kforge_rmsnorm_backward"] == n_norms - want_bwd, dict(bwd)
         for kind, (f, b) in LLAMA_SYMBOLS.items():
-            if kinds[kind]:
-                folded = kinds["add_rms_norm"] if kind == "rms_norm" else 0
+            if kinds[kind] and kind != "rms_norm":
+                folded = 0
                 if kind == "repeat_kv" and kinds["attention"]:
                     folded = kinds[kind]  # cuDNN attention takes the grouped heads: no expansion left
                 assert fwd[f] == kinds[kind] - folded, (f, dict(fwd))

@@ -214,8 +214,9 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> forward(
     KF_CHECK(t.sizes() == x.sizes(), op, "residual and x sizes differ: ", t.sizes(), " vs ", x.sizes());
   }
   const int64_t D = row_length(x, normalized_ndim, op);
-  const auto weight = weight_input(weight_, t, D, op);
+  // residual before weight: a residual of a third type is the problem to name, not the weight
   const auto residual = mixed ? std::optional<at::Tensor>(t) : same_as_x(residual_, x, op, "residual");
+  const auto weight = weight_input(weight_, t, D, op);
   int narrow = -1;
   const int narrow_x = mixed ? (x.scalar_type() == at::kBFloat16 ? 0 : 1) : -1;
   if (y_dtype && *y_dtype != t.scalar_type()) {
