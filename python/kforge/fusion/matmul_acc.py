@@ -16,6 +16,15 @@ forward / backward split. The accumulation is kforge's operator `kforge_matmul_a
 `t1.addmm_(g2, W2)` in place: t1 is a fresh matmul result read only by the sum, and an
 out-of-place addmm would first copy it to its output (a device-to-device copy per term).
 
+`accumulate_widened_sums` takes the same sums as autocast leaves them: the input gradient of an fp32
+tensor that feeds several 16-bit projections (an fp32 norm's output under autocast) is
+`convert(reshape(g1 @ W1), f32) + convert(reshape(g2 @ W2), f32) (+ ...)`, each product rounded to
+16 bits, upcast by a kernel and added by another. It becomes one float32-output matmul
+(`kforge_matmul_widen`) and float32 accumulations of the other products into it
+(`kforge_matmul_accumulate` with a float32 c): the sum in fp32 with no 16-bit rounding of its terms,
+no conversion and no add kernel. A single term (`convert(reshape(g @ W), f32)`, the last norm's
+gradient from the lm_head) becomes a reshape of one widening matmul.
+
 `widen_matmuls` handles the other epilogue autocast leaves in a backward: a 16-bit matmul whose
 result only a conversion to float32 reads (every fp32 weight's gradient) becomes one matmul that
 stores float32 (`kforge_matmul_widen`, torch.mm with out_dtype): no conversion kernel, no 16-bit
@@ -31,7 +40,7 @@ import torch
 
 _log = logging.getLogger("kforge")
 
-__all__ = ["accumulate_matmuls", "widen_matmuls"]
+__all__ = ["accumulate_matmuls", "accumulate_widened_sums", "widen_matmuls"]
 
 
 @functools.cache
@@ -49,7 +58,10 @@ def _accumulate_op() -> Any:
 
 def accumulate_mm(c: Any, a: Any, w: Any) -> Any:
     """c += a @ w in place: kforge_matmul_accumulate's implementation (at module level, so that a
-    program calling it can name it: kforge.trace_cache)."""
+    program calling it can name it: kforge.trace_cache). A float32 c with 16-bit a and w (a widened
+    sum, `accumulate_widened_sums`) adds the float32-stored product."""
+    if c.dtype != a.dtype:
+        return c.add_(widen_mm(a, w))
     return c.addmm_(a, w)
 
 
@@ -281,3 +293,109 @@ def widen_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> t
         replace[j] = nb
         drop.add(i)
     return spliced(tr, replace, drop)
+
+
+def _widened_terms(tr: _Trace, p: Any, reader: int, side: bool, adds: list, drop: list) -> list[int] | None:
+    """The 16-bit matmuls whose upcast sum float32 `p` (read by bound symbol `reader`) is, or None.
+    Fills `adds` with the float32 adds and `drop` with the conversions and reshapes the rewrite
+    removes."""
+    from thunder.core import dtypes
+
+    j = tr.producer.get(p.name)
+    if j is None or not tr.only_reader(p.name, reader) or _side(tr.bsyms[j]) != side:
+        return None
+    b = tr.bsyms[j]
+    if _is_add(b) and b.flat_outs[0].dtype == dtypes.float32:
+        left = _widened_terms(tr, b.args[0], j, side, adds, drop)
+        right = _widened_terms(tr, b.args[1], j, side, adds, drop) if left is not None else None
+        if right is None:
+            return None
+        adds.append(j)
+        return left + right
+    if not _is_widen(b):
+        return None
+    src = b.flat_proxy_args[0]
+    k = tr.producer.get(src.name)
+    if k is None or not tr.only_reader(src.name, j) or _side(tr.bsyms[k]) != side:
+        return None
+    views = []
+    if _is_reshape(tr.bsyms[k]):
+        src = tr.bsyms[k].flat_proxy_args[0]
+        views, k = [k], tr.producer.get(src.name)
+        if k is None or not tr.only_reader(src.name, views[0]) or _side(tr.bsyms[k]) != side:
+            return None
+    if not _is_matmul(tr.bsyms[k]):
+        return None
+    drop += [j, *views]
+    return [k]
+
+
+def accumulate_widened_sums(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
+    """`bsyms` with every float32 sum of upcast 16-bit matmul results on `devices` (and every single
+    upcast reshaped matmul result) computed by one widening matmul and float32 accumulations into it
+    (see the module docstring); returns (new bound symbols, number of adds, conversions and reshapes
+    removed). Makes proxies: runs inside a trace context (unchanged without one)."""
+    from thunder.core import dtypes, prims
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import get_tracectx
+
+    if get_tracectx() is None:
+        return list(bsyms), 0
+    tr = _Trace(bsyms)
+    replace: dict[int, Any] = {}
+    drop: set[int] = set()
+    removed = 0
+    for i in reversed(range(len(tr.bsyms))):  # the outermost add of a chain first: it takes the inner ones
+        b = tr.bsyms[i]
+        if i in drop or i in replace:
+            continue
+        root_add = _is_add(b) and b.flat_outs[0].dtype == dtypes.float32
+        if not root_add and not _is_widen(b):
+            continue
+        side = _side(b)
+        adds: list[int] = []
+        gone: list[int] = []
+        if root_add:
+            ts: list[int] | None = []
+            for a in b.args:
+                t = _widened_terms(tr, a, i, side, adds, gone)
+                if t is None:
+                    ts = None
+                    break
+                ts += t
+        else:  # a single upcast term, through a reshape (without one, widen_matmuls takes it)
+            src = b.flat_proxy_args[0]
+            k = tr.producer.get(src.name)
+            if k is None or not _is_reshape(tr.bsyms[k]):
+                continue
+            mm_out = tr.bsyms[k].flat_proxy_args[0]
+            m = tr.producer.get(mm_out.name)
+            ts = None
+            if (tr.only_reader(src.name, i) and tr.only_reader(mm_out.name, k) and m is not None
+                    and _is_matmul(tr.bsyms[m]) and _side(tr.bsyms[k]) == side == _side(tr.bsyms[m])):
+                ts, gone = [m], [k]
+        if not ts or len(set(ts)) != len(ts) or any(x in drop or x in replace for x in ts + adds + gone):
+            continue
+        ts.sort()
+        first = tr.bsyms[ts[0]].flat_outs[0]
+        if first.dtype not in (dtypes.bfloat16, dtypes.float16) or not all(
+                _matmul_ok(tr.bsyms[k], first, devices) for k in ts):
+            continue
+        acc = None
+        for k in ts:
+            mm = tr.bsyms[k]
+            a, w = mm.flat_proxy_args
+            out = TensorProxy(like=mm.flat_outs[0], dtype=dtypes.float32)
+            nb = _widen_op().bind(a, w, output=out) if acc is None else _accumulate_op().bind(acc, a, w, output=out)
+            nb.tags.update(mm.tags)
+            replace[k] = nb
+            acc = out
+        res = b.flat_outs[0]
+        nb = prims.reshape.bind(acc, tuple(res.shape), output=res)
+        nb.tags.update(b.tags)
+        replace[i] = nb
+        drop.update(adds)
+        drop.update(gone)
+        removed += len(adds) + len(gone) + 1
+    new, _ = spliced(tr, replace, drop)
+    return new, removed
