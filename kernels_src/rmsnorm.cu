@@ -11,6 +11,11 @@
 // consumers, and writes dx = T(norm's dx in fp32 + dres), one rounding; x's and residual's gradients
 // are both that dx.
 //
+// 16-bit copy of dx (NZ, a template parameter of the three backward kernels, fp32 T only: 1 bf16, 2
+// fp16): the kernel also stores dx rounded once to that type, the value eager's cast of dx gives.
+// Under autocast the fp32 residual stream's gradient is both added on (fp32) and read by the next
+// 16-bit matmul (the cast's backward); one kernel writes both instead of a conversion re-reading dx.
+//
 // Saved for backward: rstd (fp32, one per row). Backward recomputes x_hat = x * rstd from x and
 // rstd; with g = dy * w: dx = rstd * (g - x_hat * mean(g * x_hat)), and dweight = sum over rows of
 // dy * x_hat (x_hat rounded to T first under cast_before_weight, as the forward used it).
@@ -121,6 +126,10 @@ KF_DEVICE void store_narrow(Y* row, int c, int D, const float (&o)[4]) {
       if (c * 4 + i < D) row[c * 4 + i] = from_float<Y>(o[i]);
   }
 }
+
+// The 16-bit type of dx's copy (NZ: 1 bf16, 2 fp16; 0: no copy, bf16 named only to type a null pointer).
+template <int NZ> struct CopyOf { using type = bf16; };
+template <> struct CopyOf<2> { using type = half; };
 
 // Weight chunk (default caching: every row reads it), or ones when there is no weight.
 template <typename T, bool VEC>
@@ -273,10 +282,10 @@ KF_DEVICE void group_sum(float (&v)[R], float* scratch) {
 
 // dx of one chunk (RES: plus dres's chunk dc before the one rounding), and its dweight terms
 // dy * x_hat added to acc (CBW: x_hat rounded to T first, as the forward used it).
-template <typename T, bool VEC, bool CBW, bool RES>
-KF_DEVICE void backward_chunk(T* dxr, int c, int D, const Chunk<T>& xc, const Chunk<T>& gc,
-                              const Chunk<T>& wc, const Chunk<T>& dc, float r, float mean_gx,
-                              float (&acc)[Chunk<T>::size]) {
+template <typename T, bool VEC, bool CBW, bool RES, int NZ>
+KF_DEVICE void backward_chunk(T* dxr, typename CopyOf<NZ>::type* zr, int c, int D, const Chunk<T>& xc,
+                              const Chunk<T>& gc, const Chunk<T>& wc, const Chunk<T>& dc, float r,
+                              float mean_gx, float (&acc)[Chunk<T>::size]) {
   using E = Chunk<T>;
   constexpr int V = E::size;
   float o[V], xh[V];
@@ -287,6 +296,7 @@ KF_DEVICE void backward_chunk(T* dxr, int c, int D, const Chunk<T>& xc, const Ch
     if (RES) o[i] += dc.f(i);
   }
   store_chunk<T, VEC>(dxr, c, D, E::from(o));
+  if constexpr (NZ != 0) store_narrow<typename CopyOf<NZ>::type, VEC>(zr, c, D, o);
   if (CBW)
 #pragma unroll
     for (int i = 0; i < V; i += 2) Word<T>::round(xh[i], xh[i + 1]);
@@ -305,15 +315,17 @@ KF_DEVICE void backward_chunk(T* dxr, int c, int D, const Chunk<T>& xc, const Ch
 // shared memory) into dw_partial row blockIdx.x (fp32, D wide).
 // RES: each dres chunk is loaded where its dx is computed (after the reduction): no registers held
 // through the row's loads (this kernel takes odd sizes and long rows, not the common case).
-template <typename T, int K, int R, bool VEC, bool CBW, int MAXT, bool RES = false>
+template <typename T, int K, int R, bool VEC, bool CBW, int MAXT, bool RES = false, int NZ = 0>
 __global__ void __launch_bounds__(MAXT, 1)
     rmsnorm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                             const T* __restrict__ weight, const float* __restrict__ rstd,
                             T* __restrict__ dx, float* __restrict__ dw_partial, long long rows, int D,
-                            float inv_d, int zero, const T* __restrict__ dres) {
+                            float inv_d, int zero, const T* __restrict__ dres, void* __restrict__ dz) {
   kf_wait_prior_grids();
   using E = Chunk<T>;
+  using Z = typename CopyOf<NZ>::type;
   constexpr int V = E::size;
+  static_assert(NZ == 0 || sizeof(T) == 4, "a 16-bit copy of an fp32 dx only");
   __shared__ float scratch[2][MAXT / 64 * 32 * R];  // [buffer][group][value][warp]
   extern __shared__ float fold[];
   const int nchunk = (D + V - 1) / V;
@@ -374,6 +386,7 @@ __global__ void __launch_bounds__(MAXT, 1)
       if (row < rows) {
         const float mean_gx = dot[j] * r[j] * inv_d;
         T* dxr = dx + row * D;
+        Z* zr = NZ != 0 ? static_cast<Z*>(dz) + row * D : nullptr;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
           opaque(xc[j][k], zero);
@@ -382,8 +395,8 @@ __global__ void __launch_bounds__(MAXT, 1)
           const int c = threadIdx.x + k * blockDim.x;
           if (c < nchunk) {
             const Chunk<T> dc = RES ? load_chunk<T, VEC, true>(dres + row * D, c, D) : Chunk<T>::words(0u);
-            backward_chunk<T, VEC, CBW, RES>(dxr, c, D, xc[j][k], gc[j][k], wc[k], dc, r[j],
-                                             mean_gx, acc[k]);
+            backward_chunk<T, VEC, CBW, RES, NZ>(dxr, zr, c, D, xc[j][k], gc[j][k], wc[k], dc, r[j],
+                                                 mean_gx, acc[k]);
           }
         }
       }
@@ -495,15 +508,20 @@ KF_DEVICE void rn_row_terms(const Chunk<T> (&xc)[K], const Chunk<T> (&gc)[K],
     }
 }
 
-template <typename T, int K, int P, bool KEEP_G, bool CBW, int MAXT, bool RES = false>
+template <typename T, int K, int P, bool KEEP_G, bool CBW, int MAXT, bool RES = false, int NZ = 0>
 __global__ void __launch_bounds__(MAXT, 1)
     rmsnorm_backward_pipelined_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                       const T* __restrict__ weight, const float* __restrict__ rstd,
                                       T* __restrict__ dx, float* __restrict__ dw_partial,
                                       long long rows, int D, float inv_d, u32 lo_mul, u32 hi_mask,
-                                      int zero, const T* __restrict__ dres) {
+                                      int zero, const T* __restrict__ dres, void* __restrict__ dz) {
   kf_wait_prior_grids();
   using E = Chunk<T>;
+  using Z = typename CopyOf<NZ>::type;
+  static_assert(NZ == 0 || sizeof(T) == 4, "a 16-bit copy of an fp32 dx only");
+  // NZ: element e of dx is at dx + 4e bytes and of the copy at dz + 2e, so the copy's address is
+  // zbase + (dx's address >> 1) (dx is 16-byte aligned): one shift and one add per chunk.
+  const u64 zbase = reinterpret_cast<u64>(dz) - (reinterpret_cast<u64>(dx) >> 1);
   constexpr int V = E::size;
   constexpr bool kHalf = sizeof(T) == 2 && Word<T>::kOne != Word<bf16>::kOne;
   static_assert(MAXT <= 512, "16 warps per row at most");
@@ -624,6 +642,8 @@ __global__ void __launch_bounds__(MAXT, 1)
             if constexpr (RES) o[i] += dc[k].f(i);
           }
           if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cd + koff[k]), 0, D, E::from(o));
+          if constexpr (NZ != 0)  // the copy's address from dx's (zbase: see above)
+            if (ok[k]) store_narrow<Z, true>(reinterpret_cast<Z*>(zbase + (reinterpret_cast<u64>(cd + koff[k]) >> 1)), 0, D, o);
           last |= __float_as_uint(o[V - 1]);
         }
         cd += step;
@@ -707,14 +727,18 @@ done:
 // RES: a stage also holds the rows of dres, copied and zero-filled as x's and dy's; they are read with
 // them and folded into h = r * g + dres before the stage is requested again (g's registers, none
 // more), so dx = r * a * x + h, rounded once.
-template <typename T, int K, int S, bool CBW, int NT, bool RES = false>
+template <typename T, int K, int S, bool CBW, int NT, bool RES = false, int NZ = 0>
 __global__ void __launch_bounds__(NT, 1)
     rmsnorm_backward_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                  const T* __restrict__ weight, const float* __restrict__ rstd,
                                  T* __restrict__ dx, float* __restrict__ dw_partial, long long rows,
-                                 int D, float inv_d, int zero, const T* __restrict__ dres) {
+                                 int D, float inv_d, int zero, const T* __restrict__ dres,
+                                 void* __restrict__ dz) {
   kf_wait_prior_grids();
   using E = Chunk<T>;
+  using Z = typename CopyOf<NZ>::type;
+  static_assert(NZ == 0 || sizeof(T) == 4, "a 16-bit copy of an fp32 dx only");
+  const u64 zbase = reinterpret_cast<u64>(dz) - (reinterpret_cast<u64>(dx) >> 1);
   constexpr int V = E::size;
   static_assert(NT <= 512 && NT % 64 == 0, "groups of <= 16 warps");
   __shared__ float red[2][NT / 4];  // [set][group * 16 + warp]: groups of >= 64 threads, <= NT / 64
@@ -867,6 +891,8 @@ __global__ void __launch_bounds__(NT, 1)
         for (int i = 0; i < V; ++i)
           o[i] = RES ? fmaf(r * a, xc[k].f(i), g[k][i]) : r * fmaf(a, xc[k].f(i), g[k][i]);
         if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cdx + k * kstep), 0, D, E::from(o));
+        if constexpr (NZ != 0)  // the copy's address from dx's (zbase: see the pipelined kernel)
+          if (ok[k]) store_narrow<Z, true>(reinterpret_cast<Z*>(zbase + (reinterpret_cast<u64>(cdx + k * kstep) >> 1)), 0, D, o);
       }
     }
     cdx += step;

@@ -829,7 +829,7 @@ def _torch_add_forward(x, residual, weight, eps, nd, cast_before_weight, y_dtype
 
 
 def _torch_add_backward(seen):
-    def backward(dy, ds, s, weight, rstd, nd, cast_before_weight):
+    def backward(dy, ds, s, weight, rstd, nd, cast_before_weight, copy_dtype=None):
         seen.append(ds is None)
         with torch.enable_grad():  # Thunder runs the backward under no_grad
             s_ = s.detach().double().requires_grad_()
@@ -837,7 +837,8 @@ def _torch_add_backward(seen):
             y = s_ * torch.rsqrt(s_.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 if w_ is None else w_)
             grads = torch.autograd.grad(y, [s_] + ([] if w_ is None else [w_]), dy.double())
         dx = grads[0] + (0 if ds is None else ds.double())
-        return dx.to(s.dtype), None if w_ is None else grads[1].to(weight.dtype)
+        out = dx.to(s.dtype), None if w_ is None else grads[1].to(weight.dtype)
+        return out if copy_dtype is None else (*out, out[0].to(copy_dtype))
     return backward
 
 
@@ -1053,6 +1054,12 @@ def smallest_case_per_kernel() -> dict:
             keep(p["kernel"].replace("{T}", tname), case)
             if p["layout"] != "ring":
                 keep(f"rmsnorm_dweight_kernel<{tname}, {'true' if D % 4 == 0 else 'false'}>", case)
+            if dt == "float32":  # with a 16-bit copy of dx: the case's `res` slot is ("copy", type, res)
+                for copy in ("bfloat16", "float16"):
+                    p = kforge._C.plan("rmsnorm_backward", shape, dt, aligned=aligned, cast_before_weight=cbw,
+                                       dresidual=res, variant=variant, copy_dtype=copy)
+                    keep(p["kernel"].replace("{T}", tname),
+                         ("rmsnorm_backward", rows, D, dt, aligned, cbw, ("copy", copy, res), variant))
     return found
 
 
@@ -1089,7 +1096,16 @@ def test_every_instantiation_matches_float64(expr, case):
 
     x, dy = laid_out(randn(rows, D, dtype=dtype, seed=1)), laid_out(randn(rows, D, dtype=dtype, seed=2))
     w = randn(D, dtype=dtype, scale=0.5, seed=3) + 1
-    if isinstance(res, tuple):  # a 16-bit x added to the fp32 residual: the fp32 kernel on the upcast x
+    if isinstance(res, tuple) and res[0] == "copy":  # dx's 16-bit copy: the plain kernel's dx, rounded
+        copy_dtype, dres = getattr(torch, res[1]), laid_out(randn(rows, D, seed=5)) if res[2] else None
+        rstd = kforge._C.rmsnorm_forward(x, w, 1e-5, 1, cbw)[1]
+        with override("rmsnorm_backward", variant=variant):
+            dx, dw, copy = kforge._C.rmsnorm_backward_copy(dy, x, w, rstd, 1, cbw, dres, copy_dtype)
+        dx32, dw32 = rms_backward(dy, x, w, rstd, 1, cbw, variant, dresidual=dres)
+        assert torch.equal(dx, dx32) and torch.equal(dw, dw32), expr
+        assert copy.dtype == copy_dtype and torch.equal(copy, dx32.to(copy_dtype)), expr
+        check_add(x, laid_out(randn(rows, D, seed=4)), w, dy, dres, cbw, what=expr, variant=variant)
+    elif isinstance(res, tuple):  # a 16-bit x added to the fp32 residual: the fp32 kernel on the upcast x
         x16, y_dtype = getattr(torch, res[0]), res[1] and getattr(torch, res[1])
         x16 = laid_out(randn(rows, D, seed=1).to(x16))  # one element off 8 bytes when not aligned
         r = laid_out(randn(rows, D, seed=4))
@@ -1173,6 +1189,65 @@ def test_autocast_norms_store_bf16_themselves():
             assert not outs & {p.name for p in b.flat_proxy_args}, str(b)
     names = [b.sym.name for b in ft.backward.bound_symbols]
     assert names.count("kforge_add_rmsnorm_backward") == 2 and names.count("kforge_rmsnorm_backward") == 1
+    # the stream's gradient, which the branch's bf16 matmul reads too, comes in bf16 from the norm
+    # backward itself (every norm backward but the first layer's attention norm's: the embedding reads it)
+    bwd_norms = [b for b in ft.backward.bound_symbols if b.sym.name in ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward")]
+    copied = [b for b in bwd_norms if len(b.output) == 3]
+    assert len(copied) == 2, [str(b) for b in bwd_norms]
+    for b in copied:
+        assert b.args[-1] == torch.bfloat16 and b.output[2].dtype == thunder.dtypes.bfloat16
+        assert b.output[0].dtype == thunder.dtypes.float32
+    dxs = {b.output[0].name for b in bwd_norms}
+    for b in ft.backward.bound_symbols:
+        if b.sym.name.startswith("kforgeFusion"):
+            assert not dxs & {p.name for p in b.flat_proxy_args}, str(b)
+
+
+@gpu
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dres", [False, True], ids=["plain", "dresidual"])
+@pytest.mark.parametrize("variant", [0, 1, 2], ids=lambda v: f"v{v}")
+@pytest.mark.parametrize("shape", [(8192, 768), (37, 4096), (3, 5, 4100), (17, 6), (1, 8192), (1000, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward_stores_a_16_bit_copy_of_dx(shape, variant, dres, copy_dtype):
+    """rmsnorm_backward_copy (fp32 x): dx and dweight bit for bit rmsnorm_backward's under the same plan,
+    and the copy bit for bit dx.to(copy_dtype) (one rounding of the same fp32 value), for every kernel
+    family (ring, pipelined, row groups; 16-byte and element-wise access)."""
+    x, dy = randn(*shape, seed=1), randn(*shape, seed=2)
+    w = 1 + 0.1 * randn(shape[-1], seed=3)
+    ds = randn(*shape, seed=4) if dres else None
+    rstd = kforge._C.rmsnorm_forward(x, w, EPS, 1, True)[1]
+    with override("rmsnorm_backward", variant=variant):
+        dx, dw, copy = kforge._C.rmsnorm_backward_copy(dy, x, w, rstd, 1, True, ds, copy_dtype)
+    dx32, dw32 = rms_backward(dy, x, w, rstd, 1, True, variant, dresidual=ds)
+    assert torch.equal(dx, dx32) and torch.equal(dw, dw32)
+    assert copy.dtype == copy_dtype and copy.shape == x.shape and copy.is_contiguous()
+    assert torch.equal(copy, dx32.to(copy_dtype))
+
+
+@gpu
+def test_backward_copy_misaligned_input_and_bad_requests():
+    """A misaligned x (element-wise kernels) still gives dx's rounded copy; a copy of a 16-bit dx, or of
+    another type than bf16 / fp16, is refused naming the op."""
+    base = randn(65 * 768 + 1, seed=5)
+    x, dy, w = base[1:].view(65, 768), randn(65, 768, seed=6), randn(768, seed=7)
+    rstd = kforge._C.rmsnorm_forward(x, w, EPS, 1, False)[1]
+    dx, dw, copy = kforge._C.rmsnorm_backward_copy(dy, x, w, rstd, 1, False, None, torch.bfloat16)
+    assert torch.equal(copy, dx.bfloat16()) and torch.equal(dx, kforge._C.rmsnorm_backward(dy, x, w, rstd, 1, False)[0])
+    with pytest.raises(kforge.KforgeError, match="rmsnorm_backward_copy.*only a float32 dx"):
+        kforge._C.rmsnorm_backward_copy(dy.bfloat16(), x.bfloat16(), w.bfloat16(), rstd, 1, False, None, torch.float16)
+    with pytest.raises(kforge.KforgeError, match="rmsnorm_backward_copy.*only a float32 dx"):
+        kforge._C.rmsnorm_backward_copy(dy, x, w, rstd, 1, False, None, torch.float64)
+
+
+def test_plan_names_the_copy_kernels():
+    """CPU: kforge._C.plan names the NZ instantiation for copy_dtype and refuses it for a 16-bit dx."""
+    p = kforge._C.plan("rmsnorm_backward", [8192, 768], "float32", copy_dtype="bfloat16")
+    assert p["kernel"].endswith(", 1>") and p["kernel"].startswith("rmsnorm_backward_ring_kernel<")
+    p = kforge._C.plan("rmsnorm_backward", [8192, 768], "float32", copy_dtype="float16", dresidual=True)
+    assert p["kernel"].endswith(", true, 2>")
+    with pytest.raises(ValueError, match="only a float32 dx"):
+        kforge._C.plan("rmsnorm_backward", [8192, 768], "bfloat16", copy_dtype="float16")
 
 
 @gpu

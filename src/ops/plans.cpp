@@ -119,7 +119,14 @@ py::dict rmsnorm_bwd(const Query& q) {
       prod(q.shape) / D, D, q.elem_size, q.f32, q.aligned && D % V == 0,
       q.opt<bool>("cast_before_weight", true), q.opt<bool>("dresidual", false), q.sms,
       q.smem_optin, q.opt<int64_t>("variant", 0));
-  py::dict d = base(p, rmsnorm_kernel_name(p, false));
+  // copy_dtype: a bfloat16 / float16 copy of a float32 dx (rmsnorm_backward_copy).
+  int copy = 0;
+  if (q.options.contains("copy_dtype") && !q.options["copy_dtype"].is_none()) {
+    const std::string t = py::str(q.options["copy_dtype"]);
+    require(q.f32 && elem_size_of(t) == 2, "rmsnorm_backward", "only a float32 dx has a bfloat16 / float16 copy");
+    copy = t.find("bfloat16") != std::string::npos ? 1 : 2;
+  }
+  py::dict d = base(p, rmsnorm_kernel_name(p, false, "", "", copy));
   d["vec"] = p.vec;
   return d;
 }
@@ -310,7 +317,7 @@ KFORGE_BIND_OP(plans) {
       "an element). sms / smem_optin: the device's SM count and opt-in shared memory per block "
       "(defaults: H100 SXM). Options by op: layernorm max_warps, variant, weight, bias (backward: "
       "whether their gradients are wanted); rmsnorm normalized_ndim, cast_before_weight, "
-      "dresidual, variant, y_dtype (a 16-bit y of float32 dtype), x_dtype (add_rmsnorm_forward: a "
+      "dresidual, variant, copy_dtype (rmsnorm_backward: a 16-bit copy of a float32 dx), y_dtype (a 16-bit y of float32 dtype), x_dtype (add_rmsnorm_forward: a "
       "16-bit x added to the float32 residual of dtype); gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "
       "(B, H, T, D)); split_qkv_forward / merge_heads_backward n_head, split_qkv_backward / "
       "merge_heads_forward head_strides (their head-major input's (batch, head, token) strides; "

@@ -45,32 +45,40 @@ Kernel fwd_mixed_kernels[2][2][2][4] = {
 // for 16-bit types at K = 4 (8 fp32 dweight sums per chunk instead of 4).
 const std::vector<DType> kF32 = {DType::f32};
 const std::vector<DType> k16 = {DType::bf16, DType::f16};
-// RES: dx plus the residual's gradient (each kernel family below has the same rows with RES).
+// RES: dx plus the residual's gradient (each kernel family below has the same rows with RES). NZ:
+// with a bf16 (1) / fp16 (2) copy of dx (fp32 only: the fp32 rows again, with and without RES).
+// TAIL: the template arguments after MAXT (RES, NZ), as the kernel's name spells them.
 struct BwdKernel {
   int K;
   bool vec, cbw;
   int R;
   bool res;
+  int nz;
   Kernel kernel;
 };
-#define KF_BWD(K, R, VEC, CBW, DTYPES, RES, RESARG)                                                \
-  {                                                                                                \
-    K, VEC, CBW, R, RES, {                                                                         \
-      prog, "rmsnorm_backward_kernel<{T}, " #K ", " #R ", " #VEC ", " #CBW ", 512" RESARG ">", DTYPES \
-    }                                                                                              \
+#define KF_BWD(K, R, VEC, CBW, DTYPES, RES, NZ, TAIL)                                            \
+  {                                                                                              \
+    K, VEC, CBW, R, RES, NZ, {                                                                   \
+      prog, "rmsnorm_backward_kernel<{T}, " #K ", " #R ", " #VEC ", " #CBW ", 512" TAIL ">", DTYPES \
+    }                                                                                            \
   }
-#define KF_BWD_TABLE(RES, RESARG)                                                                 \
-  KF_BWD(1, 4, true, false, kF32, RES, RESARG), KF_BWD(1, 4, false, false, kF32, RES, RESARG),    \
-      KF_BWD(2, 4, true, false, kF32, RES, RESARG), KF_BWD(2, 2, false, false, kF32, RES, RESARG), \
-      KF_BWD(4, 2, true, false, kF32, RES, RESARG), KF_BWD(4, 1, false, false, kF32, RES, RESARG), \
-      KF_BWD(1, 4, true, false, k16, RES, RESARG), KF_BWD(1, 4, false, false, k16, RES, RESARG),   \
-      KF_BWD(2, 4, true, false, k16, RES, RESARG), KF_BWD(2, 2, false, false, k16, RES, RESARG),   \
-      KF_BWD(4, 1, true, false, k16, RES, RESARG), KF_BWD(4, 1, false, false, k16, RES, RESARG),   \
-      KF_BWD(1, 4, true, true, k16, RES, RESARG), KF_BWD(1, 4, false, true, k16, RES, RESARG),     \
-      KF_BWD(2, 4, true, true, k16, RES, RESARG), KF_BWD(2, 2, false, true, k16, RES, RESARG),     \
-      KF_BWD(4, 1, true, true, k16, RES, RESARG), KF_BWD(4, 1, false, true, k16, RES, RESARG)
-BwdKernel bwd_kernels[] = {KF_BWD_TABLE(false, ""), KF_BWD_TABLE(true, ", true")};
+#define KF_BWD_F32(RES, NZ, TAIL)                                                                 \
+  KF_BWD(1, 4, true, false, kF32, RES, NZ, TAIL), KF_BWD(1, 4, false, false, kF32, RES, NZ, TAIL), \
+      KF_BWD(2, 4, true, false, kF32, RES, NZ, TAIL), KF_BWD(2, 2, false, false, kF32, RES, NZ, TAIL), \
+      KF_BWD(4, 2, true, false, kF32, RES, NZ, TAIL), KF_BWD(4, 1, false, false, kF32, RES, NZ, TAIL)
+#define KF_BWD_TABLE(RES, TAIL)                                                                    \
+  KF_BWD_F32(RES, 0, TAIL), KF_BWD(1, 4, true, false, k16, RES, 0, TAIL),                          \
+      KF_BWD(1, 4, false, false, k16, RES, 0, TAIL), KF_BWD(2, 4, true, false, k16, RES, 0, TAIL),   \
+      KF_BWD(2, 2, false, false, k16, RES, 0, TAIL), KF_BWD(4, 1, true, false, k16, RES, 0, TAIL),   \
+      KF_BWD(4, 1, false, false, k16, RES, 0, TAIL), KF_BWD(1, 4, true, true, k16, RES, 0, TAIL),    \
+      KF_BWD(1, 4, false, true, k16, RES, 0, TAIL), KF_BWD(2, 4, true, true, k16, RES, 0, TAIL),     \
+      KF_BWD(2, 2, false, true, k16, RES, 0, TAIL), KF_BWD(4, 1, true, true, k16, RES, 0, TAIL),     \
+      KF_BWD(4, 1, false, true, k16, RES, 0, TAIL)
+BwdKernel bwd_kernels[] = {KF_BWD_TABLE(false, ""),         KF_BWD_TABLE(true, ", true"),
+                           KF_BWD_F32(false, 1, ", false, 1"), KF_BWD_F32(true, 1, ", true, 1"),
+                           KF_BWD_F32(false, 2, ", false, 2"), KF_BWD_F32(true, 2, ", true, 2")};
 #undef KF_BWD_TABLE
+#undef KF_BWD_F32
 #undef KF_BWD
 
 // Pipelined backward kernels (16-byte accesses only; rows of at most kPipeMaxChunks chunks; where the
@@ -81,23 +89,29 @@ BwdKernel bwd_kernels[] = {KF_BWD_TABLE(false, ""), KF_BWD_TABLE(true, ", true")
 struct PipeKernel {
   int K, P;
   bool keep_g, cbw, res;
+  int nz;
   Kernel kernel;
 };
-#define KF_PIPE(K, P, KEEP_G, CBW, DTYPES, RES, RESARG)                                          \
+#define KF_PIPE(K, P, KEEP_G, CBW, DTYPES, RES, NZ, TAIL)                                        \
   {                                                                                              \
-    K, P, KEEP_G, CBW, RES, {                                                                    \
+    K, P, KEEP_G, CBW, RES, NZ, {                                                                \
       prog,                                                                                      \
-          "rmsnorm_backward_pipelined_kernel<{T}, " #K ", " #P ", " #KEEP_G ", " #CBW ", 512" RESARG \
+          "rmsnorm_backward_pipelined_kernel<{T}, " #K ", " #P ", " #KEEP_G ", " #CBW ", 512" TAIL \
           ">",                                                                                   \
           DTYPES                                                                                 \
     }                                                                                            \
   }
-#define KF_PIPE_TABLE(RES, RESARG)                                                          \
-  KF_PIPE(1, 8, false, false, kF32, RES, RESARG), KF_PIPE(2, 4, false, false, kF32, RES, RESARG), \
-      KF_PIPE(1, 4, true, false, k16, RES, RESARG), KF_PIPE(2, 2, true, false, k16, RES, RESARG), \
-      KF_PIPE(1, 4, true, true, k16, RES, RESARG), KF_PIPE(2, 2, true, true, k16, RES, RESARG)
-PipeKernel pipe_kernels[] = {KF_PIPE_TABLE(false, ""), KF_PIPE_TABLE(true, ", true")};
+#define KF_PIPE_F32(RES, NZ, TAIL) \
+  KF_PIPE(1, 8, false, false, kF32, RES, NZ, TAIL), KF_PIPE(2, 4, false, false, kF32, RES, NZ, TAIL)
+#define KF_PIPE_TABLE(RES, TAIL)                                                                  \
+  KF_PIPE_F32(RES, 0, TAIL), KF_PIPE(1, 4, true, false, k16, RES, 0, TAIL),                         \
+      KF_PIPE(2, 2, true, false, k16, RES, 0, TAIL), KF_PIPE(1, 4, true, true, k16, RES, 0, TAIL),    \
+      KF_PIPE(2, 2, true, true, k16, RES, 0, TAIL)
+PipeKernel pipe_kernels[] = {KF_PIPE_TABLE(false, ""),          KF_PIPE_TABLE(true, ", true"),
+                             KF_PIPE_F32(false, 1, ", false, 1"), KF_PIPE_F32(true, 1, ", true, 1"),
+                             KF_PIPE_F32(false, 2, ", false, 2"), KF_PIPE_F32(true, 2, ", true, 2")};
 #undef KF_PIPE_TABLE
+#undef KF_PIPE_F32
 #undef KF_PIPE
 
 // Ring backward kernels (16-byte accesses only, rows of at most kRingMaxChunks chunks), one block per
@@ -109,19 +123,25 @@ using rms_plan::RingShape;
 struct RingKernel {
   RingShape shape;
   bool cbw, res;
+  int nz;
   Kernel kernel;
 };
-#define KF_RING(K, S, NT, CBW, DTYPES, RES, RESARG)                                                \
-  {                                                                                                \
-    {K, S, NT}, CBW, RES, {                                                                        \
-      prog, "rmsnorm_backward_ring_kernel<{T}, " #K ", " #S ", " #CBW ", " #NT RESARG ">", DTYPES  \
-    }                                                                                              \
+#define KF_RING(K, S, NT, CBW, DTYPES, RES, NZ, TAIL)                                            \
+  {                                                                                              \
+    {K, S, NT}, CBW, RES, NZ, {                                                                  \
+      prog, "rmsnorm_backward_ring_kernel<{T}, " #K ", " #S ", " #CBW ", " #NT TAIL ">", DTYPES  \
+    }                                                                                            \
   }
-#define KF_RING3(K, S, NT, RES, RESARG)                                        \
-  KF_RING(K, S, NT, false, kF32, RES, RESARG), KF_RING(K, S, NT, false, k16, RES, RESARG), \
-      KF_RING(K, S, NT, true, k16, RES, RESARG)
-RingKernel ring_kernels[] = {KF_RING3(4, 3, 384, false, ""), KF_RING3(2, 3, 512, false, ""),
-                             KF_RING3(4, 3, 384, true, ", true"), KF_RING3(2, 3, 512, true, ", true")};
+#define KF_RING3(K, S, NT, RES, TAIL)                                                   \
+  KF_RING(K, S, NT, false, kF32, RES, 0, TAIL), KF_RING(K, S, NT, false, k16, RES, 0, TAIL), \
+      KF_RING(K, S, NT, true, k16, RES, 0, TAIL)
+#define KF_RING_F32(RES, NZ, TAIL) \
+  KF_RING(4, 3, 384, false, kF32, RES, NZ, TAIL), KF_RING(2, 3, 512, false, kF32, RES, NZ, TAIL)
+RingKernel ring_kernels[] = {KF_RING3(4, 3, 384, false, ""),        KF_RING3(2, 3, 512, false, ""),
+                             KF_RING3(4, 3, 384, true, ", true"),   KF_RING3(2, 3, 512, true, ", true"),
+                             KF_RING_F32(false, 1, ", false, 1"), KF_RING_F32(true, 1, ", true, 1"),
+                             KF_RING_F32(false, 2, ", false, 2"), KF_RING_F32(true, 2, ", true, 2")};
+#undef KF_RING_F32
 #undef KF_RING3
 #undef KF_RING
 
@@ -145,21 +165,22 @@ Kernel& forward_kernel(const RmsnormPlan& p, int narrow = -1, int narrow_x = -1)
   fail("rmsnorm_forward", "no kernel for K = ", p.K);
 }
 
-Kernel& backward_kernel(const RmsnormPlan& p, DType dt) {
+// nz: 0, or 1 / 2 for a bf16 / fp16 copy of an fp32 dx.
+Kernel& backward_kernel(const RmsnormPlan& p, DType dt, int nz) {
   if (p.layout_id == RmsnormLayout::ring) {
     for (RingKernel& k : ring_kernels)
       if (k.shape.K == p.K && k.shape.S == p.S && k.shape.NT == p.NT && k.cbw == p.cbw &&
-          k.res == p.res && k.kernel.supports(dt))
+          k.res == p.res && k.nz == nz && k.kernel.supports(dt))
         return k.kernel;
   } else if (p.layout_id == RmsnormLayout::pipelined) {
     for (PipeKernel& k : pipe_kernels)
       if (k.K == p.K && k.P == p.P && k.keep_g == p.keep_g && k.cbw == p.cbw && k.res == p.res &&
-          k.kernel.supports(dt))
+          k.nz == nz && k.kernel.supports(dt))
         return k.kernel;
   } else {
     for (BwdKernel& k : bwd_kernels)
       if (k.K == p.K && k.R == p.R && k.vec == p.vec && k.cbw == p.cbw && k.res == p.res &&
-          k.kernel.supports(dt))
+          k.nz == nz && k.kernel.supports(dt))
         return k.kernel;
   }
   fail("rmsnorm_backward", "no ", p.layout, " kernel for K = ", p.K);
@@ -273,11 +294,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rmsnorm_forward(
   return {y, rstd, *s};
 }
 
-std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
-    const at::Tensor& dy_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
+// dx, dweight and, with copy_dtype (bf16 / fp16, for fp32 x only), dx rounded once to that type by
+// the same kernel.
+std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> backward(
+    const char* op, const at::Tensor& dy_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
     const at::Tensor& rstd_, int64_t normalized_ndim, bool cast_before_weight,
-    const std::optional<at::Tensor>& dresidual_) {
-  const char* op = "rmsnorm_backward";
+    const std::optional<at::Tensor>& dresidual_, std::optional<at::ScalarType> copy_dtype) {
   const at::Tensor x = input(x_, op, "x");
   const at::Tensor dy = input_like(dy_, x, op, "dy");
   KF_CHECK(dy.sizes() == x.sizes(), op, "dy and x sizes differ: ", dy.sizes(), " vs ", x.sizes());
@@ -289,25 +311,34 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
   KF_CHECK(rstd_.defined() && rstd_.is_cuda() && rstd_.device() == x.device() &&
                rstd_.scalar_type() == at::kFloat && rstd_.numel() == rows,
            op, "rstd must be a float32 CUDA tensor of ", rows, " elements on ", x.device());
+  int nz = 0;
+  if (copy_dtype) {
+    KF_CHECK(x.scalar_type() == at::kFloat && (*copy_dtype == at::kBFloat16 || *copy_dtype == at::kHalf), op,
+             "copy_dtype ", to_str(*copy_dtype), " for x of ", to_str(x.scalar_type()),
+             ": only a float32 dx has a bfloat16 / float16 copy");
+    nz = *copy_dtype == at::kBFloat16 ? 1 : 2;
+  }
   const at::Tensor rstd = rstd_.contiguous();
   LaunchOn on(x);
   at::Tensor dx = new_output_like(x);
-  std::optional<at::Tensor> dweight;
+  std::optional<at::Tensor> dweight, copy;
   if (weight) dweight = new_output_like(*weight);
+  if (nz) copy = new_output(x.sizes(), x.options().dtype(*copy_dtype));
   if (rows == 0) {
     if (dweight) dweight->zero_();
-    return {dx, dweight};
+    return {dx, dweight, copy};
   }
   const int64_t V = 16 / x.element_size();
+  const auto aligned8 = [](const at::Tensor& a) { return (reinterpret_cast<uintptr_t>(a.data_ptr()) & 7) == 0; };
   const bool vec = D % V == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
-                   (!weight || aligned16(*weight)) && (!res || aligned16(*dres));
+                   (!weight || aligned16(*weight)) && (!res || aligned16(*dres)) && (!copy || aligned8(*copy));
   const DType dt = dtype_of(x, op);
   const int zero = 0;  // see opaque() in the kernel
   const int64_t optin = at::cuda::getDeviceProperties(on.device)->sharedMemPerBlockOptin;
   const RmsnormPlan p = plan_rmsnorm_backward(rows, D, x.element_size(), dt == DType::f32, vec,
                                               cast_before_weight, res, sm_count(on.device), optin,
                                               bwd_override.get_variant());
-  Kernel& kernel = backward_kernel(p, dt);
+  Kernel& kernel = backward_kernel(p, dt, nz);
   const unsigned grid = static_cast<unsigned>(p.grid);
   const Dim3 block(static_cast<unsigned>(p.block_x), static_cast<unsigned>(p.block_y));
   const size_t smem = static_cast<size_t>(p.smem);
@@ -318,16 +349,34 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
     kernel.launch(dt, on.device, on.stream, grid, block, smem, dy.data_ptr(), x.data_ptr(),
                   ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
                   static_cast<long long>(rows), static_cast<int>(D), inv_d, 0x10000u, 0xffff0000u,
-                  zero, ptr(dres));
+                  zero, ptr(dres), ptr(copy));
   else
     kernel.launch(dt, on.device, on.stream, grid, block, smem, dy.data_ptr(), x.data_ptr(),
                   ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
-                  static_cast<long long>(rows), static_cast<int>(D), inv_d, zero, ptr(dres));
+                  static_cast<long long>(rows), static_cast<int>(D), inv_d, zero, ptr(dres), ptr(copy));
   if (weight)
     dweight_kernels[D % 4 == 0 ? 1 : 0].launch(
         dt, on.device, on.stream, ceil_div(D, 32), Dim3(8, 32), 0, partial->data_ptr(),
         dweight->data_ptr(), static_cast<int>(grid), static_cast<int>(D));
+  return {dx, dweight, copy};
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>> rmsnorm_backward(
+    const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+    const at::Tensor& rstd, int64_t normalized_ndim, bool cast_before_weight,
+    const std::optional<at::Tensor>& dresidual) {
+  auto [dx, dweight, copy] = backward("rmsnorm_backward", dy, x, weight, rstd, normalized_ndim,
+                                      cast_before_weight, dresidual, std::nullopt);
   return {dx, dweight};
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor> rmsnorm_backward_copy(
+    const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+    const at::Tensor& rstd, int64_t normalized_ndim, bool cast_before_weight,
+    const std::optional<at::Tensor>& dresidual, at::ScalarType copy_dtype) {
+  auto [dx, dweight, copy] = backward("rmsnorm_backward_copy", dy, x, weight, rstd, normalized_ndim,
+                                      cast_before_weight, dresidual, copy_dtype);
+  return {dx, dweight, *copy};
 }
 
 }  // namespace
@@ -364,6 +413,13 @@ KFORGE_BIND_OP(rmsnorm) {
         pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"),
         pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true,
         pybind11::arg("dresidual") = pybind11::none());
+  m.def("rmsnorm_backward_copy", &rmsnorm_backward_copy,
+        "rmsnorm_backward of a float32 x that also stores dx rounded once to copy_dtype (bfloat16 / "
+        "float16): returns (dx, dweight, dx.to(copy_dtype)) from one kernel (autocast's fp32 residual "
+        "stream, whose gradient the next 16-bit matmul reads too).",
+        pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"),
+        pybind11::arg("normalized_ndim"), pybind11::arg("cast_before_weight"), pybind11::arg("dresidual"),
+        pybind11::arg("copy_dtype"));
 }
 
 }  // namespace kforge

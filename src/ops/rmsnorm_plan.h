@@ -184,11 +184,12 @@ inline RmsnormPlan plan_rmsnorm_backward(int64_t rows, int64_t D, int64_t elem_s
 
 // Forward of fp32 T only: narrow_y "bf16" / "half" for a 16-bit y; narrow_x the same for a 16-bit x
 // added to the fp32 residual (then y is float or x's type). Empty: T's own type.
+// copy (backward): 0, or 1 / 2 for a bf16 / fp16 copy of an fp32 dx (the kernels' NZ).
 inline std::string rmsnorm_kernel_name(const RmsnormPlan& p, bool forward, const std::string& narrow_y = "",
-                                       const std::string& narrow_x = "") {
+                                       const std::string& narrow_x = "", int copy = 0) {
   const auto b = [](bool v) { return std::string(v ? "true" : "false"); };
   const auto i = [](int v) { return std::to_string(v); };
-  const std::string res = p.res ? ", true" : "";
+  const std::string res = copy ? ", " + b(p.res) + ", " + i(copy) : p.res ? ", true" : "";
   if (forward && !narrow_x.empty())
     return "rmsnorm_forward_kernel<float, " + i(p.K) + ", " + b(p.vec) + ", true, " +
            (narrow_y.empty() ? std::string("float") : narrow_y) + ", " + narrow_x + ">";

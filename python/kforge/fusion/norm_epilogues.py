@@ -18,12 +18,16 @@ fold_branch_adds: the norm's input is the fp32 stream plus a 16-bit branch (the 
     become part of the norm: `kforge_add_rmsnorm_forward(b16, h, ...)` reads the branch as bf16, adds
     it in fp32 (eager's upcast and add, bit for bit) and writes s (the stream) itself, so s is not
     written and read back between two kernels.
+copy_norm_grads: the stream's gradient (an fp32 norm backward's dx) is also what the 16-bit matmul
+    that wrote the branch needs, `convert(dx, bf16)`: the norm backward takes `copy_dtype` and its
+    kernel stores dx twice, fp32 and rounded once to bf16 (the conversion's value, bit for bit), so no
+    conversion kernel re-reads dx.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["fold_branch_adds", "fold_residual_grads", "narrow_norm_outputs"]
+__all__ = ["copy_norm_grads", "fold_branch_adds", "fold_residual_grads", "narrow_norm_outputs"]
 
 
 def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
@@ -150,3 +154,44 @@ def fold_branch_adds(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -
             drop.update((j, k))
             break
     return spliced(tr, replace, drop)  # each fold drops the norm and the conversion
+
+
+def copy_norm_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
+    """`bsyms` with each fp32 RMSNorm backward whose dx a conversion to bf16 / fp16 reads storing that
+    copy too (see the module docstring); returns (new bound symbols, number of conversions removed).
+    Run after `fold_residual_grads` (whose add_rmsnorm_backward it takes as well) and `dedupe_views`
+    (one conversion of a tensor to a dtype)."""
+    from thunder.core import dtypes
+
+    from ..ops.rmsnorm import add_rmsnorm_backward, rmsnorm_backward
+    from .matmul_acc import _Trace, _side, is_conversion, spliced
+
+    tr = _Trace(bsyms)
+    replace: dict[int, Any] = {}
+    drop: set[int] = set()
+    takes = {rmsnorm_backward.id: (rmsnorm_backward, 6), add_rmsnorm_backward.id: (add_rmsnorm_backward, 7)}
+    for j, norm in enumerate(tr.bsyms):
+        if norm.sym.id not in takes:
+            continue
+        op, nargs = takes[norm.sym.id]
+        if len(norm.args) > nargs and norm.args[nargs] is not None:
+            continue  # copies already
+        dx = norm.output[0]
+        if dx.dtype != dtypes.float32 or dx.device.type not in devices:
+            continue
+        casts = []
+        for i in sorted(tr.readers.get(dx.name, ())):
+            cast = tr.bsyms[i]
+            out = cast.flat_outs[0] if len(cast.flat_outs) == 1 else None
+            if (is_conversion(cast) and out is not None and out.dtype in (dtypes.bfloat16, dtypes.float16)
+                    and tuple(out.shape) == tuple(dx.shape) and _side(cast) == _side(norm)):
+                casts.append(i)
+        if not casts:
+            continue
+        i = casts[0]
+        out = tr.bsyms[i].flat_outs[0]
+        nb = op.bind(*norm.args[:nargs], dtypes.to_torch_dtype(out.dtype), output=(dx, norm.output[1], out))
+        nb.tags.update(norm.tags)
+        replace[j] = nb
+        drop.add(i)
+    return spliced(tr, replace, drop)
