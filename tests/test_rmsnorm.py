@@ -1203,6 +1203,23 @@ def test_autocast_norms_store_bf16_themselves():
             assert not dxs & {p.name for p in b.flat_proxy_args}, str(b)
 
 
+def test_hf_llama_autocast_norms_store_bf16_themselves():
+    """The fake-traced Hugging Face Llama under autocast: every norm stores bf16 itself, the last one
+    too (its output reaches the lm_head through a slice, a shallow copy, before autocast's cast), and
+    no region reads a norm's output or a norm backward's dx."""
+    from kforge.zoo import hf_llama
+
+    ft = conftest.fake_cuda_trace(hf_llama.make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=True)
+    norms = [b for b in ft.forward.bound_symbols if b.sym.name in ("kforge_rmsnorm_forward", "kforge_add_rmsnorm_forward")]
+    assert len(norms) == 3 and all(b.output[0].dtype == thunder.dtypes.bfloat16 for b in norms), [str(b) for b in norms]
+    bwd_norms = [b for b in ft.backward.bound_symbols if b.sym.name in ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward")]
+    assert sum(len(b.output) == 3 for b in bwd_norms) == 2, [str(b) for b in bwd_norms]
+    for tr, made in ((ft.forward, {b.output[0].name for b in norms}), (ft.backward, {b.output[0].name for b in bwd_norms})):
+        for b in tr.bound_symbols:
+            if b.sym.name.startswith("kforgeFusion"):
+                assert not made & {p.name for p in b.flat_proxy_args}, str(b)
+
+
 @gpu
 @pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("dres", [False, True], ids=["plain", "dresidual"])

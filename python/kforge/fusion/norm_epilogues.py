@@ -12,7 +12,8 @@ fold_residual_grads: the backward of `h = x + f(norm(x))` adds the residual's gr
 narrow_norm_outputs: the norm of the fp32 stream is read only by a conversion to the matmuls' 16-bit
     type. `convert(kforge_rmsnorm_forward(x, ...)[0], bf16)` becomes `kforge_rmsnorm_forward(x, ...,
     y_dtype=bf16)`: the kernel stores y as bf16, rounded once from its fp32 result as the conversion
-    did, so neither the fp32 y nor a conversion kernel's pass over it is left.
+    did, so neither the fp32 y nor a conversion kernel's pass over it is left (through a shallow copy
+    between them too: Hugging Face's lm_head slice of the last norm's output).
 fold_branch_adds: the norm's input is the fp32 stream plus a 16-bit branch (the attention's or the
     MLP's output projection) upcast, `add(h, convert(b16, float32))`. The add and the conversion
     become part of the norm: `kforge_add_rmsnorm_forward(b16, h, ...)` reads the branch as bf16, adds
@@ -92,6 +93,16 @@ def narrow_norm_outputs(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
         if len(readers) != 1:
             continue
         i = next(iter(readers))
+        gone = [i]
+        # Hugging Face's lm_head reads the last norm through `hidden_states[:, slice]`, a shallow_copy
+        # of the whole tensor: the conversion after it is the norm's too
+        if tr.bsyms[i].sym.name == "shallow_copy" and len(tr.bsyms[i].flat_proxy_args) == 1:
+            copy_out = tr.bsyms[i].flat_outs[0]
+            after = tr.readers.get(copy_out.name, set())
+            if len(after) != 1 or _side(tr.bsyms[i]) != _side(norm):
+                continue
+            i = next(iter(after))
+            gone.append(i)
         cast = tr.bsyms[i]
         out = cast.flat_outs[0] if len(cast.flat_outs) == 1 else None
         if (not is_conversion(cast) or out is None or out.dtype not in (dtypes.bfloat16, dtypes.float16)
@@ -100,7 +111,7 @@ def narrow_norm_outputs(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
         nb = rmsnorm_forward.bind(*norm.args[:5], dtypes.to_torch_dtype(out.dtype), output=(out, norm.output[1]))
         nb.tags.update(norm.tags)
         replace[j] = nb
-        drop.add(i)
+        drop.update(gone)
     return spliced(tr, replace, drop)
 
 
