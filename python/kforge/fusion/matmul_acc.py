@@ -214,8 +214,6 @@ def _matmul_ok(b: Any, like: Any, devices: Sequence[str]) -> bool:
 def accumulate_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
     """`bsyms` (a trace's top-level bound symbols) with every qualifying sum of matmul results on
     `devices` accumulated in place by cuBLAS; returns (new bound symbols, number of adds removed)."""
-    from thunder.core import prims
-
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
     drop: set[int] = set()
@@ -240,30 +238,35 @@ def accumulate_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",))
             first = tr.bsyms[ts[0]].flat_outs[0]
             if not all(_matmul_ok(tr.bsyms[k], first, devices) for k in ts):
                 continue
-            acc = first
-            for k in ts[1:]:
-                mm = tr.bsyms[k]
-                a, w = mm.flat_proxy_args
-                out = mm.flat_outs[0]  # the matmul's result name now holds the running sum
-                nb = _accumulate_op().bind(acc, a, w, output=out)
-                nb.tags.update(mm.tags)
-                replace[k] = nb
-                acc = out
-            out = b.flat_outs[0]
-            nb = prims.reshape.bind(acc, tuple(out.shape), output=out)
-            nb.tags.update(b.tags)
-            replace[i] = nb
+            _accumulation(tr, ts, i, replace, widened=False)
             drop.update(adds)
             drop.update(views)
             removed += len(adds) + 1
-    if not replace:
-        return list(bsyms), 0
-    out = []
-    for i, b in enumerate(tr.bsyms):
-        if i in drop:
-            continue
-        out.append(replace.get(i, b))
-    return out, removed
+    new, _ = spliced(tr, replace, drop)
+    return new, removed
+
+
+def _accumulation(tr: _Trace, ts: list[int], root: int, replace: dict[int, Any], widened: bool) -> None:
+    """Puts into `replace` the matmuls `ts` (in trace order) as one accumulation and, in the place of
+    bound symbol `root` (the sum), a reshape of it to root's shape. Not widened: the first matmul stays
+    and each next one adds into the running sum, which keeps the matmuls' result names. Widened: the
+    first is a float32-output matmul and the sum is float32, in new proxies (a trace context names them)."""
+    from thunder.core import dtypes, prims
+    from thunder.core.proxies import TensorProxy
+
+    acc = None if widened else tr.bsyms[ts[0]].flat_outs[0]
+    for k in ts if widened else ts[1:]:
+        mm = tr.bsyms[k]
+        a, w = mm.flat_proxy_args
+        out = TensorProxy(like=mm.flat_outs[0], dtype=dtypes.float32) if widened else mm.flat_outs[0]
+        nb = _widen_op().bind(a, w, output=out) if acc is None else _accumulate_op().bind(acc, a, w, output=out)
+        nb.tags.update(mm.tags)
+        replace[k] = nb
+        acc = out
+    res = tr.bsyms[root].flat_outs[0]
+    nb = prims.reshape.bind(acc, tuple(res.shape), output=res)
+    nb.tags.update(tr.bsyms[root].tags)
+    replace[root] = nb
 
 
 def widen_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
@@ -335,8 +338,7 @@ def accumulate_widened_sums(bsyms: Sequence[Any], devices: Sequence[str] = ("cud
     upcast reshaped matmul result) computed by one widening matmul and float32 accumulations into it
     (see the module docstring); returns (new bound symbols, number of adds, conversions and reshapes
     removed). Makes proxies: runs inside a trace context (unchanged without one)."""
-    from thunder.core import dtypes, prims
-    from thunder.core.proxies import TensorProxy
+    from thunder.core import dtypes
     from thunder.core.trace import get_tracectx
 
     if get_tracectx() is None:
@@ -381,19 +383,7 @@ def accumulate_widened_sums(bsyms: Sequence[Any], devices: Sequence[str] = ("cud
         if first.dtype not in (dtypes.bfloat16, dtypes.float16) or not all(
                 _matmul_ok(tr.bsyms[k], first, devices) for k in ts):
             continue
-        acc = None
-        for k in ts:
-            mm = tr.bsyms[k]
-            a, w = mm.flat_proxy_args
-            out = TensorProxy(like=mm.flat_outs[0], dtype=dtypes.float32)
-            nb = _widen_op().bind(a, w, output=out) if acc is None else _accumulate_op().bind(acc, a, w, output=out)
-            nb.tags.update(mm.tags)
-            replace[k] = nb
-            acc = out
-        res = b.flat_outs[0]
-        nb = prims.reshape.bind(acc, tuple(res.shape), output=res)
-        nb.tags.update(b.tags)
-        replace[i] = nb
+        _accumulation(tr, ts, i, replace, widened=True)
         drop.update(adds)
         drop.update(gone)
         removed += len(adds) + len(gone) + 1
