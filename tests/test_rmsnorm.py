@@ -829,7 +829,7 @@ def _torch_add_forward(x, residual, weight, eps, nd, cast_before_weight, y_dtype
 
 
 def _torch_add_backward(seen):
-    def backward(dy, ds, s, weight, rstd, nd, cast_before_weight, copy_dtype=None):
+    def backward(dy, ds, s, weight, rstd, nd, cast_before_weight):
         seen.append(ds is None)
         with torch.enable_grad():  # Thunder runs the backward under no_grad
             s_ = s.detach().double().requires_grad_()
@@ -837,8 +837,7 @@ def _torch_add_backward(seen):
             y = s_ * torch.rsqrt(s_.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 if w_ is None else w_)
             grads = torch.autograd.grad(y, [s_] + ([] if w_ is None else [w_]), dy.double())
         dx = grads[0] + (0 if ds is None else ds.double())
-        out = dx.to(s.dtype), None if w_ is None else grads[1].to(weight.dtype)
-        return out if copy_dtype is None else (*out, out[0].to(copy_dtype))
+        return dx.to(s.dtype), None if w_ is None else grads[1].to(weight.dtype)
     return backward
 
 
@@ -1164,6 +1163,9 @@ def test_forward_narrow_y_misaligned_input_and_bad_requests():
     assert y.dtype == torch.float32
 
 
+BWD_NORMS = ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward", "kforge_rmsnorm_backward_copy")
+
+
 def test_autocast_norms_store_bf16_themselves():
     """The fake-traced plain Llama under autocast (kforge.jit): every RMSNorm of the fp32 residual
     stream stores bf16 itself (no region converts a norm's output) and, but the first, adds the bf16
@@ -1187,15 +1189,18 @@ def test_autocast_norms_store_bf16_themselves():
     for b in ft.forward.bound_symbols:
         if b.sym.name.startswith("kforgeFusion"):
             assert not outs & {p.name for p in b.flat_proxy_args}, str(b)
-    names = [b.sym.name for b in ft.backward.bound_symbols]
-    assert names.count("kforge_add_rmsnorm_backward") == 2 and names.count("kforge_rmsnorm_backward") == 1
-    # the stream's gradient, which the branch's bf16 matmul reads too, comes in bf16 from the norm
-    # backward itself (every norm backward but the first layer's attention norm's: the embedding reads it)
-    bwd_norms = [b for b in ft.backward.bound_symbols if b.sym.name in ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward")]
-    copied = [b for b in bwd_norms if len(b.output) == 3]
-    assert len(copied) == 2, [str(b) for b in bwd_norms]
+    # In the backward, the stream's gradient, which the branch's bf16 matmul reads too, comes in bf16
+    # from the norm backward itself (kforge_rmsnorm_backward_copy): every norm backward but the first
+    # layer's attention norm's, whose dx only the embedding reads. Every norm's but the last adds the
+    # residual's gradient.
+    bwd_norms = [b for b in ft.backward.bound_symbols if b.sym.name in BWD_NORMS]
+    names = [b.sym.name for b in bwd_norms]
+    assert names.count("kforge_rmsnorm_backward_copy") == 2 and names.count("kforge_add_rmsnorm_backward") == 1, names
+    assert "kforge_rmsnorm_backward" not in names, names
+    copied = [b for b in bwd_norms if b.sym.name == "kforge_rmsnorm_backward_copy"]
+    assert sorted(b.args[6] is None for b in copied) == [False, True]  # the last norm has no dresidual
     for b in copied:
-        assert b.args[-1] == torch.bfloat16 and b.output[2].dtype == thunder.dtypes.bfloat16
+        assert b.args[7] == torch.bfloat16 and b.output[2].dtype == thunder.dtypes.bfloat16
         assert b.output[0].dtype == thunder.dtypes.float32
     dxs = {b.output[0].name for b in bwd_norms}
     for b in ft.backward.bound_symbols:
@@ -1212,8 +1217,8 @@ def test_hf_llama_autocast_norms_store_bf16_themselves():
     ft = conftest.fake_cuda_trace(hf_llama.make, jit=kforge.jit, size="micro", batch=2, seq=16, autocast=True)
     norms = [b for b in ft.forward.bound_symbols if b.sym.name in ("kforge_rmsnorm_forward", "kforge_add_rmsnorm_forward")]
     assert len(norms) == 3 and all(b.output[0].dtype == thunder.dtypes.bfloat16 for b in norms), [str(b) for b in norms]
-    bwd_norms = [b for b in ft.backward.bound_symbols if b.sym.name in ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward")]
-    assert sum(len(b.output) == 3 for b in bwd_norms) == 2, [str(b) for b in bwd_norms]
+    bwd_norms = [b for b in ft.backward.bound_symbols if b.sym.name in BWD_NORMS]
+    assert [b.sym.name for b in bwd_norms].count("kforge_rmsnorm_backward_copy") == 2, [str(b) for b in bwd_norms]
     for tr, made in ((ft.forward, {b.output[0].name for b in norms}), (ft.backward, {b.output[0].name for b in bwd_norms})):
         for b in tr.bound_symbols:
             if b.sym.name.startswith("kforgeFusion"):

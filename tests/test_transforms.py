@@ -51,7 +51,7 @@ def _zoo(name: str):
 # An RMSNorm after a residual add of one dtype runs as add_rms_norm (bf16 weights); under autocast the
 # residual stream is fp32 and the branch bf16, so the add stays an add and the norm a plain rms_norm.
 RMS_FWD = ("kforge_rmsnorm_forward", "kforge_add_rmsnorm_forward")
-RMS_BWD = ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward")
+RMS_BWD = ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward", "kforge_rmsnorm_backward_copy")
 # add_rms_norm matches per model in the bf16 set-up (every norm but the first layer's)
 ZOO_ADD_NORMS = {"plain_llama": 2, "nanogpt": 0, "hf_llama": 2, "hf_gpt2": 0}
 ZOO_SYMBOLS = {
@@ -140,8 +140,14 @@ def check_every_step_claimed(model: str, traced, n_rows: int, autocast: bool) ->
     n_norms = ZOO_SYMBOLS[model]["rms_norm"][2] if "rms_norm" in ZOO_SYMBOLS[model] else 0
     want_fwd = n_norms - 1 if autocast and n_norms else want_add_norms
     assert fwd["kforge_add_rmsnorm_forward"] == want_fwd, (dict(fwd), want_fwd)
+    # Under autocast a norm backward whose dx the branch's bf16 matmul reads too also stores that bf16
+    # copy (kforge_rmsnorm_backward_copy, with or without the residual's gradient): every norm's but
+    # the first layer's, whose dx only the embedding reads.
+    copies = [b for b in traced.backward.bound_symbols if b.sym.name == "kforge_rmsnorm_backward_copy"]
+    assert len(copies) == (n_norms - 1 if autocast and n_norms else 0), (dict(bwd), n_norms)
     want_bwd = 0 if not n_norms else want_add_norms + 1 if want_add_norms else n_norms - 1
-    assert bwd["kforge_add_rmsnorm_backward"] == want_bwd, (dict(bwd), want_bwd)
+    res_folds = bwd["kforge_add_rmsnorm_backward"] + sum(b.args[6] is not None for b in copies)
+    assert res_folds == want_bwd, (dict(bwd), want_bwd)
     assert kinds == Counter(ZOO_PATTERNS[model])
     if model != "plain_llama":  # the loss upcasts the logits: folded into kforge's cross-entropy
         for t in (traced.forward, traced.backward):

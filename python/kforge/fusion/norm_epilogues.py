@@ -20,7 +20,8 @@ fold_branch_adds: the norm's input is the fp32 stream plus a 16-bit branch (the 
     it in fp32 (eager's upcast and add, bit for bit) and writes s (the stream) itself, so s is not
     written and read back between two kernels.
 copy_norm_grads: the stream's gradient (an fp32 norm backward's dx) is also what the 16-bit matmul
-    that wrote the branch needs, `convert(dx, bf16)`: the norm backward takes `copy_dtype` and its
+    that wrote the branch needs, `convert(dx, bf16)`: the norm backward (with or without its residual
+    gradient) becomes `kforge_rmsnorm_backward_copy(dy, x, weight, rstd, ..., dresidual, bf16)`, whose
     kernel stores dx twice, fp32 and rounded once to bf16 (the conversion's value, bit for bit), so no
     conversion kernel re-reads dx.
 """
@@ -174,19 +175,19 @@ def copy_norm_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) ->
     (one conversion of a tensor to a dtype)."""
     from thunder.core import dtypes
 
-    from ..ops.rmsnorm import add_rmsnorm_backward, rmsnorm_backward
+    from ..ops.rmsnorm import add_rmsnorm_backward, rmsnorm_backward, rmsnorm_backward_copy
     from .matmul_acc import _Trace, _side, is_conversion, spliced
 
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
     drop: set[int] = set()
-    takes = {rmsnorm_backward.id: (rmsnorm_backward, 6), add_rmsnorm_backward.id: (add_rmsnorm_backward, 7)}
     for j, norm in enumerate(tr.bsyms):
-        if norm.sym.id not in takes:
+        if norm.sym.id == rmsnorm_backward.id:  # (dy, x, weight, rstd, ndim, cbw)
+            args = (*norm.args[:6], None)
+        elif norm.sym.id == add_rmsnorm_backward.id:  # (dy, dres, s, weight, rstd, ndim, cbw)
+            args = (norm.args[0], *norm.args[2:7], norm.args[1])
+        else:
             continue
-        op, nargs = takes[norm.sym.id]
-        if len(norm.args) > nargs and norm.args[nargs] is not None:
-            continue  # copies already
         dx = norm.output[0]
         if dx.dtype != dtypes.float32 or dx.device.type not in devices:
             continue
@@ -201,7 +202,7 @@ def copy_norm_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) ->
             continue
         i = casts[0]
         out = tr.bsyms[i].flat_outs[0]
-        nb = op.bind(*norm.args[:nargs], dtypes.to_torch_dtype(out.dtype), output=(dx, norm.output[1], out))
+        nb = rmsnorm_backward_copy.bind(*args, dtypes.to_torch_dtype(out.dtype), output=(dx, norm.output[1], out))
         nb.tags.update(norm.tags)
         replace[j] = nb
         drop.add(i)

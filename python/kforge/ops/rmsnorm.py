@@ -115,19 +115,14 @@ def _forward_meta(x, weight, eps, normalized_ndim, cast_before_weight, y_dtype=N
     return y, TensorProxy(like=x, shape=(rows,), dtype=dtypes.float32)
 
 
-def _backward_meta(dy, x, weight, rstd, normalized_ndim, cast_before_weight, copy_dtype=None):
-    dx, dw = TensorProxy(like=x), None if weight is None else TensorProxy(like=weight)
-    if copy_dtype is None:
-        return dx, dw
-    return dx, dw, TensorProxy(like=x, dtype=dtypes.to_dtype(copy_dtype))
+def _backward_meta(dy, x, weight, rstd, normalized_ndim, cast_before_weight):
+    return TensorProxy(like=x), None if weight is None else TensorProxy(like=weight)
 
 
-def _backward(dy, x, weight, rstd, normalized_ndim, cast_before_weight, copy_dtype=None):
-    """(dx, dweight), or with copy_dtype (fp32 x: bf16 / fp16) (dx, dweight, dx.to(copy_dtype)) from one
-    kernel (kforge.fusion.norm_epilogues.copy_norm_grads)."""
-    if copy_dtype is None:
-        return _C.rmsnorm_backward(dy, x, weight, rstd, normalized_ndim, cast_before_weight)
-    return _C.rmsnorm_backward_copy(dy, x, weight, rstd, normalized_ndim, cast_before_weight, None, copy_dtype)
+def _backward_copy_meta(dy, x, weight, rstd, normalized_ndim, cast_before_weight, dresidual, copy_dtype):
+    # (dx, dweight, dx rounded to copy_dtype): kforge.fusion.norm_epilogues.copy_norm_grads
+    return (*_backward_meta(dy, x, weight, rstd, normalized_ndim, cast_before_weight),
+            TensorProxy(like=x, dtype=dtypes.to_dtype(copy_dtype)))
 
 
 def _add_forward_meta(x, residual, weight, eps, normalized_ndim, cast_before_weight, y_dtype=None):
@@ -136,19 +131,18 @@ def _add_forward_meta(x, residual, weight, eps, normalized_ndim, cast_before_wei
     return y, rstd, TensorProxy(like=residual)
 
 
-def _add_backward_meta(dy, ds, s, weight, rstd, normalized_ndim, cast_before_weight, copy_dtype=None):
-    return _backward_meta(dy, s, weight, rstd, normalized_ndim, cast_before_weight, copy_dtype)
+def _add_backward_meta(dy, ds, s, weight, rstd, normalized_ndim, cast_before_weight):
+    return _backward_meta(dy, s, weight, rstd, normalized_ndim, cast_before_weight)
 
 
-def _add_backward(dy, ds, s, weight, rstd, normalized_ndim, cast_before_weight, copy_dtype=None):
+def _add_backward(dy, ds, s, weight, rstd, normalized_ndim, cast_before_weight):
     # ds None: s has no other consumer (Thunder gave no gradient for it); then dx is the norm's alone.
-    if copy_dtype is None:
-        return _C.rmsnorm_backward(dy, s, weight, rstd, normalized_ndim, cast_before_weight, dresidual=ds)
-    return _C.rmsnorm_backward_copy(dy, s, weight, rstd, normalized_ndim, cast_before_weight, ds, copy_dtype)
+    return _C.rmsnorm_backward(dy, s, weight, rstd, normalized_ndim, cast_before_weight, dresidual=ds)
 
 
 rmsnorm_forward = operator("rmsnorm_forward", meta=_forward_meta, fn=_C.rmsnorm_forward)
-rmsnorm_backward = operator("rmsnorm_backward", meta=_backward_meta, fn=_backward)
+rmsnorm_backward = operator("rmsnorm_backward", meta=_backward_meta, fn=_C.rmsnorm_backward)
+rmsnorm_backward_copy = operator("rmsnorm_backward_copy", meta=_backward_copy_meta, fn=_C.rmsnorm_backward_copy)
 add_rmsnorm_forward = operator("add_rmsnorm_forward", meta=_add_forward_meta, fn=_C.add_rmsnorm_forward)
 add_rmsnorm_backward = operator("add_rmsnorm_backward", meta=_add_backward_meta, fn=_add_backward)
 # fn: what a declined call runs when no gradient is needed (with one, thunder differentiates the
