@@ -619,21 +619,17 @@ at::Tensor gemm_mm_widen(const at::Tensor& a, const at::Tensor& b) {
   return at::mm(a.to(at::kFloat), b.to(at::kFloat));
 }
 
-// c += a @ b in place; returns c. A float32 c may take 16-bit a and b (autocast's float32 sums of
-// 16-bit products): the products are summed in fp32 and added to c without a 16-bit rounding.
+// c += a @ b in place; returns c.
 at::Tensor gemm_addmm_(at::Tensor c, const at::Tensor& a, const at::Tensor& b) {
   check_matrices(a, b, "addmm_");
   KF_CHECK(c.dim() == 2 && c.size(0) == a.size(0) && c.size(1) == b.size(1), kOp,
            "addmm_: accumulator of shape ", c.sizes(), " for a product of shape (", a.size(0), ", ",
            b.size(1), ")");
-  const bool sixteen = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
-  const bool widening = c.scalar_type() == at::kFloat && sixteen && b.scalar_type() == a.scalar_type();
-  KF_CHECK(c.scalar_type() == a.scalar_type() || widening, kOp, "addmm_: accumulator of dtype ",
-           c.scalar_type(), " for ", a.scalar_type(), " operands (same dtype, or float32 for 16-bit ones)");
-  if (c.is_cuda() && c.is_contiguous() && lt_gemm(a, b, at::Tensor(), c, true)) return c;
+  if (c.is_cuda() && c.scalar_type() == a.scalar_type() && c.is_contiguous() &&
+      lt_gemm(a, b, at::Tensor(), c, true))
+    return c;
   aten_calls.fetch_add(1, std::memory_order_relaxed);
-  if (!widening) return c.addmm_(a, b);
-  return c.add_(a.is_cuda() ? at::mm(a, b, at::kFloat) : at::mm(a.to(at::kFloat), b.to(at::kFloat)));
+  return c.addmm_(a, b);
 }
 
 // bias + a @ b, bias 1-D of b's columns (Hugging Face's Conv1D); other biases: ATen's addmm.
@@ -685,7 +681,7 @@ at::Tensor gemm_views(const at::Tensor& a, int64_t ka, bool ta, const at::Tensor
   const at::Tensor A = as_matrix(a, ka, ta), B = as_matrix(b, kb, tb);
   at::Tensor d;
   if (c.has_value() && c->defined()) {
-    KF_CHECK(!widen || c->scalar_type() == at::kFloat, kOp, "views: a widening accumulation needs a float32 c");
+    KF_CHECK(!widen, kOp, "views: an accumulation cannot widen");
     d = gemm_addmm_(c->dim() == 2 ? *c : c->view({-1, B.size(1)}), A, B);
   } else {
     d = widen ? gemm_mm_widen(A, B) : gemm_mm(A, B);

@@ -16,31 +16,31 @@ forward / backward split. The accumulation is kforge's operator `kforge_matmul_a
 `t1.addmm_(g2, W2)` in place: t1 is a fresh matmul result read only by the sum, and an
 out-of-place addmm would first copy it to its output (a device-to-device copy per term).
 
-`accumulate_widened_sums` takes the same sums as autocast leaves them: the input gradient of an fp32
-tensor that feeds several 16-bit projections (an fp32 norm's output under autocast) is
-`convert(reshape(g1 @ W1), f32) + convert(reshape(g2 @ W2), f32) (+ ...)`, each product rounded to
-16 bits, upcast by a kernel and added by another. It becomes one float32-output matmul
-(`kforge_matmul_widen`) and float32 accumulations of the other products into it
-(`kforge_matmul_accumulate` with a float32 c): the sum in fp32 with no 16-bit rounding of its terms,
-no conversion and no add kernel. A single term (`convert(reshape(g @ W), f32)`, the last norm's
-gradient from the lm_head) becomes a reshape of one widening matmul.
-
 `widen_matmuls` handles the other epilogue autocast leaves in a backward: a 16-bit matmul whose
 result only a conversion to float32 reads (every fp32 weight's gradient) becomes one matmul that
 stores float32 (`kforge_matmul_widen`, torch.mm with out_dtype): no conversion kernel, no 16-bit
 intermediate.
+
+`widen_reshaped_matmuls` does the same through a reshape, `convert(reshape(g @ W), float32)`, where
+the conversion's only reader is a kforge kernel (the last RMSNorm's gradient from the lm_head under
+autocast): a float32-output matmul and a reshape, instead of a 16-bit store, a region reading it and
+writing float32. A conversion that an elementwise op reads (a term of autocast's fp32 sum of the q /
+k / v input gradients) is left alone: in a region its float32 value is never stored, and a widened
+product would double what the matmul writes and the region reads. (Accumulating such sums in fp32 by
+cuBLAS, beta = 1 into a float32 result, moves about 25 MB more per sum than the 16-bit products and
+one region at a 12-layer Llama's B=8, T=1024: docs/experiments/users-models.md.)
 """
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 _log = logging.getLogger("kforge")
 
-__all__ = ["accumulate_matmuls", "accumulate_widened_sums", "widen_matmuls"]
+__all__ = ["accumulate_matmuls", "widen_matmuls", "widen_reshaped_matmuls"]
 
 
 @functools.cache
@@ -58,10 +58,7 @@ def _accumulate_op() -> Any:
 
 def accumulate_mm(c: Any, a: Any, w: Any) -> Any:
     """c += a @ w in place: kforge_matmul_accumulate's implementation (at module level, so that a
-    program calling it can name it: kforge.trace_cache). A float32 c with 16-bit a and w (a widened
-    sum, `accumulate_widened_sums`) adds the float32-stored product."""
-    if c.dtype != a.dtype:
-        return c.add_(widen_mm(a, w))
+    program calling it can name it: kforge.trace_cache)."""
     return c.addmm_(a, w)
 
 
@@ -214,6 +211,8 @@ def _matmul_ok(b: Any, like: Any, devices: Sequence[str]) -> bool:
 def accumulate_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
     """`bsyms` (a trace's top-level bound symbols) with every qualifying sum of matmul results on
     `devices` accumulated in place by cuBLAS; returns (new bound symbols, number of adds removed)."""
+    from thunder.core import prims
+
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
     drop: set[int] = set()
@@ -238,35 +237,30 @@ def accumulate_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",))
             first = tr.bsyms[ts[0]].flat_outs[0]
             if not all(_matmul_ok(tr.bsyms[k], first, devices) for k in ts):
                 continue
-            _accumulation(tr, ts, i, replace, widened=False)
+            acc = first
+            for k in ts[1:]:
+                mm = tr.bsyms[k]
+                a, w = mm.flat_proxy_args
+                out = mm.flat_outs[0]  # the matmul's result name now holds the running sum
+                nb = _accumulate_op().bind(acc, a, w, output=out)
+                nb.tags.update(mm.tags)
+                replace[k] = nb
+                acc = out
+            out = b.flat_outs[0]
+            nb = prims.reshape.bind(acc, tuple(out.shape), output=out)
+            nb.tags.update(b.tags)
+            replace[i] = nb
             drop.update(adds)
             drop.update(views)
             removed += len(adds) + 1
-    new, _ = spliced(tr, replace, drop)
-    return new, removed
-
-
-def _accumulation(tr: _Trace, ts: list[int], root: int, replace: dict[int, Any], widened: bool) -> None:
-    """Puts into `replace` the matmuls `ts` (in trace order) as one accumulation and, in the place of
-    bound symbol `root` (the sum), a reshape of it to root's shape. Not widened: the first matmul stays
-    and each next one adds into the running sum, which keeps the matmuls' result names. Widened: the
-    first is a float32-output matmul and the sum is float32, in new proxies (a trace context names them)."""
-    from thunder.core import dtypes, prims
-    from thunder.core.proxies import TensorProxy
-
-    acc = None if widened else tr.bsyms[ts[0]].flat_outs[0]
-    for k in ts if widened else ts[1:]:
-        mm = tr.bsyms[k]
-        a, w = mm.flat_proxy_args
-        out = TensorProxy(like=mm.flat_outs[0], dtype=dtypes.float32) if widened else mm.flat_outs[0]
-        nb = _widen_op().bind(a, w, output=out) if acc is None else _accumulate_op().bind(acc, a, w, output=out)
-        nb.tags.update(mm.tags)
-        replace[k] = nb
-        acc = out
-    res = tr.bsyms[root].flat_outs[0]
-    nb = prims.reshape.bind(acc, tuple(res.shape), output=res)
-    nb.tags.update(tr.bsyms[root].tags)
-    replace[root] = nb
+    if not replace:
+        return list(bsyms), 0
+    out = []
+    for i, b in enumerate(tr.bsyms):
+        if i in drop:
+            continue
+        out.append(replace.get(i, b))
+    return out, removed
 
 
 def widen_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
@@ -298,47 +292,19 @@ def widen_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> t
     return spliced(tr, replace, drop)
 
 
-def _widened_terms(tr: _Trace, p: Any, reader: int, side: bool, adds: list, drop: list) -> list[int] | None:
-    """The 16-bit matmuls whose upcast sum float32 `p` (read by bound symbol `reader`) is, or None.
-    Fills `adds` with the float32 adds and `drop` with the conversions and reshapes the rewrite
-    removes."""
-    from thunder.core import dtypes
-
-    j = tr.producer.get(p.name)
-    if j is None or not tr.only_reader(p.name, reader) or _side(tr.bsyms[j]) != side:
-        return None
-    b = tr.bsyms[j]
-    if _is_add(b) and b.flat_outs[0].dtype == dtypes.float32:
-        left = _widened_terms(tr, b.args[0], j, side, adds, drop)
-        right = _widened_terms(tr, b.args[1], j, side, adds, drop) if left is not None else None
-        if right is None:
-            return None
-        adds.append(j)
-        return left + right
-    if not _is_widen(b):
-        return None
-    src = b.flat_proxy_args[0]
-    k = tr.producer.get(src.name)
-    if k is None or not tr.only_reader(src.name, j) or _side(tr.bsyms[k]) != side:
-        return None
-    views = []
-    if _is_reshape(tr.bsyms[k]):
-        src = tr.bsyms[k].flat_proxy_args[0]
-        views, k = [k], tr.producer.get(src.name)
-        if k is None or not tr.only_reader(src.name, views[0]) or _side(tr.bsyms[k]) != side:
-            return None
-    if not _is_matmul(tr.bsyms[k]):
-        return None
-    drop += [j, *views]
-    return [k]
+def _kforge_kernel(b: Any) -> bool:
+    return b.sym.name.startswith("kforge_")
 
 
-def accumulate_widened_sums(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
-    """`bsyms` with every float32 sum of upcast 16-bit matmul results on `devices` (and every single
-    upcast reshaped matmul result) computed by one widening matmul and float32 accumulations into it
-    (see the module docstring); returns (new bound symbols, number of adds, conversions and reshapes
-    removed). Makes proxies: runs inside a trace context (unchanged without one)."""
-    from thunder.core import dtypes
+def widen_reshaped_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",),
+                           stores: Callable[[Any], bool] = _kforge_kernel) -> tuple[list, int]:
+    """`bsyms` with every `convert(reshape(matmul), float32)` of a 2-D 16-bit matmul whose only reader
+    is a kforge kernel (`stores`: whether a reader takes the float32 value from memory) computed as
+    `reshape(kforge_matmul_widen(...))` (see the module docstring); returns (new bound symbols, number
+    of conversions removed). The widened product is a new proxy: runs inside a trace context
+    (unchanged without one)."""
+    from thunder.core import dtypes, prims
+    from thunder.core.proxies import TensorProxy
     from thunder.core.trace import get_tracectx
 
     if get_tracectx() is None:
@@ -346,46 +312,32 @@ def accumulate_widened_sums(bsyms: Sequence[Any], devices: Sequence[str] = ("cud
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
     drop: set[int] = set()
-    removed = 0
-    for i in reversed(range(len(tr.bsyms))):  # the outermost add of a chain first: it takes the inner ones
-        b = tr.bsyms[i]
-        if i in drop or i in replace:
+    for i, b in enumerate(tr.bsyms):
+        if not _is_widen(b):
             continue
-        root_add = _is_add(b) and b.flat_outs[0].dtype == dtypes.float32
-        if not root_add and not _is_widen(b):
+        readers = tr.readers.get(b.flat_outs[0].name, set())
+        if len(readers) != 1 or not stores(tr.bsyms[next(iter(readers))]):
             continue
-        side = _side(b)
-        adds: list[int] = []
-        gone: list[int] = []
-        if root_add:
-            ts: list[int] | None = []
-            for a in b.args:
-                t = _widened_terms(tr, a, i, side, adds, gone)
-                if t is None:
-                    ts = None
-                    break
-                ts += t
-        else:  # a single upcast term, through a reshape (without one, widen_matmuls takes it)
-            src = b.flat_proxy_args[0]
-            k = tr.producer.get(src.name)
-            if k is None or not _is_reshape(tr.bsyms[k]):
-                continue
-            mm_out = tr.bsyms[k].flat_proxy_args[0]
-            m = tr.producer.get(mm_out.name)
-            ts = None
-            if (tr.only_reader(src.name, i) and tr.only_reader(mm_out.name, k) and m is not None
-                    and _is_matmul(tr.bsyms[m]) and _side(tr.bsyms[k]) == side == _side(tr.bsyms[m])):
-                ts, gone = [m], [k]
-        if not ts or len(set(ts)) != len(ts) or any(x in drop or x in replace for x in ts + adds + gone):
+        src = b.flat_proxy_args[0]
+        k = tr.producer.get(src.name)
+        if k is None or not _is_reshape(tr.bsyms[k]) or not tr.only_reader(src.name, i):
             continue
-        ts.sort()
-        first = tr.bsyms[ts[0]].flat_outs[0]
-        if first.dtype not in (dtypes.bfloat16, dtypes.float16) or not all(
-                _matmul_ok(tr.bsyms[k], first, devices) for k in ts):
+        product = tr.bsyms[k].flat_proxy_args[0]
+        m = tr.producer.get(product.name)
+        if m is None or m in replace or not tr.only_reader(product.name, k):
             continue
-        _accumulation(tr, ts, i, replace, widened=True)
-        drop.update(adds)
-        drop.update(gone)
-        removed += len(adds) + len(gone) + 1
-    new, _ = spliced(tr, replace, drop)
-    return new, removed
+        mm = tr.bsyms[m]
+        if (not _is_matmul(mm) or not _side(mm) == _side(tr.bsyms[k]) == _side(b)
+                or product.dtype not in (dtypes.bfloat16, dtypes.float16) or not _matmul_ok(mm, product, devices)):
+            continue
+        a, w = mm.flat_proxy_args
+        wide = TensorProxy(like=product, dtype=dtypes.float32)
+        nb = _widen_op().bind(a, w, output=wide)
+        nb.tags.update(mm.tags)
+        replace[m] = nb
+        out = b.flat_outs[0]
+        nb = prims.reshape.bind(wide, tuple(out.shape), output=out)
+        nb.tags.update(b.tags)
+        replace[i] = nb
+        drop.add(k)
+    return spliced(tr, replace, drop)

@@ -13,7 +13,7 @@ allocation; with the views folded in, a plain Llama step makes about half as man
 
     torch.matmul(a, b)                   2-D a, b                -> kforge_gemm_mm(a, b)
     F.linear(x, w, bias)                 (what Thunder left to torch) -> kforge_gemm_linear(x, w, bias)
-    kforge_matmul_accumulate(c, a, w)    c += a @ w (c may be fp32) -> kforge_gemm_addmm_(c, a, w)
+    kforge_matmul_accumulate(c, a, w)    c += a @ w              -> kforge_gemm_addmm_(c, a, w)
     kforge_matmul_widen(a, w)            fp32 result             -> kforge_gemm_mm_widen(a, w)
     kforge_addmm_forward(bias, a, w)     HF's Conv1D             -> kforge_gemm_addmm(bias, a, w)
 
@@ -123,10 +123,6 @@ def _replacement(b: Any, on: tuple[tuple[str, ...], tuple[torch.dtype, ...]]) ->
             return gemm_linear.bind(x, w, bias, output=out)
     elif ex == "kforge" and name in _KFORGE_GEMMS and _floats_on(on, *args):
         return _KFORGE_GEMMS[name].bind(*args, output=out)
-    elif (ex == "kforge" and name == "kforge_matmul_accumulate" and _floats_on(on, *args[1:])
-          and isinstance(args[0], TensorProxy) and args[0].dtype == dtypes.float32
-          and args[0].device == args[1].device):
-        return gemm_addmm_.bind(*args, output=out)  # a float32 sum of 16-bit products (autocast)
     return None
 
 
