@@ -240,6 +240,32 @@ def test_call_layouts_from_the_launchers_plans():
         assert kforge._C.plan("layernorm_forward", [64, 768], dtypes.to_torch_dtype(dtype))["layout"] == want
 
 
+def test_call_layouts_of_the_norm_backwards():
+    """The RMSNorm backward with the residual's gradient, and the one storing a 16-bit copy of dx, show
+    rmsnorm_backward's plan for their arguments (the ring for a Llama's rows)."""
+    import thunder.core.devices as devices
+    import torch
+    from thunder.core import dtypes
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+
+    from kforge.inspect import call_layouts
+    from kforge.ops import rmsnorm as rms_ops
+
+    trc = TraceCtx()
+    dev = devices.Device("cuda:0")
+    with tracectx(trc):
+        x = TensorProxy(shape=(8192, 768), device=dev, dtype=dtypes.float32, requires_grad=False)
+        w = TensorProxy(shape=(768,), device=dev, dtype=dtypes.float32, requires_grad=False)
+        rstd = TensorProxy(shape=(8192,), device=dev, dtype=dtypes.float32, requires_grad=False)
+        rms_ops.add_rmsnorm_backward(x, x, x, w, rstd, 1, True)
+        rms_ops.rmsnorm_backward_copy(x, x, w, rstd, 1, True, None, torch.bfloat16)
+    want = kforge._C.plan("rmsnorm_backward", [8192, 768], torch.float32, copy_dtype="bfloat16")["layout"]
+    assert want == "ring"
+    assert call_layouts([trc]) == {"kforge_add_rmsnorm_backward": Counter({"ring": 1}),
+                                   "kforge_rmsnorm_backward_copy": Counter({"ring": 1})}
+
+
 def test_call_layouts_of_the_head_copies():
     """split_qkv's n_head comes from the call, its backward's shape from the first given gradient;
     merge_heads shows none (a view, no kernel, where its heads are token-major in memory)."""

@@ -138,6 +138,12 @@ def _plan_query(name: str, args: tuple) -> tuple[Any, dict] | None:
         return args[0], {"normalized_ndim": arg(3 if name == "rmsnorm_forward" else 4, 1)}
     if name == "rmsnorm_backward":
         return args[1], {"normalized_ndim": arg(4, 1), "cast_before_weight": bool(arg(5, True))}
+    if name == "add_rmsnorm_backward":  # (dy, dresidual, s, weight, rstd, ndim, cbw): rmsnorm_backward's plan
+        return args[2], {"normalized_ndim": arg(5, 1), "cast_before_weight": bool(arg(6, True)),
+                         "dresidual": args[1] is not None}
+    if name == "rmsnorm_backward_copy":  # (dy, x, weight, rstd, ndim, cbw, dresidual, copy_dtype)
+        return args[1], {"normalized_ndim": arg(4, 1), "cast_before_weight": bool(arg(5, True)),
+                         "dresidual": arg(6) is not None, "copy_dtype": str(args[7])}
     if name in ("cross_entropy_backward", "gelu_backward"):
         return args[1], {}
     if name in ("rope_forward", "rope_backward"):
@@ -172,19 +178,25 @@ def _device_limits() -> dict:
     return limits
 
 
+# Operators whose launcher call is another launcher's plan with options (_plan_query).
+_PLANNED_AS = {"add_rmsnorm_backward": "rmsnorm_backward", "rmsnorm_backward_copy": "rmsnorm_backward"}
+
+
 def call_layouts(traces: list) -> dict[str, Counter]:
     """kforge symbol -> Counter of the layouts its launcher's plan picks for the calls in `traces`
     (searching inside fusion regions, as `symbol_counts`); symbols without a plan are left out."""
     from . import _C
 
     planned, limits, out = set(_C.plan_ops()), _device_limits(), {}
+    planned |= set(_PLANNED_AS)
 
     def layout(name: str, args: tuple) -> str | None:
         try:
             from thunder.core.dtypes import to_torch_dtype
 
             x, options = _plan_query(name, args)
-            return _C.plan(name, list(x.shape), to_torch_dtype(x.dtype), **limits, **options)["layout"]
+            op = _PLANNED_AS.get(name, name)
+            return _C.plan(op, list(x.shape), to_torch_dtype(x.dtype), **limits, **options)["layout"]
         except Exception:  # a call the plan cannot read (unusual arguments): no layout shown
             return None
 
