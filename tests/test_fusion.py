@@ -746,7 +746,7 @@ def test_upcast_reshaped_matmul_read_from_memory_is_a_widening_matmul() -> None:
 
     g, w = randn(12, 20, dtype=torch.bfloat16, device="cpu", seed=1), randn(20, 6, dtype=torch.bfloat16, device="cpu", seed=2)
     fn = lambda g, w: (g @ w).reshape(3, 4, 6).float() * 3  # noqa: E731
-    widen = partial(matmul_acc.widen_reshaped_matmuls, stores=lambda b: True)
+    widen = partial(matmul_acc.widen_matmuls, stores=lambda b: True)
     run, names, n = _accumulated(fn, (g, w), widen)
     assert n == 1 and names.count(WIDEN) == 1 and "matmul" not in names and "convert_element_type" not in names, names
     out = _flat(run(g, w))[0]
@@ -780,7 +780,7 @@ def test_upcast_reshaped_matmul_left_alone(case: str) -> None:
         "batched": (lambda a, w: (a @ w).reshape(3, 20).float(), (h[0].expand(3, 4, 6), h[1])),
     }
     fn, args = fns[case]
-    run, names, n = _accumulated(fn, args, "widen_reshaped_matmuls")
+    run, names, n = _accumulated(fn, args, "widen_matmuls")
     assert n == 0 and WIDEN not in names, names
     for o, r in zip(_flat(run(*args)), _flat(fn(*args))):
         assert o.dtype == r.dtype and torch.equal(o, r)

@@ -29,7 +29,7 @@ from .. import __version__
 from . import codegen, ir as fir
 from .dedupe import dedupe_views
 from .input_casts import gather_input_casts
-from .matmul_acc import accumulate_matmuls, widen_matmuls, widen_reshaped_matmuls
+from .matmul_acc import accumulate_matmuls, widen_matmuls
 from .norm_epilogues import copy_norm_grads, fold_branch_adds, fold_residual_grads, narrow_norm_outputs
 from .partition import Group, partition
 
@@ -268,12 +268,10 @@ class KforgeFusionExecutor(FusionExecutor):
         # A 16-bit matmul converted to float32 (autocast's weight gradients) stores float32 itself; so
         # does one read through a reshape by a kforge kernel (new proxies: named in the trace's context,
         # whose names the fused trace inherits).
-        bsyms, self.widened = widen_matmuls(bsyms)
         from thunder.core.trace import tracectx
 
         with tracectx(trace):
-            bsyms, reshaped = widen_reshaped_matmuls(bsyms)
-        self.widened += reshaped
+            bsyms, self.widened = widen_matmuls(bsyms)
         # Residual gradients added by the RMSNorm backward kernels (autocast's fp32 residual stream).
         bsyms, self.norm_folded = fold_residual_grads(bsyms)
         # ... and fp32 norms whose output only a cast to 16 bits reads store that type themselves.

@@ -21,7 +21,7 @@ result only a conversion to float32 reads (every fp32 weight's gradient) becomes
 stores float32 (`kforge_matmul_widen`, torch.mm with out_dtype): no conversion kernel, no 16-bit
 intermediate.
 
-`widen_reshaped_matmuls` does the same through a reshape, `convert(reshape(g @ W), float32)`, where
+`widen_matmuls` does the same through a reshape, `convert(reshape(g @ W), float32)`, where
 the conversion's only reader is a kforge kernel (the last RMSNorm's gradient from the lm_head under
 autocast): a float32-output matmul and a reshape, instead of a 16-bit store, a region reading it and
 writing float32. A conversion that an elementwise op reads (a term of autocast's fp32 sum of the q /
@@ -40,7 +40,7 @@ import torch
 
 _log = logging.getLogger("kforge")
 
-__all__ = ["accumulate_matmuls", "widen_matmuls", "widen_reshaped_matmuls"]
+__all__ = ["accumulate_matmuls", "widen_matmuls"]
 
 
 @functools.cache
@@ -263,14 +263,28 @@ def accumulate_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",))
     return out, removed
 
 
-def widen_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
+def _kforge_kernel(b: Any) -> bool:
+    return b.sym.name.startswith("kforge_")
+
+
+def widen_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",),
+                  stores: Callable[[Any], bool] = _kforge_kernel) -> tuple[list, int]:
     """`bsyms` with every 2-D 16-bit matmul whose result is read only by a conversion to float32
     computed as one float32-output matmul (`kforge_matmul_widen`, cuBLAS's mm with out_dtype); returns
     (new bound symbols, number of conversions removed).
 
     Under autocast, the gradient of an fp32 weight is `convert(matmul(g^T, x), float32)`: the matmul
     stores bf16 and a kernel re-reads it to write fp32. One matmul storing fp32 skips that kernel, the
-    bf16 intermediate and its rounding (the result is the fp32 sum eager rounds to bf16 first)."""
+    bf16 intermediate and its rounding (the result is the fp32 sum eager rounds to bf16 first).
+
+    Through a reshape, `convert(reshape(matmul), float32)`, only where the conversion's one reader takes
+    the float32 value from memory (`stores`: a kforge kernel; see the module docstring): then
+    `reshape(kforge_matmul_widen(...))`, the widened product a new proxy, made only inside a trace
+    context."""
+    from thunder.core import dtypes, prims
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import get_tracectx
+
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
     drop: set[int] = set()
@@ -281,63 +295,28 @@ def widen_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> t
         j = tr.producer.get(src.name)
         if j is None or j in replace or not tr.only_reader(src.name, i):
             continue
+        view, out = None, b.flat_outs[0]
+        if _is_reshape(tr.bsyms[j]):
+            readers = tr.readers.get(out.name, set())
+            if get_tracectx() is None or len(readers) != 1 or not stores(tr.bsyms[next(iter(readers))]):
+                continue
+            view, src = j, tr.bsyms[j].flat_proxy_args[0]
+            j = tr.producer.get(src.name)
+            if j is None or j in replace or not tr.only_reader(src.name, view) or _side(tr.bsyms[view]) != _side(b):
+                continue
         mm = tr.bsyms[j]
         if not _is_matmul(mm) or _side(mm) != _side(b) or not _matmul_ok(mm, src, devices):
             continue
         a, w = mm.flat_proxy_args
-        nb = _widen_op().bind(a, w, output=b.flat_outs[0])
-        nb.tags.update(mm.tags)
-        replace[j] = nb
-        drop.add(i)
-    return spliced(tr, replace, drop)
-
-
-def _kforge_kernel(b: Any) -> bool:
-    return b.sym.name.startswith("kforge_")
-
-
-def widen_reshaped_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",),
-                           stores: Callable[[Any], bool] = _kforge_kernel) -> tuple[list, int]:
-    """`bsyms` with every `convert(reshape(matmul), float32)` of a 2-D 16-bit matmul whose only reader
-    is a kforge kernel (`stores`: whether a reader takes the float32 value from memory) computed as
-    `reshape(kforge_matmul_widen(...))` (see the module docstring); returns (new bound symbols, number
-    of conversions removed). The widened product is a new proxy: runs inside a trace context
-    (unchanged without one)."""
-    from thunder.core import dtypes, prims
-    from thunder.core.proxies import TensorProxy
-    from thunder.core.trace import get_tracectx
-
-    if get_tracectx() is None:
-        return list(bsyms), 0
-    tr = _Trace(bsyms)
-    replace: dict[int, Any] = {}
-    drop: set[int] = set()
-    for i, b in enumerate(tr.bsyms):
-        if not _is_widen(b):
-            continue
-        readers = tr.readers.get(b.flat_outs[0].name, set())
-        if len(readers) != 1 or not stores(tr.bsyms[next(iter(readers))]):
-            continue
-        src = b.flat_proxy_args[0]
-        k = tr.producer.get(src.name)
-        if k is None or not _is_reshape(tr.bsyms[k]) or not tr.only_reader(src.name, i):
-            continue
-        product = tr.bsyms[k].flat_proxy_args[0]
-        m = tr.producer.get(product.name)
-        if m is None or m in replace or not tr.only_reader(product.name, k):
-            continue
-        mm = tr.bsyms[m]
-        if (not _is_matmul(mm) or not _side(mm) == _side(tr.bsyms[k]) == _side(b)
-                or product.dtype not in (dtypes.bfloat16, dtypes.float16) or not _matmul_ok(mm, product, devices)):
-            continue
-        a, w = mm.flat_proxy_args
-        wide = TensorProxy(like=product, dtype=dtypes.float32)
+        wide = out if view is None else TensorProxy(like=src, dtype=dtypes.float32)
         nb = _widen_op().bind(a, w, output=wide)
         nb.tags.update(mm.tags)
-        replace[m] = nb
-        out = b.flat_outs[0]
-        nb = prims.reshape.bind(wide, tuple(out.shape), output=out)
-        nb.tags.update(b.tags)
-        replace[i] = nb
-        drop.add(k)
+        replace[j] = nb
+        if view is None:
+            drop.add(i)
+        else:  # the conversion's place: a reshape of the widened product
+            nb = prims.reshape.bind(wide, tuple(out.shape), output=out)
+            nb.tags.update(b.tags)
+            replace[i] = nb
+            drop.add(view)
     return spliced(tr, replace, drop)
