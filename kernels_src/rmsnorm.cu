@@ -643,7 +643,9 @@ __global__ void __launch_bounds__(MAXT, 1)
           }
           if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cd + koff[k]), 0, D, E::from(o));
           if constexpr (NZ != 0)  // the copy's address from dx's (zbase: see above)
-            if (ok[k]) store_narrow<Z, true>(reinterpret_cast<Z*>(zbase + (reinterpret_cast<u64>(cd + koff[k]) >> 1)), 0, D, o);
+            if (ok[k])
+              store_narrow<Z, true>(reinterpret_cast<Z*>(zbase + (reinterpret_cast<u64>(cd + koff[k]) >> 1)), 0,
+                                    D, o);
           last |= __float_as_uint(o[V - 1]);
         }
         cd += step;
@@ -892,7 +894,9 @@ __global__ void __launch_bounds__(NT, 1)
           o[i] = RES ? fmaf(r * a, xc[k].f(i), g[k][i]) : r * fmaf(a, xc[k].f(i), g[k][i]);
         if (ok[k]) store_chunk<T, true>(reinterpret_cast<T*>(cdx + k * kstep), 0, D, E::from(o));
         if constexpr (NZ != 0)  // the copy's address from dx's (zbase: see the pipelined kernel)
-          if (ok[k]) store_narrow<Z, true>(reinterpret_cast<Z*>(zbase + (reinterpret_cast<u64>(cdx + k * kstep) >> 1)), 0, D, o);
+          if (ok[k])
+            store_narrow<Z, true>(reinterpret_cast<Z*>(zbase + (reinterpret_cast<u64>(cdx + k * kstep) >> 1)),
+                                  0, D, o);
       }
     }
     cdx += step;

@@ -209,6 +209,9 @@ std::optional<at::Tensor> weight_input(const std::optional<at::Tensor>& w, const
 
 void* ptr(const std::optional<at::Tensor>& t) { return t ? t->data_ptr() : nullptr; }
 
+// 8-byte aligned: a 16-bit tensor moved four elements at a time beside fp32 chunks.
+bool aligned8(const at::Tensor& a) { return (reinterpret_cast<uintptr_t>(a.data_ptr()) & 7) == 0; }
+
 // residual / dresidual: None, or a tensor of x's shape, dtype and device (made contiguous).
 std::optional<at::Tensor> same_as_x(const std::optional<at::Tensor>& t, const at::Tensor& x,
                                     const char* op, const char* name) {
@@ -255,7 +258,6 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> forward(
   if (rows == 0) return {y, rstd, s};
   const int64_t V = 16 / t.element_size();
   // A 16-bit y or x of fp32 T moves 8 bytes a chunk: 8-byte aligned rows (D % 4 == 0) and base.
-  const auto aligned8 = [](const at::Tensor& a) { return (reinterpret_cast<uintptr_t>(a.data_ptr()) & 7) == 0; };
   const bool y_ok = narrow < 0 ? aligned16(y) : aligned8(y);
   const bool x_ok = mixed ? aligned8(x) : aligned16(x);
   const bool vec = D % V == 0 && x_ok && y_ok && (!weight || aligned16(*weight)) &&
@@ -329,9 +331,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> bac
     return {dx, dweight, copy};
   }
   const int64_t V = 16 / x.element_size();
-  const auto aligned8 = [](const at::Tensor& a) { return (reinterpret_cast<uintptr_t>(a.data_ptr()) & 7) == 0; };
-  const bool vec = D % V == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
-                   (!weight || aligned16(*weight)) && (!res || aligned16(*dres)) && (!copy || aligned8(*copy));
+  const bool vec = D % V == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) && (!weight || aligned16(*weight)) &&
+                   (!res || aligned16(*dres)) && (!copy || aligned8(*copy));
   const DType dt = dtype_of(x, op);
   const int zero = 0;  // see opaque() in the kernel
   const int64_t optin = at::cuda::getDeviceProperties(on.device)->sharedMemPerBlockOptin;
