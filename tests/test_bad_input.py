@@ -233,13 +233,24 @@ GPU_CASE_IDS = ["softmax-f64", "softmax-int", "softmax-0d", "softmax_bwd-shape",
                 "layernorm-weight", "layernorm-bias-dtype", "layernorm-eps", "layernorm-0d",
                 "layernorm-empty-rows", "layernorm-variant", "layernorm_bwd-stats", "layernorm_bwd-stats-dtype",
                 "layernorm_bwd-shape", "rmsnorm-weight", "rmsnorm-ndim", "rmsnorm-too-long",
-                "add_rmsnorm-residual", "rmsnorm_bwd-rstd", "rmsnorm_bwd-shape", "colsum-0d", "embedding-indices-dtype",
+                "add_rmsnorm-residual", "rmsnorm_bwd-rstd", "rmsnorm_bwd-shape", "rmsnorm_bwd_copy-dtype",
+                "colsum-0d", "embedding-indices-dtype",
                 "embedding-indices-device", "embedding-shape", "embedding-grad-dtype", "embedding-num-weights", "ce-rank",
                 "ce-targets-dtype", "ce-targets-shape", "ce-targets-device", "ce-empty", "ce_bwd-grad",
                 "ce_bwd-lse", "repeat_kv-rank", "repeat_kv-n_rep", "repeat_kv_bwd-heads", "split_qkv-rank",
                 "split_qkv-heads", "split_qkv-n_head", "split_qkv_bwd-none", "split_qkv_bwd-shape",
                 "merge_heads-rank", "merge_heads_bwd-heads", "rope-rank", "rope-k", "rope-odd-D", "rope-table",
                 "rope-table-rows", "rope-table-device", "rope-positions", "axpy-shape"]
+
+
+def test_gpu_case_ids_name_every_gpu_case():
+    """GPU_CASE_IDS is written out so that collection needs no GPU; a case added to _gpu_cases without
+    its id would only fail on a GPU machine, so the ids are compared with the source here."""
+    import inspect
+    import re
+
+    ids = re.findall(r'^\s*\("([\w-]+)", lambda', inspect.getsource(_gpu_cases), flags=re.M)
+    assert sorted(ids) == sorted(GPU_CASE_IDS)
 
 
 @gpu
