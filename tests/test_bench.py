@@ -374,6 +374,37 @@ def _users_run(k_ms: float, c_ms: float, e_ms: float, *, cudagraphs: bool = Fals
     return _run("models", rows)
 
 
+def test_a_later_run_without_a_second_process_keeps_the_warm_start_figure(tmp_path):
+    """The speed tables take the newest run; the warm-start target and its table keep the newest run
+    that started a second process, with that run's commit, until a newer one does."""
+    warm = _users_run(17.0, 19.0, 40.0)
+    warm["commit"] = "w1"
+    plain = _users_run(16.0, 19.0, 40.0)
+    plain["commit"] = "p2"
+    for r in plain["rows"]:
+        for k in ("first_s_2nd", "nvrtc_compiles_2nd"):
+            r.pop(k, None)
+    tables = report.current_tables([warm, plain])
+    target = next(t for t in report.TARGETS if "warm from the disk cache" in t.text)
+    status, figures = target.check(tables)
+    assert status == "met" and "nanogpt bf16 8x1024: 8.0 s, 0 NVRTC compiles" in figures and "kforge w1" in figures, figures
+    assert [t.run["commit"] for t in report._tables(tables, "models")] == ["p2"]
+    text, _ = report.render([warm, plain], doc_path=str(tmp_path / "B.md"))
+    section = text.split("A second process's first step")[1].split("\n## ")[0]
+    assert "kforge w1" in section and "| kforge " in section and "8.0" in section, section
+    # once the newest run has its own second process, the separate table goes and the target follows it
+    newer = _users_run(15.0, 19.0, 40.0)
+    newer["commit"] = "n3"
+    for r in newer["rows"]:
+        if r["backend"] == "kforge":
+            r["nvrtc_compiles_2nd"] = 3
+    tables = report.current_tables([warm, plain, newer])
+    status, figures = target.check(tables)
+    assert status == "**not met**" and "3 NVRTC compiles" in figures and "kforge n3" in figures, figures
+    assert "A second process's first step" not in report.render([warm, plain, newer],
+                                                                 doc_path=str(tmp_path / "B.md"))[0]
+
+
 def test_users_model_targets_and_table():
     tables = report.current_tables([_users_run(17.0, 19.0, 40.0)])
     rows = {t.text: t.check(tables) for t in report.TARGETS}
@@ -407,13 +438,14 @@ def test_users_model_targets_and_table():
     for r in auto["rows"]:
         r["setup"] = "autocast"
     auto["commit"] = "c1"
-    merged = report.current_tables([_users_run(99.0, 19.0, 40.0), _users_run(17.0, 19.0, 40.0), auto])
+    merged = report._tables(report.current_tables([_users_run(99.0, 19.0, 40.0), _users_run(17.0, 19.0, 40.0),
+                                                   auto]), "models")
     assert len(merged) == 1 and [r["setup"] for r in merged[0].rows] == ["bf16"] * 4 + ["autocast"] * 4
     assert merged[0].run["commit"] == "c1" and len(merged[0].runs) == 2 and merged[0].rows[3]["ms"] == 17.0
     block = "\n".join(report._table_block(merged[0], "### t", "body", None, "."))
     assert "- bf16 weights: NVIDIA H200" in block and "- fp32 weights + bf16 autocast: NVIDIA H200" in block
     assert "kforge c1" in block and "kforge c0" in block
-    graphs = report.current_tables([_users_run(1.0, 1.2, 3.0, cudagraphs=True)])
+    graphs = report._tables(report.current_tables([_users_run(1.0, 1.2, 3.0, cudagraphs=True)]), "models")
     small = [t for t in report.TARGETS if t.text.startswith("small batch")][0]
     assert small.check(graphs)[0] == "met" and report.TARGETS[0].check(graphs) == ("no run", "")
     assert "kforge + CUDAGraphTransform" in report.models_table(graphs[0].rows)

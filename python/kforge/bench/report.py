@@ -195,12 +195,19 @@ def _row_keys(run: dict[str, Any]) -> dict[tuple, list[dict]]:
         elif kind == "models":  # one key per set-up: runs of one set-up each add up to one table
             key = ("models", r["model"], r.get("size"), r["batch"], r["seq"],
                    any(x.get("cudagraphs") for x in run["rows"]), gpu, r["setup"])
+            if any(_measured_2nd(x) for x in run["rows"] if x["model"] == r["model"] and x["setup"] == r["setup"]):
+                # a second-process start is its own measurement: a later run without one keeps it
+                out.setdefault(("warm",) + key[1:], []).append(r)
         elif kind == "launch":
             key = ("launch", gpu)
         else:
             continue
         out.setdefault(key, []).append(r)
     return out
+
+
+def _measured_2nd(r: dict[str, Any]) -> bool:
+    return r.get("first_s_2nd") is not None or bool(r.get("error_2nd"))
 
 
 def current_tables(runs: Sequence[dict[str, Any]]) -> list[Table]:
@@ -213,7 +220,7 @@ def current_tables(runs: Sequence[dict[str, Any]]) -> list[Table]:
             continue
         order[id(run)] = i
         for key, rows in _row_keys(run).items():
-            latest[key] = Table(run["kind"], key, run, rows)
+            latest[key] = Table(key[0], key, run, rows)
     out = [t for t in latest.values() if t.kind != "models"]
     groups: dict[tuple, list[Table]] = {}
     for t in latest.values():
@@ -435,6 +442,39 @@ def _kforge_warm(by: dict[str, dict]) -> tuple[bool | None, str]:
                 + (f" (torch.compile {c:.1f} s)" if c is not None else ""))
 
 
+def _warm_target(tables: list[Table]) -> tuple[str, str]:
+    results = []
+    for t in _tables(tables, "warm"):
+        ok, txt = _kforge_warm({r["backend"]: r for r in t.rows})
+        if ok is not None:
+            results.append((t, ok, txt))
+    if not results:
+        return "no run", ""
+    gpus = sorted({_short_gpu(t.gpu) for t, *_ in results})
+    figures = "; ".join(f"{_case_name(t, t.key[7])} {_shape(t)}: {txt} (kforge {t.run.get('commit', '?')})"
+                        for t, _, txt in results)
+    return _status(all(ok for _, ok, _ in results)), f"{figures} ({', '.join(gpus)})"
+
+
+def _shape(t: Table) -> str:
+    """B x T of a users'-model table's key, and CUDA graphs where its run used them."""
+    return f"{t.key[3]}x{t.key[4]}" + (" CUDA graphs" if t.key[5] else "")
+
+
+def _users_order(t: Table) -> tuple:
+    return (t.key[5], list(USER_MODEL_TITLES).index(t.key[1]) if t.key[1] in USER_MODEL_TITLES else 99, str(t.key))
+
+
+def warm_table(rows: list[dict]) -> str:
+    """The second process's first step beside the first process's, with what it compiled and restored."""
+    return md_table([[SETUP_TITLES.get(r["setup"], r["setup"]), r["backend"], fmt(r.get("first_s"), 1),
+                      fmt(r.get("first_s_2nd"), 1), fmt(r.get("nvrtc_compiles_2nd"), 0),
+                      fmt(r.get("traces_restored_2nd"), 0), _cell(r.get("error_2nd"))]
+                     for r in rows if _measured_2nd(r)],
+                    ["set-up", "backend", "first step s", "2nd process first step s", "2nd process NVRTC compiles",
+                     "Thunder programs restored", "error"])
+
+
 def _le(by: dict[str, dict], a: str, b: str) -> tuple[bool | None, str]:
     x, y = _ms(by, a), _ms(by, b)
     if x is None or y is None:
@@ -447,7 +487,7 @@ TARGETS: list[Target] = [
     Target("users' models: thunder + kforge never slower than eager (issue 18)", _users_rule(_kforge_vs_eager)),
     Target("users' models: peak memory ≤ 1.1× torch.compile's (issue 18)", _users_rule(_kforge_peak)),
     Target("users' models: first step (trace + compile) ≤ torch.compile's (issue 18)", _users_rule(_kforge_first_step)),
-    Target("users' models: a second process starts warm from the disk cache (issue 18)", _users_rule(_kforge_warm)),
+    Target("users' models: a second process starts warm from the disk cache (issue 18)", _warm_target),
     Target("small batch (B=4, T=64): thunder + kforge with CUDA graphs ≤ torch.compile reduce-overhead (issue 18)",
            _users_rule(lambda by: _le(by, "kforge", "torch.compile"), cudagraphs=True)),
     Target("launch overhead < 10 µs host time per launch", _launch_target),
@@ -678,8 +718,7 @@ def render(runs: Sequence[dict[str, Any]], *, doc_path: str, plots_dir: str | No
          targets_table(tables), ""]
 
     L += ["## Users' models", ""]
-    users = sorted(_tables(tables, "models"), key=lambda t: (t.key[5], list(USER_MODEL_TITLES).index(t.key[1])
-                                                             if t.key[1] in USER_MODEL_TITLES else 99, str(t.key)))
+    users = sorted(_tables(tables, "models"), key=_users_order)
     if not users:
         L += ["No run recorded yet: `python -m kforge.bench models --second-process` (and `--preset small`) "
               "on a CUDA GPU.", ""]
@@ -690,6 +729,18 @@ def render(runs: Sequence[dict[str, Any]], *, doc_path: str, plots_dir: str | No
         if multi_gpu:
             heading += f", {_short_gpu(t.gpu)}"
         L += _table_block(t, heading, models_table(t.rows), step_plot(t), doc_dir)
+
+    warm = sorted(_tables(tables, "warm"), key=_users_order)
+    shown = {id(r) for t in users for r in t.rows}
+    warm = [t for t in warm if not all(id(r) in shown for r in t.rows)]
+    if warm:  # second-process figures that a later run without --second-process took out of the tables above
+        L += ["### A second process's first step (`--second-process`)", ""]
+        for t in warm:
+            title = USER_MODEL_TITLES.get(t.key[1], f"`{t.key[1]}`")
+            heading = f"#### {title}, {SETUP_TITLES.get(t.key[7], t.key[7])}, B={t.key[3]} T={t.key[4]}" + (
+                ", CUDA graphs" if t.key[5] else "") + (
+                f", {_short_gpu(t.gpu)}" if multi_gpu else "")
+            L += _table_block(t, heading, warm_table(t.rows), None, doc_dir)
 
     for model in ("gpt2", "llama"):
         ts = sorted((t for t in _tables(tables, "model") if t.key[1] == model), key=lambda t: str(t.key))
