@@ -883,8 +883,10 @@ CASTS = "kforge_cast_inputs"  # the forward's casts of its inputs that outlive i
 
 def test_returned_input_casts_are_made_together() -> None:
     """Casts of trace inputs that the trace returns become one kforge_cast_inputs at the first one's
-    place; a cast only used inside the trace stays where it was. Outputs equal eager's bit for bit."""
-    a, b, c = (randn(*s, device="cpu", seed=i) for i, s in enumerate([(5, 7), (3,), (2, 3, 4)]))
+    place; a large cast only used inside the trace stays where it was. Outputs equal eager's bit for bit."""
+    from kforge.fusion.input_casts import SMALL
+
+    a, b, c = (randn(*s, device="cpu", seed=i) for i, s in enumerate([(5, 7), (SMALL + 3,), (2, 3, 4)]))
     bf16, fp16 = torch.bfloat16, torch.float16
     fn = lambda a, b, c: (a.to(bf16), b.to(bf16) * 2, c.to(bf16), a.to(fp16))  # noqa: E731
     run, names, n = _accumulated(fn, (a, b, c), "gather_input_casts")
@@ -894,13 +896,40 @@ def test_returned_input_casts_are_made_together() -> None:
         assert o.dtype == r.dtype and torch.equal(o, r)
 
 
+def test_small_input_casts_join_whatever_their_use() -> None:
+    """Casts of small inputs (biases) used only inside the trace join the gathered casts; a large
+    one used only inside stays where it is (gathering it would keep it alive longer). Bit for bit."""
+    from kforge.fusion.input_casts import SMALL
+
+    w, big = randn(9, 5, device="cpu", seed=1), randn(SMALL + 1, device="cpu", seed=2)
+    b1, b2 = randn(9, device="cpu", seed=3), randn(SMALL, device="cpu", seed=4)
+    bf16 = torch.bfloat16
+
+    def fn(w, big, b1, b2):
+        return w.to(bf16), (big.to(bf16) * 2).sum(), b1.to(bf16) + 1, b2.to(bf16) * 3
+    args = (w, big, b1, b2)
+    run, names, n = _accumulated(fn, args, "gather_input_casts")
+    assert n == 3 and names.count(CASTS) == 1, names  # w (returned), b1, b2 (small); not big
+    assert names.count("to") == 1 and names.index(CASTS) < names.index("to"), names  # big's, in place
+    for o, r in zip(_flat(run(*args)), _flat(fn(*args))):
+        assert o.dtype == r.dtype and torch.equal(o, r)
+    # small casts alone are gathered too (inference: no cast is returned), at least two of them
+    run, names, n = _accumulated(lambda b1, b2: b1.to(bf16) + 1 + b2.to(bf16)[:9], (b1, b2), "gather_input_casts")
+    assert n == 2 and names.count(CASTS) == 1, names
+
+
 @pytest.mark.parametrize("case", ["one", "used_inside", "intermediate", "same_dtype"])
 def test_input_casts_left_alone(case: str) -> None:
-    """Not gathered: a lone cast, casts the trace only uses, a cast of a computed tensor, a no-op cast."""
+    """Not gathered: a lone cast, large casts the trace only uses, a cast of a computed tensor, a
+    no-op cast."""
+    from kforge.fusion.input_casts import SMALL
+
     a, b = randn(4, 6, device="cpu", seed=7), randn(6, device="cpu", seed=8)
+    if case == "used_inside":
+        a, b = randn(SMALL + 1, device="cpu", seed=7), randn(SMALL + 7, device="cpu", seed=8)
     fns = {
         "one": lambda a, b: (a.to(torch.bfloat16), b * 2),
-        "used_inside": lambda a, b: a.to(torch.bfloat16) * 2 + b.to(torch.bfloat16),
+        "used_inside": lambda a, b: a.to(torch.bfloat16) * 2 + b[:a.shape[0]].to(torch.bfloat16),
         "intermediate": lambda a, b: ((a * 2).to(torch.bfloat16), (b + 1).to(torch.bfloat16)),
         "same_dtype": lambda a, b: (a.float(), b.to(torch.float32), a * 2),
     }

@@ -7,8 +7,10 @@ live from their cast to the backward either way, so all of them can be made at o
 first one was: one `kforge_cast_inputs` symbol, `torch._foreach_copy_` into fresh tensors (one
 multi-tensor kernel per chunk of tensors instead of a kernel per weight).
 
-Casts whose results the forward does not return (inference, or a weight used in the forward only)
-are left where they are: making them early would keep them alive longer than their use.
+A large cast whose result the forward does not return (inference, or a weight used in the forward
+only) is left where it is: making it early would keep it alive longer than its use. Small ones
+(biases: at most `SMALL` elements) join the others whatever their use: a 16-bit copy of a bias kept
+alive through the forward costs a few kB, its own launch about as much host time as a GEMM's.
 """
 from __future__ import annotations
 
@@ -18,7 +20,11 @@ from typing import Any, Sequence
 import torch
 from thunder.core.dtypes import to_torch_dtype
 
-__all__ = ["gather_input_casts"]
+__all__ = ["gather_input_casts", "SMALL"]
+
+# Elements up to which an input's cast is gathered even when only the forward reads it: every bias
+# of the zoo's models (3072 for GPT-2's MLP, a vocabulary-sized one 50257 elements) and norm weights.
+SMALL = 1 << 16
 
 
 def cast_all(xs: Sequence[Any], dtype: Any) -> tuple:
@@ -61,13 +67,23 @@ def _cast_of_input(b: Any, inputs: set, devices: Sequence[str]) -> Any | None:
     return (src[0].dtype, out.dtype, str(src[0].device))
 
 
+def _small(p: Any) -> bool:
+    """At most SMALL elements, by a static shape (a symbolic one counts as large)."""
+    n = 1
+    for d in p.shape:
+        if not isinstance(d, int):
+            return False
+        n *= d
+    return n <= SMALL
+
+
 def gather_input_casts(bsyms: Sequence[Any], inputs: Sequence[Any], returned: set[str],
                        devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
     """`bsyms` with the forward's conversions of trace inputs (`inputs`: the trace's argument
-    proxies) whose results live on past the forward, made together: one `kforge_cast_inputs` per
-    (source dtype, target dtype, device) at the first one's place. A result lives on when the trace
-    returns it (`returned`: a forward trace's outputs include what it saves) or the backward part of
-    a joint trace reads it. Returns (new bound symbols, number of conversions gathered); nothing
+    proxies) whose results live on past the forward, and those of at most `SMALL` elements, made
+    together: one `kforge_cast_inputs` per (source dtype, target dtype, device) at the first one's
+    place. A result lives on when the trace returns it (`returned`: a forward trace's outputs include
+    what it saves) or the backward part of a joint trace reads it. Returns (new bound symbols, number of conversions gathered); nothing
     changes where fewer than two would be gathered."""
     from thunder.core.proxies import TensorProxy
     from thunder.core.symbol import BoundSymbolTag
@@ -79,8 +95,10 @@ def gather_input_casts(bsyms: Sequence[Any], inputs: Sequence[Any], returned: se
         if BoundSymbolTag.BACKWARD in b.tags:
             continue
         key = _cast_of_input(b, names, devices)
-        out = b.flat_outs[0].name if key is not None else None
-        if out is not None and (out in returned or out in in_backward):
+        if key is None:
+            continue
+        out = b.flat_outs[0]
+        if out.name in returned or out.name in in_backward or _small(out):
             groups.setdefault(key, []).append(i)
     replace: dict[int, Any] = {}
     drop: set[int] = set()
