@@ -511,15 +511,29 @@ KF_DEVICE void load_strided_last(U (&r)[P], const T* __restrict__ p, int t, int 
     if (t + k * tpr < units) load_unit_last(r[k], p + k * tpr * U::size);
 }
 
+// An fp32 unit's V results stored as the 16-bit Y, each rounded once: one 8-byte store for a 16-byte
+// unit (4 elements), else one element.
+template <typename Y, int V>
+KF_DEVICE void store_narrow_unit(Y* p, const float (&y)[V]) {
+  static_assert(sizeof(Y) == 2 && (V == 4 || V == 1), "a 16-bit y of an fp32 unit of 4 or 1 elements");
+  if constexpr (V == 4) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(Word<Y>::pack2(y[0], y[1]), Word<Y>::pack2(y[2], y[3]));
+  } else {
+    *p = from_float<Y>(y[0]);
+  }
+}
+
 // Forward: group g = y * gridDim.x + blockIdx.x of the grid takes rows g, g + G, ... (G groups in
 // the grid), software-pipelined: the next row's x units are loaded before the current row's are
 // used, so every group keeps a row in flight while it works. A row's x is converted to fp32 once and
 // kept (8 floats a thread), then the mean (one group reduction), the variance around it (a second
 // one) and the output. Weight and bias stay in registers as fp32 for all rows.
-template <typename T, bool VEC>
+// Y: out's type. A 16-bit Y of fp32 T (autocast's fp32 residual stream, whose norm only a cast to
+// the matmuls' type reads) stores y rounded once from the fp32 result: the cast's value.
+template <typename T, bool VEC, typename Y = T>
 __global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
     layernorm_forward_group_kernel(const T* __restrict__ x, const T* __restrict__ weight,
-                                   const T* __restrict__ bias, T* __restrict__ out,
+                                   const T* __restrict__ bias, Y* __restrict__ out,
                                    float* __restrict__ mean, float* __restrict__ rstd, long long N,
                                    int C, float eps) {
   kf_wait_prior_grids();
@@ -579,14 +593,17 @@ __global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
     group_sum_n(rs, red[1], first, nw, ty);
 
     rs[0] = rsqrtf(fmaf(rs[0], inv_c, eps));
-    T* orow = out + (i64)row * C + tx * V;
+    Y* orow = out + (i64)row * C + tx * V;
 #pragma unroll
     for (int k = 0; k < P; ++k)
       if (tx + k * tpr < units) {
         float y[V];
 #pragma unroll
         for (int i = 0; i < V; ++i) y[i] = fmaf(xf[k * V + i] * rs[0], wf[k * V + i], bf[k * V + i]);
-        store_unit(orow + k * tpr * V, U::from(y));
+        if constexpr (sizeof(Y) == sizeof(T))
+          store_unit(orow + k * tpr * V, U::from(y));
+        else
+          store_narrow_unit<Y, V>(orow + k * tpr * V, y);
       }
     if (tx == 0) {
       mean[row] = mu[0];

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from thunder.core.trace import TraceCtx, tracectx
 
+import conftest
 import kforge
 from conftest import DTYPES, REL_TOL, assert_close, gpu, proxy, randn, swap_launchers
 from kforge import _thunder
@@ -285,6 +286,73 @@ def test_launcher_rejects_bad_arguments():
         ln_backward(dout, x, w, b, mean, rstd, variant=-1)
 
 
+# ---- a 16-bit y of fp32 x (autocast's residual stream; kforge.fusion.norm_epilogues) ------------------
+NARROW = {torch.bfloat16: "bf16", torch.float16: "half"}
+
+
+@gpu
+@pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("affine", ["weight+bias", "none"])
+@pytest.mark.parametrize("shape", [(8192, 768), (37, 1024), (3, 5, 100), (17, 6), (1, 1), (1000, 64), (9, 7)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_forward_stores_a_narrow_y(shape, affine, y_dtype):
+    """layernorm_forward(fp32 x, y_dtype=bf16 / fp16): out is bit for bit the fp32 kernel's out
+    converted by torch (one rounding of the same fp32 value), mean and rstd the same, from the GROUP
+    kernel itself (8-byte stores where C % 4 == 0, element-wise ones otherwise); within the 16-bit
+    type's rounding of float64. Outputs are poisoned first: every element is written."""
+    x, w, b, dout = make_inputs(shape, torch.float32, affine)
+    out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS, y_dtype=y_dtype)
+    out32, mean32, rstd32 = kforge._C.layernorm_forward(x, w, b, EPS)
+    assert out.dtype == y_dtype and out.shape == x.shape and out.is_contiguous()
+    assert torch.equal(out, out32.to(y_dtype)) and torch.equal(mean, mean32) and torch.equal(rstd, rstd32)
+    assert_close(out, reference(x, w, b, dout)[0].to(y_dtype), y_dtype, "narrow out")
+    vec = "true" if shape[-1] % 4 == 0 else "false"
+    expr = f"layernorm_forward_group_kernel<float, {vec}, {NARROW[y_dtype]}>"
+    assert expr in conftest.launched("layernorm"), sorted(conftest.launched("layernorm"))
+
+
+@gpu
+@pytest.mark.parametrize("case", ["no-group", "long-row", "misaligned", "empty"])
+def test_forward_narrow_y_elsewhere_and_bad_requests(case):
+    """Where the GROUP kernel does not run (the WARP fallback, rows over 1024 columns) the fp32 result
+    is converted: the same bits; a misaligned x takes the element-wise GROUP kernel; no rows: an empty
+    16-bit out. y_dtype for a 16-bit x or a float64 y is refused naming the op."""
+    shape = {"no-group": (65, 768), "long-row": (33, 1600), "misaligned": (65, 768), "empty": (0, 768)}[case]
+    x, w, b, _ = make_inputs(shape, torch.float32)
+    if case == "misaligned":
+        x = torch.cat([torch.zeros(1, device="cuda"), x.flatten()])[1:].view(shape)  # 4-byte offset
+    variant = 1 if case == "no-group" else 0
+    with override("layernorm_forward", variant=variant):
+        out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS, y_dtype=torch.bfloat16)
+    out32, mean32, rstd32 = kforge._C.layernorm_forward(x.clone(), w, b, EPS)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert torch.equal(out, out32.bfloat16()) and torch.equal(mean, mean32) and torch.equal(rstd, rstd32)
+    with pytest.raises(kforge.KforgeError, match="layernorm_forward.*only float32 x"):
+        kforge._C.layernorm_forward(x.bfloat16(), None, None, EPS, y_dtype=torch.float16)
+    with pytest.raises(kforge.KforgeError, match="layernorm_forward.*only float32 x"):
+        kforge._C.layernorm_forward(x, w, b, EPS, y_dtype=torch.float64)
+    assert kforge._C.layernorm_forward(x, w, b, EPS, y_dtype=torch.float32)[0].dtype == torch.float32
+
+
+def test_gpt2_autocast_norms_store_bf16_themselves():
+    """The fake-traced nanoGPT under autocast (kforge.jit): every LayerNorm of the fp32 residual stream
+    stores bf16 itself (its only reader was autocast's cast for the next matmul), and no fusion region
+    reads a norm's output."""
+    from kforge.zoo import nanogpt
+
+    ft = conftest.fake_cuda_trace(nanogpt.make, jit=kforge.jit, size="tiny", batch=2, seq=16, autocast=True)
+    norms = [b for b in ft.forward.bound_symbols if b.sym.name == "kforge_layernorm_forward"]
+    n_layers = sum(1 for b in ft.backward.bound_symbols if b.sym.name == "kforge_attention_backward")
+    assert len(norms) == 2 * n_layers + 1 and n_layers > 0, [str(b) for b in norms]
+    for b in norms:
+        assert b.args[0].dtype == thunder.dtypes.float32 and b.args[4] == torch.bfloat16, str(b)
+        assert b.output[0].dtype == thunder.dtypes.bfloat16 and b.output[1].dtype == thunder.dtypes.float32
+    outs = {b.output[0].name for b in norms}
+    for b in ft.forward.bound_symbols:
+        if b.sym.name.startswith("kforgeFusion"):
+            assert not outs & {p.name for p in b.flat_proxy_args}, str(b)
+
+
 @gpu
 @pytest.mark.parametrize("affine", ["weight+bias", "none"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -385,14 +453,14 @@ def test_checker_accepts_and_declines_with_reasons():
 
 # Thunder plumbing without a GPU: the claim's metas and grad transform run for real; only the kforge
 # launchers are swapped for a torch reference and the checker accepts CPU tensors.
-def _ref_forward(x, w, b, eps):
+def _ref_forward(x, w, b, eps, y_dtype=None):
     c = x.shape[-1]
     rows = x.float().reshape(-1, c)
     mean, rstd = rows.mean(-1), (rows.var(-1, unbiased=False) + eps).rsqrt()
     y = (rows - mean[:, None]) * rstd[:, None]
     y = y * w.float() if w is not None else y
     y = y + b.float() if b is not None else y
-    return y.to(x.dtype).reshape(x.shape), mean, rstd
+    return y.to(y_dtype or x.dtype).reshape(x.shape), mean, rstd
 
 
 def _ref_backward(dout, x, w, b, mean, rstd):

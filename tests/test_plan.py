@@ -172,6 +172,24 @@ def test_testing_variant_never_picks_group_or_ring():
         assert C.plan("rmsnorm_backward", list(shape), dtype, variant=1)["layout"] != "ring"
 
 
+@pytest.mark.parametrize("y_dtype", ["bfloat16", "float16"])
+def test_layernorm_narrow_y_kernels_are_instantiated(y_dtype):
+    """A float32 LayerNorm storing a 16-bit out: where the plan is GROUP (16-byte units or
+    element-wise) it names the narrow instantiation, a name expression of the program; other layouts
+    keep the float32 kernel (the launcher converts after it). A 16-bit x is refused."""
+    exprs = set(C.name_expressions("layernorm"))
+    short = "bf16" if y_dtype == "bfloat16" else "half"
+    for shape, aligned, group in (([8192, 768], True, True), ([33, 7], False, True), ([8192, 4096], True, False)):
+        p = C.plan("layernorm_forward", shape, "float32", aligned=aligned, y_dtype=y_dtype)
+        assert (p["layout"] == "group") == group, p
+        want = f"layernorm_forward_group_kernel<{{T}}, {'true' if aligned else 'false'}, {short}>"
+        assert (p["kernel"] == want) == group, p
+        assert p["kernel"].replace("{T}", "float") in exprs, (p["kernel"], sorted(exprs))
+    for dtype, y in (("bfloat16", "float32"), ("float32", "float64")):
+        with pytest.raises(ValueError, match="only float32 x|got float64"):
+            C.plan("layernorm_forward", [8192, 768], dtype, y_dtype=y)
+
+
 def test_known_choices():
     """The dispatch BENCHMARKS.md's measurements chose (src/ops/layernorm.cpp's header)."""
     assert C.plan("layernorm_forward", [8192, 768], "float32")["layout"] == "group"

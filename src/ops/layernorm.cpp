@@ -72,6 +72,12 @@ Kernel bwd_warp_scalar[kNumScalarP] = {
 // (bf16 / half take WARP / RING there).
 Kernel fwd_group_vec(prog, "layernorm_forward_group_kernel<{T}, true>", kF32Only);
 Kernel fwd_group_scalar(prog, "layernorm_forward_group_kernel<{T}, false>", kF32Only);
+// fp32 x storing a bf16 / half y, [vec][0: bf16, 1: half] (autocast: kforge.fusion.norm_epilogues).
+Kernel fwd_group_narrow[2][2] = {
+    {Kernel(prog, "layernorm_forward_group_kernel<{T}, false, bf16>", kF32Only),
+     Kernel(prog, "layernorm_forward_group_kernel<{T}, false, half>", kF32Only)},
+    {Kernel(prog, "layernorm_forward_group_kernel<{T}, true, bf16>", kF32Only),
+     Kernel(prog, "layernorm_forward_group_kernel<{T}, true, half>", kF32Only)}};
 Kernel bwd_group_vec(prog, "layernorm_backward_group_kernel<{T}, true>", kF32Only);
 Kernel bwd_group_scalar(prog, "layernorm_backward_group_kernel<{T}, false>");
 
@@ -106,27 +112,43 @@ bool aligned_or_absent(const at::Tensor& t) { return !t.defined() || aligned16(t
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
     const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
-    const std::optional<at::Tensor>& bias_, double eps) {
+    const std::optional<at::Tensor>& bias_, double eps, std::optional<at::ScalarType> y_dtype) {
   const at::Tensor x = input(x_, kFwd, "x");
   const auto [N, C] = rows_cols(x, kFwd);
   const at::Tensor w = param(weight_, x, C, kFwd, "weight");
   const at::Tensor b = param(bias_, x, C, kFwd, "bias");
   KF_CHECK(eps >= 0, kFwd, "eps must be >= 0, got ", eps);
+  int narrow = -1;  // 0: bf16 y, 1: half y, of an fp32 x
+  if (y_dtype && *y_dtype != x.scalar_type()) {
+    KF_CHECK(x.scalar_type() == at::kFloat && (*y_dtype == at::kBFloat16 || *y_dtype == at::kHalf), kFwd,
+             "y_dtype ", to_str(*y_dtype), " for x of ", to_str(x.scalar_type()),
+             ": only float32 x may store a bfloat16 / float16 y");
+    narrow = *y_dtype == at::kBFloat16 ? 0 : 1;
+  }
   LaunchOn on(x);
-  at::Tensor out = new_output_like(x);
   at::Tensor mean = new_output({N}, x.options().dtype(at::kFloat));
   at::Tensor rstd = new_output({N}, x.options().dtype(at::kFloat));
-  if (N == 0) return {out, mean, rstd};
-
-  const bool aligned =
-      aligned16(x) && aligned16(out) && aligned_or_absent(w) && aligned_or_absent(b);
   const DType dt = dtype_of(x, kFwd);
-  const LayernormPlan p =
-      plan_layernorm_forward(N, C, x.element_size(), aligned, sm_count(on.device),
-                             fwd_override.get_max_warps(), fwd_override.get_variant());
   using L = LayernormLayout;
+  const auto plan = [&](bool aligned) {
+    return plan_layernorm_forward(N, C, x.element_size(), aligned, sm_count(on.device),
+                                  fwd_override.get_max_warps(), fwd_override.get_variant());
+  };
+  const bool inputs_aligned = aligned16(x) && aligned_or_absent(w) && aligned_or_absent(b);
+  LayernormPlan p = plan(inputs_aligned);
+  // Only the GROUP kernel (fp32 rows of up to 1024 columns) stores a 16-bit y itself; other rows are
+  // normalised in fp32 and converted by torch: the same values, one more pass.
+  const bool narrow_here = narrow >= 0 && (N == 0 || p.layout_id == L::group);
+  at::Tensor out = narrow_here ? new_output(x.sizes(), x.options().dtype(*y_dtype)) : new_output_like(x);
+  if (N == 0) return {out, mean, rstd};
+  // a 16-bit y of fp32 units moves 8 bytes a unit: its base 8-byte aligned is enough
+  const uintptr_t out_mask = narrow_here ? 7 : 15;
+  if (inputs_aligned && (reinterpret_cast<uintptr_t>(out.data_ptr()) & out_mask) != 0) p = plan(false);
+  KF_CHECK(!narrow_here || p.layout_id == L::group, kFwd, "no GROUP layout for a 16-bit y of this x");
+
   const L layout = p.layout_id;
-  Kernel& k = layout == L::group ? (p.vec ? fwd_group_vec : fwd_group_scalar)
+  Kernel& k = layout == L::group ? (narrow_here ? fwd_group_narrow[p.vec][narrow]
+                                                : (p.vec ? fwd_group_vec : fwd_group_scalar))
               : layout == L::warp
                   ? (p.vec ? fwd_warp_vec[p.warp_index] : fwd_warp_scalar[p.warp_index])
                   : fwd_kernels[p.vec][p.fits];
@@ -140,6 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
     k.launch(dt, on.device, on.stream, grid, block, 0, x.data_ptr(), ptr_or_null(w), ptr_or_null(b),
              out.data_ptr(), mean.data_ptr(), rstd.data_ptr(), static_cast<long long>(N),
              static_cast<int>(C), static_cast<float>(eps));
+  if (narrow >= 0 && !narrow_here) out = out.to(*y_dtype);
   return {out, mean, rstd};
 }
 
@@ -234,9 +257,10 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
 KFORGE_BIND_OP(layernorm) {
   m.def("layernorm_forward", &layernorm_forward,
         "LayerNorm over the last dim: returns (out, mean, rstd); mean / rstd are float32 (N,). The "
-        "layout (kforge._C.plan) depends on dtype, row length and alignment only.",
+        "layout (kforge._C.plan) depends on dtype, row length and alignment only. y_dtype (None: x's): "
+        "a float32 x may store out as bfloat16 / float16, rounded once: layernorm_forward(x)[0].to(y_dtype).",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("eps") = 1e-5);
+        pybind11::arg("eps") = 1e-5, pybind11::arg("y_dtype") = pybind11::none());
   m.def("layernorm_backward", &layernorm_backward,
         "LayerNorm backward: returns (dx, dweight or None, dbias or None); bias is only used to "
         "decide whether dbias is wanted. dweight / dbias are reduced in a fixed order (reproducible "

@@ -77,7 +77,18 @@ py::dict layernorm(const Query& q, bool forward) {
               : plan_layernorm_backward(N, C, q.elem_size, q.aligned,
                                         q.opt<bool>("weight", true) || q.opt<bool>("bias", true),
                                         q.sms, q.smem_optin, mw, v);
-  py::dict d = base(p, layernorm_kernel_name(p, forward));
+  // y_dtype (forward): a 16-bit out of a float32 x, stored by the GROUP kernel itself; other layouts
+  // run the float32 kernel and convert (src/ops/layernorm.cpp)
+  std::string kernel = layernorm_kernel_name(p, forward);
+  if (forward && q.options.contains("y_dtype") && !q.options["y_dtype"].is_none()) {
+    const std::string t = py::str(q.options["y_dtype"]);
+    if (elem_size_of(t) != q.elem_size) {  // (a 16-bit y of a 16-bit x counts as x's own type here)
+      require(q.f32 && elem_size_of(t) == 2, "layernorm_forward", "only float32 x may store a bfloat16 / float16 y");
+      if (p.layout_id == LayernormLayout::group)
+        kernel.insert(kernel.size() - 1, t.find("bfloat16") != std::string::npos ? ", bf16" : ", half");
+    }
+  }
+  py::dict d = base(p, kernel);
   d["vec"] = p.vec;
   return d;
 }
@@ -316,7 +327,7 @@ KFORGE_BIND_OP(plans) {
       "op-specific template arguments. aligned: every tensor 16-byte aligned (False: one is off by "
       "an element). sms / smem_optin: the device's SM count and opt-in shared memory per block "
       "(defaults: H100 SXM). Options by op: layernorm max_warps, variant, weight, bias (backward: "
-      "whether their gradients are wanted); rmsnorm normalized_ndim, cast_before_weight, "
+      "whether their gradients are wanted), y_dtype (forward: a 16-bit out of float32 dtype); rmsnorm normalized_ndim, cast_before_weight, "
       "dresidual, variant, copy_dtype (rmsnorm_backward: a 16-bit copy of a float32 dx), "
       "y_dtype (a 16-bit y of float32 dtype), x_dtype (add_rmsnorm_forward: a "
       "16-bit x added to the float32 residual of dtype); gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "

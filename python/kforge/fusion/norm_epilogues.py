@@ -1,4 +1,4 @@
-"""Additions and conversions around kforge's RMSNorm kernels done by those kernels.
+"""Additions and conversions around kforge's RMSNorm (and LayerNorm) kernels done by those kernels.
 
 Under autocast (fp32 weights, 16-bit matmuls) a Llama keeps its residual stream in float32, so the
 pattern pass's `add_rms_norm` (one dtype on both sides of the add) does not apply, and the norms'
@@ -13,7 +13,8 @@ narrow_norm_outputs: the norm of the fp32 stream is read only by a conversion to
     type. `convert(kforge_rmsnorm_forward(x, ...)[0], bf16)` becomes `kforge_rmsnorm_forward(x, ...,
     y_dtype=bf16)`: the kernel stores y as bf16, rounded once from its fp32 result as the conversion
     did, so neither the fp32 y nor a conversion kernel's pass over it is left (through a shallow copy
-    between them too: Hugging Face's lm_head slice of the last norm's output).
+    between them too: Hugging Face's lm_head slice of the last norm's output). LayerNorm's forward
+    (GPT-2 under autocast) the same way: `kforge_layernorm_forward(x, weight, bias, eps, bf16)`.
 fold_branch_adds: the norm's input is the fp32 stream plus a 16-bit branch (the attention's or the
     MLP's output projection) upcast, `add(h, convert(b16, float32))`. The add and the conversion
     become part of the norm: `kforge_add_rmsnorm_forward(b16, h, ...)` reads the branch as bf16, adds
@@ -73,19 +74,25 @@ def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
 
 
 def narrow_norm_outputs(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
-    """`bsyms` with each fp32 RMSNorm whose output only a conversion to bf16 / fp16 reads storing that
-    type itself (see the module docstring); returns (new bound symbols, number of conversions removed).
+    """`bsyms` with each fp32 RMSNorm or LayerNorm whose output only a conversion to bf16 / fp16 reads
+    storing that type itself (see the module docstring); returns (new bound symbols, number of
+    conversions removed).
     Run after `dedupe_views`, which leaves one conversion of a tensor to a dtype."""
     from thunder.core import dtypes
 
+    from ..ops.layernorm import layernorm_forward
     from ..ops.rmsnorm import rmsnorm_forward
     from .matmul_acc import _Trace, _side, is_conversion, spliced
 
+    # each norm's arguments before y_dtype: rmsnorm (x, weight, eps, ndim, cbw), layernorm (x, weight,
+    # bias, eps)
+    n_args = {rmsnorm_forward.id: 5, layernorm_forward.id: 4}
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
     drop: set[int] = set()
     for j, norm in enumerate(tr.bsyms):
-        if norm.sym.id != rmsnorm_forward.id or (len(norm.args) > 5 and norm.args[5] is not None):
+        n = n_args.get(norm.sym.id)
+        if n is None or (len(norm.args) > n and norm.args[n] is not None):
             continue
         x, y = norm.args[0], norm.output[0]
         if x.dtype != dtypes.float32 or y.device.type not in devices:
@@ -109,7 +116,7 @@ def narrow_norm_outputs(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
         if (not is_conversion(cast) or out is None or out.dtype not in (dtypes.bfloat16, dtypes.float16)
                 or tuple(out.shape) != tuple(y.shape) or _side(cast) != _side(norm)):
             continue
-        nb = rmsnorm_forward.bind(*norm.args[:5], dtypes.to_torch_dtype(out.dtype), output=(out, norm.output[1]))
+        nb = norm.sym.bind(*norm.args[:n], dtypes.to_torch_dtype(out.dtype), output=(out, *norm.output[1:]))
         nb.tags.update(norm.tags)
         replace[j] = nb
         drop.update(gone)

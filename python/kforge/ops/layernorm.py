@@ -1,7 +1,8 @@
 """layernorm: LayerNorm over the last dim, with optional weight and bias.
 
 Forward (`kforge_layernorm_forward`) returns the output plus per-row mean and rstd (fp32, shape
-(N,) for N = numel / C rows); backward (`kforge_layernorm_backward`) reads dout, x, weight and the
+(N,) for N = numel / C rows); a float32 x may store its output as bf16 / fp16 (`y_dtype`, what the
+fusion pass makes of autocast's conversion of the norm's output); backward (`kforge_layernorm_backward`) reads dout, x, weight and the
 saved stats once and returns dx, dweight and dbias (the last two only when weight / bias exist),
 with the parameter gradients accumulated in fp32 and reduced in a fixed order (reproducible bits).
 Kernels: kernels_src/layernorm.cu.
@@ -27,10 +28,12 @@ from .._thunder import Claim, OpSpec, operator, same_dtype_device, tensor_proble
 _MAX_C = 2**30  # the launcher keeps in-row indices in 32 bits
 
 
-def _forward_meta(x: TensorProxy, weight: TensorProxy | None, bias: TensorProxy | None, eps: float):
+def _forward_meta(x: TensorProxy, weight: TensorProxy | None, bias: TensorProxy | None, eps: float,
+                  y_dtype: Any = None):
     n = math.prod(x.shape[:-1])
     stats = TensorProxy(like=x, shape=(n,), dtype=dtypes.float32)
-    return TensorProxy(like=x), stats, TensorProxy(like=stats)
+    y = TensorProxy(like=x) if y_dtype is None else TensorProxy(like=x, dtype=dtypes.to_dtype(y_dtype))
+    return y, stats, TensorProxy(like=stats)
 
 
 def _backward_meta(dout: TensorProxy, x: TensorProxy, weight: TensorProxy | None, bias: TensorProxy | None,
@@ -40,7 +43,8 @@ def _backward_meta(dout: TensorProxy, x: TensorProxy, weight: TensorProxy | None
             None if bias is None else TensorProxy(like=bias))
 
 
-# (x, weight | None, bias | None, eps) -> (out, mean (N,) f32, rstd (N,) f32)
+# (x, weight | None, bias | None, eps[, y_dtype]) -> (out, mean (N,) f32, rstd (N,) f32); y_dtype (a
+# float32 x's bf16 / fp16 out, rounded once: kforge.fusion.norm_epilogues.narrow_norm_outputs)
 layernorm_forward = operator("layernorm_forward", meta=_forward_meta, fn=_C.layernorm_forward)
 # (dout, x, weight | None, bias | None, mean, rstd) -> (dx, dweight | None, dbias | None)
 layernorm_backward = operator("layernorm_backward", meta=_backward_meta, fn=_C.layernorm_backward)
