@@ -511,6 +511,10 @@ KF_DEVICE void load_strided_last(U (&r)[P], const T* __restrict__ p, int t, int 
     if (t + k * tpr < units) load_unit_last(r[k], p + k * tpr * U::size);
 }
 
+// The 16-bit type of dx's copy (NZ: 1 bf16, 2 half; 0: no copy, bf16 named only to type a pointer).
+template <int NZ> struct LnCopyOf { using type = bf16; };
+template <> struct LnCopyOf<2> { using type = half; };
+
 // An fp32 unit's V results stored as the 16-bit Y, each rounded once: one 8-byte store for a 16-byte
 // unit (4 elements), else one element.
 template <typename Y, int V>
@@ -639,14 +643,21 @@ __global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
 // added in group order into partial[blockIdx.x] = [dweight | dbias] (2C floats; partial is nullptr
 // when neither is needed). Every column's sum has a fixed order: the result is reproducible.
 // 16-byte units are fp32 only (bf16 / half rows with 16-byte units take the RING layout).
-template <typename T, bool VEC>
+// RES (fp32 T; autocast's residual stream): dres, the stream's gradient from its other consumers, is
+// added to dx before the store (its units loaded after the row's reduction, so no registers are held
+// through it), as the separate add did. NZ (fp32 T: 1 bf16, 2 half): dx (with dres) is also stored
+// rounded once to that type in dz, the value of autocast's cast of it for the next 16-bit matmul.
+template <typename T, bool VEC, bool RES = false, int NZ = 0>
 __global__ void __launch_bounds__(32 * ln_group_bwd_warps(VEC), 1)
     layernorm_backward_group_kernel(const T* __restrict__ dout, const T* __restrict__ x,
                                     const T* __restrict__ weight, const float* __restrict__ mean,
                                     const float* __restrict__ rstd, T* __restrict__ dx,
                                     float* __restrict__ partial, long long N, int C,
-                                    int need_dweight, int need_dbias) {
+                                    int need_dweight, int need_dbias, const T* __restrict__ dres,
+                                    void* __restrict__ dz) {
   kf_wait_prior_grids();
+  static_assert((!RES && NZ == 0) || sizeof(T) == 4, "dres and the 16-bit copy: fp32 rows only");
+  using Z = typename LnCopyOf<NZ>::type;
   using U = Unit<T, VEC>;
   constexpr int V = U::size, P = kGroupCols / V;
   static_assert(kGroupCols == 8 && kGroupCols % V == 0, "whole units, two float4 per thread");
@@ -725,13 +736,21 @@ __global__ void __launch_bounds__(32 * ln_group_bwd_warps(VEC), 1)
     const float c1 = -rs * (sums[0] * inv_c);
     const float c2 = -rs * rs * (sums[1] * inv_c);
     T* drow = dx + (i64)row * C + tx * V;
+    U rc[P];
+    if constexpr (RES) load_strided_last<P>(rc, dres + (i64)row * C + tx * V, tx, tpr, units);
 #pragma unroll
     for (int k = 0; k < P; ++k) {
       if (tx + k * tpr < units) {
         float o[V];
 #pragma unroll
         for (int i = 0; i < V; ++i) o[i] = fmaf(d[k * V + i], c2, fmaf(rs, gw[k * V + i], c1));
+        if constexpr (RES) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) o[i] = o[i] + rc[k].f(i);
+        }
         store_unit(drow + k * tpr * V, U::from(o));
+        if constexpr (NZ != 0)
+          store_narrow_unit<Z, V>(static_cast<Z*>(dz) + (i64)row * C + (tx + k * tpr) * V, o);
       }
     }
   };

@@ -334,6 +334,64 @@ def test_forward_narrow_y_elsewhere_and_bad_requests(case):
     assert kforge._C.layernorm_forward(x, w, b, EPS, y_dtype=torch.float32)[0].dtype == torch.float32
 
 
+@gpu
+@pytest.mark.parametrize("copy", [None, torch.bfloat16, torch.float16], ids=["no-copy", "bf16", "fp16"])
+@pytest.mark.parametrize("res", [True, False], ids=["dres", "no-dres"])
+@pytest.mark.parametrize("shape", [(8192, 768), (37, 1024), (3, 5, 100), (17, 6), (33, 1600), (1, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward_adds_dresidual_and_stores_a_copy(shape, res, copy):
+    """layernorm_backward(..., dresidual) and layernorm_backward_copy (fp32 x): dx is bit for bit the
+    plain kernel's dx + dres (one fp32 add, as the separate add), the copy bit for bit its conversion,
+    dweight / dbias unchanged; the 16-byte GROUP kernel does both itself (C % 4 == 0 up to 1024
+    columns), other rows get torch's add and conversion (outputs poisoned: conftest)."""
+    if not res and copy is None:
+        pytest.skip("the plain backward: tested above")
+    x, w, b, dout = make_inputs(shape, torch.float32)
+    dres = randn(*shape, seed=11) if res else None
+    _, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS)
+    dx0, dw0, db0 = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd)
+    want = dx0 + dres if res else dx0
+    if copy is None:
+        dx, dw, db = kforge._C.layernorm_backward(dout, x, w, b, mean, rstd, dres)
+    else:
+        dx, dw, db, z = kforge._C.layernorm_backward_copy(dout, x, w, b, mean, rstd, dres, copy)
+        assert z.dtype == copy and z.shape == x.shape and torch.equal(z, want.to(copy))
+    assert torch.equal(dx, want) and torch.equal(dw, dw0) and torch.equal(db, db0)
+    if shape[-1] % 4 == 0 and shape[-1] <= 1024:
+        nz = {None: 0, torch.bfloat16: 1, torch.float16: 2}[copy]
+        expr = f"layernorm_backward_group_kernel<float, true, {str(res).lower()}, {nz}>"
+        assert expr in conftest.launched("layernorm"), sorted(conftest.launched("layernorm"))
+
+
+def test_gpt2_autocast_norm_backwards_add_and_copy():
+    """The fake-traced nanoGPT under autocast: every LayerNorm backward but the last norm's adds the
+    residual stream's gradient itself (fold_residual_grads), every one whose dx a bf16 matmul reads
+    stores that copy (copy_norm_grads): no fusion region reads a norm backward's dx."""
+    from kforge.zoo import nanogpt
+
+    ft = conftest.fake_cuda_trace(nanogpt.make, jit=kforge.jit, size="tiny", batch=2, seq=16, autocast=True)
+    names = ("kforge_layernorm_backward", "kforge_layernorm_backward_copy")
+    bwd = [b for b in ft.backward.bound_symbols if b.sym.name in names]
+    n_layers = sum(1 for b in ft.backward.bound_symbols if b.sym.name == "kforge_attention_backward")
+    assert len(bwd) == 2 * n_layers + 1, [str(b) for b in bwd]
+    with_dres = [b for b in bwd if len(b.args) > 6 and b.args[6] is not None]
+    assert len(with_dres) == 2 * n_layers, [str(b) for b in bwd]  # all but ln_f's
+    copies = [b for b in bwd if b.sym.name == names[1]]
+    # the first layer's attention norm's dx goes to the embeddings (fp32), not to a bf16 matmul
+    assert len(copies) == 2 * n_layers, [str(b) for b in bwd]
+    for b in copies:
+        assert b.args[7] == torch.bfloat16 and b.output[3].dtype == thunder.dtypes.bfloat16
+    # a region may still read a dx (the position embedding's gradient sums the first norm's over the
+    # batch) but neither adds to it nor converts it to bf16
+    dxs = {b.output[0].name: b.output[0] for b in bwd}
+    for b in ft.backward.bound_symbols:
+        read = [dxs[p.name] for p in b.flat_proxy_args if p.name in dxs]
+        if b.sym.name.startswith("kforgeFusion") and read:
+            assert not any(s.sym.name == "add" for s in b.subsymbols), str(b)
+            assert not any(o.dtype == thunder.dtypes.bfloat16 and tuple(o.shape) == tuple(read[0].shape)
+                           for o in b.flat_outs), str(b)
+
+
 def test_gpt2_autocast_norms_store_bf16_themselves():
     """The fake-traced nanoGPT under autocast (kforge.jit): every LayerNorm of the fp32 residual stream
     stores bf16 itself (its only reader was autocast's cast for the next matmul), and no fusion region
@@ -463,7 +521,7 @@ def _ref_forward(x, w, b, eps, y_dtype=None):
     return y.to(y_dtype or x.dtype).reshape(x.shape), mean, rstd
 
 
-def _ref_backward(dout, x, w, b, mean, rstd):
+def _ref_backward(dout, x, w, b, mean, rstd, dresidual=None):
     c = x.shape[-1]
     rows, g = x.float().reshape(-1, c), dout.float().reshape(-1, c)
     xh = (rows - mean[:, None]) * rstd[:, None]
@@ -471,7 +529,8 @@ def _ref_backward(dout, x, w, b, mean, rstd):
     dx = rstd[:, None] * (gw - gw.mean(-1, keepdim=True) - xh * (gw * xh).mean(-1, keepdim=True))
     dw = None if w is None else (g * xh).sum(0).to(w.dtype)
     db = None if b is None else g.sum(0).to(b.dtype)
-    return dx.to(x.dtype).reshape(x.shape), dw, db
+    dx = dx.to(x.dtype).reshape(x.shape)
+    return (dx if dresidual is None else dx + dresidual), dw, db
 
 
 @pytest.fixture

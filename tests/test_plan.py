@@ -190,6 +190,22 @@ def test_layernorm_narrow_y_kernels_are_instantiated(y_dtype):
             C.plan("layernorm_forward", [8192, 768], dtype, y_dtype=y)
 
 
+def test_layernorm_backward_epilogue_kernels_are_instantiated():
+    """The float32 backward adding dres and / or storing a 16-bit copy: the 16-byte GROUP plan names
+    its epilogue instantiation (a name expression of the program); element-wise and other layouts keep
+    the plain kernel (torch adds / converts after it)."""
+    exprs = set(C.name_expressions("layernorm"))
+    for res, copy, nz in ((True, None, 0), (False, "bfloat16", 1), (True, "float16", 2)):
+        p = C.plan("layernorm_backward", [8192, 768], "float32", dresidual=res, copy_dtype=copy)
+        assert p["kernel"] == f"layernorm_backward_group_kernel<{{T}}, true, {str(res).lower()}, {nz}>", p
+        assert p["kernel"].replace("{T}", "float") in exprs
+        for shape, aligned in (([33, 7], True), ([8192, 768], False), ([8192, 1600], True)):
+            q = C.plan("layernorm_backward", shape, "float32", aligned=aligned, dresidual=res, copy_dtype=copy)
+            assert q["kernel"] == C.plan("layernorm_backward", shape, "float32", aligned=aligned)["kernel"], q
+    with pytest.raises(ValueError, match="only a float32 dx"):
+        C.plan("layernorm_backward", [8192, 768], "bfloat16", copy_dtype="float16")
+
+
 def test_known_choices():
     """The dispatch BENCHMARKS.md's measurements chose (src/ops/layernorm.cpp's header)."""
     assert C.plan("layernorm_forward", [8192, 768], "float32")["layout"] == "group"

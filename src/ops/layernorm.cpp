@@ -80,6 +80,16 @@ Kernel fwd_group_narrow[2][2] = {
      Kernel(prog, "layernorm_forward_group_kernel<{T}, true, half>", kF32Only)}};
 Kernel bwd_group_vec(prog, "layernorm_backward_group_kernel<{T}, true>", kF32Only);
 Kernel bwd_group_scalar(prog, "layernorm_backward_group_kernel<{T}, false>");
+// fp32 16-byte GROUP backward adding dres (RES) and / or storing a bf16 / half copy of dx (NZ 1 / 2),
+// [res][nz]; [0][0] unused (bwd_group_vec). Element-wise rows (odd C, misaligned) would spill with
+// these: they take the plain kernel and torch's add / conversion after it.
+Kernel bwd_group_epilogue[2][3] = {
+    {Kernel(prog, "layernorm_backward_group_kernel<{T}, true>", kF32Only),
+     Kernel(prog, "layernorm_backward_group_kernel<{T}, true, false, 1>", kF32Only),
+     Kernel(prog, "layernorm_backward_group_kernel<{T}, true, false, 2>", kF32Only)},
+    {Kernel(prog, "layernorm_backward_group_kernel<{T}, true, true, 0>", kF32Only),
+     Kernel(prog, "layernorm_backward_group_kernel<{T}, true, true, 1>", kF32Only),
+     Kernel(prog, "layernorm_backward_group_kernel<{T}, true, true, 2>", kF32Only)}};
 
 // RING layout (bf16 / half backward, 16-byte units).
 Kernel bwd_ring(prog, "layernorm_backward_ring_kernel<{T}>", k16Bit);
@@ -184,43 +194,66 @@ void param_grad(const at::Tensor& partial, std::optional<at::Tensor>& dweight,
                            dw, db, static_cast<int>(G), static_cast<int>(C));
 }
 
-std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> layernorm_backward(
-    const at::Tensor& dout_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
-    const std::optional<at::Tensor>& bias_, const at::Tensor& mean_, const at::Tensor& rstd_) {
-  const at::Tensor x = input(x_, kBwd, "x");
-  const at::Tensor dout = input_like(dout_, x, kBwd, "dout");
-  KF_CHECK(dout.sizes() == x.sizes(), kBwd, "dout has shape ", dout.sizes(), ", x has ", x.sizes());
-  const auto [N, C] = rows_cols(x, kBwd);
-  const at::Tensor w = param(weight_, x, C, kBwd, "weight");
-  const at::Tensor b = param(bias_, x, C, kBwd, "bias");  // only its presence matters
+using BackwardResult = std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
+                                  std::optional<at::Tensor>>;
+
+// (dx [+ dresidual], dweight, dbias, dx rounded to copy_dtype where asked). dresidual and the copy
+// are fp32 x's only (autocast's residual stream: kforge.fusion.norm_epilogues); the 16-byte GROUP
+// kernel does them itself, other layouts through torch after the plain kernel (the same values).
+BackwardResult backward(const char* op, const at::Tensor& dout_, const at::Tensor& x_,
+                        const std::optional<at::Tensor>& weight_, const std::optional<at::Tensor>& bias_,
+                        const at::Tensor& mean_, const at::Tensor& rstd_,
+                        const std::optional<at::Tensor>& dresidual_, std::optional<at::ScalarType> copy_dtype) {
+  const at::Tensor x = input(x_, op, "x");
+  const at::Tensor dout = input_like(dout_, x, op, "dout");
+  KF_CHECK(dout.sizes() == x.sizes(), op, "dout has shape ", dout.sizes(), ", x has ", x.sizes());
+  const auto [N, C] = rows_cols(x, op);
+  const at::Tensor w = param(weight_, x, C, op, "weight");
+  const at::Tensor b = param(bias_, x, C, op, "bias");  // only its presence matters
   for (const auto& [t, name] : {std::pair{&mean_, "mean"}, std::pair{&rstd_, "rstd"}}) {
-    KF_CHECK(t->defined() && t->is_cuda() && t->device() == x.device(), kBwd, name,
+    KF_CHECK(t->defined() && t->is_cuda() && t->device() == x.device(), op, name,
              " must be a CUDA tensor on ", x.device());
-    KF_CHECK(t->scalar_type() == at::kFloat && t->numel() == N, kBwd, name,
+    KF_CHECK(t->scalar_type() == at::kFloat && t->numel() == N, op, name,
              " must be float32 with one value per row (", N, "), got ", t->scalar_type(), " ",
              t->sizes());
   }
+  at::Tensor dres;
+  if (dresidual_ && dresidual_->defined()) {
+    dres = input_like(*dresidual_, x, op, "dresidual");
+    KF_CHECK(dres.sizes() == x.sizes(), op, "dresidual has shape ", dres.sizes(), ", x has ", x.sizes());
+  }
+  int nz = 0;  // 1: a bf16 copy of dx, 2: a half one
+  if (copy_dtype) {
+    KF_CHECK(x.scalar_type() == at::kFloat && (*copy_dtype == at::kBFloat16 || *copy_dtype == at::kHalf), op,
+             "copy_dtype ", to_str(*copy_dtype), " for x of ", to_str(x.scalar_type()),
+             ": only a float32 dx has a bfloat16 / float16 copy");
+    nz = *copy_dtype == at::kBFloat16 ? 1 : 2;
+  }
+  KF_CHECK(!dres.defined() || x.scalar_type() == at::kFloat, op, "dresidual is taken with a float32 x only, got ",
+           to_str(x.scalar_type()));
   const at::Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
   LaunchOn on(x);
-  const DType dt = dtype_of(x, kBwd);
+  const DType dt = dtype_of(x, op);
   at::Tensor dx = new_output_like(x);
-  std::optional<at::Tensor> dweight, dbias;
+  std::optional<at::Tensor> dweight, dbias, copy;
   if (w.defined()) dweight = new_output({C}, w.options());
   if (b.defined()) dbias = new_output({C}, b.options());
+  if (nz) copy = new_output(x.sizes(), x.options().dtype(*copy_dtype));
   if (N == 0) {  // no rows: the parameter gradients are empty sums
     if (dweight) dweight->zero_();
     if (dbias) dbias->zero_();
-    return {dx, dweight, dbias};
+    return {dx, dweight, dbias, copy};
   }
 
-  const bool aligned = aligned16(x) && aligned16(dout) && aligned16(dx) && aligned_or_absent(w);
+  const bool aligned = aligned16(x) && aligned16(dout) && aligned16(dx) && aligned_or_absent(w) &&
+                       (!dres.defined() || aligned16(dres)) && (!copy || aligned16(*copy));
   const bool need_dw = w.defined(), need_db = b.defined();
   const int64_t optin = at::cuda::getDeviceProperties(on.device)->sharedMemPerBlockOptin;
   const LayernormPlan p = plan_layernorm_backward(N, C, x.element_size(), aligned, need_dw || need_db,
                                                   sm_count(on.device), optin,
                                                   bwd_override.get_max_warps(),
                                                   bwd_override.get_variant());
-  KF_CHECK(p.error.empty(), kBwd, p.error);
+  KF_CHECK(p.error.empty(), op, p.error);
   using L = LayernormLayout;
   const L layout = p.layout_id;
   // per-block partial sums [dweight | dbias], one row of 2C floats per block
@@ -240,16 +273,45 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> lay
              ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), ptr_or_null(partial),
              static_cast<long long>(N), static_cast<int>(C), static_cast<int>(need_dw),
              static_cast<int>(need_db), 0);
+  } else if (layout == L::group) {  // the GROUP kernels take dres and dz (null unless asked for)
+    const bool epilogue = p.vec && (dres.defined() || nz);
+    Kernel& k = epilogue ? bwd_group_epilogue[dres.defined()][nz] : p.vec ? bwd_group_vec : bwd_group_scalar;
+    k.launch(dt, on.device, on.stream, grid, block, smem, dout.data_ptr(), x.data_ptr(),
+             ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), ptr_or_null(partial),
+             static_cast<long long>(N), static_cast<int>(C), static_cast<int>(need_dw),
+             static_cast<int>(need_db), epilogue ? ptr_or_null(dres) : nullptr,
+             epilogue && copy ? copy->data_ptr() : nullptr);
+    if (epilogue) {  // done by the kernel
+      dres = at::Tensor();
+      nz = 0;
+    }
   } else {
-    Kernel& k = layout == L::group ? (p.vec ? bwd_group_vec : bwd_group_scalar)
-                                   : bwd_kernels[p.vec][p.fits];
+    Kernel& k = bwd_kernels[p.vec][p.fits];
     k.launch(dt, on.device, on.stream, grid, block, smem, dout.data_ptr(), x.data_ptr(),
              ptr_or_null(w), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), ptr_or_null(partial),
              static_cast<long long>(N), static_cast<int>(C), static_cast<int>(need_dw),
              static_cast<int>(need_db));
   }
   if (partial.defined()) param_grad(partial, dweight, dbias, p.grid, C, dt, on);
-  return {dx, dweight, dbias};
+  if (dres.defined()) dx.add_(dres);
+  if (nz) copy->copy_(dx);
+  return {dx, dweight, dbias, copy};
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> layernorm_backward(
+    const at::Tensor& dout, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& dresidual) {
+  auto [dx, dw, db, copy] = backward(kBwd, dout, x, weight, bias, mean, rstd, dresidual, std::nullopt);
+  return {dx, dw, db};
+}
+
+BackwardResult layernorm_backward_copy(const at::Tensor& dout, const at::Tensor& x,
+                                       const std::optional<at::Tensor>& weight,
+                                       const std::optional<at::Tensor>& bias, const at::Tensor& mean,
+                                       const at::Tensor& rstd, const std::optional<at::Tensor>& dresidual,
+                                       at::ScalarType copy_dtype) {
+  return backward("layernorm_backward_copy", dout, x, weight, bias, mean, rstd, dresidual, copy_dtype);
 }
 
 }  // namespace
@@ -264,9 +326,17 @@ KFORGE_BIND_OP(layernorm) {
   m.def("layernorm_backward", &layernorm_backward,
         "LayerNorm backward: returns (dx, dweight or None, dbias or None); bias is only used to "
         "decide whether dbias is wanted. dweight / dbias are reduced in a fixed order (reproducible "
-        "bits).",
+        "bits). dresidual (float32 x only): added to dx, the residual stream's gradient.",
         pybind11::arg("dout"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("mean"), pybind11::arg("rstd"));
+        pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("dresidual") = pybind11::none());
+  m.def("layernorm_backward_copy", &layernorm_backward_copy,
+        "layernorm_backward of a float32 x that also stores dx rounded once to copy_dtype (bfloat16 / "
+        "float16): returns (dx, dweight or None, dbias or None, dx.to(copy_dtype)); dresidual (None or "
+        "x's shape) is added to dx first. Autocast's fp32 residual stream: its gradient and the 16-bit "
+        "copy the next matmul reads from one kernel.",
+        pybind11::arg("dout"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
+        pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("dresidual"),
+        pybind11::arg("copy_dtype"));
 }
 
 }  // namespace kforge

@@ -88,6 +88,21 @@ py::dict layernorm(const Query& q, bool forward) {
         kernel.insert(kernel.size() - 1, t.find("bfloat16") != std::string::npos ? ", bf16" : ", half");
     }
   }
+  // dresidual / copy_dtype (backward, float32): the 16-byte GROUP kernel adds dres and stores the
+  // 16-bit copy itself; other layouts run the plain kernel and torch's add / conversion
+  if (!forward) {
+    const bool res = q.opt<bool>("dresidual", false);
+    int nz = 0;
+    if (q.options.contains("copy_dtype") && !q.options["copy_dtype"].is_none()) {
+      const std::string t = py::str(q.options["copy_dtype"]);
+      require(q.f32 && elem_size_of(t) == 2, "layernorm_backward", "only a float32 dx has a bfloat16 / float16 copy");
+      nz = t.find("bfloat16") != std::string::npos ? 1 : 2;
+    }
+    require(!res || q.f32, "layernorm_backward", "dresidual is taken with a float32 x only");
+    if ((res || nz) && p.layout_id == LayernormLayout::group && p.vec)
+      kernel = "layernorm_backward_group_kernel<{T}, true, " + std::string(res ? "true" : "false") + ", " +
+               std::to_string(nz) + ">";
+  }
   py::dict d = base(p, kernel);
   d["vec"] = p.vec;
   return d;
@@ -327,7 +342,8 @@ KFORGE_BIND_OP(plans) {
       "op-specific template arguments. aligned: every tensor 16-byte aligned (False: one is off by "
       "an element). sms / smem_optin: the device's SM count and opt-in shared memory per block "
       "(defaults: H100 SXM). Options by op: layernorm max_warps, variant, weight, bias (backward: "
-      "whether their gradients are wanted), y_dtype (forward: a 16-bit out of float32 dtype); rmsnorm normalized_ndim, cast_before_weight, "
+      "whether their gradients are wanted), y_dtype (forward: a 16-bit out of float32 dtype), dresidual, "
+      "copy_dtype (backward: dx plus the residual's gradient, a 16-bit copy of a float32 dx); rmsnorm normalized_ndim, cast_before_weight, "
       "dresidual, variant, copy_dtype (rmsnorm_backward: a 16-bit copy of a float32 dx), "
       "y_dtype (a 16-bit y of float32 dtype), x_dtype (add_rmsnorm_forward: a "
       "16-bit x added to the float32 residual of dtype); gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "

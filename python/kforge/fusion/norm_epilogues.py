@@ -2,7 +2,7 @@
 
 Under autocast (fp32 weights, 16-bit matmuls) a Llama keeps its residual stream in float32, so the
 pattern pass's `add_rms_norm` (one dtype on both sides of the add) does not apply, and the norms'
-neighbours are separate kernels. The fusion pass first hands three of them to the norm kernels:
+neighbours are separate kernels. The fusion pass hands four of them to the norm kernels:
 
 fold_residual_grads: the backward of `h = x + f(norm(x))` adds the residual's gradient to the norm's
     input gradient. `add(dres, kforge_rmsnorm_backward(dy, x, ...)[0])`, where the norm's dx is read
@@ -25,6 +25,12 @@ copy_norm_grads: the stream's gradient (an fp32 norm backward's dx) is also what
     gradient) becomes `kforge_rmsnorm_backward_copy(dy, x, weight, rstd, ..., dresidual, bf16)`, whose
     kernel stores dx twice, fp32 and rounded once to bf16 (the conversion's value, bit for bit), so no
     conversion kernel re-reads dx.
+
+LayerNorm (GPT-2 under autocast) takes three of them: its output stored bf16 (`narrow_norm_outputs`),
+its backward adding the residual's gradient (`kforge_layernorm_backward(..., dresidual)`, fp32 x) and
+storing the bf16 copy (`kforge_layernorm_backward_copy`). Its kernel does them for fp32 rows of up
+to 1024 columns in 16-byte units (the GROUP layout); other rows get torch's add and conversion after
+the plain kernel. The branch add before the norm is not folded for LayerNorm.
 """
 from __future__ import annotations
 
@@ -38,6 +44,9 @@ def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
     backward (see the module docstring); returns (new bound symbols, number of adds removed). The new
     call takes the norm's place, so dres must be made before it (it always is in Thunder's backward:
     the residual's gradient comes from the later layers)."""
+    from thunder.core import dtypes
+
+    from ..ops.layernorm import layernorm_backward
     from ..ops.rmsnorm import add_rmsnorm_backward, rmsnorm_backward
     from .matmul_acc import _is_add, _Trace, _side, spliced
 
@@ -50,7 +59,24 @@ def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
         for which in (0, 1):
             dx, dres = b.args[which], b.args[1 - which]
             j = tr.producer.get(dx.name)
-            if j is None or j in replace or tr.bsyms[j].sym.id != rmsnorm_backward.id:
+            if j is None or j in replace:
+                continue
+            if tr.bsyms[j].sym.id == layernorm_backward.id:  # (dout, x, weight, bias, mean, rstd[, dres])
+                norm = tr.bsyms[j]
+                if (norm.output[0].name != dx.name or len(norm.args) > 6 and norm.args[6] is not None
+                        or not tr.only_reader(dx.name, i) or _side(norm) != _side(b)):
+                    continue
+                k = tr.producer.get(dres.name)
+                x = norm.args[1]
+                if ((k is not None and k >= j) or dx.device.type not in devices or x.dtype != dtypes.float32
+                        or dres.dtype != x.dtype or tuple(dres.shape) != tuple(x.shape)):
+                    continue
+                nb = layernorm_backward.bind(*norm.args[:6], dres, output=(b.flat_outs[0], *norm.output[1:]))
+                nb.tags.update(norm.tags)
+                replace[j] = nb
+                drop.add(i)
+                break
+            if tr.bsyms[j].sym.id != rmsnorm_backward.id:
                 continue
             norm = tr.bsyms[j]
             outs = norm.output
@@ -182,6 +208,7 @@ def copy_norm_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) ->
     (one conversion of a tensor to a dtype)."""
     from thunder.core import dtypes
 
+    from ..ops.layernorm import layernorm_backward, layernorm_backward_copy
     from ..ops.rmsnorm import add_rmsnorm_backward, rmsnorm_backward, rmsnorm_backward_copy
     from .matmul_acc import _Trace, _side, is_conversion, spliced
 
@@ -190,9 +217,11 @@ def copy_norm_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) ->
     drop: set[int] = set()
     for j, norm in enumerate(tr.bsyms):
         if norm.sym.id == rmsnorm_backward.id:  # (dy, x, weight, rstd, ndim, cbw)
-            args = (*norm.args[:6], None)
+            args, copying = (*norm.args[:6], None), rmsnorm_backward_copy
         elif norm.sym.id == add_rmsnorm_backward.id:  # (dy, dres, s, weight, rstd, ndim, cbw)
-            args = (norm.args[0], *norm.args[2:7], norm.args[1])
+            args, copying = (norm.args[0], *norm.args[2:7], norm.args[1]), rmsnorm_backward_copy
+        elif norm.sym.id == layernorm_backward.id:  # (dout, x, weight, bias, mean, rstd[, dres])
+            args, copying = (*norm.args[:6], norm.args[6] if len(norm.args) > 6 else None), layernorm_backward_copy
         else:
             continue
         dx = norm.output[0]
@@ -209,7 +238,7 @@ def copy_norm_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) ->
             continue
         i = casts[0]
         out = tr.bsyms[i].flat_outs[0]
-        nb = rmsnorm_backward_copy.bind(*args, dtypes.to_torch_dtype(out.dtype), output=(dx, norm.output[1], out))
+        nb = copying.bind(*args, dtypes.to_torch_dtype(out.dtype), output=(dx, *norm.output[1:], out))
         nb.tags.update(norm.tags)
         replace[j] = nb
         drop.add(i)

@@ -2,9 +2,12 @@
 
 Forward (`kforge_layernorm_forward`) returns the output plus per-row mean and rstd (fp32, shape
 (N,) for N = numel / C rows); a float32 x may store its output as bf16 / fp16 (`y_dtype`, what the
-fusion pass makes of autocast's conversion of the norm's output); backward (`kforge_layernorm_backward`) reads dout, x, weight and the
-saved stats once and returns dx, dweight and dbias (the last two only when weight / bias exist),
-with the parameter gradients accumulated in fp32 and reduced in a fixed order (reproducible bits).
+fusion pass makes of autocast's conversion of the norm's output). Backward
+(`kforge_layernorm_backward`) reads dout, x, weight and the saved stats once and returns dx, dweight
+and dbias (the last two only when weight / bias exist), with the parameter gradients accumulated in
+fp32 and reduced in a fixed order (reproducible bits); for a float32 x it may add the residual
+stream's gradient to dx (`dresidual`) and, as `kforge_layernorm_backward_copy`, store dx's 16-bit
+copy too (autocast; kforge.fusion.norm_epilogues).
 Kernels: kernels_src/layernorm.cu.
 
 Claims `thunder.torch.layer_norm` when the normalised shape is the last dim only and weight / bias
@@ -37,17 +40,28 @@ def _forward_meta(x: TensorProxy, weight: TensorProxy | None, bias: TensorProxy 
 
 
 def _backward_meta(dout: TensorProxy, x: TensorProxy, weight: TensorProxy | None, bias: TensorProxy | None,
-                   mean: TensorProxy, rstd: TensorProxy):
+                   mean: TensorProxy, rstd: TensorProxy, dresidual: TensorProxy | None = None):
     return (TensorProxy(like=x),
             None if weight is None else TensorProxy(like=weight),
             None if bias is None else TensorProxy(like=bias))
 
 
+def _backward_copy_meta(dout: TensorProxy, x: TensorProxy, weight: TensorProxy | None, bias: TensorProxy | None,
+                        mean: TensorProxy, rstd: TensorProxy, dresidual: TensorProxy | None, copy_dtype: Any):
+    # (dx, dweight, dbias, dx rounded to copy_dtype): kforge.fusion.norm_epilogues.copy_norm_grads
+    return (*_backward_meta(dout, x, weight, bias, mean, rstd),
+            TensorProxy(like=x, dtype=dtypes.to_dtype(copy_dtype)))
+
+
 # (x, weight | None, bias | None, eps[, y_dtype]) -> (out, mean (N,) f32, rstd (N,) f32); y_dtype (a
 # float32 x's bf16 / fp16 out, rounded once: kforge.fusion.norm_epilogues.narrow_norm_outputs)
 layernorm_forward = operator("layernorm_forward", meta=_forward_meta, fn=_C.layernorm_forward)
-# (dout, x, weight | None, bias | None, mean, rstd) -> (dx, dweight | None, dbias | None)
+# (dout, x, weight | None, bias | None, mean, rstd[, dresidual]) -> (dx, dweight | None, dbias | None);
+# dresidual (float32 x): added to dx (kforge.fusion.norm_epilogues.fold_residual_grads)
 layernorm_backward = operator("layernorm_backward", meta=_backward_meta, fn=_C.layernorm_backward)
+# (dout, x, weight | None, bias | None, mean, rstd, dresidual | None, copy_dtype) -> (dx, dweight | None,
+# dbias | None, dx.to(copy_dtype)): a float32 x's gradient stored twice (copy_norm_grads)
+layernorm_backward_copy = operator("layernorm_backward_copy", meta=_backward_copy_meta, fn=_C.layernorm_backward_copy)
 
 
 def _param_problem(p: Any, a: TensorProxy, name: str) -> str | None:
