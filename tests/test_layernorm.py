@@ -315,16 +315,17 @@ def test_forward_stores_a_narrow_y(shape, affine, y_dtype):
 @pytest.mark.parametrize("case", ["no-group", "long-row", "misaligned", "empty"])
 def test_forward_narrow_y_elsewhere_and_bad_requests(case):
     """Where the GROUP kernel does not run (the WARP fallback, rows over 1024 columns) the fp32 result
-    is converted: the same bits; a misaligned x takes the element-wise GROUP kernel; no rows: an empty
-    16-bit out. y_dtype for a 16-bit x or a float64 y is refused naming the op."""
+    is converted: the same bits as that layout's fp32 out; a misaligned x takes the element-wise GROUP
+    kernel; no rows: an empty 16-bit out (nothing planned: a plan for 0 rows divides by 0). y_dtype
+    for a 16-bit x or a float64 y is refused naming the op."""
     shape = {"no-group": (65, 768), "long-row": (33, 1600), "misaligned": (65, 768), "empty": (0, 768)}[case]
     x, w, b, _ = make_inputs(shape, torch.float32)
     if case == "misaligned":
         x = torch.cat([torch.zeros(1, device="cuda"), x.flatten()])[1:].view(shape)  # 4-byte offset
     variant = 1 if case == "no-group" else 0
-    with override("layernorm_forward", variant=variant):
+    with override("layernorm_forward", variant=variant):  # the fp32 result of the same kernel and layout
         out, mean, rstd = kforge._C.layernorm_forward(x, w, b, EPS, y_dtype=torch.bfloat16)
-    out32, mean32, rstd32 = kforge._C.layernorm_forward(x.clone(), w, b, EPS)
+        out32, mean32, rstd32 = kforge._C.layernorm_forward(x, w, b, EPS)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     assert torch.equal(out, out32.bfloat16()) and torch.equal(mean, mean32) and torch.equal(rstd, rstd32)
     with pytest.raises(kforge.KforgeError, match="layernorm_forward.*only float32 x"):

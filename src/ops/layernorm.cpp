@@ -144,13 +144,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
     return plan_layernorm_forward(N, C, x.element_size(), aligned, sm_count(on.device),
                                   fwd_override.get_max_warps(), fwd_override.get_variant());
   };
+  if (N == 0)  // no rows: nothing to plan (the plans divide by the row count)
+    return {narrow >= 0 ? new_output(x.sizes(), x.options().dtype(*y_dtype)) : new_output_like(x), mean, rstd};
   const bool inputs_aligned = aligned16(x) && aligned_or_absent(w) && aligned_or_absent(b);
   LayernormPlan p = plan(inputs_aligned);
   // Only the GROUP kernel (fp32 rows of up to 1024 columns) stores a 16-bit y itself; other rows are
   // normalised in fp32 and converted by torch: the same values, one more pass.
-  const bool narrow_here = narrow >= 0 && (N == 0 || p.layout_id == L::group);
+  const bool narrow_here = narrow >= 0 && p.layout_id == L::group;
   at::Tensor out = narrow_here ? new_output(x.sizes(), x.options().dtype(*y_dtype)) : new_output_like(x);
-  if (N == 0) return {out, mean, rstd};
   // a 16-bit y of fp32 units moves 8 bytes a unit: its base 8-byte aligned is enough
   const uintptr_t out_mask = narrow_here ? 7 : 15;
   if (inputs_aligned && (reinterpret_cast<uintptr_t>(out.data_ptr()) & out_mask) != 0) p = plan(false);
