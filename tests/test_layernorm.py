@@ -393,6 +393,19 @@ def test_gpt2_autocast_norm_backwards_add_and_copy():
                            for o in b.flat_outs), str(b)
 
 
+def test_gpt2_bf16_norms_are_left_alone():
+    """Near miss: a bf16 nanoGPT (no autocast: the stream, the norms and the matmuls all bf16) has no
+    conversion to fold and no fp32 stream: plain LayerNorm calls, no y_dtype, no dresidual, no copy."""
+    from kforge.zoo import nanogpt
+
+    ft = conftest.fake_cuda_trace(nanogpt.make, jit=kforge.jit, size="tiny", batch=2, seq=16, dtype=torch.bfloat16)
+    fwd = [b for b in ft.forward.bound_symbols if b.sym.name == "kforge_layernorm_forward"]
+    bwd = [b for b in ft.backward.bound_symbols if "layernorm" in b.sym.name]
+    assert fwd and all(len(b.args) < 5 or b.args[4] is None for b in fwd), [str(b) for b in fwd]
+    assert bwd and all(b.sym.name == "kforge_layernorm_backward" and (len(b.args) < 7 or b.args[6] is None)
+                       for b in bwd), [str(b) for b in bwd]
+
+
 def test_gpt2_autocast_norms_store_bf16_themselves():
     """The fake-traced nanoGPT under autocast (kforge.jit): every LayerNorm of the fp32 residual stream
     stores bf16 itself (its only reader was autocast's cast for the next matmul), and no fusion region
