@@ -498,19 +498,28 @@ def _equivalent(original, rebuilt, original_keys: dict, name: str) -> None:
         assert type(original) is type(rebuilt) and original == rebuilt, name
 
 
-@pytest.mark.parametrize("zoo", ["plain_llama", "nanogpt", "hf_llama"])
+@pytest.mark.parametrize("zoo", ["plain_llama", "nanogpt", "hf_llama", "nanogpt-autocast"])
 def test_fake_gpu_programs_round_trip(zoo):
     """The programs of a Llama traced as on a GPU (kforge operators, fusion kernels, Thunder's torch
     and Python executors): every global is serialized, pickled, and rebuilt to an equivalent object
     after the fusion regions are forgotten, so the kernels are rebuilt from their IR. Hugging Face's
-    Llama: the graph Dynamo makes of it, as kforge.compile's pieces are traced."""
+    Llama: the graph Dynamo makes of it, as kforge.compile's pieces are traced. nanoGPT under autocast
+    through kforge.jit: the norm calls with a dtype argument (y_dtype, copy_dtype) and the gathered
+    input casts."""
     import thunder
 
+    import kforge
     from kforge import trace_cache
     from kforge.fusion.executor import forget_regions, regions
     import importlib
 
-    ft = fake_cuda_trace(importlib.import_module(f"kforge.zoo.{zoo}").make, size="micro", dynamo=zoo == "hf_llama")
+    name, _, autocast = zoo.partition("-")
+    kw = dict(jit=kforge.jit, dtype=torch.bfloat16, autocast=True) if autocast else {}
+    ft = fake_cuda_trace(importlib.import_module(f"kforge.zoo.{name}").make, size="micro", dynamo=zoo == "hf_llama",
+                         **kw)
+    if autocast:
+        names = {b.sym.name for b in ft.backward.bound_symbols} | {b.sym.name for b in ft.forward.bound_symbols}
+        assert {"kforge_layernorm_backward_copy", "kforge_cast_inputs"} <= names, sorted(names)
     entry = thunder.compile_stats(ft.fn).interpreter_cache[0]
     compiled = thunder.compile_data(ft.fn).fn
     record = pickle.loads(pickle.dumps(trace_cache.save_entry(ft.fn, entry)))
