@@ -534,13 +534,19 @@ KF_DEVICE void store_narrow_unit(Y* p, const float (&y)[V]) {
 // one) and the output. Weight and bias stay in registers as fp32 for all rows.
 // Y: out's type. A 16-bit Y of fp32 T (autocast's fp32 residual stream, whose norm only a cast to
 // the matmuls' type reads) stores y rounded once from the fp32 result: the cast's value.
-template <typename T, bool VEC, typename Y = T>
+// X: x's type. A 16-bit X of fp32 T (16-byte units only) is autocast's branch added to the fp32
+// stream before the norm: s = float(x) + residual (eager's upcast and add) is stored in s_out and
+// normalised. Those rows are not pipelined (the next row's x and residual would not fit the
+// registers); the other groups of the SM cover their loads.
+template <typename T, bool VEC, typename Y = T, typename X = T>
 __global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
-    layernorm_forward_group_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+    layernorm_forward_group_kernel(const X* __restrict__ x, const T* __restrict__ weight,
                                    const T* __restrict__ bias, Y* __restrict__ out,
                                    float* __restrict__ mean, float* __restrict__ rstd, long long N,
-                                   int C, float eps) {
+                                   int C, float eps, const T* __restrict__ residual, T* __restrict__ s_out) {
   kf_wait_prior_grids();
+  constexpr bool RES = sizeof(X) != sizeof(T);
+  static_assert(!RES || (VEC && sizeof(T) == 4 && sizeof(X) == 2), "a 16-bit x: fp32 16-byte rows only");
   using U = Unit<T, VEC>;
   constexpr int V = U::size, P = kGroupCols / V;
   static_assert(kGroupCols % V == 0, "whole units per thread");
@@ -566,7 +572,7 @@ __global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
 
   const int n = (int)N, stride = gridDim.x * blockDim.y;
   auto load_x = [&](U (&xs)[P], int row) {
-    load_strided_last<P>(xs, x + (i64)row * C + tx * V, tx, tpr, units);
+    if constexpr (!RES) load_strided_last<P>(xs, x + (i64)row * C + tx * V, tx, tpr, units);
   };
   auto process = [&](const U (&xs)[P], int row) {
     float xf[kGroupCols], mu[1] = {0.0f};
@@ -615,9 +621,34 @@ __global__ void __launch_bounds__(32 * kGroupFwdWarps, kGroupFwdBlocks)
     }
   };
 
+  int row = ty * gridDim.x + blockIdx.x;  // groups numbered across blocks first
+  if constexpr (RES) {
+    for (; row < n; row += stride) {
+      const i64 base = (i64)row * C + tx * V;
+      U res[P];  // the residual, then s in place
+      uint2 xw[P];
+      load_strided_last<P>(res, residual + base, tx, tpr, units);
+#pragma unroll
+      for (int k = 0; k < P; ++k)
+        if (tx + k * tpr < units) xw[k] = __ldcs(reinterpret_cast<const uint2*>(x + base + k * tpr * V));
+#pragma unroll
+      for (int k = 0; k < P; ++k)
+        if (tx + k * tpr < units) {
+          float sv[V];
+          static_assert(V == 4, "an fp32 16-byte unit");
+          sv[0] = Word<X>::get(xw[k].x, 0) + res[k].f(0);
+          sv[1] = Word<X>::get(xw[k].x, 1) + res[k].f(1);
+          sv[2] = Word<X>::get(xw[k].y, 0) + res[k].f(2);
+          sv[3] = Word<X>::get(xw[k].y, 1) + res[k].f(3);
+          res[k] = U::from(sv);
+          store_unit(s_out + base + k * tpr * V, res[k]);
+        }
+      process(res, row);
+    }
+    return;
+  }
   // The next row's loads are issued as soon as the current row's units are copied out (two buffers
   // used in turn need more registers than the copy's moves cost).
-  int row = ty * gridDim.x + blockIdx.x;  // groups numbered across blocks first
   U next[P];
   if (row < n) load_x(next, row);
   for (; row < n; row += stride) {

@@ -364,6 +364,74 @@ def test_backward_adds_dresidual_and_stores_a_copy(shape, res, copy):
         assert expr in conftest.launched("layernorm"), sorted(conftest.launched("layernorm"))
 
 
+TYPE_NAME = {torch.float32: "float", torch.bfloat16: "bf16", torch.float16: "half"}
+
+
+@gpu
+@pytest.mark.parametrize("y_dtype", [None, torch.bfloat16, torch.float16], ids=["y-fp32", "y-bf16", "y-fp16"])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(8192, 768), (37, 1024), (3, 5, 100), (17, 6), (33, 1600), (1, 4), (0, 8)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_add_forward_adds_the_branch_then_normalises(shape, x_dtype, y_dtype):
+    """add_layernorm_forward(16-bit x, fp32 residual): s is bit for bit float(x) + residual (eager's
+    upcast and add), and y, mean, rstd are bit for bit layernorm_forward's of that s (y_dtype as
+    there); the 16-byte GROUP kernel does it in one pass, other rows add with torch first."""
+    xb = (randn(*shape, seed=21) * 2).to(x_dtype)
+    r, w, b, _ = make_inputs(shape, torch.float32)
+    y, mean, rstd, s = kforge._C.add_layernorm_forward(xb, r, w, b, EPS, y_dtype=y_dtype)
+    s_ref = r + xb.float()
+    y_ref, mean_ref, rstd_ref = kforge._C.layernorm_forward(s_ref, w, b, EPS, y_dtype=y_dtype)
+    assert s.dtype == torch.float32 and torch.equal(s, s_ref)
+    assert y.dtype == (y_dtype or torch.float32) and torch.equal(y, y_ref)
+    assert torch.equal(mean, mean_ref) and torch.equal(rstd, rstd_ref)
+    if shape[-1] % 4 == 0 and 0 < shape[-1] <= 1024 and shape[0] > 0:
+        expr = (f"layernorm_forward_group_kernel<float, true, {TYPE_NAME[y_dtype or torch.float32]}, "
+                f"{TYPE_NAME[x_dtype]}>")
+        assert expr in conftest.launched("layernorm"), sorted(conftest.launched("layernorm"))
+
+
+@gpu
+def test_add_forward_fallback_and_bad_requests():
+    """Without the GROUP layout (the testing override's WARP fallback) the same bits; a 32-bit x, a
+    16-bit residual, different sizes or a float64 y are refused naming the op."""
+    xb = randn(65, 768, seed=22).bfloat16()
+    r, w, b, _ = make_inputs((65, 768), torch.float32)
+    with override("layernorm_forward", variant=1):
+        y, mean, rstd, s = kforge._C.add_layernorm_forward(xb, r, w, b, EPS, y_dtype=torch.bfloat16)
+        y_ref, mean_ref, rstd_ref = kforge._C.layernorm_forward(r + xb.float(), w, b, EPS, y_dtype=torch.bfloat16)
+    assert torch.equal(s, r + xb.float()) and torch.equal(y, y_ref) and torch.equal(mean, mean_ref)
+    for args, match in (((r, r), "a bfloat16 / float16 x added to a float32 residual"),
+                        ((xb, r.bfloat16()), "a bfloat16 / float16 x added to a float32 residual"),
+                        ((xb[:64], r), "residual and x sizes differ")):
+        with pytest.raises(kforge.KforgeError, match="add_layernorm_forward.*" + match):
+            kforge._C.add_layernorm_forward(*args, w, b, EPS)
+    with pytest.raises(kforge.KforgeError, match="add_layernorm_forward: y_dtype"):
+        kforge._C.add_layernorm_forward(xb, r, w, b, EPS, y_dtype=torch.float64)
+
+
+def test_gpt2_autocast_branch_adds_in_the_norms():
+    """The fake-traced nanoGPT under autocast: every LayerNorm whose input is the fp32 stream plus a
+    bf16 branch (all but the first layer's first: its input is the embeddings' sum) adds the branch
+    itself (kforge_add_layernorm_forward) and stores bf16; no forward region adds a branch to the
+    stream."""
+    from kforge.zoo import nanogpt
+
+    ft = conftest.fake_cuda_trace(nanogpt.make, jit=kforge.jit, size="tiny", batch=2, seq=16, autocast=True)
+    n_layers = sum(1 for b in ft.backward.bound_symbols if b.sym.name == "kforge_attention_backward")
+    adds = [b for b in ft.forward.bound_symbols if b.sym.name == "kforge_add_layernorm_forward"]
+    plain = [b for b in ft.forward.bound_symbols if b.sym.name == "kforge_layernorm_forward"]
+    assert len(adds) == 2 * n_layers and len(plain) == 1, ([str(b) for b in adds], [str(b) for b in plain])
+    for b in adds:
+        x, residual = b.args[:2]
+        assert x.dtype == thunder.dtypes.bfloat16 and residual.dtype == thunder.dtypes.float32, str(b)
+        assert b.args[5] == torch.bfloat16 and b.output[0].dtype == thunder.dtypes.bfloat16, str(b)
+        assert b.output[3].dtype == thunder.dtypes.float32, str(b)
+    for b in ft.forward.bound_symbols:
+        if b.sym.name.startswith("kforgeFusion"):
+            assert not {"add"} <= {s.sym.name for s in b.subsymbols} or not any(
+                p.dtype == thunder.dtypes.bfloat16 for p in b.flat_proxy_args), str(b)
+
+
 def test_gpt2_autocast_norm_backwards_add_and_copy():
     """The fake-traced nanoGPT under autocast: every LayerNorm backward but the last norm's adds the
     residual stream's gradient itself (fold_residual_grads), every one whose dx a bf16 matmul reads
@@ -413,11 +481,13 @@ def test_gpt2_autocast_norms_store_bf16_themselves():
     from kforge.zoo import nanogpt
 
     ft = conftest.fake_cuda_trace(nanogpt.make, jit=kforge.jit, size="tiny", batch=2, seq=16, autocast=True)
-    norms = [b for b in ft.forward.bound_symbols if b.sym.name == "kforge_layernorm_forward"]
+    y_dtype = {"kforge_layernorm_forward": 4, "kforge_add_layernorm_forward": 5}  # its argument's place
+    norms = [b for b in ft.forward.bound_symbols if b.sym.name in y_dtype]
     n_layers = sum(1 for b in ft.backward.bound_symbols if b.sym.name == "kforge_attention_backward")
     assert len(norms) == 2 * n_layers + 1 and n_layers > 0, [str(b) for b in norms]
     for b in norms:
-        assert b.args[0].dtype == thunder.dtypes.float32 and b.args[4] == torch.bfloat16, str(b)
+        stream = b.args[0] if b.sym.name == "kforge_layernorm_forward" else b.args[1]
+        assert stream.dtype == thunder.dtypes.float32 and b.args[y_dtype[b.sym.name]] == torch.bfloat16, str(b)
         assert b.output[0].dtype == thunder.dtypes.bfloat16 and b.output[1].dtype == thunder.dtypes.float32
     outs = {b.output[0].name for b in norms}
     for b in ft.forward.bound_symbols:

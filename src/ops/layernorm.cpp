@@ -72,6 +72,15 @@ Kernel bwd_warp_scalar[kNumScalarP] = {
 // (bf16 / half take WARP / RING there).
 Kernel fwd_group_vec(prog, "layernorm_forward_group_kernel<{T}, true>", kF32Only);
 Kernel fwd_group_scalar(prog, "layernorm_forward_group_kernel<{T}, false>", kF32Only);
+// A bf16 / half x added to an fp32 residual (add_layernorm_forward, 16-byte units), [y: fp32, bf16,
+// half][x: bf16, half].
+Kernel fwd_group_add[3][2] = {
+    {Kernel(prog, "layernorm_forward_group_kernel<{T}, true, float, bf16>", kF32Only),
+     Kernel(prog, "layernorm_forward_group_kernel<{T}, true, float, half>", kF32Only)},
+    {Kernel(prog, "layernorm_forward_group_kernel<{T}, true, bf16, bf16>", kF32Only),
+     Kernel(prog, "layernorm_forward_group_kernel<{T}, true, bf16, half>", kF32Only)},
+    {Kernel(prog, "layernorm_forward_group_kernel<{T}, true, half, bf16>", kF32Only),
+     Kernel(prog, "layernorm_forward_group_kernel<{T}, true, half, half>", kF32Only)}};
 // fp32 x storing a bf16 / half y, [vec][0: bf16, 1: half] (autocast: kforge.fusion.norm_epilogues).
 Kernel fwd_group_narrow[2][2] = {
     {Kernel(prog, "layernorm_forward_group_kernel<{T}, false, bf16>", kF32Only),
@@ -169,12 +178,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
     k.launch(dt, on.device, on.stream, grid, block, 0, x.data_ptr(), ptr_or_null(w), ptr_or_null(b),
              out.data_ptr(), mean.data_ptr(), rstd.data_ptr(), static_cast<long long>(N),
              static_cast<int>(C), static_cast<float>(eps), 0);
+  else if (layout == L::group)  // the GROUP kernels take a residual and s (add_layernorm_forward's)
+    k.launch(dt, on.device, on.stream, grid, block, 0, x.data_ptr(), ptr_or_null(w), ptr_or_null(b),
+             out.data_ptr(), mean.data_ptr(), rstd.data_ptr(), static_cast<long long>(N),
+             static_cast<int>(C), static_cast<float>(eps), static_cast<const void*>(nullptr),
+             static_cast<void*>(nullptr));
   else
     k.launch(dt, on.device, on.stream, grid, block, 0, x.data_ptr(), ptr_or_null(w), ptr_or_null(b),
              out.data_ptr(), mean.data_ptr(), rstd.data_ptr(), static_cast<long long>(N),
              static_cast<int>(C), static_cast<float>(eps));
   if (narrow >= 0 && !narrow_here) out = out.to(*y_dtype);
   return {out, mean, rstd};
+}
+
+// s = float(x) + residual (a bf16 / half x, autocast's branch, added to the fp32 stream as eager's
+// upcast and add) and layernorm_forward(s, ..., y_dtype): (y, mean, rstd, s). The 16-byte GROUP
+// kernel does both in one pass (kforge.fusion.norm_epilogues.fold_branch_adds); other rows add with
+// torch first (the same values).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layernorm_forward(
+    const at::Tensor& x_, const at::Tensor& residual_, const std::optional<at::Tensor>& weight_,
+    const std::optional<at::Tensor>& bias_, double eps, std::optional<at::ScalarType> y_dtype) {
+  constexpr const char* op = "add_layernorm_forward";
+  const at::Tensor r = input(residual_, op, "residual");
+  const at::Tensor x = input(x_, op, "x");
+  KF_CHECK(r.scalar_type() == at::kFloat && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf), op,
+           "x of ", to_str(x.scalar_type()), " and residual of ", to_str(r.scalar_type()),
+           ": a bfloat16 / float16 x added to a float32 residual");
+  KF_CHECK(x.device() == r.device(), op, "x must be a CUDA tensor on ", r.device());
+  KF_CHECK(x.sizes() == r.sizes(), op, "residual and x sizes differ: ", r.sizes(), " vs ", x.sizes());
+  const auto [N, C] = rows_cols(r, op);
+  const at::Tensor w = param(weight_, r, C, op, "weight");
+  const at::Tensor b = param(bias_, r, C, op, "bias");
+  KF_CHECK(eps >= 0, op, "eps must be >= 0, got ", eps);
+  int narrow = -1;
+  if (y_dtype && *y_dtype != at::kFloat) {
+    KF_CHECK(*y_dtype == at::kBFloat16 || *y_dtype == at::kHalf, op, "y_dtype ", to_str(*y_dtype),
+             ": float32, bfloat16 or float16");
+    narrow = *y_dtype == at::kBFloat16 ? 0 : 1;
+  }
+  LaunchOn on(r);
+  const auto fallback = [&]() {
+    at::Tensor s = at::add(r, x);  // fp32: the upcast and add of eager's type promotion
+    auto [y, mean, rstd] = layernorm_forward(s, weight_, bias_, eps, y_dtype);
+    return std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>{y, mean, rstd, s};
+  };
+  if (N == 0) return fallback();
+  const LayernormPlan p = plan_layernorm_forward(N, C, 4, aligned16(r) && aligned16(x) && aligned_or_absent(w) &&
+                                                              aligned_or_absent(b), sm_count(on.device),
+                                                 fwd_override.get_max_warps(), fwd_override.get_variant());
+  // 16-byte units only: x's 4 elements a unit move as one 8-byte load (x's base 16-byte aligned here)
+  if (p.layout_id != LayernormLayout::group || !p.vec) return fallback();
+  at::Tensor s = new_output_like(r);
+  at::Tensor y = narrow >= 0 ? new_output(r.sizes(), r.options().dtype(*y_dtype)) : new_output_like(r);
+  at::Tensor mean = new_output({N}, r.options().dtype(at::kFloat));
+  at::Tensor rstd = new_output({N}, r.options().dtype(at::kFloat));
+  const int xi = x.scalar_type() == at::kBFloat16 ? 0 : 1;
+  fwd_group_add[narrow + 1][xi].launch(
+      DType::f32, on.device, on.stream, Dim3(static_cast<unsigned>(p.grid)),
+      Dim3(static_cast<unsigned>(p.block_x), static_cast<unsigned>(p.block_y)), 0, x.data_ptr(),
+      ptr_or_null(w), ptr_or_null(b), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+      static_cast<long long>(N), static_cast<int>(C), static_cast<float>(eps),
+      static_cast<const void*>(r.data_ptr()), s.data_ptr());
+  return {y, mean, rstd, s};
 }
 
 // dweight / dbias from the G partial rows (2C floats each): 16-byte loads where 2C % 4 == 0,
@@ -323,6 +388,12 @@ KFORGE_BIND_OP(layernorm) {
         "layout (kforge._C.plan) depends on dtype, row length and alignment only. y_dtype (None: x's): "
         "a float32 x may store out as bfloat16 / float16, rounded once: layernorm_forward(x)[0].to(y_dtype).",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
+        pybind11::arg("eps") = 1e-5, pybind11::arg("y_dtype") = pybind11::none());
+  m.def("add_layernorm_forward", &add_layernorm_forward,
+        "s = float(x) + residual (a bfloat16 / float16 x, a float32 residual: autocast's branch added to "
+        "the fp32 stream) and LayerNorm of s: returns (y, mean, rstd, s); y_dtype (None: float32) as "
+        "layernorm_forward's.",
+        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("bias"),
         pybind11::arg("eps") = 1e-5, pybind11::arg("y_dtype") = pybind11::none());
   m.def("layernorm_backward", &layernorm_backward,
         "LayerNorm backward: returns (dx, dweight or None, dbias or None); bias is only used to "

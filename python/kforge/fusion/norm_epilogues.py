@@ -26,11 +26,12 @@ copy_norm_grads: the stream's gradient (an fp32 norm backward's dx) is also what
     kernel stores dx twice, fp32 and rounded once to bf16 (the conversion's value, bit for bit), so no
     conversion kernel re-reads dx.
 
-LayerNorm (GPT-2 under autocast) takes three of them: its output stored bf16 (`narrow_norm_outputs`),
-its backward adding the residual's gradient (`kforge_layernorm_backward(..., dresidual)`, fp32 x) and
-storing the bf16 copy (`kforge_layernorm_backward_copy`). Its kernel does them for fp32 rows of up
-to 1024 columns in 16-byte units (the GROUP layout); other rows get torch's add and conversion after
-the plain kernel. The branch add before the norm is not folded for LayerNorm.
+LayerNorm (GPT-2 under autocast) takes all four: its output stored bf16 (`narrow_norm_outputs`), the
+branch added before it (`kforge_add_layernorm_forward(b16, h, weight, bias, eps, y_dtype) -> (y,
+mean, rstd, s)`), its backward adding the residual's gradient (`kforge_layernorm_backward(...,
+dresidual)`, fp32 x) and storing the bf16 copy (`kforge_layernorm_backward_copy`). Its kernel does
+them for fp32 rows of up to 1024 columns (the GROUP layout; the add and the backward's two in
+16-byte units); other rows get torch's add and conversion around the plain kernel.
 """
 from __future__ import annotations
 
@@ -150,21 +151,26 @@ def narrow_norm_outputs(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
 
 
 def fold_branch_adds(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
-    """`bsyms` with each fp32 RMSNorm of `stream + upcast 16-bit branch` made one
-    `kforge_add_rmsnorm_forward` at the add's place (see the module docstring); returns (new bound
-    symbols, number of adds and conversions removed). Run after `narrow_norm_outputs`: a norm storing
+    """`bsyms` with each fp32 RMSNorm (LayerNorm) of `stream + upcast 16-bit branch` made one
+    `kforge_add_rmsnorm_forward` (`kforge_add_layernorm_forward`) at the add's place (see the module
+    docstring); returns (new bound symbols, number of adds and conversions removed). Run after `narrow_norm_outputs`: a norm storing
     16-bit y keeps it when that is the branch's type (the kernels' pairing)."""
     from thunder.core import dtypes
 
+    from ..ops.layernorm import add_layernorm_forward, layernorm_forward
     from ..ops.rmsnorm import add_rmsnorm_forward, rmsnorm_forward
     from .matmul_acc import _is_add, _Trace, _side, is_conversion, spliced
 
+    # per norm: its adding op, the number of its arguments before y_dtype, and whether y must be the
+    # branch's type when 16-bit (rmsnorm's kernels pair them; LayerNorm's take any y)
+    kinds = {rmsnorm_forward.id: (add_rmsnorm_forward, 5, True), layernorm_forward.id: (add_layernorm_forward, 4, False)}
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
     drop: set[int] = set()
     for j, norm in enumerate(tr.bsyms):
-        if norm.sym.id != rmsnorm_forward.id:
+        if norm.sym.id not in kinds:
             continue
+        adding, n_args, paired = kinds[norm.sym.id]
         s = norm.args[0]
         i = tr.producer.get(s.name)
         # Hugging Face's `hidden_states.to(torch.float32)` of the fp32 stream: a shallow_copy between
@@ -177,7 +183,7 @@ def fold_branch_adds(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -
         add = tr.bsyms[i]
         if _side(add) != _side(norm) or s.device.type not in devices:
             continue
-        y_dtype = norm.args[5] if len(norm.args) > 5 else None
+        y_dtype = norm.args[n_args] if len(norm.args) > n_args else None
         for which in (0, 1):
             up, h = add.args[which], add.args[1 - which]
             k = tr.producer.get(up.name)
@@ -187,13 +193,13 @@ def fold_branch_adds(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -
             if len(src) != 1 or src[0].dtype not in (dtypes.bfloat16, dtypes.float16):
                 continue
             b16 = src[0]
-            if tuple(b16.shape) != tuple(s.shape) or (y_dtype is not None and dtypes.to_dtype(y_dtype) != b16.dtype):
+            if tuple(b16.shape) != tuple(s.shape) or (paired and y_dtype is not None
+                                                      and dtypes.to_dtype(y_dtype) != b16.dtype):
                 continue
             # the norm's other arguments (its weight) must exist where the add was
             if any((tr.producer.get(p.name, -1) >= i) for p in norm.flat_proxy_args[1:]):
                 continue
-            y, rstd = norm.output
-            nb = add_rmsnorm_forward.bind(b16, h, *norm.args[1:5], y_dtype, output=(y, rstd, s))
+            nb = adding.bind(b16, h, *norm.args[1:n_args], y_dtype, output=(*norm.output, s))
             nb.tags.update(norm.tags)
             replace[i] = nb
             drop.update((j, k))

@@ -2,12 +2,13 @@
 
 Forward (`kforge_layernorm_forward`) returns the output plus per-row mean and rstd (fp32, shape
 (N,) for N = numel / C rows); a float32 x may store its output as bf16 / fp16 (`y_dtype`, what the
-fusion pass makes of autocast's conversion of the norm's output). Backward
-(`kforge_layernorm_backward`) reads dout, x, weight and the saved stats once and returns dx, dweight
-and dbias (the last two only when weight / bias exist), with the parameter gradients accumulated in
-fp32 and reduced in a fixed order (reproducible bits); for a float32 x it may add the residual
-stream's gradient to dx (`dresidual`) and, as `kforge_layernorm_backward_copy`, store dx's 16-bit
-copy too (autocast; kforge.fusion.norm_epilogues).
+fusion pass makes of autocast's conversion of the norm's output), and `kforge_add_layernorm_forward`
+adds a 16-bit branch to the fp32 stream first. Backward (`kforge_layernorm_backward`) reads dout, x,
+weight and the saved stats once and returns dx, dweight and dbias (the last two only when weight /
+bias exist), with the parameter gradients accumulated in fp32 and reduced in a fixed order
+(reproducible bits); for a float32 x it may add the residual stream's gradient to dx (`dresidual`)
+and, as `kforge_layernorm_backward_copy`, store dx's 16-bit copy too (autocast;
+kforge.fusion.norm_epilogues).
 Kernels: kernels_src/layernorm.cu.
 
 Claims `thunder.torch.layer_norm` when the normalised shape is the last dim only and weight / bias
@@ -39,6 +40,12 @@ def _forward_meta(x: TensorProxy, weight: TensorProxy | None, bias: TensorProxy 
     return y, stats, TensorProxy(like=stats)
 
 
+def _add_forward_meta(x: TensorProxy, residual: TensorProxy, weight: TensorProxy | None, bias: TensorProxy | None,
+                      eps: float, y_dtype: Any = None):
+    # (y, mean, rstd, s = float(x) + residual): kforge.fusion.norm_epilogues.fold_branch_adds
+    return (*_forward_meta(residual, weight, bias, eps, y_dtype), TensorProxy(like=residual))
+
+
 def _backward_meta(dout: TensorProxy, x: TensorProxy, weight: TensorProxy | None, bias: TensorProxy | None,
                    mean: TensorProxy, rstd: TensorProxy, dresidual: TensorProxy | None = None):
     return (TensorProxy(like=x),
@@ -56,6 +63,9 @@ def _backward_copy_meta(dout: TensorProxy, x: TensorProxy, weight: TensorProxy |
 # (x, weight | None, bias | None, eps[, y_dtype]) -> (out, mean (N,) f32, rstd (N,) f32); y_dtype (a
 # float32 x's bf16 / fp16 out, rounded once: kforge.fusion.norm_epilogues.narrow_norm_outputs)
 layernorm_forward = operator("layernorm_forward", meta=_forward_meta, fn=_C.layernorm_forward)
+# (x 16-bit, residual f32, weight | None, bias | None, eps, y_dtype | None) -> (y, mean, rstd, s): the
+# branch's add to the fp32 stream, s = float(x) + residual, then LayerNorm of s (fold_branch_adds)
+add_layernorm_forward = operator("add_layernorm_forward", meta=_add_forward_meta, fn=_C.add_layernorm_forward)
 # (dout, x, weight | None, bias | None, mean, rstd[, dresidual]) -> (dx, dweight | None, dbias | None);
 # dresidual (float32 x): added to dx (kforge.fusion.norm_epilogues.fold_residual_grads)
 layernorm_backward = operator("layernorm_backward", meta=_backward_meta, fn=_C.layernorm_backward)
