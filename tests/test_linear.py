@@ -249,6 +249,32 @@ def test_claimed_under_autocast(autocast):
     fwd = [b.sym.name for b in traced.forward.bound_symbols]
     bwd = [b.sym.name for b in traced.backward.bound_symbols]
     assert "kforge_linear_forward" in fwd and "kforge_linear_backward" in bwd, (fwd, bwd)
+    # the fp32 weight's gradient: the backward's GEMM stores fp32 itself (widen_matmuls), no region
+    # converts it; a bf16 weight's stays bf16
+    lb = next(b for b in traced.backward.bound_symbols if b.sym.name == "kforge_linear_backward")
+    want = thunder.dtypes.float32 if autocast else thunder.dtypes.bfloat16
+    assert lb.output[1].dtype == want, str(lb)
+    for b in traced.backward.bound_symbols:
+        if b.sym.name.startswith("kforgeFusion"):
+            assert lb.output[1].name not in {p.name for p in b.flat_proxy_args}, str(b)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_backward_stores_an_fp32_weight_gradient(dtype, bias):
+    """linear_backward(..., dw_dtype=float32): dweight is the padded GEMM's sum stored as fp32 (no
+    16-bit rounding), within fp32 accumulation of float64 where the plain backward's is within its
+    16-bit rounding; dx and dbias are the plain backward's, bit for bit."""
+    x = randn(3, 5, 64, dtype=dtype, device="cpu")
+    w = randn(1030, 64, dtype=dtype, device="cpu", scale=0.1)
+    g = randn(3, 5, 1030, dtype=dtype, device="cpu")
+    dx, dw, db = op.linear_backward_impl(g, x, w, bias, torch.float32)
+    dx0, dw0, db0 = op.linear_backward_impl(g, x, w, bias)
+    assert dw.dtype == torch.float32 and dw.shape == w.shape and dw.is_contiguous()
+    assert torch.equal(dx, dx0) and (db is None) == (not bias) and (db is None or torch.equal(db, db0))
+    ref = g.double().reshape(-1, 1030).t() @ x.double().reshape(-1, 64)
+    assert_close(dw, ref, torch.float32, "dw fp32")
+    assert_close(dw0, ref.to(dtype), dtype, "dw 16-bit")
 
 
 # ---- fp32 layers read by an add: the bias goes to the add (LinearBiasSplit) ---------------------------

@@ -267,6 +267,17 @@ def _kforge_kernel(b: Any) -> bool:
     return b.sym.name.startswith("kforge_")
 
 
+def _widens_linear_grad(b: Any, dw: Any, devices: Sequence[str]) -> bool:
+    """`b` is a `kforge_linear_backward` not yet widened and `dw` its 16-bit weight gradient."""
+    from thunder.core import dtypes
+
+    from ..ops.linear import linear_backward
+
+    return (b.sym.id == linear_backward.id and (len(b.args) < 5 or b.args[4] is None)
+            and b.output[1] is not None and b.output[1].name == dw.name
+            and dw.dtype in (dtypes.bfloat16, dtypes.float16) and dw.device.type in devices)
+
+
 def widen_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",),
                   stores: Callable[[Any], bool] = _kforge_kernel) -> tuple[list, int]:
     """`bsyms` with every 2-D 16-bit matmul whose result is read only by a conversion to float32
@@ -305,6 +316,13 @@ def widen_matmuls(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",),
             if j is None or j in replace or not tr.only_reader(src.name, view) or _side(tr.bsyms[view]) != _side(b):
                 continue
         mm = tr.bsyms[j]
+        if view is None and _widens_linear_grad(mm, src, devices) and _side(mm) == _side(b):
+            # the padded linear's (lm_head's) weight gradient: its own GEMM stores fp32
+            nb = mm.sym.bind(*mm.args[:4], torch.float32, output=(mm.output[0], out, mm.output[2]))
+            nb.tags.update(mm.tags)
+            replace[j] = nb
+            drop.add(i)
+            continue
         if not _is_matmul(mm) or _side(mm) != _side(b) or not _matmul_ok(mm, src, devices):
             continue
         a, w = mm.flat_proxy_args

@@ -153,8 +153,9 @@ def narrow_norm_outputs(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)
 def fold_branch_adds(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
     """`bsyms` with each fp32 RMSNorm (LayerNorm) of `stream + upcast 16-bit branch` made one
     `kforge_add_rmsnorm_forward` (`kforge_add_layernorm_forward`) at the add's place (see the module
-    docstring); returns (new bound symbols, number of adds and conversions removed). Run after `narrow_norm_outputs`: a norm storing
-    16-bit y keeps it when that is the branch's type (the kernels' pairing)."""
+    docstring); returns (new bound symbols, number of adds and conversions removed). Run after
+    `narrow_norm_outputs`: an RMSNorm storing 16-bit y keeps it when that is the branch's type (the
+    kernels' pairing); a LayerNorm keeps any."""
     from thunder.core import dtypes
 
     from ..ops.layernorm import add_layernorm_forward, layernorm_forward
@@ -163,7 +164,8 @@ def fold_branch_adds(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -
 
     # per norm: its adding op, the number of its arguments before y_dtype, and whether y must be the
     # branch's type when 16-bit (rmsnorm's kernels pair them; LayerNorm's take any y)
-    kinds = {rmsnorm_forward.id: (add_rmsnorm_forward, 5, True), layernorm_forward.id: (add_layernorm_forward, 4, False)}
+    kinds = {rmsnorm_forward.id: (add_rmsnorm_forward, 5, True),
+             layernorm_forward.id: (add_layernorm_forward, 4, False)}
     tr = _Trace(bsyms)
     replace: dict[int, Any] = {}
     drop: set[int] = set()

@@ -93,15 +93,21 @@ def _padded_grad(g: torch.Tensor, n: int) -> torch.Tensor:
     return F.pad(g, (0, npad - n))
 
 
-def linear_backward_impl(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                         has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dx, dweight, dbias | None) of F.linear at the padded width."""
+def linear_backward_impl(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
+                         dw_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dx, dweight, dbias | None) of F.linear at the padded width; dw_dtype float32: dweight stored
+    as float32 by the GEMM itself (an fp32 weight under autocast: kforge.fusion.matmul_acc.widen_matmuls)."""
+    from ..fusion.matmul_acc import widen_mm
+
     n, k = weight.shape
     g2 = g.reshape(-1, n)
     gp = _padded_grad(g2, n)
     wp = _pad_rows(weight, padded(n))
     dx = (gp @ wp).reshape(x.shape)
-    dw = (gp.t() @ x.reshape(-1, k))[:n]
+    if dw_dtype == torch.float32:
+        dw = widen_mm(gp.t(), x.reshape(-1, k))[:n]
+    else:
+        dw = (gp.t() @ x.reshape(-1, k))[:n]
     db = g2.sum(0) if has_bias else None
     return dx, dw, db
 
@@ -110,14 +116,14 @@ def _forward_meta(x: TensorProxy, weight: TensorProxy, bias: TensorProxy | None)
     return TensorProxy(like=x, shape=(*x.shape[:-1], weight.shape[0]))
 
 
-def _backward_meta(g: TensorProxy, x: TensorProxy, weight: TensorProxy, has_bias: bool):
-    return (TensorProxy(like=x), TensorProxy(like=weight),
-            TensorProxy(like=weight, shape=(weight.shape[0],)) if has_bias else None)
+def _backward_meta(g: TensorProxy, x: TensorProxy, weight: TensorProxy, has_bias: bool, dw_dtype: Any = None):
+    dw = TensorProxy(like=weight) if dw_dtype is None else TensorProxy(like=weight, dtype=dtypes.to_dtype(dw_dtype))
+    return (TensorProxy(like=x), dw, TensorProxy(like=weight, shape=(weight.shape[0],)) if has_bias else None)
 
 
 # (x, weight, bias | None) -> out (a view of the padded-width output)
 linear_forward = operator("linear_forward", meta=_forward_meta, fn=linear_forward_impl)
-# (dout, x, weight, has_bias) -> (dx, dweight, dbias | None)
+# (dout, x, weight, has_bias[, dw_dtype]) -> (dx, dweight, dbias | None)
 linear_backward = operator("linear_backward", meta=_backward_meta, fn=linear_backward_impl)
 
 
