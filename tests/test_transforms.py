@@ -52,6 +52,9 @@ def _zoo(name: str):
 # residual stream is fp32 and the branch bf16, so the add stays an add and the norm a plain rms_norm.
 RMS_FWD = ("kforge_rmsnorm_forward", "kforge_add_rmsnorm_forward")
 RMS_BWD = ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward", "kforge_rmsnorm_backward_copy")
+# LayerNorm under autocast: the branch's add and the backward's 16-bit copy in its kernels (norm_epilogues)
+LN_FWD = ("kforge_layernorm_forward", "kforge_add_layernorm_forward")
+LN_BWD = ("kforge_layernorm_backward", "kforge_layernorm_backward_copy")
 # add_rms_norm matches per model in the bf16 set-up (every norm but the first layer's)
 ZOO_ADD_NORMS = {"plain_llama": 2, "nanogpt": 0, "hf_llama": 2, "hf_gpt2": 0}
 ZOO_SYMBOLS = {
@@ -66,7 +69,7 @@ ZOO_SYMBOLS = {
         "cross_entropy": ("kforge_cross_entropy_forward", "kforge_cross_entropy_backward", 1),
     },
     "nanogpt": {
-        "layer_norm": ("kforge_layernorm_forward", "kforge_layernorm_backward", 3),
+        "layer_norm": (LN_FWD, LN_BWD, 3),
         "gelu": ("kforge_gelu_forward", "kforge_gelu_backward", 1),
         "split_qkv": ("kforge_split_qkv_views", "kforge_split_qkv_backward", 1),
         "attention": ("kforge_attention_forward", "kforge_attention_backward", 1),
@@ -74,7 +77,7 @@ ZOO_SYMBOLS = {
         "cross_entropy": ("kforge_cross_entropy_f32_forward", "kforge_cross_entropy_backward", 1),
     },
     "hf_gpt2": {  # Conv1D's torch.addmm: kforge_addmm forward, two GEMMs backward (tests/test_linear.py)
-        "layer_norm": ("kforge_layernorm_forward", "kforge_layernorm_backward", 3),
+        "layer_norm": (LN_FWD, LN_BWD, 3),
         "gelu": ("kforge_gelu_forward", "kforge_gelu_backward", 1),  # NewGELU, spelled out
         "split_qkv": ("kforge_split_qkv_views", "kforge_split_qkv_backward", 1),
         "attention": ("kforge_attention_forward", "kforge_attention_backward", 1),
