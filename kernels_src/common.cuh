@@ -139,6 +139,11 @@ template <> struct Word<half> {
   }
 };
 
+// The 16-bit type of a norm backward's copy of an fp32 dx (NZ, a template parameter of the rmsnorm and
+// layernorm backward kernels: 1 bf16, 2 half; 0: no copy, bf16 named only to type a null pointer).
+template <int NZ> struct CopyOf { using type = bf16; };
+template <> struct CopyOf<2> { using type = half; };
+
 // Word i of a raw 16-byte vector (int4 / uint4, as loaded), and setting it.
 KF_DEVICE u32 word_of(const int4& v, int i) {
   return (u32)(i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w);

@@ -511,10 +511,6 @@ KF_DEVICE void load_strided_last(U (&r)[P], const T* __restrict__ p, int t, int 
     if (t + k * tpr < units) load_unit_last(r[k], p + k * tpr * U::size);
 }
 
-// The 16-bit type of dx's copy (NZ: 1 bf16, 2 half; 0: no copy, bf16 named only to type a pointer).
-template <int NZ> struct LnCopyOf { using type = bf16; };
-template <> struct LnCopyOf<2> { using type = half; };
-
 // An fp32 unit's V results stored as the 16-bit Y, each rounded once: one 8-byte store for a 16-byte
 // unit (4 elements), else one element.
 template <typename Y, int V>
@@ -688,7 +684,7 @@ __global__ void __launch_bounds__(32 * ln_group_bwd_warps(VEC), 1)
                                     void* __restrict__ dz) {
   kf_wait_prior_grids();
   static_assert((!RES && NZ == 0) || sizeof(T) == 4, "dres and the 16-bit copy: fp32 rows only");
-  using Z = typename LnCopyOf<NZ>::type;
+  using Z = typename CopyOf<NZ>::type;
   using U = Unit<T, VEC>;
   constexpr int V = U::size, P = kGroupCols / V;
   static_assert(kGroupCols == 8 && kGroupCols % V == 0, "whole units, two float4 per thread");

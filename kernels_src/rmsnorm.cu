@@ -127,10 +127,6 @@ KF_DEVICE void store_narrow(Y* row, int c, int D, const float (&o)[4]) {
   }
 }
 
-// The 16-bit type of dx's copy (NZ: 1 bf16, 2 fp16; 0: no copy, bf16 named only to type a null pointer).
-template <int NZ> struct CopyOf { using type = bf16; };
-template <> struct CopyOf<2> { using type = half; };
-
 // Weight chunk (default caching: every row reads it), or ones when there is no weight.
 template <typename T, bool VEC>
 KF_DEVICE Chunk<T> weight_chunk(const T* weight, int c, int D) {
