@@ -266,6 +266,34 @@ def test_call_layouts_of_the_norm_backwards():
                                    "kforge_rmsnorm_backward_copy": Counter({"ring": 1})}
 
 
+def test_call_layouts_of_layernorms_autocast_variants():
+    """The branch-adding forward, the narrow forward and the copying backward show LayerNorm's plan
+    for the fp32 stream (GROUP for GPT-2's rows: the kernels that do the extra work)."""
+    import thunder.core.devices as devices
+    import torch
+    from thunder.core import dtypes
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+
+    from kforge.inspect import call_layouts
+    from kforge.ops import layernorm as ln_ops
+
+    trc = TraceCtx()
+    dev = devices.Device("cuda:0")
+    with tracectx(trc):
+        def proxy(shape, dtype=dtypes.float32):
+            return TensorProxy(shape=shape, device=dev, dtype=dtype, requires_grad=False)
+        x, w, st = proxy((8192, 768)), proxy((768,)), proxy((8192,))
+        ln_ops.add_layernorm_forward(proxy((8192, 768), dtypes.bfloat16), x, w, w, 1e-5, torch.bfloat16)
+        ln_ops.layernorm_forward(x, w, w, 1e-5, torch.bfloat16)
+        ln_ops.layernorm_backward_copy(x, x, w, w, st, st, x, torch.bfloat16)
+    assert kforge._C.plan("layernorm_backward", [8192, 768], torch.float32, dresidual=True,
+                          copy_dtype="bfloat16")["layout"] == "group"
+    assert call_layouts([trc]) == {"kforge_add_layernorm_forward": Counter({"group": 1}),
+                                   "kforge_layernorm_forward": Counter({"group": 1}),
+                                   "kforge_layernorm_backward_copy": Counter({"group": 1})}
+
+
 def test_call_layouts_of_the_head_copies():
     """split_qkv's n_head comes from the call, its backward's shape from the first given gradient;
     merge_heads shows none (a view, no kernel, where its heads are token-major in memory)."""

@@ -131,9 +131,18 @@ def _plan_query(name: str, args: tuple) -> tuple[Any, dict] | None:
     def arg(i: int, default: Any = None) -> Any:
         return args[i] if len(args) > i else default
 
-    if name in ("layernorm_forward", "layernorm_backward"):
-        o = 1 if name == "layernorm_backward" else 0  # backward: (dout, x, weight, bias, ...)
-        return args[o], {"weight": arg(o + 1) is not None, "bias": arg(o + 2) is not None}
+    if name in ("layernorm_forward", "layernorm_backward", "layernorm_backward_copy", "add_layernorm_forward"):
+        # backward: (dout, x, weight, bias, mean, rstd, dresidual, copy_dtype); the add: (x16, residual,
+        # weight, bias, eps, y_dtype), planned as the norm of the fp32 residual
+        o = 0 if name == "layernorm_forward" else 1
+        options = {"weight": arg(o + 1) is not None, "bias": arg(o + 2) is not None}
+        if name == "layernorm_forward" and arg(4) is not None:
+            options["y_dtype"] = str(args[4])
+        if name.startswith("layernorm_backward"):
+            options["dresidual"] = arg(6) is not None
+            if arg(7) is not None:
+                options["copy_dtype"] = str(args[7])
+        return args[o], options
     if name in ("rmsnorm_forward", "add_rmsnorm_forward"):
         return args[0], {"normalized_ndim": arg(3 if name == "rmsnorm_forward" else 4, 1)}
     if name == "rmsnorm_backward":
@@ -179,7 +188,8 @@ def _device_limits() -> dict:
 
 
 # Operators whose launcher call is another launcher's plan with options (_plan_query).
-_PLANNED_AS = {"add_rmsnorm_backward": "rmsnorm_backward", "rmsnorm_backward_copy": "rmsnorm_backward"}
+_PLANNED_AS = {"add_rmsnorm_backward": "rmsnorm_backward", "rmsnorm_backward_copy": "rmsnorm_backward",
+               "layernorm_backward_copy": "layernorm_backward", "add_layernorm_forward": "layernorm_forward"}
 
 
 def call_layouts(traces: list) -> dict[str, Counter]:
