@@ -39,6 +39,7 @@ from thunder.core.transform_common import Transform
 from thunder.core.transforms import get_grad, put_grad, sum_to
 
 from .._thunder import Claim, OpSpec, operator, replace_calls, same_dtype_device, tensor_problem
+from ..fusion.matmul_acc import widen_mm  # stdlib and torch only at import: no cycle
 
 PAD = 64           # outputs are padded to a multiple of this (GPT-2: 50257 -> 50304, as llm.c does)
 MIN_OUT = 1024     # below this the GEMMs are too small for the padding to matter
@@ -97,8 +98,6 @@ def linear_backward_impl(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                          dw_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dx, dweight, dbias | None) of F.linear at the padded width; dw_dtype float32: dweight stored
     as float32 by the GEMM itself (an fp32 weight under autocast: kforge.fusion.matmul_acc.widen_matmuls)."""
-    from ..fusion.matmul_acc import widen_mm
-
     n, k = weight.shape
     g2 = g.reshape(-1, n)
     gp = _padded_grad(g2, n)
