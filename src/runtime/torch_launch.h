@@ -36,7 +36,22 @@ template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
 std::string to_str(T v) {
   return std::to_string(v);
 }
-inline std::string to_str(c10::ScalarType t) { return c10::toString(t); }
+// torch's Python names (float32, bfloat16, ...): what users write, not c10's Float / BFloat16.
+inline std::string to_str(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "float32";
+    case c10::ScalarType::Double: return "float64";
+    case c10::ScalarType::Half: return "float16";
+    case c10::ScalarType::BFloat16: return "bfloat16";
+    case c10::ScalarType::Long: return "int64";
+    case c10::ScalarType::Int: return "int32";
+    case c10::ScalarType::Short: return "int16";
+    case c10::ScalarType::Char: return "int8";
+    case c10::ScalarType::Byte: return "uint8";
+    case c10::ScalarType::Bool: return "bool";
+    default: return c10::toString(t);
+  }
+}
 inline std::string to_str(const c10::Device& d) { return d.str(); }
 inline std::string to_str(c10::IntArrayRef a) {
   std::string s = "[";
