@@ -46,8 +46,11 @@ GPU_CASES = {
 
 # kforge.ops modules whose symbols the manual-attention GPT-2 must use, and which of their
 # symbols (the softmax module also has plain softmax, which this model does not call).
+# The autocast forms (a 16-bit branch added to the fp32 stream, a 16-bit copy of dx) run only when
+# the residual stream is wider than the layers' outputs: never in these fp32 / bf16 models.
+AUTOCAST_ONLY = {"kforge_add_layernorm_forward", "kforge_layernorm_backward_copy"}
 MANUAL_GPT2_OPS = {
-    "layernorm": lambda name: True,
+    "layernorm": lambda name: name not in AUTOCAST_ONLY,
     "gelu": lambda name: True,
     "cross_entropy": lambda name: "f32" not in name,  # the fp32-loss form is for logits upcast first
     "permute": lambda name: "views" not in name,  # split_qkv(copy=False) is the SDPA variant's
