@@ -392,6 +392,9 @@ KF_DEVICE void cp_async16_after(u32 saddr, const void* gmem, float after) {
 KF_DEVICE void cp_async4(u32 saddr, const void* gmem) {  // 4 bytes (through L1: .ca)
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(saddr), "l"(gmem) : "memory");
 }
+KF_DEVICE void cp_async8(u32 saddr, const void* gmem) {  // 8 bytes (.ca: .cg takes 16 only)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(saddr), "l"(gmem) : "memory");
+}
 KF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> KF_DEVICE void cp_async_wait() {  // at most N of this thread's groups pending
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
@@ -405,6 +408,12 @@ template <typename T> KF_DEVICE Pack128<T, Held::words> lds16(u32 a) {
                : "r"(a)
                : "memory");
   return c;
+}
+KF_DEVICE void lds8(u32 a, u32& w0, u32& w1) {
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w0), "=r"(w1) : "r"(a) : "memory");
+}
+KF_DEVICE void sts8_zero(u32 a) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %1};" ::"r"(a), "r"(0u) : "memory");
 }
 KF_DEVICE void sts16_zero(u32 a) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(a), "r"(0u) : "memory");

@@ -720,22 +720,32 @@ done:
 // directly when blockDim.y == 1, else added over the groups in order of the group through the ring's
 // shared memory.
 // Only 16-byte accesses (D % V == 0, pointers 16-byte aligned; the launcher checks). Dynamic shared
-// memory: S * (A * blockDim.y * blockDim.x * K * 16 + nseg * 4) bytes, A = 2 (3 with RES), nseg =
+// memory: S * (A * blockDim.y * blockDim.x * K + nseg * 4) bytes, A = 32 bytes a chunk slot (x and dy;
+// NY: 16 + 8 * NY) plus 16 with RES, nseg =
 // blockDim.y * blockDim.x / 32 (blockDim.x >= 32) or blockDim.y (smaller groups).
 // RES: a stage also holds the rows of dres, copied and zero-filled as x's and dy's; they are read with
 // them and folded into h = r * g + dres before the stage is requested again (g's registers, none
 // more), so dx = r * a * x + h, rounded once.
-template <typename T, int K, int S, bool CBW, int NT, bool RES = false, int NZ = 0>
+// NY (2 or 3, fp32 T only): dy is the sum of NY 16-bit tensors (CopyOf<YT>: 1 bf16, 2 fp16), dy,
+// dy1 (and dy2), each upcast and added in fp32 in that order, ((dy + dy1) + dy2), the values of
+// eager's upcasts and adds (autocast: a norm's output read by two or three 16-bit matmuls, whose
+// input gradients autograd sums in fp32). A stage holds each term's rows at 8 bytes a chunk (copied
+// by 8-byte cp.async) in dy's place; the terms are summed as they are read from the stage, so the
+// rest of the kernel sees an fp32 dy. Stage bytes per chunk slot: 16 (x) + 8 * NY + 16 (RES).
+template <typename T, int K, int S, bool CBW, int NT, bool RES = false, int NZ = 0, int NY = 0, int YT = 1>
 __global__ void __launch_bounds__(NT, 1)
     rmsnorm_backward_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                  const T* __restrict__ weight, const float* __restrict__ rstd,
                                  T* __restrict__ dx, float* __restrict__ dw_partial, long long rows,
                                  int D, float inv_d, int zero, const T* __restrict__ dres,
-                                 void* __restrict__ dz) {
+                                 void* __restrict__ dz, const void* __restrict__ dy1,
+                                 const void* __restrict__ dy2) {
   kf_wait_prior_grids();
   using E = Chunk<T>;
   using Z = typename CopyOf<NZ>::type;
+  using Y = typename CopyOf<YT>::type;
   static_assert(NZ == 0 || sizeof(T) == 4, "a 16-bit copy of an fp32 dx only");
+  static_assert(NY == 0 || (sizeof(T) == 4 && (NY == 2 || NY == 3)), "2 or 3 16-bit dy terms of an fp32 x");
   const u64 zbase = reinterpret_cast<u64>(dz) - (reinterpret_cast<u64>(dx) >> 1);
   constexpr int V = E::size;
   static_assert(NT <= 512 && NT % 64 == 0, "groups of <= 16 warps");
@@ -747,9 +757,16 @@ __global__ void __launch_bounds__(NT, 1)
   const int nchunk = D / V;
   const int rowpad = tx * K;  // chunks of a row in a stage
   const u32 kstep = (u32)tx * 16u;  // bytes from one chunk of a thread to its next (row and stage)
-  const u32 stage_bytes = (RES ? 3u : 2u) * (u32)(G * rowpad) * 16u;
-  const u32 dyoff = (u32)(G * rowpad) * 16u;  // dy's rows follow x's in a stage (RES: then dres's)
+  const u32 slots = (u32)(G * rowpad);  // chunk slots of an array in a stage
+  constexpr u32 kDyBytes = NY ? 8u * NY : 16u;  // dy's bytes per chunk slot
+  const u32 stage_bytes = (16u + kDyBytes + (RES ? 16u : 0u)) * slots;
+  const u32 dyoff = slots * 16u;  // dy's rows follow x's in a stage (NY: term by term), then dres's
+  const u32 resoff = dyoff + slots * kDyBytes;
   const u32 my = smem_u32(ring) + (u32)(threadIdx.y * rowpad + threadIdx.x) * 16u;
+  // NY: term 0's slot of this thread's chunk 0 in stage 0; term j's is slots * 8 * j further, and a
+  // term's next chunk kstep8 further (in shared and in global memory).
+  const u32 my8 = smem_u32(ring) + dyoff + (u32)(threadIdx.y * rowpad + threadIdx.x) * 8u;
+  const u32 kstep8 = (u32)tx * 8u;
   const int nseg = tx >= 32 ? (tx * G) >> 5 : G;  // rstd slots per stage
   const u32 rslot =
       smem_u32(ring) + (u32)S * stage_bytes + (u32)(tx >= 32 ? tid >> 5 : (int)threadIdx.y) * 4u;
@@ -771,8 +788,10 @@ __global__ void __launch_bounds__(NT, 1)
     if (!ok[k])  // never copied: zeros in every stage
       for (int s = 0; s < S; ++s) {
         sts16_zero(my + (u32)s * stage_bytes + (u32)k * kstep);
-        sts16_zero(my + (u32)s * stage_bytes + dyoff + (u32)k * kstep);
-        if (RES) sts16_zero(my + (u32)s * stage_bytes + 2u * dyoff + (u32)k * kstep);
+        if (NY == 0) sts16_zero(my + (u32)s * stage_bytes + dyoff + (u32)k * kstep);
+#pragma unroll
+        for (int j = 0; j < NY; ++j) sts8_zero(my8 + (u32)s * stage_bytes + (u32)j * slots * 8u + (u32)k * kstep8);
+        if (RES) sts16_zero(my + (u32)s * stage_bytes + resoff + (u32)k * kstep);
       }
   }
   const int nw = tx >> 5;
@@ -797,20 +816,30 @@ __global__ void __launch_bounds__(NT, 1)
   const char* lr = reinterpret_cast<const char*>(rstd + row0);
   const u64 gdelta = reinterpret_cast<u64>(dy) - reinterpret_cast<u64>(x);
   const u64 rdelta = reinterpret_cast<u64>(dres) - reinterpret_cast<u64>(x);  // RES
+  // NY: term j's address for x's address p is ydelta[j] + p / 2 (2 bytes an element against 4; x is
+  // 16-byte aligned, so p / 2 is exact).
+  const u64 xhalf = reinterpret_cast<u64>(x) >> 1;
+  const u64 ydelta[3] = {reinterpret_cast<u64>(dy) - xhalf, reinterpret_cast<u64>(dy1) - xhalf,
+                         reinterpret_cast<u64>(dy2) - xhalf};
   char* cdx = reinterpret_cast<char*>(dx + off);  // the row being computed
 
   // Requests row group t into stage s (zeros past the end of the tensor). `dep`: 0, computed from what
   // the thread last read of the stage, so the copies wait for those reads.
   auto request = [&](int t, int s, u32 dep) {
     const u32 sa = my + (u32)s * stage_bytes + dep;
+    const u32 ya = my8 + (u32)s * stage_bytes + dep;
     const u32 ra = rslot + (u32)s * rstage + dep;
     if (t < nv) {
 #pragma unroll
       for (int k = 0; k < K; ++k)
         if (ok[k]) {
           cp_async16(sa + (u32)k * kstep, lx + k * kstep);
-          cp_async16(sa + dyoff + (u32)k * kstep, plus(lx, gdelta + k * kstep));
-          if (RES) cp_async16(sa + 2u * dyoff + (u32)k * kstep, plus(lx, rdelta + k * kstep));
+          if (NY == 0) cp_async16(sa + dyoff + (u32)k * kstep, plus(lx, gdelta + k * kstep));
+#pragma unroll
+          for (int j = 0; j < NY; ++j)
+            cp_async8(ya + (u32)j * slots * 8u + (u32)k * kstep8,
+                      reinterpret_cast<const char*>(ydelta[j] + (reinterpret_cast<u64>(lx) >> 1) + k * kstep8));
+          if (RES) cp_async16(sa + resoff + (u32)k * kstep, plus(lx, rdelta + k * kstep));
         }
       if (leader) cp_async4(ra, lr);
     } else {
@@ -818,8 +847,10 @@ __global__ void __launch_bounds__(NT, 1)
       for (int k = 0; k < K; ++k)
         if (ok[k]) {
           sts16_zero(sa + (u32)k * kstep);
-          sts16_zero(sa + dyoff + (u32)k * kstep);
-          if (RES) sts16_zero(sa + 2u * dyoff + (u32)k * kstep);
+          if (NY == 0) sts16_zero(sa + dyoff + (u32)k * kstep);
+#pragma unroll
+          for (int j = 0; j < NY; ++j) sts8_zero(ya + (u32)j * slots * 8u + (u32)k * kstep8);
+          if (RES) sts16_zero(sa + resoff + (u32)k * kstep);
         }
       if (leader) sts_f32(ra, 0.0f);
     }
@@ -843,7 +874,23 @@ __global__ void __launch_bounds__(NT, 1)
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       xc[k] = lds16<T>(sa + (u32)k * kstep);
-      gc[k] = lds16<T>(sa + dyoff + (u32)k * kstep);
+      if constexpr (NY == 0) {
+        gc[k] = lds16<T>(sa + dyoff + (u32)k * kstep);
+      } else {  // dy = ((term 0 + term 1) + term 2), each upcast: eager's sum of the gradients
+        const u32 ya = my8 + (u32)s * stage_bytes + (u32)k * kstep8;
+        float f[V];
+#pragma unroll
+        for (int j = 0; j < NY; ++j) {
+          u32 w0, w1;
+          lds8(ya + (u32)j * slots * 8u, w0, w1);
+          float v[4];
+          Word<Y>::widen(w0, v[0], v[1]);
+          Word<Y>::widen(w1, v[2], v[3]);
+#pragma unroll
+          for (int i = 0; i < V; ++i) f[i] = j == 0 ? v[i] : f[i] + v[i];
+        }
+        gc[k] = E::from(f);
+      }
     }
     float r = leader ? lds_f32(rslot + (u32)s * rstage) : 0.0f;
     r = __shfl_sync(0xffffffffu, r, src);
@@ -854,7 +901,7 @@ __global__ void __launch_bounds__(NT, 1)
     if constexpr (RES) {
       Chunk<T> dc[K];
 #pragma unroll
-      for (int k = 0; k < K; ++k) dc[k] = lds16<T>(sa + 2u * dyoff + (u32)k * kstep);
+      for (int k = 0; k < K; ++k) dc[k] = lds16<T>(sa + resoff + (u32)k * kstep);
 #pragma unroll
       for (int k = 0; k < K; ++k) {
 #pragma unroll

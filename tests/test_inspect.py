@@ -260,10 +260,15 @@ def test_call_layouts_of_the_norm_backwards():
         rstd = TensorProxy(shape=(8192,), device=dev, dtype=dtypes.float32, requires_grad=False)
         rms_ops.add_rmsnorm_backward(x, x, x, w, rstd, 1, True)
         rms_ops.rmsnorm_backward_copy(x, x, w, rstd, 1, True, None, torch.bfloat16)
+        g = TensorProxy(shape=(8192, 768), device=dev, dtype=dtypes.bfloat16, requires_grad=False)
+        rms_ops.rmsnorm_backward_sum(g, g, g, x, w, rstd, 1, True, x, torch.bfloat16)
+        # a copy of another type than the terms': torch sums them before the fp32 ring
+        rms_ops.rmsnorm_backward_sum(g, g, None, x, w, rstd, 1, True, x, torch.float16)
     want = kforge._C.plan("rmsnorm_backward", [8192, 768], torch.float32, copy_dtype="bfloat16")["layout"]
     assert want == "ring"
     assert call_layouts([trc]) == {"kforge_add_rmsnorm_backward": Counter({"ring": 1}),
-                                   "kforge_rmsnorm_backward_copy": Counter({"ring": 1})}
+                                   "kforge_rmsnorm_backward_copy": Counter({"ring": 1}),
+                                   "kforge_rmsnorm_backward_sum": Counter({"ring": 1, "ring after torch's sum": 1})}
 
 
 def test_call_layouts_of_layernorms_autocast_variants():

@@ -1059,6 +1059,14 @@ def smallest_case_per_kernel() -> dict:
                                        dresidual=res, variant=variant, copy_dtype=copy)
                     keep(p["kernel"].replace("{T}", tname),
                          ("rmsnorm_backward", rows, D, dt, aligned, cbw, ("copy", copy, res), variant))
+                # dy as 16-bit terms (rmsnorm_backward_sum): ("terms", n, type, copy type or None, res)
+                for n, ty in itertools.product((2, 3), ("bfloat16", "float16")):
+                    for copy in (None, ty):
+                        p = kforge._C.plan("rmsnorm_backward", shape, dt, aligned=aligned, cast_before_weight=cbw,
+                                           dresidual=res, variant=variant, copy_dtype=copy, dy_terms=n, dy_dtype=ty)
+                        if "dy_sum" not in p:  # summed by torch first: the plain kernels, counted above
+                            keep(p["kernel"].replace("{T}", tname),
+                                 ("rmsnorm_backward", rows, D, dt, aligned, cbw, ("terms", n, ty, copy, res), variant))
     return found
 
 
@@ -1095,7 +1103,20 @@ def test_every_instantiation_matches_float64(expr, case):
 
     x, dy = laid_out(randn(rows, D, dtype=dtype, seed=1)), laid_out(randn(rows, D, dtype=dtype, seed=2))
     w = randn(D, dtype=dtype, scale=0.5, seed=3) + 1
-    if isinstance(res, tuple) and res[0] == "copy":  # dx's 16-bit copy: the plain kernel's dx, rounded
+    if isinstance(res, tuple) and res[0] == "terms":  # dy as 16-bit terms: the fp32 kernel on their sum
+        _, n, ty, copy_dtype, with_res = res
+        terms = [laid_out(randn(rows, D, seed=10 + j).to(getattr(torch, ty))) for j in range(n)]
+        copy_dtype = copy_dtype and getattr(torch, copy_dtype)
+        dres = laid_out(randn(rows, D, seed=5)) if with_res else None
+        rstd = kforge._C.rmsnorm_forward(x, w, 1e-5, 1, cbw)[1]
+        dx, dw, copy = kforge._C.rmsnorm_backward_sum(terms, x, w, rstd, 1, cbw, dres, copy_dtype)
+        dy32 = sum_terms(terms)
+        dx32, dw32 = rms_backward(dy32, x, w, rstd, 1, cbw, variant, dresidual=dres)
+        assert torch.equal(dx, dx32), expr  # per row the same arithmetic as on the summed dy
+        torch.testing.assert_close(dw, dw32, rtol=1e-5, atol=1e-5, msg=expr)  # rows per block may differ
+        assert copy is None if copy_dtype is None else torch.equal(copy, dx32.to(copy_dtype)), expr
+        check(x, w, dy32, cbw, what=expr, variant=variant)
+    elif isinstance(res, tuple) and res[0] == "copy":  # dx's 16-bit copy: the plain kernel's dx, rounded
         copy_dtype, dres = getattr(torch, res[1]), laid_out(randn(rows, D, seed=5)) if res[2] else None
         rstd = kforge._C.rmsnorm_forward(x, w, 1e-5, 1, cbw)[1]
         with override("rmsnorm_backward", variant=variant):
@@ -1163,7 +1184,8 @@ def test_forward_narrow_y_misaligned_input_and_bad_requests():
     assert y.dtype == torch.float32
 
 
-BWD_NORMS = ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward", "kforge_rmsnorm_backward_copy")
+BWD_NORMS = ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward", "kforge_rmsnorm_backward_copy",
+             "kforge_rmsnorm_backward_sum")
 
 
 def test_autocast_norms_store_bf16_themselves():
@@ -1190,17 +1212,28 @@ def test_autocast_norms_store_bf16_themselves():
         if b.sym.name.startswith("kforgeFusion"):
             assert not outs & {p.name for p in b.flat_proxy_args}, str(b)
     # In the backward, the stream's gradient, which the branch's bf16 matmul reads too, comes in bf16
-    # from the norm backward itself (kforge_rmsnorm_backward_copy): every norm backward but the first
-    # layer's attention norm's, whose dx only the embedding reads. Every norm's but the last adds the
-    # residual's gradient.
+    # from the norm backward itself (a copy): every norm backward but the first layer's attention
+    # norm's, whose dx only the embedding reads. Every norm's but the last adds the residual's
+    # gradient. The layer's two norms read their dy as the bf16 input gradients of the matmuls after
+    # them (kforge_rmsnorm_backward_sum: w1 / w3, then q / k / v); the last norm's comes from the
+    # lm_head alone (kforge_rmsnorm_backward_copy).
     bwd_norms = [b for b in ft.backward.bound_symbols if b.sym.name in BWD_NORMS]
     names = [b.sym.name for b in bwd_norms]
-    assert names.count("kforge_rmsnorm_backward_copy") == 2 and names.count("kforge_add_rmsnorm_backward") == 1, names
-    assert "kforge_rmsnorm_backward" not in names, names
-    copied = [b for b in bwd_norms if b.sym.name == "kforge_rmsnorm_backward_copy"]
-    assert sorted(b.args[6] is None for b in copied) == [False, True]  # the last norm has no dresidual
-    for b in copied:
-        assert b.args[7] == torch.bfloat16 and b.output[2].dtype == thunder.dtypes.bfloat16
+    assert names == ["kforge_rmsnorm_backward_copy"] + ["kforge_rmsnorm_backward_sum"] * 2, names
+    last, ffn, attn = bwd_norms
+    assert last.args[6] is None and last.args[7] == torch.bfloat16  # (dy, x, w, rstd, nd, cbw, dres, copy)
+    assert last.output[2].dtype == thunder.dtypes.bfloat16
+    # (dy0, dy1, dy2, x, weight, rstd, nd, cbw, dresidual, copy_dtype)
+    assert ffn.args[2] is None and ffn.args[8] is not None and ffn.args[9] == torch.bfloat16, str(ffn)
+    assert ffn.output[2].dtype == thunder.dtypes.bfloat16
+    assert attn.args[2] is not None and attn.args[8] is not None and attn.args[9] is None, str(attn)
+    for b in (ffn, attn):
+        terms = [t for t in b.args[:3] if t is not None]
+        assert all(t.dtype == thunder.dtypes.bfloat16 for t in terms) and b.args[3].dtype == thunder.dtypes.float32
+        # each term is a matmul's output as it left the matmul (no conversion, add or region between)
+        producers = {o.name: c.sym.name for c in ft.backward.bound_symbols for o in c.flat_proxy_outs}
+        assert {producers[t.name] for t in terms} == {"kforge_gemm_views"}, [producers[t.name] for t in terms]
+    for b in bwd_norms:
         assert b.output[0].dtype == thunder.dtypes.float32
     dxs = {b.output[0].name for b in bwd_norms}
     for b in ft.backward.bound_symbols:
@@ -1218,7 +1251,9 @@ def test_hf_llama_autocast_norms_store_bf16_themselves():
     norms = [b for b in ft.forward.bound_symbols if b.sym.name in ("kforge_rmsnorm_forward", "kforge_add_rmsnorm_forward")]
     assert len(norms) == 3 and all(b.output[0].dtype == thunder.dtypes.bfloat16 for b in norms), [str(b) for b in norms]
     bwd_norms = [b for b in ft.backward.bound_symbols if b.sym.name in BWD_NORMS]
-    assert [b.sym.name for b in bwd_norms].count("kforge_rmsnorm_backward_copy") == 2, [str(b) for b in bwd_norms]
+    names = [b.sym.name for b in bwd_norms]  # the last norm's copy, then the layer's two, summing their dy
+    assert names == ["kforge_rmsnorm_backward_copy"] + ["kforge_rmsnorm_backward_sum"] * 2, [str(b) for b in bwd_norms]
+    assert [sum(t is not None for t in b.args[:3]) for b in bwd_norms[1:]] == [2, 3]
     for tr, made in ((ft.forward, {b.output[0].name for b in norms}), (ft.backward, {b.output[0].name for b in bwd_norms})):
         for b in tr.bound_symbols:
             if b.sym.name.startswith("kforgeFusion"):
@@ -1262,6 +1297,95 @@ def test_backward_copy_misaligned_input_and_bad_requests():
         kforge._C.rmsnorm_backward_copy(dy, x, w, rstd, 1, False, None, torch.float64)
 
 
+def sum_terms(terms):
+    """Eager's sum of upcast 16-bit gradients: ((t0 + t1) + t2) in fp32, shaped as the first."""
+    total = terms[0].float()
+    for t in terms[1:]:
+        total = total + t.float().view(total.shape)
+    return total
+
+
+@gpu
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("term_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dres", [False, True], ids=["plain", "dresidual"])
+@pytest.mark.parametrize("copy", [None, "same", "other"])
+@pytest.mark.parametrize("shape", [(8192, 768), (37, 4096), (3, 5, 4100), (17, 6), (1, 8192), (1000, 64), (130, 3, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward_sums_16_bit_dy_terms(shape, copy, dres, term_dtype, n):
+    """rmsnorm_backward_sum (fp32 x, dy the fp32 sum of 2 or 3 upcast 16-bit terms): dx and the copy bit
+    for bit rmsnorm_backward_copy's on torch's sum (the ring reads the terms; odd rows, a copy of the
+    other 16-bit type and other layouts sum with torch first), dweight within fp32 reassociation (the
+    ring may take fewer rows a block with the terms' larger stages); against float64 too (outputs
+    start poisoned: conftest)."""
+    x = randn(*shape, seed=1)
+    w = 1 + 0.1 * randn(shape[-1], seed=3)
+    # the terms as matmuls return them: (rows, D) whatever x's shape
+    terms = [randn(math.prod(shape[:-1]), shape[-1], seed=10 + j, scale=1.5).to(term_dtype) for j in range(n)]
+    ds = randn(*shape, seed=4) if dres else None
+    other = torch.float16 if term_dtype == torch.bfloat16 else torch.bfloat16
+    copy_dtype = {None: None, "same": term_dtype, "other": other}[copy]
+    rstd = kforge._C.rmsnorm_forward(x, w, EPS, 1, True)[1]
+    dx, dw, out_copy = kforge._C.rmsnorm_backward_sum(terms, x, w, rstd, 1, True, ds, copy_dtype)
+    dy = sum_terms(terms).view(shape)
+    dx32, dw32 = rms_backward(dy, x, w, rstd, 1, True, dresidual=ds)
+    assert dx.shape == x.shape and torch.equal(dx, dx32)
+    torch.testing.assert_close(dw, dw32, rtol=1e-5, atol=1e-4)
+    if copy_dtype is None:
+        assert out_copy is None
+    else:
+        assert out_copy.dtype == copy_dtype and torch.equal(out_copy, dx32.to(copy_dtype))
+    _, _, rdx, rdw = reference(x, w, EPS, dy, 1)
+    if ds is not None:
+        rdx = rdx + ds.double()
+    assert_close(dx, rdx, torch.float32, "dx", scale=(dy.double() * w.double()).norm().item())
+    assert_close(dw, rdw, torch.float32, "dweight")
+
+
+@gpu
+def test_backward_sum_kernels_and_fallbacks():
+    """The ring reads the terms where it applies (the plan's kernel launches); a term off 8 bytes, a
+    term of another layout (transposed) and rows the ring does not take are summed by torch first,
+    with the same dx; bad requests are refused naming the op."""
+    x, w = randn(64, 768, seed=1), randn(768, seed=2)
+    rstd = kforge._C.rmsnorm_forward(x, w, EPS, 1, True)[1]
+    terms = [randn(64, 768, seed=3 + j).bfloat16() for j in range(3)]
+    want = rms_backward(sum_terms(terms), x, w, rstd)[0]
+    name = kforge._C.plan("rmsnorm_backward", [64, 768], "float32", dy_terms=3, dy_dtype="bfloat16")["kernel"]
+    assert name.endswith(", false, 0, 3, 1>"), name
+    assert torch.equal(kforge._C.rmsnorm_backward_sum(terms, x, w, rstd)[0], want)
+    assert name.replace("{T}", "float") in conftest.launched("rmsnorm")
+    off = torch.empty(64 * 768 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(64, 768).copy_(terms[1])
+    assert torch.equal(kforge._C.rmsnorm_backward_sum([terms[0], off, terms[2]], x, w, rstd)[0], want)
+    t = terms[2].t().contiguous().t()  # made contiguous by the launcher: the same values
+    assert torch.equal(kforge._C.rmsnorm_backward_sum([terms[0], terms[1], t], x, w, rstd)[0], want)
+    with pytest.raises(kforge.KforgeError, match="rmsnorm_backward_sum: takes 2 or 3 dy terms"):
+        kforge._C.rmsnorm_backward_sum(terms[:1], x, w, rstd)
+    with pytest.raises(kforge.KforgeError, match="rmsnorm_backward_sum: dy terms of float16 and bfloat16"):
+        kforge._C.rmsnorm_backward_sum([terms[0], terms[1].half()], x, w, rstd)
+    with pytest.raises(kforge.KforgeError, match="rmsnorm_backward_sum: x of bfloat16"):
+        kforge._C.rmsnorm_backward_sum(terms[:2], x.bfloat16(), w.bfloat16(), rstd)
+    with pytest.raises(kforge.KforgeError, match="rmsnorm_backward_sum: a dy term has 48000 elements"):
+        kforge._C.rmsnorm_backward_sum([terms[0], terms[1][:, :750]], x, w, rstd)
+
+
+def test_plan_names_the_dy_terms_kernels():
+    """CPU: kforge._C.plan names the NY / YT instantiation for dy_terms, takes fewer rows a block where
+    three terms' stages would not fit at 8192 x 768 with the residual's gradient, and says where
+    torch sums the terms (a row the ring does not take, a copy of the other 16-bit type)."""
+    p = kforge._C.plan("rmsnorm_backward", [8192, 768], "float32", dresidual=True, copy_dtype="bfloat16", dy_terms=3)
+    assert p["kernel"] == "rmsnorm_backward_ring_kernel<{T}, 4, 3, false, 384, true, 1, 3, 1>", p
+    assert p["block"] == (64, 5, 1) and p["smem"] <= 232448 - 768, p
+    p = kforge._C.plan("rmsnorm_backward", [8192, 768], "float32", dresidual=True, dy_terms=2, dy_dtype="float16")
+    assert p["kernel"].endswith(", true, 0, 2, 2>") and p["block"] == (64, 6, 1) and "dy_sum" not in p, p
+    for kw in (dict(dy_terms=3, copy_dtype="float16"), dict(dy_terms=2, aligned=False)):
+        assert kforge._C.plan("rmsnorm_backward", [8192, 768], "float32", **kw)["dy_sum"] == "torch"
+    with pytest.raises(ValueError, match="2 or 3 dy terms of a float32 x"):
+        kforge._C.plan("rmsnorm_backward", [8192, 768], "bfloat16", dy_terms=2)
+    with pytest.raises(ValueError, match="2 or 3 dy terms"):
+        kforge._C.plan("rmsnorm_backward", [8192, 768], "float32", dy_terms=4)
+
+
 def test_plan_names_the_copy_kernels():
     """CPU: kforge._C.plan names the NZ instantiation for copy_dtype and refuses it for a 16-bit dx."""
     p = kforge._C.plan("rmsnorm_backward", [8192, 768], "float32", copy_dtype="bfloat16")
@@ -1297,3 +1421,78 @@ def test_add_of_a_16_bit_x_to_an_fp32_residual(shape, x_dtype):
         kforge._C.add_rmsnorm_forward(x, r.to(x_dtype).half() if x_dtype == torch.bfloat16 else r.bfloat16(), w, 1e-5)
     with pytest.raises(kforge.KforgeError, match="weight has dtype"):
         kforge._C.add_rmsnorm_forward(x, r, w.to(x_dtype), 1e-5)
+
+
+# ---- norm_epilogues.sum_norm_grads: which sums become dy terms (CPU, on hand-made traces) -------------
+def _sum_trace(build):
+    """Bound symbols of a trace made by `build(g, conv, x, w, rstd)` under a tracectx, where g are four
+    bf16 (64, 768) proxies and conv(t) records an upcast to float32; build returns dy, and the trace
+    ends with kforge_rmsnorm_backward(dy, x, w, rstd)."""
+    import thunder.core.devices as devices
+    from thunder.core import dtypes, prims
+    from thunder.core.proxies import TensorProxy
+
+    trc = TraceCtx()
+    dev = devices.Device("cuda:0")
+    with tracectx(trc):
+        def proxy(shape, dtype):
+            return TensorProxy(shape=shape, device=dev, dtype=dtype, requires_grad=False)
+
+        g = [proxy((64, 768), dtypes.bfloat16) for _ in range(4)]
+        x, w, rstd = proxy((4, 16, 768), dtypes.float32), proxy((768,), dtypes.float32), proxy((64,), dtypes.float32)
+        dy = build(g, lambda t: prims.convert_element_type(t, dtypes.float32), x, w, rstd)
+        op.rmsnorm_backward(dy, x, w, rstd, 1, True)
+    return trc.bound_symbols, g
+
+
+@pytest.mark.parametrize("form,want", [
+    ("left", [0, 1, 2]),          # (g0 + g1) + g2
+    ("right", [1, 2, 0]),         # g0 + (g1 + g2) = (g1 + g2) + g0: the same fp32 adds
+    ("two", [0, 1]),
+    ("reshaped", [0, 1, 2]),      # each term reshaped to x's shape before its upcast
+    ("four", None),               # (g0 + g1) + (g2 + g3): no left fold of three or fewer
+    ("shared-upcast", None),      # an upcast read by something else too
+    ("one", None),                # a single term: nothing to sum
+    ("fp32-term", None),          # a term already float32
+])
+def test_sum_norm_grads_takes_left_folds_of_upcast_16_bit_terms(form, want):
+    """kforge.fusion.norm_epilogues.sum_norm_grads: a norm backward whose dy is the fp32 sum of two or
+    three upcast 16-bit tensors becomes kforge_rmsnorm_backward_sum with the terms in an order whose
+    left fold adds exactly as the trace did; near misses keep the trace as it was."""
+    import thunder.torch as ltorch
+    from thunder.core import prims
+
+    from kforge.fusion.norm_epilogues import sum_norm_grads
+
+    def build(g, conv, x, w, rstd):
+        if form == "left":
+            return ltorch.add(ltorch.add(conv(g[0]), conv(g[1])), conv(g[2]))
+        if form == "right":
+            return ltorch.add(conv(g[0]), ltorch.add(conv(g[1]), conv(g[2])))
+        if form == "two":
+            return ltorch.add(conv(g[0]), conv(g[1]))
+        if form == "reshaped":
+            r = [conv(prims.reshape(t, (4, 16, 768))) for t in g[:3]]
+            return ltorch.add(ltorch.add(r[0], r[1]), r[2])
+        if form == "four":
+            return ltorch.add(ltorch.add(conv(g[0]), conv(g[1])), ltorch.add(conv(g[2]), conv(g[3])))
+        if form == "shared-upcast":
+            c = conv(g[1])
+            ltorch.mul(c, 2.0)
+            return ltorch.add(conv(g[0]), c)
+        if form == "one":
+            return conv(g[0])
+        return ltorch.add(conv(g[0]), conv(conv(g[1])))  # fp32-term: an upcast of an fp32 tensor
+
+    bsyms, g = _sum_trace(build)
+    out, removed = sum_norm_grads(bsyms)
+    sums = [b for b in out if b.sym.name == "kforge_rmsnorm_backward_sum"]
+    if want is None:
+        assert not sums and removed == 0 and len(out) == len(bsyms)
+        return
+    assert len(sums) == 1, [b.sym.name for b in out]
+    terms = [t.name for t in sums[0].args[:3] if t is not None]
+    assert terms == [g[i].name for i in want]
+    # nothing of the sum is left: no add, no conversion, no reshape of a term
+    assert all(b.sym.name in ("kforge_rmsnorm_backward_sum",) for b in out), [b.sym.name for b in out]
+    assert sums[0].output[0].name == [b for b in bsyms if b.sym.name == "kforge_rmsnorm_backward"][0].output[0].name

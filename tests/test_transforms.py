@@ -51,7 +51,8 @@ def _zoo(name: str):
 # An RMSNorm after a residual add of one dtype runs as add_rms_norm (bf16 weights); under autocast the
 # residual stream is fp32 and the branch bf16, so the add stays an add and the norm a plain rms_norm.
 RMS_FWD = ("kforge_rmsnorm_forward", "kforge_add_rmsnorm_forward")
-RMS_BWD = ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward", "kforge_rmsnorm_backward_copy")
+RMS_BWD = ("kforge_rmsnorm_backward", "kforge_add_rmsnorm_backward", "kforge_rmsnorm_backward_copy",
+           "kforge_rmsnorm_backward_sum")
 # LayerNorm under autocast: the branch's add and the backward's 16-bit copy in its kernels (norm_epilogues)
 LN_FWD = ("kforge_layernorm_forward", "kforge_add_layernorm_forward")
 LN_BWD = ("kforge_layernorm_backward", "kforge_layernorm_backward_copy")
@@ -145,11 +146,19 @@ def check_every_step_claimed(model: str, traced, n_rows: int, autocast: bool) ->
     assert fwd["kforge_add_rmsnorm_forward"] == want_fwd, (dict(fwd), want_fwd)
     # Under autocast a norm backward whose dx the branch's bf16 matmul reads too also stores that bf16
     # copy (kforge_rmsnorm_backward_copy, with or without the residual's gradient): every norm's but
-    # the first layer's, whose dx only the embedding reads.
+    # the first layer's, whose dx only the embedding reads. Every layer's two norms read their dy as
+    # the bf16 input gradients of q / k / v (three) or w1 / w3 (two) (kforge_rmsnorm_backward_sum,
+    # args: dy0, dy1, dy2, x, weight, rstd, ndim, cbw, dresidual, copy_dtype); the final norm's dy is
+    # the lm_head's alone.
+    sums = [b for b in traced.backward.bound_symbols if b.sym.name == "kforge_rmsnorm_backward_sum"]
     copies = [b for b in traced.backward.bound_symbols if b.sym.name == "kforge_rmsnorm_backward_copy"]
-    assert len(copies) == (n_norms - 1 if autocast and n_norms else 0), (dict(bwd), n_norms)
+    n_copies = len(copies) + sum(b.args[9] is not None for b in sums)
+    assert n_copies == (n_norms - 1 if autocast and n_norms else 0), (dict(bwd), n_norms)
+    assert len(sums) == (n_norms - 1 if autocast and n_norms else 0), (dict(bwd), n_norms)
+    assert sorted(sum(a is not None for a in b.args[:3]) for b in sums) == sorted([2, 3] * (len(sums) // 2))
     want_bwd = 0 if not n_norms else want_add_norms + 1 if want_add_norms else n_norms - 1
-    res_folds = bwd["kforge_add_rmsnorm_backward"] + sum(b.args[6] is not None for b in copies)
+    res_folds = (bwd["kforge_add_rmsnorm_backward"] + sum(b.args[6] is not None for b in copies)
+                 + sum(b.args[8] is not None for b in sums))
     assert res_folds == want_bwd, (dict(bwd), want_bwd)
     assert kinds == Counter(ZOO_PATTERNS[model])
     if model != "plain_llama":  # the loss upcasts the logits: folded into kforge's cross-entropy

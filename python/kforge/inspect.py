@@ -153,6 +153,15 @@ def _plan_query(name: str, args: tuple) -> tuple[Any, dict] | None:
     if name == "rmsnorm_backward_copy":  # (dy, x, weight, rstd, ndim, cbw, dresidual, copy_dtype)
         return args[1], {"normalized_ndim": arg(4, 1), "cast_before_weight": bool(arg(5, True)),
                          "dresidual": arg(6) is not None, "copy_dtype": str(args[7])}
+    if name == "rmsnorm_backward_sum":  # (dy0, dy1, dy2, x, weight, rstd, ndim, cbw, dresidual, copy_dtype)
+        from thunder.core.dtypes import to_torch_dtype
+
+        options = {"normalized_ndim": arg(6, 1), "cast_before_weight": bool(arg(7, True)),
+                   "dresidual": arg(8) is not None, "dy_terms": 2 if args[2] is None else 3,
+                   "dy_dtype": str(to_torch_dtype(args[0].dtype))}
+        if arg(9) is not None:
+            options["copy_dtype"] = str(args[9])
+        return args[3], options
     if name in ("cross_entropy_backward", "gelu_backward"):
         return args[1], {}
     if name in ("rope_forward", "rope_backward"):
@@ -189,6 +198,7 @@ def _device_limits() -> dict:
 
 # Operators whose launcher call is another launcher's plan with options (_plan_query).
 _PLANNED_AS = {"add_rmsnorm_backward": "rmsnorm_backward", "rmsnorm_backward_copy": "rmsnorm_backward",
+               "rmsnorm_backward_sum": "rmsnorm_backward",
                "layernorm_backward_copy": "layernorm_backward", "add_layernorm_forward": "layernorm_forward"}
 
 
@@ -206,7 +216,9 @@ def call_layouts(traces: list) -> dict[str, Counter]:
 
             x, options = _plan_query(name, args)
             op = _PLANNED_AS.get(name, name)
-            return _C.plan(op, list(x.shape), to_torch_dtype(x.dtype), **limits, **options)["layout"]
+            p = _C.plan(op, list(x.shape), to_torch_dtype(x.dtype), **limits, **options)
+            # dy terms the launcher sums with torch before the plan's kernel (outside the ring)
+            return p["layout"] + (" after torch's sum" if "dy_sum" in p else "")
         except Exception:  # a call the plan cannot read (unusual arguments): no layout shown
             return None
 

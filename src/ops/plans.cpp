@@ -152,8 +152,28 @@ py::dict rmsnorm_bwd(const Query& q) {
     require(q.f32 && elem_size_of(t) == 2, "rmsnorm_backward", "only a float32 dx has a bfloat16 / float16 copy");
     copy = t.find("bfloat16") != std::string::npos ? 1 : 2;
   }
-  py::dict d = base(p, rmsnorm_kernel_name(p, false, "", "", copy));
+  // dy_terms (2 or 3) of dy_dtype (bfloat16 default / float16): rmsnorm_backward_sum's ring kernel;
+  // "dy_sum": "torch" where the launcher sums the terms with torch before the plan's kernel.
+  const int terms = static_cast<int>(q.opt<int64_t>("dy_terms", 0));
+  int dy_type = 1;
+  if (terms) {
+    require(q.f32 && (terms == 2 || terms == 3), "rmsnorm_backward_sum", "2 or 3 dy terms of a float32 x");
+    if (q.options.contains("dy_dtype") && !q.options["dy_dtype"].is_none()) {
+      const std::string t = py::str(q.options["dy_dtype"]);
+      require(elem_size_of(t) == 2, "rmsnorm_backward_sum", "dy terms are bfloat16 / float16");
+      dy_type = t.find("bfloat16") != std::string::npos ? 1 : 2;
+    }
+  }
+  const RmsnormPlan pt = terms ? plan_rmsnorm_backward(prod(q.shape) / D, D, q.elem_size, q.f32, q.aligned && D % V == 0,
+                                                       q.opt<bool>("cast_before_weight", true),
+                                                       q.opt<bool>("dresidual", false), q.sms, q.smem_optin,
+                                                       q.opt<int64_t>("variant", 0), terms)
+                               : p;
+  const bool summed = terms && pt.layout_id == RmsnormLayout::ring && (copy == 0 || copy == dy_type);
+  py::dict d = base(summed ? pt : p, rmsnorm_kernel_name(summed ? pt : p, false, "", "", copy, summed ? terms : 0,
+                                                         dy_type));
   d["vec"] = p.vec;
+  if (terms && !summed) d["dy_sum"] = "torch";
   return d;
 }
 
@@ -344,7 +364,8 @@ KFORGE_BIND_OP(plans) {
       "(defaults: H100 SXM). Options by op: layernorm max_warps, variant, weight, bias (backward: "
       "whether their gradients are wanted), y_dtype (forward: a 16-bit out of float32 dtype), dresidual, "
       "copy_dtype (backward: dx plus the residual's gradient, a 16-bit copy of a float32 dx); rmsnorm normalized_ndim, cast_before_weight, "
-      "dresidual, variant, copy_dtype (rmsnorm_backward: a 16-bit copy of a float32 dx), "
+      "dresidual, variant, copy_dtype (rmsnorm_backward: a 16-bit copy of a float32 dx), dy_terms and dy_dtype "
+      "(rmsnorm_backward: dy as 2 or 3 bfloat16 / float16 terms, rmsnorm_backward_sum), "
       "y_dtype (a 16-bit y of float32 dtype), x_dtype (add_rmsnorm_forward: a "
       "16-bit x added to the float32 residual of dtype); gelu approximate; rope kv_heads, interleaved, f32_tables (q's shape "
       "(B, H, T, D)); split_qkv_forward / merge_heads_backward n_head, split_qkv_backward / "

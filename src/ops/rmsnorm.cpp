@@ -145,6 +145,33 @@ RingKernel ring_kernels[] = {KF_RING3(4, 3, 384, false, ""),        KF_RING3(2, 
 #undef KF_RING3
 #undef KF_RING
 
+// Ring kernels whose dy is NY 16-bit terms summed in fp32 (fp32 x only; rmsnorm_backward_sum): both
+// ring shapes, RES, NY = 2 / 3 terms of YT = 1 (bf16) / 2 (fp16), and no copy of dx or one of the
+// terms' type (autocast has one 16-bit type). Each compiles without spills (sm_80 / sm_90).
+struct TermsKernel {
+  RingShape shape;
+  bool res;
+  int nz, ny, yt;
+  Kernel kernel;
+};
+#define KF_TERMS(K, S, NT, RES, NZ, NY, YT)                                                              \
+  {                                                                                                       \
+    {K, S, NT}, RES, NZ, NY, YT, {                                                                        \
+      prog, "rmsnorm_backward_ring_kernel<{T}, " #K ", " #S ", false, " #NT ", " #RES ", " #NZ ", " #NY ", " #YT \
+            ">", kF32                                                                                     \
+    }                                                                                                     \
+  }
+#define KF_TERMS_NY(K, S, NT, RES, YT)                                                          \
+  KF_TERMS(K, S, NT, RES, 0, 2, YT), KF_TERMS(K, S, NT, RES, YT, 2, YT), KF_TERMS(K, S, NT, RES, 0, 3, YT), \
+      KF_TERMS(K, S, NT, RES, YT, 3, YT)
+#define KF_TERMS_SHAPE(K, S, NT)                                                                       \
+  KF_TERMS_NY(K, S, NT, false, 1), KF_TERMS_NY(K, S, NT, true, 1), KF_TERMS_NY(K, S, NT, false, 2), \
+      KF_TERMS_NY(K, S, NT, true, 2)
+TermsKernel terms_kernels[] = {KF_TERMS_SHAPE(4, 3, 384), KF_TERMS_SHAPE(2, 3, 512)};
+#undef KF_TERMS_SHAPE
+#undef KF_TERMS_NY
+#undef KF_TERMS
+
 // dweight from the partial rows: 16-byte loads (D % 4 == 0) or element-wise.
 Kernel dweight_kernels[2] = {{prog, "rmsnorm_dweight_kernel<{T}, false>"},
                              {prog, "rmsnorm_dweight_kernel<{T}, true>"}};
@@ -165,8 +192,21 @@ Kernel& forward_kernel(const RmsnormPlan& p, int narrow = -1, int narrow_x = -1)
   fail("rmsnorm_forward", "no kernel for K = ", p.K);
 }
 
-// nz: 0, or 1 / 2 for a bf16 / fp16 copy of an fp32 dx.
-Kernel& backward_kernel(const RmsnormPlan& p, DType dt, int nz) {
+// nz: 0, or 1 / 2 for a bf16 / fp16 copy of an fp32 dx. ny / yt: dy as ny 16-bit terms of type yt
+// (1 bf16, 2 fp16; the ring only).
+Kernel* terms_kernel(const RmsnormPlan& p, int nz, int ny, int yt) {
+  for (TermsKernel& k : terms_kernels)
+    if (k.shape.K == p.K && k.shape.S == p.S && k.shape.NT == p.NT && k.res == p.res && k.nz == nz &&
+        k.ny == ny && k.yt == yt)
+      return &k.kernel;
+  return nullptr;
+}
+
+Kernel& backward_kernel(const RmsnormPlan& p, DType dt, int nz, int ny = 0, int yt = 1) {
+  if (ny) {
+    if (Kernel* k = p.layout_id == RmsnormLayout::ring ? terms_kernel(p, nz, ny, yt) : nullptr) return *k;
+    fail("rmsnorm_backward_sum", "no ring kernel for ", ny, " dy terms (K = ", p.K, ")");
+  }
   if (p.layout_id == RmsnormLayout::ring) {
     for (RingKernel& k : ring_kernels)
       if (k.shape.K == p.K && k.shape.S == p.S && k.shape.NT == p.NT && k.cbw == p.cbw &&
@@ -298,13 +338,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rmsnorm_forward(
 
 // dx, dweight and, with copy_dtype (bf16 / fp16, for fp32 x only), dx rounded once to that type by
 // the same kernel.
+// terms (rmsnorm_backward_sum; dy_ undefined): dy is their sum in fp32, ((terms[0] + terms[1]) +
+// terms[2]), each upcast; the ring kernel reads them, other layouts get torch's sum first.
 std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> backward(
     const char* op, const at::Tensor& dy_, const at::Tensor& x_, const std::optional<at::Tensor>& weight_,
     const at::Tensor& rstd_, int64_t normalized_ndim, bool cast_before_weight,
-    const std::optional<at::Tensor>& dresidual_, std::optional<at::ScalarType> copy_dtype) {
+    const std::optional<at::Tensor>& dresidual_, std::optional<at::ScalarType> copy_dtype,
+    const std::vector<at::Tensor>& terms_ = {}) {
   const at::Tensor x = input(x_, op, "x");
-  const at::Tensor dy = input_like(dy_, x, op, "dy");
-  KF_CHECK(dy.sizes() == x.sizes(), op, "dy and x sizes differ: ", dy.sizes(), " vs ", x.sizes());
+  at::Tensor dy;
+  std::vector<at::Tensor> terms;
+  int yt = 1;
+  if (terms_.empty()) {
+    dy = input_like(dy_, x, op, "dy");
+    KF_CHECK(dy.sizes() == x.sizes(), op, "dy and x sizes differ: ", dy.sizes(), " vs ", x.sizes());
+  } else {
+    KF_CHECK(terms_.size() == 2 || terms_.size() == 3, op, "takes 2 or 3 dy terms, got ", terms_.size());
+    KF_CHECK(x.scalar_type() == at::kFloat, op, "x of ", to_str(x.scalar_type()),
+             ": the dy terms are 16-bit gradients of a float32 x");
+    for (const at::Tensor& t : terms_) {
+      at::Tensor c = input(t, op, "dy term");
+      KF_CHECK(c.device() == x.device(), op, "dy terms must be CUDA tensors on ", x.device());
+      KF_CHECK((c.scalar_type() == at::kBFloat16 || c.scalar_type() == at::kHalf) &&
+                   c.scalar_type() == terms_[0].scalar_type(),
+               op, "dy terms of ", to_str(c.scalar_type()), " and ", to_str(terms_[0].scalar_type()),
+               ": they must be all bfloat16 or all float16");
+      KF_CHECK(c.numel() == x.numel(), op, "a dy term has ", c.numel(), " elements, x ", x.numel());
+      terms.push_back(std::move(c));
+    }
+    yt = terms[0].scalar_type() == at::kBFloat16 ? 1 : 2;
+  }
   const auto dres = same_as_x(dresidual_, x, op, "dresidual");
   const bool res = dres.has_value();
   const int64_t D = row_length(x, normalized_ndim, op);
@@ -331,15 +394,25 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> bac
     return {dx, dweight, copy};
   }
   const int64_t V = 16 / x.element_size();
-  const bool vec = D % V == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) && (!weight || aligned16(*weight)) &&
-                   (!res || aligned16(*dres)) && (!copy || aligned8(*copy));
+  bool terms_ok = true;
+  for (const at::Tensor& t : terms) terms_ok = terms_ok && aligned8(t);
+  const bool vec = D % V == 0 && aligned16(x) && (terms.empty() ? aligned16(dy) : terms_ok) && aligned16(dx) &&
+                   (!weight || aligned16(*weight)) && (!res || aligned16(*dres)) && (!copy || aligned8(*copy));
   const DType dt = dtype_of(x, op);
   const int zero = 0;  // see opaque() in the kernel
   const int64_t optin = at::cuda::getDeviceProperties(on.device)->sharedMemPerBlockOptin;
+  const int ny = static_cast<int>(terms.size());
   const RmsnormPlan p = plan_rmsnorm_backward(rows, D, x.element_size(), dt == DType::f32, vec,
                                               cast_before_weight, res, sm_count(on.device), optin,
-                                              bwd_override.get_variant());
-  Kernel& kernel = backward_kernel(p, dt, nz);
+                                              bwd_override.get_variant(), ny);
+  if (ny && (p.layout_id != RmsnormLayout::ring || !terms_kernel(p, nz, ny, yt))) {
+    // Outside the ring (or a copy of another type than the terms'): torch sums the terms in the same
+    // order, then the fp32 kernels as for any dy (the outputs above are dropped: a rare path).
+    at::Tensor sum = terms[0].to(at::kFloat);
+    for (int j = 1; j < ny; ++j) sum.add_(terms[j].to(at::kFloat));
+    return backward(op, sum.view(x.sizes()), x, weight, rstd_, normalized_ndim, cast_before_weight, dres, copy_dtype);
+  }
+  Kernel& kernel = backward_kernel(p, dt, nz, ny, yt);
   const unsigned grid = static_cast<unsigned>(p.grid);
   const Dim3 block(static_cast<unsigned>(p.block_x), static_cast<unsigned>(p.block_y));
   const size_t smem = static_cast<size_t>(p.smem);
@@ -351,6 +424,12 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> bac
                   ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
                   static_cast<long long>(rows), static_cast<int>(D), inv_d, 0x10000u, 0xffff0000u,
                   zero, ptr(dres), ptr(copy));
+  else if (p.layout_id == RmsnormLayout::ring)  // takes up to three dy terms (nullptr: unused)
+    kernel.launch(dt, on.device, on.stream, grid, block, smem,
+                  ny ? terms[0].data_ptr() : dy.data_ptr(), x.data_ptr(), ptr(weight), rstd.data_ptr(),
+                  dx.data_ptr(), ptr(partial), static_cast<long long>(rows), static_cast<int>(D), inv_d,
+                  zero, ptr(dres), ptr(copy), ny > 1 ? terms[1].data_ptr() : nullptr,
+                  ny > 2 ? terms[2].data_ptr() : nullptr);
   else
     kernel.launch(dt, on.device, on.stream, grid, block, smem, dy.data_ptr(), x.data_ptr(),
                   ptr(weight), rstd.data_ptr(), dx.data_ptr(), ptr(partial),
@@ -378,6 +457,14 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor> rmsnorm_backward_c
   auto [dx, dweight, copy] = backward("rmsnorm_backward_copy", dy, x, weight, rstd, normalized_ndim,
                                       cast_before_weight, dresidual, copy_dtype);
   return {dx, dweight, *copy};
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> rmsnorm_backward_sum(
+    const std::vector<at::Tensor>& dy_terms, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+    const at::Tensor& rstd, int64_t normalized_ndim, bool cast_before_weight,
+    const std::optional<at::Tensor>& dresidual, std::optional<at::ScalarType> copy_dtype) {
+  return backward("rmsnorm_backward_sum", at::Tensor(), x, weight, rstd, normalized_ndim, cast_before_weight,
+                  dresidual, copy_dtype, dy_terms);
 }
 
 }  // namespace
@@ -421,6 +508,16 @@ KFORGE_BIND_OP(rmsnorm) {
         pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"),
         pybind11::arg("normalized_ndim"), pybind11::arg("cast_before_weight"), pybind11::arg("dresidual"),
         pybind11::arg("copy_dtype"));
+  m.def("rmsnorm_backward_sum", &rmsnorm_backward_sum,
+        "rmsnorm_backward of a float32 x whose dy is the sum of 2 or 3 bfloat16 / float16 tensors of x's "
+        "size (dy_terms), upcast and added in float32 in their order, ((t0 + t1) + t2): autocast's "
+        "norm output read by several 16-bit matmuls, whose input gradients autograd sums. The ring "
+        "kernel reads the terms (no fp32 dy is written); other layouts sum them with torch first. "
+        "dresidual and copy_dtype as in rmsnorm_backward_copy; returns (dx, dweight, copy), each of the "
+        "last two None when not asked for.",
+        pybind11::arg("dy_terms"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("rstd"),
+        pybind11::arg("normalized_ndim") = 1, pybind11::arg("cast_before_weight") = true,
+        pybind11::arg("dresidual") = pybind11::none(), pybind11::arg("copy_dtype") = pybind11::none());
 }
 
 }  // namespace kforge

@@ -99,10 +99,12 @@ inline RmsnormPlan plan_rmsnorm_forward(int64_t rows, int nchunk, bool vec, bool
 // Backward of `rows` rows of D elements of elem_size bytes (f32: float32) on a device of `sms` SMs
 // and `smem_optin` bytes of opt-in shared memory per block. The ring where it applies; elsewhere
 // the pipelined kernel (16-byte rows of <= 1024 chunks), else rmsnorm_backward_kernel ("plain").
+// dy_terms (2 or 3, float32 only): dy is that many 16-bit tensors summed by the ring kernel (its
+// NY); the caller sums them with torch where the plan is not the ring.
 inline RmsnormPlan plan_rmsnorm_backward(int64_t rows, int64_t D, int64_t elem_size, bool f32,
                                          bool vec, bool cbw, bool res, int64_t sms,
                                          int64_t smem_optin,
-                                         int64_t variant = rms_plan::kDefault) {
+                                         int64_t variant = rms_plan::kDefault, int dy_terms = 0) {
   using namespace rms_plan;
   using plan_util::round32;
   RmsnormPlan p;
@@ -116,8 +118,9 @@ inline RmsnormPlan plan_rmsnorm_backward(int64_t rows, int64_t D, int64_t elem_s
   // the row groups). Not applied to element-wise access, rows longer than kRingMaxChunks, shared
   // memory beyond the device's limit, or a tensor too large for the kernel's 32-bit row step. res:
   // stages of three arrays (x, dy, dres) instead of two; the longest stages need an H100's opt-in
-  // shared memory (sm_80 takes the pipelined kernel there).
-  if (variant == kDefault && vec && nchunk <= kRingMaxChunks) {
+  // shared memory (sm_80 takes the pipelined kernel there). dy_terms: dy's array is 8 bytes a chunk
+  // per term, and where the stages would not fit, a block takes fewer rows at a time.
+  if (variant == kDefault && vec && nchunk <= kRingMaxChunks && (dy_terms == 0 || f32)) {
     const RingShape sh = nchunk > 512 ? kRingLong : kRingShort;
     int tx = (nchunk + sh.K - 1) / sh.K;
     if (tx <= 32) {
@@ -127,11 +130,16 @@ inline RmsnormPlan plan_rmsnorm_backward(int64_t rows, int64_t D, int64_t elem_s
     } else {
       tx = static_cast<int>(round32(tx));
     }
-    const int groups = sh.NT / tx;  // tx <= NT: nchunk <= K * NT for every shape
-    const int nseg = tx >= 32 ? tx * groups / 32 : groups;
-    const size_t arrays = res ? 3 : 2;
-    const size_t smem = size_t(sh.S) * (arrays * groups * tx * sh.K * 16 + size_t(nseg) * 4);
+    int groups = sh.NT / tx;  // tx <= NT: nchunk <= K * NT for every shape
+    const size_t slot_bytes = 16 + (dy_terms ? 8 * size_t(dy_terms) : 16) + (res ? 16 : 0);
+    const auto smem_of = [&](int g) {
+      const int nseg = tx >= 32 ? tx * g / 32 : g;
+      return size_t(sh.S) * (slot_bytes * g * tx * sh.K + size_t(nseg) * 4);
+    };
     const size_t static_smem = size_t(2) * sh.NT;  // red[2][NT / 4] floats
+    if (dy_terms)
+      while (groups > 1 && smem_of(groups) + static_smem > static_cast<size_t>(smem_optin)) --groups;
+    const size_t smem = smem_of(groups);
     if (smem + static_smem <= static_cast<size_t>(smem_optin)) {
       const int64_t ngroups = (rows + groups - 1) / groups;
       const int64_t grid = std::min<int64_t>(ngroups, sms);
@@ -185,10 +193,16 @@ inline RmsnormPlan plan_rmsnorm_backward(int64_t rows, int64_t D, int64_t elem_s
 // Forward of fp32 T only: narrow_y "bf16" / "half" for a 16-bit y; narrow_x the same for a 16-bit x
 // added to the fp32 residual (then y is float or x's type). Empty: T's own type.
 // copy (backward): 0, or 1 / 2 for a bf16 / fp16 copy of an fp32 dx (the kernels' NZ).
+// dy_terms / dy_type (ring backward): NY 16-bit dy terms of type 1 (bf16) / 2 (fp16), the ring's NY
+// and YT.
 inline std::string rmsnorm_kernel_name(const RmsnormPlan& p, bool forward, const std::string& narrow_y = "",
-                                       const std::string& narrow_x = "", int copy = 0) {
+                                       const std::string& narrow_x = "", int copy = 0, int dy_terms = 0,
+                                       int dy_type = 1) {
   const auto b = [](bool v) { return std::string(v ? "true" : "false"); };
   const auto i = [](int v) { return std::to_string(v); };
+  if (!forward && dy_terms && p.layout_id == RmsnormLayout::ring)
+    return "rmsnorm_backward_ring_kernel<{T}, " + i(p.K) + ", " + i(p.S) + ", false, " + i(p.NT) + ", " +
+           b(p.res) + ", " + i(copy) + ", " + i(dy_terms) + ", " + i(dy_type) + ">";
   const std::string res = copy ? ", " + b(p.res) + ", " + i(copy) : p.res ? ", true" : "";
   if (forward && !narrow_x.empty())
     return "rmsnorm_forward_kernel<float, " + i(p.K) + ", " + b(p.vec) + ", true, " +

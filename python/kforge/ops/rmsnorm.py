@@ -29,6 +29,12 @@ Thunder symbols:
     kforge_add_rmsnorm_backward(dy, ds, s, weight, rstd, normalized_ndim, cast_before_weight)
         -> (dx, dweight): kforge._C.rmsnorm_backward(..., dresidual=ds): dx = the norm's input
         gradient + ds, rounded once; it is the gradient of both x and residual. ds may be None.
+    kforge_rmsnorm_backward_sum(dy0, dy1, dy2, x, weight, rstd, normalized_ndim, cast_before_weight,
+        dresidual, copy_dtype) -> (dx, dweight, copy): float32 x whose dy is the fp32 sum of two or
+        three bf16 / fp16 tensors, ((dy0 + dy1) + dy2) (dy2 may be None), each upcast: what autograd
+        sums when a norm's output is read by several 16-bit matmuls under autocast. The ring kernel
+        reads the terms (kforge._C.rmsnorm_backward_sum); dresidual and copy_dtype (None: no copy)
+        as kforge_rmsnorm_backward_copy's. Only kforge.fusion's norm_epilogues passes it.
 
 Claims: `kforge_rms_norm` (the helper), `thunder.torch.rms_norm` (F.rms_norm) and
 `kforge_add_rms_norm` (the add helper), forward and backward. Saved for backward: x, weight, rstd
@@ -125,6 +131,17 @@ def _backward_copy_meta(dy, x, weight, rstd, normalized_ndim, cast_before_weight
             TensorProxy(like=x, dtype=dtypes.to_dtype(copy_dtype)))
 
 
+def _backward_sum_meta(dy0, dy1, dy2, x, weight, rstd, normalized_ndim, cast_before_weight, dresidual, copy_dtype):
+    # dy = float(dy0) + float(dy1) (+ float(dy2)), 16-bit terms: kforge.fusion.norm_epilogues.sum_norm_grads
+    dx, dw = _backward_meta(dy0, x, weight, rstd, normalized_ndim, cast_before_weight)
+    return dx, dw, None if copy_dtype is None else TensorProxy(like=x, dtype=dtypes.to_dtype(copy_dtype))
+
+
+def _backward_sum(dy0, dy1, dy2, x, weight, rstd, normalized_ndim, cast_before_weight, dresidual, copy_dtype):
+    terms = [dy0, dy1] if dy2 is None else [dy0, dy1, dy2]
+    return _C.rmsnorm_backward_sum(terms, x, weight, rstd, normalized_ndim, cast_before_weight, dresidual, copy_dtype)
+
+
 def _add_forward_meta(x, residual, weight, eps, normalized_ndim, cast_before_weight, y_dtype=None):
     # s (and y unless y_dtype) have the residual's type: x's, or float32 with a 16-bit x
     y, rstd = _forward_meta(residual, weight, eps, normalized_ndim, cast_before_weight, y_dtype)
@@ -143,6 +160,7 @@ def _add_backward(dy, ds, s, weight, rstd, normalized_ndim, cast_before_weight):
 rmsnorm_forward = operator("rmsnorm_forward", meta=_forward_meta, fn=_C.rmsnorm_forward)
 rmsnorm_backward = operator("rmsnorm_backward", meta=_backward_meta, fn=_C.rmsnorm_backward)
 rmsnorm_backward_copy = operator("rmsnorm_backward_copy", meta=_backward_copy_meta, fn=_C.rmsnorm_backward_copy)
+rmsnorm_backward_sum = operator("rmsnorm_backward_sum", meta=_backward_sum_meta, fn=_backward_sum)
 add_rmsnorm_forward = operator("add_rmsnorm_forward", meta=_add_forward_meta, fn=_C.add_rmsnorm_forward)
 add_rmsnorm_backward = operator("add_rmsnorm_backward", meta=_add_backward_meta, fn=_add_backward)
 # fn: what a declined call runs when no gradient is needed (with one, thunder differentiates the
