@@ -16,26 +16,30 @@ using rms_plan::kFwdK, rms_plan::kBwdThreads, rms_plan::kMaxChunks;
 // Forward kernels by RES (the residual add fused), VEC (16-byte accesses; otherwise element-wise, for
 // odd sizes and misaligned pointers) and K, the 16-byte chunks of x each thread keeps in registers:
 // rmsnorm_forward_kernel<T, K, VEC, RES, Y, X>, the four K of one T and (VEC, RES, Y, X).
-#define KF_FWD4(T, VEC, REST)                                                  \
-  {                                                                            \
-    {prog, "rmsnorm_forward_kernel<" T ", 1, " #VEC REST ">"},                 \
-        {prog, "rmsnorm_forward_kernel<" T ", 2, " #VEC REST ">"},             \
-        {prog, "rmsnorm_forward_kernel<" T ", 4, " #VEC REST ">"},             \
-        {prog, "rmsnorm_forward_kernel<" T ", 8, " #VEC REST ">"}              \
+const std::vector<DType> kF32 = {DType::f32};
+const std::vector<DType> k16 = {DType::bf16, DType::f16};
+const std::vector<DType> kAll = {DType::f32, DType::bf16, DType::f16};
+#define KF_FWD4(DTYPES, VEC, REST)                                                  \
+  {                                                                                 \
+    {prog, "rmsnorm_forward_kernel<{T}, 1, " #VEC REST ">", DTYPES},                \
+        {prog, "rmsnorm_forward_kernel<{T}, 2, " #VEC REST ">", DTYPES},            \
+        {prog, "rmsnorm_forward_kernel<{T}, 4, " #VEC REST ">", DTYPES},            \
+        {prog, "rmsnorm_forward_kernel<{T}, 8, " #VEC REST ">", DTYPES}             \
   }
-Kernel fwd_kernels[2][2][4] = {{KF_FWD4("{T}", false, ""), KF_FWD4("{T}", true, "")},
-                               {KF_FWD4("{T}", false, ", true"), KF_FWD4("{T}", true, ", true")}};
+Kernel fwd_kernels[2][2][4] = {{KF_FWD4(kAll, false, ""), KF_FWD4(kAll, true, "")},
+                               {KF_FWD4(kAll, false, ", true"), KF_FWD4(kAll, true, ", true")}};
 // fp32 x, 16-bit y (autocast's fp32 residual stream; kernels_src/rmsnorm.cu): [bf16 / fp16][VEC][K].
+// Instantiated for fp32 T only: compiled with the other fp32 expressions, in their NVRTC parts.
 Kernel fwd_narrow_kernels[2][2][4] = {
-    {KF_FWD4("float", false, ", false, bf16"), KF_FWD4("float", true, ", false, bf16")},
-    {KF_FWD4("float", false, ", false, half"), KF_FWD4("float", true, ", false, half")}};
+    {KF_FWD4(kF32, false, ", false, bf16"), KF_FWD4(kF32, true, ", false, bf16")},
+    {KF_FWD4(kF32, false, ", false, half"), KF_FWD4(kF32, true, ", false, half")}};
 // 16-bit x added to an fp32 residual (autocast's branch into the fp32 stream), y fp32 or x's type:
 // [x bf16 / fp16][y float / x's][VEC][K].
 Kernel fwd_mixed_kernels[2][2][2][4] = {
-    {{KF_FWD4("float", false, ", true, float, bf16"), KF_FWD4("float", true, ", true, float, bf16")},
-     {KF_FWD4("float", false, ", true, bf16, bf16"), KF_FWD4("float", true, ", true, bf16, bf16")}},
-    {{KF_FWD4("float", false, ", true, float, half"), KF_FWD4("float", true, ", true, float, half")},
-     {KF_FWD4("float", false, ", true, half, half"), KF_FWD4("float", true, ", true, half, half")}}};
+    {{KF_FWD4(kF32, false, ", true, float, bf16"), KF_FWD4(kF32, true, ", true, float, bf16")},
+     {KF_FWD4(kF32, false, ", true, bf16, bf16"), KF_FWD4(kF32, true, ", true, bf16, bf16")}},
+    {{KF_FWD4(kF32, false, ", true, float, half"), KF_FWD4(kF32, true, ", true, float, half")},
+     {KF_FWD4(kF32, false, ", true, half, half"), KF_FWD4(kF32, true, ", true, half, half")}}};
 #undef KF_FWD4
 
 // Backward kernels: K chunks per thread and row, R rows per group at a time, VEC, CBW
@@ -43,8 +47,6 @@ Kernel fwd_mixed_kernels[2][2][2][4] = {
 // kBwdThreads threads (one per SM, <= 128 registers per thread). R is what fits in registers without
 // spilling (checked with NVRTC's ptxas for sm_80 and sm_90): fewer rows for element-wise access and
 // for 16-bit types at K = 4 (8 fp32 dweight sums per chunk instead of 4).
-const std::vector<DType> kF32 = {DType::f32};
-const std::vector<DType> k16 = {DType::bf16, DType::f16};
 // RES: dx plus the residual's gradient (each kernel family below has the same rows with RES). NZ:
 // with a bf16 (1) / fp16 (2) copy of dx (fp32 only: the fp32 rows again, with and without RES).
 // TAIL: the template arguments after MAXT (RES, NZ), as the kernel's name spells them.
