@@ -1343,6 +1343,39 @@ def test_backward_sums_16_bit_dy_terms(shape, copy, dres, term_dtype, n):
 
 
 @gpu
+@pytest.mark.sanitize
+@pytest.mark.sanitize_race
+@settings(max_examples=40)
+@given(data=st.data(), rows=st.sampled_from([1, 3, 37, 300, 1031]), n=st.sampled_from([2, 3]),
+       term_dtype=st.sampled_from([torch.bfloat16, torch.float16]), dres=st.booleans(),
+       copy=st.sampled_from([None, "same", "other"]), weight=st.booleans(), offset=st.sampled_from([0, 0, 1, 4]),
+       seed=st.integers(0, 2**31 - 1))
+def test_backward_sum_generated(data, rows, n, term_dtype, dres, copy, weight, offset, seed):
+    """Generated rows (fp32 lengths around every switch point), 2 / 3 terms of either 16-bit type, with
+    or without the residual's gradient, a copy and a weight, and a term offset by 1 or 4 elements (off 8
+    bytes: torch's sum; 8 bytes: still the ring): dx and the copy bit for bit the fp32 kernel's on
+    torch's sum, dweight within reassociation."""
+    D = data.draw(_rms_D(4), label="D")
+    x = randn(rows, D, seed=seed)
+    w = randn(D, scale=0.5, seed=seed + 1) + 1 if weight else None
+    terms = [randn(rows, D, seed=seed + 2 + j).to(term_dtype) for j in range(n)]
+    if offset:
+        terms[-1] = torch.empty(rows * D + offset, dtype=term_dtype, device="cuda")[offset:].view(rows, D).copy_(terms[-1])
+    ds = randn(rows, D, seed=seed + 9) if dres else None
+    copy_dtype = {None: None, "same": term_dtype,
+                  "other": torch.float16 if term_dtype == torch.bfloat16 else torch.bfloat16}[copy]
+    rstd = kforge._C.rmsnorm_forward(x, w, EPS, 1, True)[1]
+    dx, dw, out_copy = kforge._C.rmsnorm_backward_sum(terms, x, w, rstd, 1, True, ds, copy_dtype)
+    dx32, dw32 = rms_backward(sum_terms(terms), x, w, rstd, 1, True, dresidual=ds)
+    assert torch.equal(dx, dx32), f"{rows}x{D}"
+    if w is None:
+        assert dw is None
+    else:
+        torch.testing.assert_close(dw, dw32, rtol=1e-5, atol=1e-4)
+    assert (out_copy is None) if copy_dtype is None else torch.equal(out_copy, dx32.to(copy_dtype))
+
+
+@gpu
 def test_backward_sum_kernels_and_fallbacks():
     """The ring reads the terms where it applies (the plan's kernel launches); a term off 8 bytes, a
     term of another layout (transposed) and rows the ring does not take are summed by torch first,
