@@ -1529,3 +1529,17 @@ def test_sum_norm_grads_takes_left_folds_of_upcast_16_bit_terms(form, want):
     # nothing of the sum is left: no add, no conversion, no reshape of a term
     assert all(b.sym.name in ("kforge_rmsnorm_backward_sum",) for b in out), [b.sym.name for b in out]
     assert sums[0].output[0].name == [b for b in bsyms if b.sym.name == "kforge_rmsnorm_backward"][0].output[0].name
+
+
+def test_no_zero_residual_gradient_is_made():
+    """The fake-traced bf16 plain Llama: the last add_rms_norm's s is read by nothing else, so Thunder
+    gives it a zero gradient; the norm backward takes None instead (kforge.fusion.norm_epilogues.
+    drop_zero_dresiduals): no zeros are written, and the kernel reads no dres."""
+    from kforge.zoo import plain_llama
+
+    ft = conftest.fake_cuda_trace(plain_llama.make, jit=kforge.jit, size="micro", batch=2, seq=16)
+    made = [s.sym.name for b in ft.backward.bound_symbols
+            for s in (b.subsymbols if b.sym.name.startswith("kforgeFusion") else [b])]
+    assert not {"zeros", "full", "full_like"} & set(made), made
+    norms = [b for b in ft.backward.bound_symbols if b.sym.name == "kforge_add_rmsnorm_backward"]
+    assert [b.args[1] is None for b in norms] == [True] + [False] * (len(norms) - 1), [str(b) for b in norms]

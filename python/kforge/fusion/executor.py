@@ -30,8 +30,8 @@ from . import codegen, ir as fir
 from .dedupe import dedupe_views
 from .input_casts import gather_input_casts
 from .matmul_acc import accumulate_matmuls, widen_matmuls
-from .norm_epilogues import (copy_norm_grads, fold_branch_adds, fold_residual_grads, narrow_norm_outputs,
-                             sum_norm_grads)
+from .norm_epilogues import (copy_norm_grads, drop_zero_dresiduals, fold_branch_adds, fold_residual_grads,
+                             narrow_norm_outputs, sum_norm_grads)
 from .partition import Group, partition
 
 __all__ = ["KforgeFusionExecutor", "FusedRegion", "FusionInfo", "regions", "lower_fusion", "describe"]
@@ -283,7 +283,9 @@ class KforgeFusionExecutor(FusionExecutor):
         bsyms, copied = copy_norm_grads(bsyms)
         # ... and a norm backward whose dy is a sum of upcast 16-bit matmul results reads those.
         bsyms, summed = sum_norm_grads(bsyms)
-        self.norm_folded += narrowed + branched + copied + summed
+        # ... and a residual gradient of zeros made for a norm backward alone is not made.
+        bsyms, zeros = drop_zero_dresiduals(bsyms)
+        self.norm_folded += narrowed + branched + copied + summed + zeros
         # Autocast's weight casts that the forward returns: made together, in one launch.
         bsyms, self.gathered = gather_input_casts(bsyms, _trace_inputs(trace), _returned(trace))
         order, groups, reasons = partition(bsyms, self._fusible, self._legal)

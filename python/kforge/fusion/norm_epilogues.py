@@ -26,6 +26,9 @@ copy_norm_grads: the stream's gradient (an fp32 norm backward's dx) is also what
     kernel stores dx twice, fp32 and rounded once to bf16 (the conversion's value, bit for bit), so no
     conversion kernel re-reads dx.
 
+drop_zero_dresiduals: a norm backward's residual gradient that is a tensor of zeros made for it alone
+    (the last `add_rms_norm`'s s, which nothing else reads, gets a zero gradient from Thunder) is
+    passed as None: neither the zeros nor the kernel's read of them (12.6 MB each at 8192 x 768 bf16).
 sum_norm_grads: the norm's output is read by two or three 16-bit matmuls (a Llama's q / k / v, or w1
     / w3), so its gradient dy is their input gradients, each upcast, added in fp32:
     `add(add(convert(g1), convert(g2)), convert(g3))`. The norm backward (any of the forms above)
@@ -45,7 +48,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-__all__ = ["copy_norm_grads", "fold_branch_adds", "fold_residual_grads", "narrow_norm_outputs", "sum_norm_grads"]
+__all__ = ["copy_norm_grads", "drop_zero_dresiduals", "fold_branch_adds", "fold_residual_grads", "narrow_norm_outputs",
+           "sum_norm_grads"]
 
 
 def fold_residual_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> tuple[list, int]:
@@ -338,4 +342,44 @@ def sum_norm_grads(bsyms: Sequence[Any], devices: Sequence[str] = ("cuda",)) -> 
         nb.tags.update(norm.tags)
         replace[j] = nb
         drop.update(gone)
+    return spliced(tr, replace, drop)
+
+
+def _is_zeros(b: Any) -> bool:
+    """torch.zeros, or torch.full / full_like with the value 0."""
+    if b.sym.name == "zeros":
+        return True
+    if b.sym.name in ("full", "full_like"):
+        value = b.args[1] if len(b.args) > 1 else b.kwargs.get("fill_value")
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+    return False
+
+
+def drop_zero_dresiduals(bsyms: Sequence[Any]) -> tuple[list, int]:
+    """`bsyms` with each norm backward's residual gradient that is zeros read by that norm alone passed
+    as None (see the module docstring); returns (new bound symbols, number of bound symbols removed)."""
+    from ..ops.layernorm import layernorm_backward, layernorm_backward_copy
+    from ..ops.rmsnorm import add_rmsnorm_backward, rmsnorm_backward_copy, rmsnorm_backward_sum
+    from .matmul_acc import _Trace, spliced
+
+    # the position of the residual gradient among each norm backward's arguments
+    where = {add_rmsnorm_backward.id: 1, rmsnorm_backward_copy.id: 6, rmsnorm_backward_sum.id: 8,
+             layernorm_backward.id: 6, layernorm_backward_copy.id: 6}
+    tr = _Trace(bsyms)
+    replace: dict[int, Any] = {}
+    drop: set[int] = set()
+    for j, norm in enumerate(tr.bsyms):
+        pos = where.get(norm.sym.id)
+        if pos is None or len(norm.args) <= pos or norm.args[pos] is None:
+            continue
+        dres = norm.args[pos]
+        k = tr.producer.get(dres.name)
+        if k is None or not _is_zeros(tr.bsyms[k]) or not tr.only_reader(dres.name, j):
+            continue
+        args = list(norm.args)
+        args[pos] = None
+        nb = norm.sym.bind(*args, output=norm.output)
+        nb.tags.update(norm.tags)
+        replace[j] = nb
+        drop.add(k)
     return spliced(tr, replace, drop)
