@@ -12,13 +12,16 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-if [ ! -f /tmp/kforge-built ]; then
+# A warm machine keeps its build between calls: rebuild when the C++ sources differ from the ones
+# built (kernels_src/ needs no build: NVRTC compiles it at run time).
+src_hash=$(cat setup.py CMakeLists.txt $(find src -type f | sort) 2>/dev/null | sha1sum | cut -c1-40)
+if [ "$(cat /tmp/kforge-built 2>/dev/null)" != "$src_hash" ]; then
   t0=$(date +%s)
   # No network there: build in place with setup.py (no pip, no build isolation).
   MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
-  touch /tmp/kforge-built
+  echo "$src_hash" > /tmp/kforge-built
 fi
 export PYTHONPATH=$PWD/python:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
