@@ -41,6 +41,9 @@ int64_t elem_size_of(const std::string& dtype_) {
   throw py::value_error("kforge.plan: dtype must be float32, bfloat16 or float16, got " + dtype_);
 }
 
+// A 16-bit dtype's code in the kernels' template arguments (CopyOf<N>): 1 bfloat16, 2 float16.
+int code16(const std::string& dtype) { return dtype.find("bfloat16") != std::string::npos ? 1 : 2; }
+
 int64_t prod(const std::vector<int64_t>& s, size_t from = 0) {
   int64_t n = 1;
   for (size_t i = from; i < s.size(); ++i) n *= s[i];
@@ -85,7 +88,7 @@ py::dict layernorm(const Query& q, bool forward) {
     if (elem_size_of(t) != q.elem_size) {  // (a 16-bit y of a 16-bit x counts as x's own type here)
       require(q.f32 && elem_size_of(t) == 2, "layernorm_forward", "only float32 x may store a bfloat16 / float16 y");
       if (p.layout_id == LayernormLayout::group)
-        kernel.insert(kernel.size() - 1, t.find("bfloat16") != std::string::npos ? ", bf16" : ", half");
+        kernel.insert(kernel.size() - 1, code16(t) == 1 ? ", bf16" : ", half");
     }
   }
   // dresidual / copy_dtype (backward, float32): the 16-byte GROUP kernel adds dres and stores the
@@ -96,7 +99,7 @@ py::dict layernorm(const Query& q, bool forward) {
     if (q.options.contains("copy_dtype") && !q.options["copy_dtype"].is_none()) {
       const std::string t = py::str(q.options["copy_dtype"]);
       require(q.f32 && elem_size_of(t) == 2, "layernorm_backward", "only a float32 dx has a bfloat16 / float16 copy");
-      nz = t.find("bfloat16") != std::string::npos ? 1 : 2;
+      nz = code16(t);
     }
     require(!res || q.f32, "layernorm_backward", "dresidual is taken with a float32 x only");
     if ((res || nz) && p.layout_id == LayernormLayout::group && p.vec)
@@ -127,7 +130,7 @@ py::dict rmsnorm_fwd(const Query& q, bool res) {
     if (!q.options.contains(name) || q.options[name].is_none()) return "";
     const std::string t = py::str(q.options[name]);
     if (elem_size_of(t) == q.elem_size) return "";
-    return t.find("bfloat16") != std::string::npos ? "bf16" : "half";
+    return code16(t) == 1 ? "bf16" : "half";
   };
   const char* op = res ? "add_rmsnorm_forward" : "rmsnorm_forward";
   const std::string narrow = opt16("y_dtype"), narrow_x = res ? opt16("x_dtype") : "";
@@ -150,7 +153,7 @@ py::dict rmsnorm_bwd(const Query& q) {
   if (q.options.contains("copy_dtype") && !q.options["copy_dtype"].is_none()) {
     const std::string t = py::str(q.options["copy_dtype"]);
     require(q.f32 && elem_size_of(t) == 2, "rmsnorm_backward", "only a float32 dx has a bfloat16 / float16 copy");
-    copy = t.find("bfloat16") != std::string::npos ? 1 : 2;
+    copy = code16(t);
   }
   // dy_terms (2 or 3) of dy_dtype (bfloat16 default / float16): rmsnorm_backward_sum's ring kernel;
   // "dy_sum": "torch" where the launcher sums the terms with torch before the plan's kernel.
@@ -161,7 +164,7 @@ py::dict rmsnorm_bwd(const Query& q) {
     if (q.options.contains("dy_dtype") && !q.options["dy_dtype"].is_none()) {
       const std::string t = py::str(q.options["dy_dtype"]);
       require(elem_size_of(t) == 2, "rmsnorm_backward_sum", "dy terms are bfloat16 / float16");
-      dy_type = t.find("bfloat16") != std::string::npos ? 1 : 2;
+      dy_type = code16(t);
     }
   }
   const RmsnormPlan pt = terms ? plan_rmsnorm_backward(prod(q.shape) / D, D, q.elem_size, q.f32, q.aligned && D % V == 0,
