@@ -494,7 +494,7 @@ def test_wrong_device_and_dtype_errors():
         kforge._C.axpy(x, torch.randn(10))
     with pytest.raises(kforge.KforgeError, match="dtype"):
         kforge._C.axpy(x, torch.randn(10, device="cuda", dtype=torch.bfloat16))
-    with pytest.raises(kforge.KforgeError, match="Double is not supported"):
+    with pytest.raises(kforge.KforgeError, match="dtype float64 is not supported"):
         kforge._C.axpy(x.double(), x.double())
 
 
