@@ -587,23 +587,36 @@ def test_group_backend_adds_the_linear_group_pattern():
     assert kinds("kforge+group") == ALL_KINDS + ("linear_group",)
 
 
-def test_tune_backend_switches_gemm_tuning_per_step(monkeypatch):
-    """kforge+tune (asked for by name): each of its steps turns GEMM tuning on, each plain kforge step
-    sets it as KFORGE_GEMM_TUNE says (off unset), so that the two rows alternate in one process."""
+def test_tune_backends_switch_gemm_tuning_per_step(monkeypatch):
+    """kforge+tune / kforge-tune (asked for by name): each of their steps turns GEMM tuning on / off, each
+    plain kforge step sets it as KFORGE_GEMM_TUNE says (on unset, off for "0"), so the rows alternate in
+    one process."""
     from kforge.ops import gemm
 
-    assert "kforge+tune" not in models.DEFAULT_BACKENDS
+    assert "kforge+tune" not in models.DEFAULT_BACKENDS and "kforge-tune" not in models.DEFAULT_BACKENDS
     seen: list[tuple[bool, bool]] = []
     real = gemm.set_tune
     monkeypatch.setattr(gemm, "set_tune", lambda on, forget=False: (seen.append((on, forget)), real(on, forget)))
-    monkeypatch.delenv("KFORGE_GEMM_TUNE", raising=False)
-    rows = models.bench_models(models.resolve(_args(dry=True, names=["plain-llama"], backends="kforge,kforge+tune",
-                                                    setup="bf16")))["rows"]
-    assert [r["backend"] for r in rows] == ["kforge", "kforge+tune"]
-    assert all(r.get("error") is None and math.isfinite(r["final_loss"]) for r in rows), rows
-    assert {on for on, _ in seen} == {False, True} and not any(forget for _, forget in seen), seen
-    assert "gemm_tuning" not in rows[0] and rows[1]["gemm_tuning"] == []  # CPU: no GEMM takes a plan
-    real(False)
+    was = gemm.stats()["tune"]
+    try:
+        for env, plain in ((None, True), ("0", False)):
+            if env is None:
+                monkeypatch.delenv("KFORGE_GEMM_TUNE", raising=False)
+            else:
+                monkeypatch.setenv("KFORGE_GEMM_TUNE", env)
+            seen.clear()
+            rows = models.bench_models(models.resolve(_args(dry=True, names=["plain-llama"], setup="bf16",
+                                                            backends="kforge,kforge+tune,kforge-tune")))["rows"]
+            assert [r["backend"] for r in rows] == ["kforge", "kforge+tune", "kforge-tune"]
+            assert all(r.get("error") is None and math.isfinite(r["final_loss"]) for r in rows), rows
+            assert {on for on, _ in seen} == {False, True} and not any(forget for _, forget in seen), seen
+            # the first set_tune of each row's warm-up comes in row order: plain, +tune, -tune
+            assert [on for on, _ in seen[:1]] == [plain], (env, seen)
+            tuned = {r["backend"]: r.get("gemm_tuning") for r in rows}
+            # tuned rows list their tuned shapes: none on a CPU, where no GEMM takes a plan
+            assert tuned == {"kforge": [] if plain else None, "kforge+tune": [], "kforge-tune": None}, tuned
+    finally:
+        real(was)
 
 
 def test_gemm_backends_switch_the_plans_on_and_off(monkeypatch):

@@ -15,14 +15,15 @@ under `torch.autocast(bfloat16)`; fp32), on each backend:
   kforge-gemm    kforge.ops.gemm, on by default): an A/B of that switch in one run
   kforge+group   kforge with the opt-in linear_group pattern (q / k / v projections as one GEMM,
                  kforge.ops.linear_group): an A/B of that pattern
-  kforge+tune    kforge with its GEMM plans tuned (kforge.ops.gemm.set_tune, KFORGE_GEMM_TUNE): each
-                 step switches tuning on, the other kforge rows' steps set it as the environment does
+  kforge+tune    kforge with GEMM tuning on / off (kforge.ops.gemm.set_tune; KFORGE_GEMM_TUNE, on by
+  kforge-tune    default): each of their steps switches it, the other kforge rows' steps set it as the
+                 environment does: an A/B of tuning in one run
 
 Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW) with their 10th and
 90th percentiles, peak memory over a few steps taken alone, the first step's wall time (trace + compile + one step; by default every row starts
 from empty kforge / Inductor / Triton disk caches), the final loss, and the error text of a backend
 that fails (the run goes on); kforge rows also count the first step's GEMM calls that took a plan
-and those that fell back to ATen (`gemm_calls`), kforge+tune rows each tuned shape's candidates'
+and those that fell back to ATen (`gemm_calls`), tuned kforge rows each tuned shape's candidates'
 times and choice (`gemm_tuning`). --second-process times the first step of kforge and
 torch.compile again in a fresh process that finds the row's disk caches warm.
 
@@ -53,7 +54,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm", "kforge-gemm", "kforge+group", "kforge+tune")
+BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm", "kforge-gemm", "kforge+group", "kforge+tune", "kforge-tune")
 DEFAULT_BACKENDS = ("eager", "torch.compile", "thunder", "kforge")  # the A/B rows: asked for by name
 SETUPS = ("bf16", "autocast", "fp32")
 # Default --size per zoo model: the sizes of issue 18's table.
@@ -240,7 +241,7 @@ def wrap(backend: str, model: Any, mode: str = "jit", *, cudagraphs: bool = Fals
         import thunder
 
         return thunder.jit(model, **extra)
-    if backend in ("kforge", "kforge+gemm", "kforge-gemm", "kforge+group", "kforge+tune"):
+    if backend in ("kforge", "kforge+gemm", "kforge-gemm", "kforge+group", "kforge+tune", "kforge-tune"):
         import kforge
         from kforge.transforms import ALL_KINDS, OPT_IN_KINDS
 
@@ -361,12 +362,12 @@ class Trainer:
         self.cudagraphs = cudagraphs
         self.mark_step = cudagraphs and backend == "torch.compile"
         # GEMM tuning is a process-wide switch (tuned and untuned plans are kept apart): each kforge
-        # step sets it, on for kforge+tune, as the environment says for the other kforge rows.
+        # step sets it: on for kforge+tune, off for kforge-tune, as the environment says for the others.
         self.tune: bool | None = None
         if backend.startswith("kforge"):
             from kforge import _env
 
-            self.tune = backend == "kforge+tune" or _env.flag("KFORGE_GEMM_TUNE")
+            self.tune = {"kforge+tune": True, "kforge-tune": False}.get(backend, _env.flag("KFORGE_GEMM_TUNE"))
         self.fn: Any = None
         self.times: list[float] = []
         self.losses: list[float] = []
