@@ -27,7 +27,7 @@ from kforge.ops import gemm
 _C = kforge._C
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GEMM_NAMES = {"kforge_gemm_mm", "kforge_gemm_mm_widen", "kforge_gemm_addmm_", "kforge_gemm_addmm", "kforge_gemm_linear",
-              "kforge_gemm_views"}
+              "kforge_gemm_linear_views", "kforge_gemm_views"}
 
 
 def _stats_delta(before: dict) -> dict:
@@ -59,10 +59,12 @@ def test_cpu_tensors_take_the_aten_ops():
     assert _C.gemm_addmm_(c, a, b) is not None and torch.equal(c, expect)
     assert torch.equal(_C.gemm_linear(x, w, torch.ones(4)), F.linear(x, w, torch.ones(4)))
     assert torch.equal(_C.gemm_linear(x, w), F.linear(x, w))
+    heads = _C.gemm_linear_views(x, w, None, [2, 5, 2, 2], [0, 2, 1, 3])
+    assert torch.equal(heads, F.linear(x, w).reshape(2, 5, 2, 2).permute(0, 2, 1, 3))
     widened = _C.gemm_mm_widen(a.bfloat16(), b.bfloat16())
     assert widened.dtype == torch.float32
     assert torch.equal(widened, a.bfloat16().float() @ b.bfloat16().float())
-    assert _stats_delta(before) == {"fast_calls": 0, "aten_calls": 6}
+    assert _stats_delta(before) == {"fast_calls": 0, "aten_calls": 7}
 
 
 BAD_INPUT = {
@@ -74,6 +76,8 @@ BAD_INPUT = {
     "gemm_addmm_": (lambda: _C.gemm_addmm_(torch.randn(5, 3), torch.randn(5, 3), torch.randn(3, 4)),
                     "addmm_: accumulator of shape [5, 3]"),
     "gemm_linear": (lambda: _C.gemm_linear(torch.randn(2, 5), torch.randn(4, 3)), "linear: input [2, 5] and weight [4, 3]"),
+    "gemm_linear_views": (lambda: _C.gemm_linear_views(torch.randn(2, 6), torch.randn(4, 6), None, [2, 2, 3], None),
+                          "linear_views: out_shape [2, 2, 3] does not hold the product of shape [2, 4]"),
     "gemm_views": (lambda: _C.gemm_views(torch.randn(2, 5), 3, False, torch.randn(3, 4), 4, False, None, False, None),
                    "views: an operand of shape [2, 5] is not rows of 3 elements"),
 }
@@ -89,6 +93,14 @@ def test_every_entry_has_a_bad_input_case():
 @pytest.mark.parametrize("call, message", [
     *BAD_INPUT.values(),
     (lambda: _C.gemm_mm(torch.randn(2, 5, 3), torch.randn(3, 2)), "mm: operands must be matrices, got 3-D and 2-D"),
+    (lambda: _C.gemm_linear_views(torch.randn(2, 6), torch.randn(4, 3), None, [2, 4], None),
+     "linear: input [2, 6] and weight [4, 3]"),
+    (lambda: _C.gemm_linear_views(torch.randn(2, 6), torch.randn(4, 6), None, [2, 2, 2], [0, 0, 1]),
+     "linear_views: perm [0, 0, 1] is not a permutation of 3 dimensions"),
+    (lambda: _C.gemm_linear_views(torch.randn(2, 6), torch.randn(4, 6), None, [2, 2, 2], [0, 1]),
+     "linear_views: perm [0, 1] is not a permutation of 3 dimensions"),
+    (lambda: _C.gemm_linear_views(torch.randn(2, 6), torch.randn(4, 6), None, [2, -1, 2], None),
+     "linear_views: out_shape [2, -1, 2] does not hold"),
 ])
 def test_bad_shapes_name_the_op(call, message):
     with pytest.raises(kforge.KforgeError, match="kforge.gemm: " + message.replace("[", r"\[").replace("]", r"\]")):
@@ -155,13 +167,14 @@ def _gemm_census(trace) -> Counter:
 
 
 @pytest.mark.parametrize("model, setup, expect", [
-    # linears (forward), matmuls and the q / k / v and w1 / w3 input-gradient sums (backward), every
-    # backward GEMM with its views folded in
+    # linears (forward; q / k / v and the logits with their head split or row view folded in), matmuls
+    # and the q / k / v and w1 / w3 input-gradient sums (backward), every backward GEMM with its views
+    # folded in
     ("plain_llama", dict(dtype=torch.bfloat16, autocast=False),
-     {"kforge_gemm_linear", "views", "views: accumulate"}),
+     {"kforge_gemm_linear", "kforge_gemm_linear_views", "views", "views: accumulate"}),
     # autocast: the fp32 weights' gradients stored as fp32 (widen)
     ("plain_llama", dict(dtype=torch.bfloat16, autocast=True),
-     {"kforge_gemm_linear", "views", "views: widen"}),
+     {"kforge_gemm_linear", "kforge_gemm_linear_views", "views", "views: widen"}),
     # Conv1D's addmm forward, its backward's matmuls; the tied lm_head (97 outputs: not padded)
     ("hf_gpt2", dict(dtype=torch.bfloat16, autocast=False),
      {"kforge_gemm_addmm", "views", "kforge_gemm_linear"}),
@@ -187,6 +200,12 @@ def test_every_gemm_of_a_fake_gpu_trace_is_rewritten(monkeypatch, model, setup, 
             assert BoundSymbolTag.BACKWARD in b.tags, b  # CUDA graphs split the backward on this tag
     if model == "plain_llama":  # every view around the backward's GEMMs folded into them
         assert not [b for b in ft.backward.bound_symbols if b.sym.name == "reshape"], ft.backward
+        # and the forward's head splits: no view call left there but the embedding's
+        views = [b.sym.name for b in ft.forward.bound_symbols
+                 if b.sym.name in ("permute", "reshape", "torch_prims_reshape_impl")]
+        assert not views, views
+        heads = [b for b in ft.forward.bound_symbols if b.sym.name == "kforge_gemm_linear_views"]
+        assert sorted(b.args[4] for b in heads if b.args[4] is not None) == [(0, 2, 1, 3)] * 3, heads
 
 
 def test_fp32_gemms_stay_torchs():
@@ -244,6 +263,10 @@ def test_rewritten_traces_train_like_eager_on_the_cpu(model):
     bwd = thunder.last_backward_traces(jm)[-1]
     names = Counter(b.sym.name for b in bwd.bound_symbols)
     assert names["kforge_gemm_views"] > 0 and names["reshape"] == 0, names
+    if model == "plain_llama":  # q / k / v's head splits folded into their calls
+        heads = [b.args[4] for b in thunder.last_traces(jm)[-1].bound_symbols
+                 if b.sym.name == "kforge_gemm_linear_views" and b.args[4] is not None]
+        assert heads == [(0, 2, 1, 3)] * 3, heads
     assert _stats_delta(before)["aten_calls"] >= names["kforge_gemm_views"]
 
 
@@ -373,6 +396,25 @@ def test_fp32_follows_torchs_tf32_setting():
         assert_close(out, a @ b, torch.float32, "tf32 vs torch", tol=5e-3)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_views_match_float64(dtype, bias):
+    """A linear's head split in its call: float64-right, the same values and strides as the linear's
+    result viewed and permuted by torch, a view of one fresh buffer (no copy)."""
+    b_, t, h, d, k = 3, 37, 4, 24, 40
+    x = randn(b_, t, k, dtype=dtype, device="cuda", seed=1)
+    w = randn(h * d, k, dtype=dtype, device="cuda", seed=2)
+    bb = randn(h * d, dtype=dtype, device="cuda", seed=3) if bias else None
+    y = _C.gemm_linear_views(x, w, bb, [b_, t, h, d], [0, 2, 1, 3])
+    ref = F.linear(x.double(), w.double(), None if bb is None else bb.double()).view(b_, t, h, d).transpose(1, 2)
+    assert y.shape == (b_, h, t, d) and y.stride() == (t * h * d, d, h * d, 1), y.stride()
+    assert_close(y, ref, dtype, "linear_views")
+    assert torch.equal(y, _C.gemm_linear(x, w, bb).view(b_, t, h, d).permute(0, 2, 1, 3))
+    flat = _C.gemm_linear_views(x, w, bb, [b_ * t, h * d], None)
+    assert flat.shape == (b_ * t, h * d) and flat.is_contiguous() and torch.equal(flat, y.transpose(1, 2).reshape(-1, h * d))
 
 
 @gpu

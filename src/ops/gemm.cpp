@@ -664,6 +664,27 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   return at::linear(x, weight, bias_);
 }
 
+// F.linear with the views a trace makes of its result in one call (kforge.ops.gemm's folding): the
+// head split `reshape(y, (B, T, H, D))` then `permute(.., (0, 2, 1, 3))` costs two Python calls per
+// projection in a forward that waits for its host. torch.reshape's rules: a view of the fresh output.
+at::Tensor gemm_linear_views(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             const std::vector<int64_t>& out_shape, const std::optional<std::vector<int64_t>>& perm) {
+  at::Tensor y = gemm_linear(x, weight, bias);
+  int64_t numel = 1;
+  for (int64_t d : out_shape) numel = d < 0 || numel < 0 ? -1 : numel * d;
+  KF_CHECK(numel == y.numel(), kOp, "linear_views: out_shape ", c10::IntArrayRef(out_shape),
+           " does not hold the product of shape ", y.sizes());
+  if (perm.has_value()) {
+    std::vector<bool> seen(out_shape.size(), false);
+    bool ok = perm->size() == out_shape.size();
+    for (int64_t d : *perm) ok = ok && d >= 0 && d < static_cast<int64_t>(seen.size()) && !seen[d] && (seen[d] = true);
+    KF_CHECK(ok, kOp, "linear_views: perm ", c10::IntArrayRef(*perm), " is not a permutation of ",
+             out_shape.size(), " dimensions");
+  }
+  y = y.reshape(out_shape);
+  return perm.has_value() ? y.permute(*perm) : y;
+}
+
 // (t reshaped to rows of `cols` elements)[.t()]: a view where torch.reshape would give one.
 at::Tensor as_matrix(const at::Tensor& t, int64_t cols, bool transpose) {
   KF_CHECK(t.defined() && cols > 0 && t.numel() % cols == 0, kOp, "views: an operand of shape ", t.sizes(),
@@ -768,6 +789,10 @@ KFORGE_BIND_OP(gemm) {
         py::arg("a"), py::arg("b"));
   m.def("gemm_linear", &gemm_linear, "F.linear(x, weight, bias) on cuBLASLt", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
+  m.def("gemm_linear_views", &gemm_linear_views,
+        "F.linear(x, weight, bias) on cuBLASLt, reshaped to out_shape (torch.reshape's rules) and permuted "
+        "by perm when given",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out_shape"), py::arg("perm"));
   m.def("gemm_views", &gemm_views,
         "(a as rows of ka)[.T] @ (b as rows of kb)[.T], stored as float32 when widen, accumulated into c "
         "when given, viewed as out_shape when given",

@@ -19,7 +19,9 @@ allocation; with the views folded in, a plain Llama step makes about half as man
 
 for CUDA tensors of one 16-bit dtype (bf16, fp16; fp32 GEMMs stay torch's), then folds the views around the backward's
 GEMMs into them (`kforge_gemm_views`: Thunder writes each linear layer's backward as reshapes and a
-transpose around two matmuls, ~2 us of host time per view call). Each name computes what it
+transpose around two matmuls, ~2 us of host time per view call), and the head split after a forward
+linear (`reshape` to (B, T, H, D), `permute` to (B, H, T, D)) into its call (`kforge_gemm_linear_views`).
+Each name computes what it
 replaces with the same arithmetic (fp32 accumulation; TF32 only where torch allows it); a call
 whose run-time strides, alignment or torch settings are off the fast path goes to the ATen op it
 replaces, inside the same C++ call. `stats()` counts both kinds of calls.
@@ -155,6 +157,15 @@ def _views_meta(a: TensorProxy, ka: int, ta: bool, b: TensorProxy, kb: int, tb: 
 
 
 gemm_views = operator("gemm_views", meta=_views_meta, fn=_C.gemm_views)
+
+
+def _linear_views_meta(x: TensorProxy, w: TensorProxy, bias: TensorProxy | None, out_shape: tuple,
+                       perm: tuple | None) -> TensorProxy:
+    shape = tuple(out_shape) if perm is None else tuple(out_shape[d] for d in perm)
+    return TensorProxy(like=x, shape=shape)
+
+
+gemm_linear_views = operator("gemm_linear_views", meta=_linear_views_meta, fn=_C.gemm_linear_views)
 _FOLDABLE = ("kforge_gemm_mm", "kforge_gemm_addmm_", "kforge_gemm_mm_widen")
 
 
@@ -230,6 +241,56 @@ def _fold_views(bsyms: list) -> tuple[list, int]:
     return _place_dels(kept, gone), len(drop)
 
 
+def _is_permute(b: Any) -> bool:
+    return (b.sym.name == "permute" and _executor(b) == "torch" and len(b.args) == 2
+            and isinstance(b.args[0], TensorProxy) and not b.kwargs)
+
+
+def _fold_linear_views(bsyms: list) -> tuple[list, int]:
+    """(bsyms with the views of a forward linear's result folded into its call, view calls removed).
+
+    The head split after a projection, `reshape(y, (B, T, H, D))` then `permute(.., (0, 2, 1, 3))`,
+    is two Python calls each for q, k and v in a forward that waits for its host; a reshape that is
+    the linear's only reader (and a permute that is that reshape's only reader) become arguments of
+    `kforge_gemm_linear_views`, which makes the same views in C++."""
+    from ..fusion.matmul_acc import _Trace
+
+    tr = _Trace(bsyms, skip_dels=True)
+    readers = tr.readers
+    drop: set[int] = set()
+    replace: dict[int, Any] = {}
+
+    def only_reader(name: str, test) -> int | None:
+        rs = readers.get(name, set())
+        if len(rs) != 1:
+            return None
+        (j,) = rs
+        return j if test(bsyms[j]) else None
+
+    for i, b in enumerate(bsyms):
+        if b.sym.name != "kforge_gemm_linear":
+            continue
+        r = only_reader(b.output.name, _is_reshape)
+        if r is None or r in drop or not all(type(d) is int for d in bsyms[r].output.shape):
+            continue
+        out, perm = bsyms[r].output, None
+        drop.add(r)
+        q = only_reader(out.name, _is_permute)
+        if q is not None:
+            drop.add(q)
+            out, perm = bsyms[q].output, tuple(int(d) for d in bsyms[q].args[1])
+        x, w = b.args[:2]
+        bias = b.args[2] if len(b.args) > 2 else None
+        nb = gemm_linear_views.bind(x, w, bias, tuple(bsyms[r].output.shape), perm, output=out)
+        nb.tags.update(b.tags)
+        replace[i] = nb
+    if not replace:
+        return bsyms, 0
+    gone = {p.name for i in drop for p in bsyms[i].flat_proxy_outs} | {bsyms[i].output.name for i in replace}
+    kept = [replace.get(i, b) for i, b in enumerate(bsyms) if i not in drop]
+    return _place_dels(kept, gone), len(drop)
+
+
 def _place_dels(bsyms: list, gone: set[str]) -> list:
     """`bsyms` with their `del`s mended after folding: names no longer made dropped, and a name now read
     after its `del` deleted after its last reader instead. Everything else keeps its place (Thunder's
@@ -287,6 +348,8 @@ def rewrite(trace: Any, devices: tuple[str, ...] = ("cuda",),
     if not count:
         return trace
     bsyms, folded = _fold_views(bsyms)
+    bsyms, folded_fwd = _fold_linear_views(bsyms)
+    folded += folded_fwd
     new = from_trace(trace)
     new.bound_symbols = bsyms
     new.set_provenance(TraceProvenance(f"kforge: {count} GEMM calls on cuBLASLt plans, {folded} views folded "
