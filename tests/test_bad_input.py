@@ -60,6 +60,8 @@ def _launcher_calls(dev: str) -> dict:
         "split_qkv_backward": lambda: C.split_qkv_backward(h, h, h),
         "merge_heads_forward": lambda: C.merge_heads_forward(h),
         "merge_heads_backward": lambda: C.merge_heads_backward(randn(1, 4, 16, device=dev), 2),
+        "merge_heads_forward_view": lambda: C.merge_heads_forward_view(h),
+        "merge_heads_backward_view": lambda: C.merge_heads_backward_view(randn(1, 4, 16, device=dev), 2),
         "residual_forward": lambda: C.residual_forward(x, x),
         "rmsnorm_forward": lambda: C.rmsnorm_forward(x, None, 1e-6),
         "add_rmsnorm_forward": lambda: C.add_rmsnorm_forward(x, x, None, 1e-6),
@@ -233,6 +235,8 @@ def _gpu_cases() -> list:
         ("split_qkv_bwd-shape", lambda: C.split_qkv_backward(h, randn(1, 2, 4, 6), h), "split_qkv_backward: dk has shape"),
         ("merge_heads-rank", lambda: C.merge_heads_forward(randn(2, 4, 8)), r"merge_heads_forward: y must be \(B, NH, T, HS\)"),
         ("merge_heads_bwd-heads", lambda: C.merge_heads_backward(randn(1, 4, 10), 3), "merge_heads_backward: last dim 10 is not a multiple of n_head = 3"),
+        ("merge_heads_view-rank", lambda: C.merge_heads_forward_view(randn(2, 4, 8)), r"merge_heads_forward_view: y must be \(B, NH, T, HS\)"),
+        ("merge_heads_bwd_view-heads", lambda: C.merge_heads_backward_view(randn(1, 4, 10), 3), "merge_heads_backward_view: last dim 10 is not a multiple of n_head = 3"),
         ("rope-rank", lambda: C.rope_forward(randn(2, 4, 8), h, cs, cs), r"rope_forward: q must be \(B, H, T, D\)"),
         ("rope-k", lambda: C.rope_forward(h, randn(1, 2, 5, 8), cs, cs), "rope_forward: k shape .* does not match q"),
         ("rope-odd-D", lambda: C.rope_forward(randn(1, 2, 4, 7), randn(1, 2, 4, 7), randn(4, 7), randn(4, 7)), "rope_forward: head dim D must be even"),
@@ -258,7 +262,8 @@ GPU_CASE_IDS = ["softmax-f64", "softmax-int", "softmax-0d", "softmax_bwd-shape",
                 "ce-targets-dtype", "ce-targets-shape", "ce-targets-device", "ce-empty", "ce_bwd-grad",
                 "ce_bwd-lse", "repeat_kv-rank", "repeat_kv-n_rep", "repeat_kv_bwd-heads", "split_qkv-rank",
                 "split_qkv-heads", "split_qkv-n_head", "split_qkv_bwd-none", "split_qkv_bwd-shape",
-                "merge_heads-rank", "merge_heads_bwd-heads", "rope-rank", "rope-k", "rope-odd-D", "rope-table",
+                "merge_heads-rank", "merge_heads_bwd-heads", "merge_heads_view-rank", "merge_heads_bwd_view-heads",
+                "rope-rank", "rope-k", "rope-odd-D", "rope-table",
                 "rope-table-rows", "rope-table-device", "rope-positions", "axpy-shape"]
 
 

@@ -131,6 +131,9 @@ def _cases(dtype):
         "split_qkv_backward": (C.split_qkv_backward, qkv_grads),
         "merge_heads_forward": (C.merge_heads_forward, lambda: (randn(4, 12, 129, 64, dtype=dtype),)),
         "merge_heads_backward": (lambda d: C.merge_heads_backward(d, 12), lambda: (randn(4, 129, 768, dtype=dtype),)),
+        "merge_heads_forward_view": (C.merge_heads_forward_view, lambda: (randn(4, 12, 129, 64, dtype=dtype),)),
+        "merge_heads_backward_view": (lambda d: C.merge_heads_backward_view(d[..., ::2], 6),
+                                      lambda: (randn(4, 129, 768, dtype=dtype),)),
         "rope_forward": (C.rope_forward, rope_inputs),
         "rope_backward": (C.rope_backward, rope_inputs),
     }

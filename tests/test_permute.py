@@ -368,11 +368,11 @@ def test_split_views_and_merge_launch_layouts(dtype):
         assert got.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()  # views, no copy
         assert got.shape == ref.shape and got.stride() == ref.stride() and torch.equal(got, ref)
     y_tok = randn(B, T, NH, HS, dtype=dtype).transpose(1, 2)  # token-major (B, NH, T, HS), like flash output
-    merged = pm._merge_heads_launch(y_tok)
+    merged = kforge._C.merge_heads_forward_view(y_tok)
     assert merged.data_ptr() == y_tok.data_ptr()  # a view
     assert_same(merged, ref_merge(y_tok).contiguous(), "merge view")
     y = randn(B, NH, T, HS, dtype=dtype)  # head-major: the kernel
-    merged = pm._merge_heads_launch(y)
+    merged = kforge._C.merge_heads_forward_view(y)
     assert merged.data_ptr() != y.data_ptr() and merged.is_contiguous()
     assert_same(merged, ref_merge(y).contiguous(), "merge copy")
 
@@ -502,8 +502,7 @@ def test_merge_heads_backward_is_a_view_of_contiguous_dout(dtype):
     """The operator's backward returns dout viewed as token-major heads (eager autograd's result, and
     the layout attention's backward reads dO in); a dout that cannot be viewed so gets the copy
     kernel. Values equal the inverse merge either way."""
-    from kforge.ops.permute import _merge_heads_backward_launch
-
+    _merge_heads_backward_launch = kforge._C.merge_heads_backward_view
     B, T, NH, HS = 2, 33, 3, 64
     dout = randn(B, T, NH * HS, dtype=dtype)
     dy = _merge_heads_backward_launch(dout, NH)

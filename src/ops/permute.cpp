@@ -155,8 +155,7 @@ at::Tensor split_qkv_backward(const std::optional<at::Tensor>& dq_, const std::o
 }
 
 // y (B, NH, T, HS) -> (B, T, C).
-at::Tensor merge_heads_forward(const at::Tensor& y_) {
-  const char* op = "merge_heads_forward";
+at::Tensor merge_heads_forward(const at::Tensor& y_, const char* op = "merge_heads_forward") {
   check_input(y_, op, "y");
   KF_CHECK(y_.dim() == 4, op, "y must be (B, NH, T, HS), got ", y_.sizes());
   std::vector<at::Tensor> heads{y_};
@@ -169,8 +168,7 @@ at::Tensor merge_heads_forward(const at::Tensor& y_) {
 }
 
 // dout (B, T, C) -> dy (B, NH, T, HS).
-at::Tensor merge_heads_backward(const at::Tensor& dout_, int64_t n_head) {
-  const char* op = "merge_heads_backward";
+at::Tensor merge_heads_backward(const at::Tensor& dout_, int64_t n_head, const char* op = "merge_heads_backward") {
   const at::Tensor dout = input(dout_, op, "dout");
   KF_CHECK(dout.dim() == 3, op, "dout must be (B, T, C), got ", dout.sizes());
   KF_CHECK(n_head > 0, op, "n_head must be positive, got ", n_head);
@@ -179,6 +177,26 @@ at::Tensor merge_heads_backward(const at::Tensor& dout_, int64_t n_head) {
   at::Tensor dy = new_output({B, n_head, T, C / n_head}, dout.options());
   launch(true, dout, {dy}, B, T, n_head, C / n_head, op);
   return dy;
+}
+
+// The executor's forms: a view where the layout allows one (no kernel), decided here rather than in
+// Python, where the checks cost more host time than the view (a step makes 12 of each, and its
+// forward waits for its host). y's heads token-major in memory (attention's output in q's layout,
+// q a linear's result viewed and transposed) merge as a view; a contiguous dout splits as one, the
+// token-major layout attention's backward reads dO in.
+at::Tensor merge_heads_forward_view(const at::Tensor& y) {
+  if (y.defined() && y.is_cuda() && y.dim() == 4) {
+    at::Tensor yt = y.transpose(1, 2);
+    if (yt.is_contiguous()) return yt.view({y.size(0), y.size(2), y.size(1) * y.size(3)});
+  }
+  return merge_heads_forward(y, "merge_heads_forward_view");
+}
+
+at::Tensor merge_heads_backward_view(const at::Tensor& dout, int64_t n_head) {
+  if (dout.defined() && dout.is_cuda() && dout.dim() == 3 && dout.is_contiguous() && n_head > 0 &&
+      dout.size(2) % n_head == 0)
+    return dout.view({dout.size(0), dout.size(1), n_head, dout.size(2) / n_head}).transpose(1, 2);
+  return merge_heads_backward(dout, n_head, "merge_heads_backward_view");
 }
 
 }  // namespace
@@ -190,9 +208,15 @@ KFORGE_BIND_OP(permute) {
   m.def("split_qkv_backward", &split_qkv_backward,
         "dq, dk, dv (B, NH, T, HS; None counts as zeros) -> dqkv (B, T, 3 NH HS).", pybind11::arg("dq"),
         pybind11::arg("dk"), pybind11::arg("dv"));
-  m.def("merge_heads_forward", &merge_heads_forward, "y (B, NH, T, HS) -> (B, T, NH HS) contiguous.",
+  m.def("merge_heads_forward", [](const at::Tensor& y) { return merge_heads_forward(y); },
+        "y (B, NH, T, HS) -> (B, T, NH HS) contiguous.", pybind11::arg("y"));
+  m.def("merge_heads_backward", [](const at::Tensor& dout, int64_t n_head) { return merge_heads_backward(dout, n_head); },
+        "dout (B, T, C) -> dy (B, n_head, T, C / n_head).", pybind11::arg("dout"), pybind11::arg("n_head"));
+  m.def("merge_heads_forward_view", &merge_heads_forward_view,
+        "merge_heads_forward, or a view of y when its heads are token-major in memory (no kernel).",
         pybind11::arg("y"));
-  m.def("merge_heads_backward", &merge_heads_backward, "dout (B, T, C) -> dy (B, n_head, T, C / n_head).",
+  m.def("merge_heads_backward_view", &merge_heads_backward_view,
+        "merge_heads_backward, or a (B, n_head, T, C / n_head) view of a contiguous dout (no kernel).",
         pybind11::arg("dout"), pybind11::arg("n_head"));
 }
 

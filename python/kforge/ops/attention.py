@@ -47,8 +47,14 @@ from .._thunder import Claim, OpSpec, operator, replace_calls, same_dtype_device
 MAX_HEAD_DIM = 128
 
 
+# torch's own binding of the op where it has one: a few us of host time under the op-packet call, in
+# a forward that waits for its host.
+_cudnn_attention = getattr(torch, "_scaled_dot_product_cudnn_attention",
+                           torch.ops.aten._scaled_dot_product_cudnn_attention)
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None):
-    o = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+    o = _cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
     return o[0], o[1], o[6], o[7]
 
 

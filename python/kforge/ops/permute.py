@@ -137,36 +137,17 @@ def _split_views(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Te
     return qkv.view(B, T, 3, n_head, C3 // (3 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)
 
 
-def _merge_heads_launch(y: torch.Tensor) -> torch.Tensor:
-    """The merge copy, or a view when y's heads are already token-major in memory (no kernel)."""
-    B, NH, T, HS = y.shape
-    yt = y.transpose(1, 2)
-    if yt.is_contiguous() and y.is_cuda:
-        return yt.view(B, T, NH * HS)
-    return _C.merge_heads_forward(y)
-
-
-def _merge_heads_backward_launch(dout: torch.Tensor, n_head: int) -> torch.Tensor:
-    """dy = dout viewed as (B, n_head, T, HS) heads, token-major in memory, as eager autograd gives
-    it: no kernel. Its consumer is attention's backward, and cuDNN and FlashAttention read dO in the
-    forward output's layout, which is token-major too (their output follows q's layout). The copy
-    kernel runs only for a dout that cannot be viewed so."""
-    B, T, C = dout.shape
-    if dout.is_cuda and dout.is_contiguous() and n_head > 0 and C % n_head == 0:
-        return dout.view(B, T, n_head, C // n_head).transpose(1, 2)
-    return _C.merge_heads_backward(dout, n_head)
-
-
 # (qkv, n_head) -> (q, k, v)
 split_qkv_forward = operator("split_qkv_forward", meta=_split_forward_meta, fn=_C.split_qkv_forward)
 # (qkv, n_head) -> (q, k, v) as strided views of qkv: no kernel
 split_qkv_views = operator("split_qkv_views", meta=_split_forward_meta, fn=_split_views)
 # (dq, dk, dv) -> dqkv
 split_qkv_backward = operator("split_qkv_backward", meta=_split_backward_meta, fn=_C.split_qkv_backward)
-# (y) -> (B, T, C)
-merge_heads_forward = operator("merge_heads_forward", meta=_merge_forward_meta, fn=_merge_heads_launch)
-# (dout, n_head) -> dy
-merge_heads_backward = operator("merge_heads_backward", meta=_merge_backward_meta, fn=_merge_heads_backward_launch)
+# (y) -> (B, T, C): the merge copy, or a view when y's heads are already token-major in memory
+merge_heads_forward = operator("merge_heads_forward", meta=_merge_forward_meta, fn=_C.merge_heads_forward_view)
+# (dout, n_head) -> dy: a view of a contiguous dout, token-major as eager autograd gives it (cuDNN and
+# FlashAttention read dO in the forward output's layout, token-major too); the copy kernel otherwise
+merge_heads_backward = operator("merge_heads_backward", meta=_merge_backward_meta, fn=_C.merge_heads_backward_view)
 
 split_qkv_op = operator("split_qkv", like=_split_qkv_like, fn=split_qkv, replaces=split_qkv)
 merge_heads_op = operator("merge_heads", like=_merge_heads_like, fn=merge_heads, replaces=merge_heads)
