@@ -723,7 +723,26 @@ def _our_entries() -> dict:
     for original, method in _context_var_methods().items():  # once transformers is imported
         if original not in _entries:
             _entries[original] = _context_var_lookaside(original, method)
+    tag = _dynamo_module_tag()
+    if tag is not None and tag not in _entries:
+        _entries[tag] = _opaque_lookaside(tag)
     return _entries
+
+
+def _dynamo_module_tag() -> Any:
+    """torch._dynamo's `GenerationTracker.tag` (the function), once the process has imported Dynamo;
+    else None. Dynamo patches `nn.Module.__init__` to record every module made after its import in a
+    process-wide weak dictionary. A forward that makes a module (Hugging Face's BERT builds its
+    `CrossEntropyLoss` there) would have that write interpreted: Thunder wraps every entry of the
+    dictionary first (every module of the process), and a module collected meanwhile removes its entry
+    during that loop ("dictionary changed size during iteration", seen once in a run of the suite).
+    The write is Dynamo's bookkeeping, nothing the trace needs: it runs as one opaque call."""
+    import sys
+
+    guard = sys.modules.get("torch._dynamo.mutation_guard")
+    tracker = getattr(guard, "GenerationTracker", None)
+    tag = getattr(tracker, "tag", None)
+    return getattr(tag, "__func__", None)
 
 
 def _patches() -> list[tuple[Any, str, Any, str]]:
