@@ -3,6 +3,9 @@
 #   scripts/gpu_run.sh test [pytest args...]   full GPU suite, log in $OUT/pytest.log
 #                                                (add --shard I/N to run the I-th of N parts)
 #   scripts/gpu_run.sh bench <args...>         python -m kforge.bench <args>, log in $OUT/bench-*.log
+#   scripts/gpu_run.sh suite [SECONDS] [args]  the whole GPU suite, one shard per GPU, all at once
+#                                                (logs $OUT/shardI.log; counts per shard even when a
+#                                                shard is cut at SECONDS, default 480)
 #   scripts/gpu_run.sh sh '<command>'          anything else after the build
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -38,6 +41,27 @@ while [ $# -gt 0 ]; do
       args=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       python3 -m kforge.bench "${args[@]}" 2>&1 | tee "$OUT/bench-${args[0]}.log" | tail -40
       rc=$(( rc | ${PIPESTATUS[0]} ));;
+    suite)
+      # One pytest per GPU, each on its own shard with -v, so that a shard its time limit cuts still
+      # names every result it reached (the summary line comes only at the end).
+      limit=480; if [[ "${1:-}" =~ ^[0-9]+$ ]]; then limit=$1; shift; fi
+      args=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      gpus=$(nvidia-smi -L | wc -l); workers=$(( $(nproc) / gpus - 1 )); [ "$workers" -ge 1 ] || workers=1
+      for i in $(seq 1 "$gpus"); do
+        CUDA_VISIBLE_DEVICES=$(( i - 1 )) timeout "$limit" python3 -m pytest -v -p no:cacheprovider tests \
+          -n "$workers" --dist loadgroup -rf -W ignore --tb=short -p no:logging --shard "$i/$gpus" \
+          "${args[@]}" > "$OUT/shard$i.log" 2>&1 &
+      done
+      wait
+      for i in $(seq 1 "$gpus"); do
+        f=$OUT/shard$i.log
+        echo "shard $i/$gpus: $(grep -cE '^\[gw[0-9]+\].* PASSED ' "$f") passed," \
+             "$(grep -cE '^\[gw[0-9]+\].* FAILED ' "$f") failed, $(grep -cE '^\[gw[0-9]+\].* SKIPPED ' "$f") skipped," \
+             "$(grep -cE '^\[gw[0-9]+\].* ERROR ' "$f") errors; last: $(grep -E '^\[gw[0-9]+\] \[' "$f" | tail -1 | cut -c1-60)"
+        grep -qE '^=+ .* in [0-9.]+s' "$f" || echo "  (cut at ${limit} s: no summary line)"
+      done
+      grep -hE '^\[gw[0-9]+\].* (FAILED|ERROR) ' "$OUT"/shard*.log | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort -u
+      ! grep -qhE '^\[gw[0-9]+\].* (FAILED|ERROR) ' "$OUT"/shard*.log || rc=1;;
     sh)
       bash -c "$1" 2>&1; rc=$(( rc | $? )); shift; [ $# -gt 0 ] && [ "$1" == "--" ] && shift;;
     *) echo "unknown step $step"; exit 2;;
