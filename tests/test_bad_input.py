@@ -84,7 +84,7 @@ LAUNCHERS = sorted(_launcher_calls("cpu"))
 # kforge.ops.gemm's entries take tensors on any device (off CUDA they are the ATen op they stand for),
 # so a CPU tensor is no error for them, and its switches and tables take none: their bad-input cases
 # are in tests/test_gemm.py.
-ANY_DEVICE = {"gemm_mm", "gemm_mm_widen", "gemm_addmm_", "gemm_addmm", "gemm_linear", "gemm_linear_views",
+ANY_DEVICE = {"gemm_mm", "gemm_mm_widen", "gemm_addmm_", "gemm_addmm", "gemm_addmm_views", "gemm_linear", "gemm_linear_views",
               "gemm_views", "gemm_stats",
               "gemm_set_tune", "gemm_tuning"}
 

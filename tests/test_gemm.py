@@ -27,7 +27,7 @@ from kforge.ops import gemm
 _C = kforge._C
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GEMM_NAMES = {"kforge_gemm_mm", "kforge_gemm_mm_widen", "kforge_gemm_addmm_", "kforge_gemm_addmm", "kforge_gemm_linear",
-              "kforge_gemm_linear_views", "kforge_gemm_views"}
+              "kforge_gemm_linear_views", "kforge_gemm_addmm_views", "kforge_gemm_views"}
 
 
 def _stats_delta(before: dict) -> dict:
@@ -59,12 +59,14 @@ def test_cpu_tensors_take_the_aten_ops():
     assert _C.gemm_addmm_(c, a, b) is not None and torch.equal(c, expect)
     assert torch.equal(_C.gemm_linear(x, w, torch.ones(4)), F.linear(x, w, torch.ones(4)))
     assert torch.equal(_C.gemm_linear(x, w), F.linear(x, w))
+    conv = _C.gemm_addmm_views(torch.ones(4), x, 3, w.t(), [2, 5, 4])
+    assert torch.equal(conv, torch.addmm(torch.ones(4), x.view(-1, 3), w.t()).view(2, 5, 4))
     heads = _C.gemm_linear_views(x, w, None, [2, 5, 2, 2], [0, 2, 1, 3])
     assert torch.equal(heads, F.linear(x, w).reshape(2, 5, 2, 2).permute(0, 2, 1, 3))
     widened = _C.gemm_mm_widen(a.bfloat16(), b.bfloat16())
     assert widened.dtype == torch.float32
     assert torch.equal(widened, a.bfloat16().float() @ b.bfloat16().float())
-    assert _stats_delta(before) == {"fast_calls": 0, "aten_calls": 7}
+    assert _stats_delta(before) == {"fast_calls": 0, "aten_calls": 8}
 
 
 BAD_INPUT = {
@@ -78,6 +80,8 @@ BAD_INPUT = {
     "gemm_linear": (lambda: _C.gemm_linear(torch.randn(2, 5), torch.randn(4, 3)), "linear: input [2, 5] and weight [4, 3]"),
     "gemm_linear_views": (lambda: _C.gemm_linear_views(torch.randn(2, 6), torch.randn(4, 6), None, [2, 2, 3], None),
                           "linear_views: out_shape [2, 2, 3] does not hold the product of shape [2, 4]"),
+    "gemm_addmm_views": (lambda: _C.gemm_addmm_views(torch.randn(4), torch.randn(2, 5), 3, torch.randn(3, 4), None),
+                         "views: an operand of shape [2, 5] is not rows of 3 elements"),
     "gemm_views": (lambda: _C.gemm_views(torch.randn(2, 5), 3, False, torch.randn(3, 4), 4, False, None, False, None),
                    "views: an operand of shape [2, 5] is not rows of 3 elements"),
 }
@@ -175,9 +179,10 @@ def _gemm_census(trace) -> Counter:
     # autocast: the fp32 weights' gradients stored as fp32 (widen)
     ("plain_llama", dict(dtype=torch.bfloat16, autocast=True),
      {"kforge_gemm_linear", "kforge_gemm_linear_views", "views", "views: widen"}),
-    # Conv1D's addmm forward, its backward's matmuls; the tied lm_head (97 outputs: not padded)
+    # Conv1D's addmm forward (c_attn's and c_fc's with the view of their result folded in), its
+    # backward's matmuls; the tied lm_head (97 outputs: not padded)
     ("hf_gpt2", dict(dtype=torch.bfloat16, autocast=False),
-     {"kforge_gemm_addmm", "views", "kforge_gemm_linear"}),
+     {"kforge_gemm_addmm", "kforge_gemm_addmm_views", "views", "kforge_gemm_linear"}),
 ])
 def test_every_gemm_of_a_fake_gpu_trace_is_rewritten(monkeypatch, model, setup, expect):
     import importlib
@@ -415,6 +420,23 @@ def test_linear_views_match_float64(dtype, bias):
     assert torch.equal(y, _C.gemm_linear(x, w, bb).view(b_, t, h, d).permute(0, 2, 1, 3))
     flat = _C.gemm_linear_views(x, w, bb, [b_ * t, h * d], None)
     assert flat.shape == (b_ * t, h * d) and flat.is_contiguous() and torch.equal(flat, y.transpose(1, 2).reshape(-1, h * d))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_addmm_views_match_float64(dtype):
+    """Conv1D's projection with its views in the call: x (B, T, k) as rows, bias + x @ w, viewed as
+    (B, T, n): float64-right and the same values as the plain addmm viewed by torch."""
+    b_, t, k, n = 3, 37, 40, 72
+    x = randn(b_, t, k, dtype=dtype, device="cuda", seed=1)
+    w = randn(k, n, dtype=dtype, device="cuda", seed=2)
+    bias = randn(n, dtype=dtype, device="cuda", seed=3)
+    y = _C.gemm_addmm_views(bias, x, k, w, [b_, t, n])
+    ref = (x.double().view(-1, k) @ w.double() + bias.double()).view(b_, t, n)
+    assert y.shape == (b_, t, n) and y.is_contiguous()
+    assert_close(y, ref, dtype, "addmm_views")
+    assert torch.equal(y, _C.gemm_addmm(bias, x.view(-1, k), w).view(b_, t, n))
+    assert _C.gemm_addmm_views(bias, x, k, w, None).shape == (b_ * t, n)
 
 
 @gpu

@@ -710,6 +710,15 @@ at::Tensor gemm_views(const at::Tensor& a, int64_t ka, bool ta, const at::Tensor
   return out_shape.has_value() ? d.view(*out_shape) : d;
 }
 
+// Hugging Face's Conv1D with the views around it in one call: bias + (a as rows of `ka`) @ b, returned
+// in `out_shape` when given (a view of D), for `x.view(-1, k)`, `addmm`, `.view(*lead, n)` (two
+// Python view calls per projection otherwise).
+at::Tensor gemm_addmm_views(const at::Tensor& bias, const at::Tensor& a, int64_t ka, const at::Tensor& b,
+                            const std::optional<std::vector<int64_t>>& out_shape) {
+  const at::Tensor d = gemm_addmm(bias, as_matrix(a, ka, false), b);
+  return out_shape.has_value() ? d.view(*out_shape) : d;
+}
+
 pybind11::dict stats() {
   pybind11::dict d;
   d["cublaslt"] = lt() != nullptr;
@@ -793,6 +802,9 @@ KFORGE_BIND_OP(gemm) {
         "F.linear(x, weight, bias) on cuBLASLt, reshaped to out_shape (torch.reshape's rules) and permuted "
         "by perm when given",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out_shape"), py::arg("perm"));
+  m.def("gemm_addmm_views", &gemm_addmm_views,
+        "bias + (a as rows of ka) @ b (Conv1D) on cuBLASLt, viewed as out_shape when given",
+        py::arg("bias"), py::arg("a"), py::arg("ka"), py::arg("b"), py::arg("out_shape"));
   m.def("gemm_views", &gemm_views,
         "(a as rows of ka)[.T] @ (b as rows of kb)[.T], stored as float32 when widen, accumulated into c "
         "when given, viewed as out_shape when given",

@@ -20,7 +20,8 @@ allocation; with the views folded in, a plain Llama step makes about half as man
 for CUDA tensors of one 16-bit dtype (bf16, fp16; fp32 GEMMs stay torch's), then folds the views around the backward's
 GEMMs into them (`kforge_gemm_views`: Thunder writes each linear layer's backward as reshapes and a
 transpose around two matmuls, ~2 us of host time per view call), and the head split after a forward
-linear (`reshape` to (B, T, H, D), `permute` to (B, H, T, D)) into its call (`kforge_gemm_linear_views`).
+linear (`reshape` to (B, T, H, D), `permute` to (B, H, T, D)) into its call (`kforge_gemm_linear_views`;
+Conv1D's views around its addmm likewise, `kforge_gemm_addmm_views`).
 Each name computes what it
 replaces with the same arithmetic (fp32 accumulation; TF32 only where torch allows it); a call
 whose run-time strides, alignment or torch settings are off the fast path goes to the ATen op it
@@ -166,6 +167,14 @@ def _linear_views_meta(x: TensorProxy, w: TensorProxy, bias: TensorProxy | None,
 
 
 gemm_linear_views = operator("gemm_linear_views", meta=_linear_views_meta, fn=_C.gemm_linear_views)
+
+
+def _addmm_views_meta(bias: TensorProxy, a: TensorProxy, ka: int, b: TensorProxy, out_shape: tuple | None) -> TensorProxy:
+    shape = tuple(out_shape) if out_shape is not None else (a.numel // ka, b.shape[1])
+    return TensorProxy(like=a, shape=shape)
+
+
+gemm_addmm_views = operator("gemm_addmm_views", meta=_addmm_views_meta, fn=_C.gemm_addmm_views)
 _FOLDABLE = ("kforge_gemm_mm", "kforge_gemm_addmm_", "kforge_gemm_mm_widen")
 
 
@@ -252,7 +261,8 @@ def _fold_linear_views(bsyms: list) -> tuple[list, int]:
     The head split after a projection, `reshape(y, (B, T, H, D))` then `permute(.., (0, 2, 1, 3))`,
     is two Python calls each for q, k and v in a forward that waits for its host; a reshape that is
     the linear's only reader (and a permute that is that reshape's only reader) become arguments of
-    `kforge_gemm_linear_views`, which makes the same views in C++."""
+    `kforge_gemm_linear_views`, which makes the same views in C++. Hugging Face's Conv1D likewise:
+    `x.view(-1, k)` before its addmm and `.view(*lead, n)` after it go into `kforge_gemm_addmm_views`."""
     from ..fusion.matmul_acc import _Trace
 
     tr = _Trace(bsyms, skip_dels=True)
@@ -268,6 +278,11 @@ def _fold_linear_views(bsyms: list) -> tuple[list, int]:
         return j if test(bsyms[j]) else None
 
     for i, b in enumerate(bsyms):
+        if b.sym.name == "kforge_gemm_addmm":
+            nb = _addmm_views(b, i, bsyms, tr, only_reader, drop)
+            if nb is not None:
+                replace[i] = nb
+            continue
         if b.sym.name != "kforge_gemm_linear":
             continue
         r = only_reader(b.output.name, _is_reshape)
@@ -286,9 +301,34 @@ def _fold_linear_views(bsyms: list) -> tuple[list, int]:
         replace[i] = nb
     if not replace:
         return bsyms, 0
-    gone = {p.name for i in drop for p in bsyms[i].flat_proxy_outs} | {bsyms[i].output.name for i in replace}
+    gone = {p.name for i in drop for p in bsyms[i].flat_proxy_outs}
+    gone |= {bsyms[i].output.name for i, nb in replace.items() if nb.output is not bsyms[i].output}
     kept = [replace.get(i, b) for i, b in enumerate(bsyms) if i not in drop]
     return _place_dels(kept, gone), len(drop)
+
+
+def _addmm_views(b: Any, i: int, bsyms: list, tr: Any, only_reader: Any, drop: set[int]) -> Any | None:
+    """`kforge_gemm_addmm_views` for Conv1D's `addmm(bias, reshape(x, (-1, k)), w)` and the reshape of its
+    result, where each view is read by this call alone (the indices of the views it takes are added to
+    `drop`); None where neither view can go."""
+    bias, a, w = b.args
+    src, ka = a, a.shape[1]
+    j = tr.producer.get(a.name)
+    took = []
+    if j is not None and j not in drop and _is_reshape(bsyms[j]) and tr.readers.get(a.name, set()) == {i}:
+        src = bsyms[j].flat_proxy_args[0]
+        took.append(j)
+    out, out_shape = b.output, None
+    r = only_reader(b.output.name, _is_reshape)
+    if r is not None and r not in drop and all(type(d) is int for d in bsyms[r].output.shape):
+        out, out_shape = bsyms[r].output, tuple(bsyms[r].output.shape)
+        took.append(r)
+    if not took:
+        return None
+    drop.update(took)
+    nb = gemm_addmm_views.bind(bias, src, ka, w, out_shape, output=out)
+    nb.tags.update(b.tags)
+    return nb
 
 
 def _place_dels(bsyms: list, gone: set[str]) -> list:
