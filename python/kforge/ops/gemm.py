@@ -242,12 +242,7 @@ def _fold_views(bsyms: list) -> tuple[list, int]:
         nb = gemm_views.bind(*parts, c, b.sym.name == "kforge_gemm_mm_widen", out_shape, output=out)
         nb.tags.update(b.tags)
         replace[i] = nb
-    if not replace:
-        return bsyms, 0
-    gone = {p.name for i in drop for p in bsyms[i].flat_proxy_outs}
-    gone |= {bsyms[i].output.name for i, nb in replace.items() if nb.output is not bsyms[i].output}
-    kept = [replace.get(i, b) for i, b in enumerate(bsyms) if i not in drop]
-    return _place_dels(kept, gone), len(drop)
+    return _splice(bsyms, replace, drop)
 
 
 def _is_permute(b: Any) -> bool:
@@ -299,12 +294,7 @@ def _fold_linear_views(bsyms: list) -> tuple[list, int]:
         nb = gemm_linear_views.bind(x, w, bias, tuple(bsyms[r].output.shape), perm, output=out)
         nb.tags.update(b.tags)
         replace[i] = nb
-    if not replace:
-        return bsyms, 0
-    gone = {p.name for i in drop for p in bsyms[i].flat_proxy_outs}
-    gone |= {bsyms[i].output.name for i, nb in replace.items() if nb.output is not bsyms[i].output}
-    kept = [replace.get(i, b) for i, b in enumerate(bsyms) if i not in drop]
-    return _place_dels(kept, gone), len(drop)
+    return _splice(bsyms, replace, drop)
 
 
 def _addmm_views(b: Any, i: int, bsyms: list, tr: Any, only_reader: Any, drop: set[int]) -> Any | None:
@@ -329,6 +319,17 @@ def _addmm_views(b: Any, i: int, bsyms: list, tr: Any, only_reader: Any, drop: s
     nb = gemm_addmm_views.bind(bias, src, ka, w, out_shape, output=out)
     nb.tags.update(b.tags)
     return nb
+
+
+def _splice(bsyms: list, replace: dict[int, Any], drop: set[int]) -> tuple[list, int]:
+    """(bsyms with the calls at `replace`'s indices replaced and those at `drop` removed, `del`s mended;
+    the number removed)."""
+    if not replace:
+        return bsyms, 0
+    gone = {p.name for i in drop for p in bsyms[i].flat_proxy_outs}
+    gone |= {bsyms[i].output.name for i, nb in replace.items() if nb.output is not bsyms[i].output}
+    kept = [replace.get(i, b) for i, b in enumerate(bsyms) if i not in drop]
+    return _place_dels(kept, gone), len(drop)
 
 
 def _place_dels(bsyms: list, gone: set[str]) -> list:
