@@ -17,10 +17,12 @@
 // columns [V, ld) are written as exact zeros: that linear's backward multiplies the whole padded
 // gradient by a weight whose padding rows are zero, and finite zeros there keep that GEMM exact.
 //
-// Liger / llm.c fuse the gradient into the forward pass (`Fused` below: a second, L2-hot read of the
-// row writes dx). That only pays when dloss is known before the forward runs; under Thunder's grad
-// transform it is not, and scaling a saved unit-gradient later costs the same read+write pass as the
-// backward kernel, so the executor uses forward + backward and the fused variant is a launcher only.
+// Liger / llm.c fuse the gradient into the forward pass: `Fused` below re-reads the row hoping for L2,
+// and cross_entropy_fused_smem_kernel keeps rows of 16 .. 112 KB in shared memory (one read and one
+// write of the logits' bytes). That only pays when dloss is known before the forward runs; under
+// Thunder's grad transform it is not, and scaling a saved unit-gradient later costs the same
+// read+write pass as the backward kernel unless the scale goes into what reads the gradient (the
+// lm_head's GEMMs), so the executor uses forward + backward and the fused kernels are a launcher only.
 #include "common.cuh"
 #include "launch_params.cuh"
 
@@ -166,6 +168,94 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
     write_row_grad<true>(x, dx, V, t, bad ? CE_NAN : lse, scale, ignored, vec);
     zero_row_padding(dx, V, ld, blockDim.x);
   }
+}
+
+// Fused forward + backward with the row held in shared memory, one block per row: the logits are read
+// from DRAM once (16-byte cp.async into the block's dynamic shared memory), max / sum-exp and the
+// gradient row come from there, and the gradient is written once. The register kernel above re-reads
+// each row hoping for L2, which misses once more rows are in flight than L2 holds (GPT-2's 100 KB
+// rows: its fused launch took as long as forward + backward apart). Rows start anywhere: element j
+// sits at byte mis + j * sizeof(T) of the shared row (mis: the row's offset from a 16-byte boundary),
+// so the row's 16-byte packs land 16-byte aligned there too; its scalar head and tail (split_row) are
+// copied element-wise. logits and dlogits share their address modulo 16 (the launcher's condition,
+// with rows of kSmemMinRowBytes .. kSmemMaxRowBytes; other rows take the register kernel). Same
+// arithmetic as that kernel: one rounding of each gradient element.
+template <typename T>
+__global__ void __launch_bounds__(kf_cross_entropy::kSmemThreads)
+    cross_entropy_fused_smem_kernel(const T* __restrict__ logits, const i64* __restrict__ targets,
+                                    float* __restrict__ lse_out, float* __restrict__ row_loss,
+                                    T* __restrict__ loss_none, T* __restrict__ dlogits,
+                                    const T* __restrict__ grad, long long grad_stride,
+                                    const float* __restrict__ n_valid, long long V, long long ld,
+                                    long long ignore_index) {
+  kf_wait_prior_grids();
+  extern __shared__ __align__(16) unsigned char ce_smem[];
+  __shared__ float scratch[32];
+  constexpr int P = Pack128<T>::size;
+  const long long row = blockIdx.x;
+  const T* x = logits + row * ld;
+  const RowSplit<long long> r = split_row(x, V);
+  const int mis = (int)(reinterpret_cast<u64>(x) & 15);
+  T* srow = reinterpret_cast<T*>(ce_smem + mis);  // element j of the row
+  const u32 spk = smem_u32(srow + r.head);         // its first pack: 16-byte aligned
+  const int npk = (int)r.npk, nscalar = (int)(r.head + r.tail);
+  // this thread's scalar element (head, then tail), if any
+  const long long sc = (long long)threadIdx.x < r.head ? (long long)threadIdx.x : (V - r.tail) + (threadIdx.x - r.head);
+  const bool has_sc = (int)threadIdx.x < nscalar;
+  for (int p = threadIdx.x; p < npk; p += blockDim.x)
+    cp_async16(spk + (u32)p * 16u, x + r.head + (long long)p * P);
+  cp_async_commit();
+  if (has_sc) srow[sc] = x[sc];
+  cp_async_wait_all();
+  __syncthreads();  // every thread's copies (and the scalars' stores) seen by all
+
+  float m = -KF_INF, s = 0.0f;
+  for (int p = threadIdx.x; p < npk; p += blockDim.x) {
+    const auto a = lds16<T>(spk + (u32)p * 16u);
+    float pm = a.f(0);
+#pragma unroll
+    for (int k = 1; k < P; ++k) pm = fmaxf(pm, a.f(k));
+    online_rescale(pm, m, s);
+    const float ms = m == -KF_INF ? 0.0f : m;
+#pragma unroll
+    for (int k = 0; k < P; ++k) s += __expf(a.f(k) - ms);
+  }
+  if (has_sc) {
+    const float v = to_float(srow[sc]);
+    online_rescale(v, m, s);
+    s += __expf(v - (m == -KF_INF ? 0.0f : m));
+  }
+  const float M = block_max(m, scratch);
+  const float Ms = M == -KF_INF ? 0.0f : M;  // all -inf row: S = 0 and lse = -inf, not NaN
+  const float S = block_sum(s * __expf(m - Ms), scratch);
+  const float lse = Ms + logf(S);
+
+  const long long t = targets[row];
+  const bool ignored = t == ignore_index;
+  const bool bad = !ignored && (t < 0 || t >= V);
+  if (threadIdx.x == 0) {
+    const float loss = ignored ? 0.0f : bad ? CE_NAN : lse - to_float(srow[t]);
+    lse_out[row] = lse;
+    if (row_loss) row_loss[row] = loss;
+    else loss_none[row] = from_float<T>(loss);
+  }
+  // Ignored rows: exact zeros (a NaN logit there does not leak); out-of-range targets: NaN rows.
+  const float scale = ignored ? 0.0f : row_dloss(grad, grad_stride, n_valid, row);
+  const float L = bad ? CE_NAN : lse;
+  T* dx = dlogits + row * ld;
+  for (int p = threadIdx.x; p < npk; p += blockDim.x) {
+    const auto a = lds16<T>(spk + (u32)p * 16u);
+    const long long d = t - (r.head + (long long)p * P);  // the target's position in this pack, if there
+    const int dk = (d >= 0 && d < P) ? (int)d : -1;
+    Pack128<T> o;
+#pragma unroll
+    for (int k = 0; k < P; ++k)
+      o.set(k, ignored ? 0.0f : (__expf(a.f(k) - L) - (k == dk ? 1.0f : 0.0f)) * scale);
+    store128(dx + r.head + (long long)p * P, o);
+  }
+  if (has_sc)
+    dx[sc] = from_float<T>(ignored ? 0.0f : (__expf(to_float(srow[sc]) - L) - (sc == t ? 1.0f : 0.0f)) * scale);
+  zero_row_padding(dx, V, ld, blockDim.x);
 }
 
 // ---- backward: a streaming elementwise kernel ------------------------------------------------------

@@ -68,6 +68,11 @@ namespace kf_cross_entropy {
 constexpr int kBwdThreads = 256;     // backward block size
 constexpr int kBwdUnrollVec = 4;     // 16-byte packs per thread (64 bytes in flight)
 constexpr int kBwdUnrollScalar = 2;  // element-wise "packs" (P loads each) per thread
+// Fused forward + backward with the row in shared memory: block size, and the rows it takes (at
+// most two blocks an SM at the top; below the bottom the L2 re-read of the register kernel hits).
+constexpr int kSmemThreads = 512;
+constexpr long long kSmemMinRowBytes = 16 * 1024;
+constexpr long long kSmemMaxRowBytes = 112 * 1024;
 }
 
 // ---- gelu (kernels_src/gelu.cu, src/ops/gelu.cpp) -------------------------------------------------

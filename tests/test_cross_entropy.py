@@ -104,6 +104,46 @@ def test_fused_forward_backward_matches_float64(dtype, n, v, reduction):
 
 
 @gpu
+@pytest.mark.parametrize("offset", [0, 1, 7])
+@pytest.mark.parametrize("n,v,ld", [(67, 8193, 8193), (5, 16383, 16400), (40, 50257, 50257), (9, 50257, 50304)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_row_in_shared_memory(dtype, n, v, ld, offset):
+    """The fused launcher's shared-memory kernel (rows of 16 .. 112 KB): rows starting off a 16-byte
+    boundary by `offset` elements (the row placed in shared memory at its own offset), padded row
+    strides, a target in a row's first and last element, an ignored row, a row holding NaN and one
+    of -inf with one finite logit; loss and dlogits against float64, padding exactly zero."""
+    if not 16 * 1024 <= v * torch.finfo(dtype).bits // 8 <= 112 * 1024:
+        pytest.skip("row outside the shared-memory kernel's range (the register kernel's tests cover it)")
+    seed = n + v + offset
+    base = randn(n * ld + offset, dtype=dtype, scale=2.0, seed=seed)
+    x = base[offset:].view(n, ld)[:, :v]
+    x[3, 11] = float("nan")
+    x[4].fill_(float("-inf"))
+    x[4, v // 2] = 1.5
+    t = make_targets(n, v, -100, seed)
+    t[0], t[1], t[2], t[3], t[4] = 0, v - 1, -100, 5, v // 2
+    same_phase = (x.data_ptr() % 16) == 0  # fresh dlogits are 16-byte aligned
+    plan = _C.plan("cross_entropy_forward_backward", (n, v), dtype, aligned=same_phase)
+    assert plan["layout"] == ("smem" if same_phase else "row"), plan
+    for reduction in REDUCTIONS:
+        g = make_grad(reduction, n, dtype, seed)
+        ref_loss, _, ref_dx = reference(x, t, g, -100, reduction)
+        loss, dx = _C.cross_entropy_forward_backward(x, t, g, -100, reduction)
+        if reduction == "none":
+            keep = torch.arange(n, device="cuda") != 3  # the NaN row's loss is NaN in both
+            assert torch.isnan(loss[3]) and torch.isnan(ref_loss[3])
+            assert_close(loss[keep], ref_loss[keep], dtype, "loss none")
+        else:
+            assert torch.isnan(loss) and torch.isnan(ref_loss), (loss, ref_loss)
+        rows = torch.arange(n, device="cuda") != 3
+        assert torch.isnan(dx[3]).all() and torch.isnan(ref_dx[3]).all()
+        assert_close(dx[rows], ref_dx[rows], dtype, f"dlogits {reduction}")
+        assert (dx[2] == 0).all(), "an ignored row's gradient is exactly zero"
+        if ld > v:
+            assert dx.stride(0) == ld and (dx.as_strided((n, ld - v), (ld, 1), dx.storage_offset() + v) == 0).all()
+
+
+@gpu
 @pytest.mark.parametrize("offset", [1, 3, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_misaligned_and_strided_logits(dtype, offset):

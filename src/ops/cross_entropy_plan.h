@@ -11,11 +11,12 @@
 
 namespace kforge {
 
-// row: forward / fused; vec / scalar: backward.
-enum class CrossEntropyLayout : uint8_t { row, vec, scalar };
+// row: forward / fused; smem: fused with the row in shared memory; vec / scalar: backward.
+enum class CrossEntropyLayout : uint8_t { row, smem, vec, scalar };
 inline const char* layout_name(CrossEntropyLayout l) {
   switch (l) {
     case CrossEntropyLayout::row: return "row";
+    case CrossEntropyLayout::smem: return "smem";
     case CrossEntropyLayout::vec: return "vec";
     case CrossEntropyLayout::scalar: return "scalar";
   }
@@ -28,18 +29,28 @@ struct CrossEntropyPlan : PlanWith<CrossEntropyLayout> {
 };
 
 inline const char* const kCrossEntropyForwardLayouts[] = {"row"};
+inline const char* const kCrossEntropyForwardBackwardLayouts[] = {"row", "smem"};
 inline const char* const kCrossEntropyBackwardLayouts[] = {"vec", "scalar"};
 
 // Forward and fused forward + backward: one block per row, one 16-byte pack per thread for short
 // rows, 512 threads for long ones. same_phase (fused): logits and dlogits at the same address
-// modulo 16, passed to the kernel (16-byte packs).
+// modulo 16, passed to the kernel (16-byte packs). fused: rows of kSmemMinRowBytes ..
+// kSmemMaxRowBytes with same_phase take the shared-memory kernel (the row, plus up to 15 bytes of
+// its offset from a 16-byte boundary, in dynamic shared memory).
 inline CrossEntropyPlan plan_cross_entropy_forward(long long N, long long V, int64_t elem_size,
-                                                   bool same_phase = false) {
+                                                   bool same_phase = false, bool fused = false) {
+  using namespace kf_cross_entropy;
   CrossEntropyPlan p;
-  const int64_t packs = (V * elem_size + 15) / 16;
-  p.set_layout(CrossEntropyLayout::row);
+  const int64_t bytes = V * elem_size, packs = (bytes + 15) / 16;
   p.vec = same_phase;
   p.grid = static_cast<unsigned>(N);
+  if (fused && same_phase && bytes >= kSmemMinRowBytes && bytes <= kSmemMaxRowBytes) {
+    p.set_layout(CrossEntropyLayout::smem);
+    p.block_x = kSmemThreads;
+    p.smem = packs * 16 + 16;
+    return p;
+  }
+  p.set_layout(CrossEntropyLayout::row);
   p.block_x = static_cast<unsigned>(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, 512));
   return p;
 }
@@ -70,7 +81,9 @@ inline CrossEntropyPlan plan_cross_entropy_backward(long long N, long long V, in
 inline std::string cross_entropy_kernel_name(const CrossEntropyPlan& p, const std::string& which) {
   const std::string v = p.vec ? "true" : "false";
   if (which == "forward") return "cross_entropy_forward_kernel<{T}, false>";
-  if (which == "forward_backward") return "cross_entropy_forward_kernel<{T}, true>";
+  if (which == "forward_backward")
+    return p.layout_id == CrossEntropyLayout::smem ? "cross_entropy_fused_smem_kernel<{T}>"
+                                                   : "cross_entropy_forward_kernel<{T}, true>";
   return "cross_entropy_backward_kernel<{T}, " + v + ">";
 }
 

@@ -197,7 +197,7 @@ py::dict cross_entropy(const Query& q, const std::string& which) {
   require(N <= std::numeric_limits<int>::max(), "cross_entropy", "at most 2^31 - 1 rows");
   const CrossEntropyPlan p =
       which == "backward" ? plan_cross_entropy_backward(N, V, q.elem_size, q.aligned)
-                          : plan_cross_entropy_forward(N, V, q.elem_size, q.aligned);
+                          : plan_cross_entropy_forward(N, V, q.elem_size, q.aligned, which == "forward_backward");
   py::dict d = base(p, cross_entropy_kernel_name(p, which));
   d["vec"] = p.vec;
   if (which == "backward") d["chunks"] = p.chunks, d["chunk_packs"] = p.chunk_packs;
@@ -326,7 +326,7 @@ const std::map<std::string, Entry>& table() {
       {"merge_heads_forward", {names(kPermuteLayouts), [](const Query& q) { return permute(q, "merge_heads_forward", false, 1); }}},
       {"merge_heads_backward", {names(kPermuteLayouts), [](const Query& q) { return permute(q, "merge_heads_backward", true, 1); }}},
       {"cross_entropy_forward", {names(kCrossEntropyForwardLayouts), [](const Query& q) { return cross_entropy(q, "forward"); }}},
-      {"cross_entropy_forward_backward", {names(kCrossEntropyForwardLayouts), [](const Query& q) { return cross_entropy(q, "forward_backward"); }}},
+      {"cross_entropy_forward_backward", {names(kCrossEntropyForwardBackwardLayouts), [](const Query& q) { return cross_entropy(q, "forward_backward"); }}},
       {"cross_entropy_backward", {names(kCrossEntropyBackwardLayouts), [](const Query& q) { return cross_entropy(q, "backward"); }}},
   };
   return t;
