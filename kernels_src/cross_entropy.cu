@@ -130,6 +130,35 @@ KF_DEVICE void zero_row_padding(T* __restrict__ dx, long long V, long long ld, i
   for (long long j = V + threadIdx.x; j < ld; j += threads) dx[j] = from_float<T>(0.0f);
 }
 
+// A row's end of the forward, from each thread's (max, sum-exp): the block's logsumexp (an all -inf
+// row gives S = 0 and lse = -inf, not NaN), its target, and, by thread 0, lse and the row's loss (fp32
+// into row_loss, reduced later, or T into loss_none). `x`: the row's logits (global or shared memory).
+struct CeRow {
+  float lse;
+  long long t;
+  bool ignored, bad;
+};
+template <typename T>
+KF_DEVICE CeRow ce_row_finish(float m, float s, float* scratch, const T* x, const i64* __restrict__ targets,
+                              long long row, long long V, long long ignore_index, float* __restrict__ lse_out,
+                              float* __restrict__ row_loss, T* __restrict__ loss_none) {
+  const float M = block_max(m, scratch);
+  const float Ms = M == -KF_INF ? 0.0f : M;
+  const float S = block_sum(s * __expf(m - Ms), scratch);
+  CeRow r;
+  r.lse = Ms + logf(S);
+  r.t = targets[row];
+  r.ignored = r.t == ignore_index;
+  r.bad = !r.ignored && (r.t < 0 || r.t >= V);
+  if (threadIdx.x == 0) {
+    const float loss = r.ignored ? 0.0f : r.bad ? CE_NAN : r.lse - to_float(x[r.t]);
+    lse_out[row] = r.lse;
+    if (row_loss) row_loss[row] = loss;
+    else loss_none[row] = from_float<T>(loss);
+  }
+  return r;
+}
+
 // Forward, one block per row (rows ld elements apart). Writes lse[row] and the row loss: fp32 into
 // row_loss (reduced later) or T into loss_none. Fused: also writes the gradient row for dloss (grad,
 // grad_stride, n_valid), re-reading the row while it is still in L2 (first pass without the
@@ -148,20 +177,10 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
 
   float m = -KF_INF, s = 0.0f;
   thread_max_sumexp<!Fused>(x, V, m, s);
-  const float M = block_max(m, scratch);
-  const float Ms = M == -KF_INF ? 0.0f : M;  // all -inf row: S = 0 and lse = -inf, not NaN
-  const float S = block_sum(s * __expf(m - Ms), scratch);
-  const float lse = Ms + logf(S);
-
-  const long long t = targets[row];
-  const bool ignored = t == ignore_index;
-  const bool bad = !ignored && (t < 0 || t >= V);
-  if (threadIdx.x == 0) {
-    const float loss = ignored ? 0.0f : bad ? CE_NAN : lse - to_float(x[t]);
-    lse_out[row] = lse;
-    if (row_loss) row_loss[row] = loss;
-    else loss_none[row] = from_float<T>(loss);
-  }
+  const CeRow rr = ce_row_finish(m, s, scratch, x, targets, row, V, ignore_index, lse_out, row_loss, loss_none);
+  const long long t = rr.t;
+  const bool ignored = rr.ignored, bad = rr.bad;
+  const float lse = rr.lse;
   if constexpr (Fused) {
     const float scale = ignored ? 0.0f : row_dloss(grad, grad_stride, n_valid, row);
     T* dx = dlogits + row * ld;
@@ -225,20 +244,10 @@ __global__ void __launch_bounds__(kf_cross_entropy::kSmemThreads)
     online_rescale(v, m, s);
     s += __expf(v - (m == -KF_INF ? 0.0f : m));
   }
-  const float M = block_max(m, scratch);
-  const float Ms = M == -KF_INF ? 0.0f : M;  // all -inf row: S = 0 and lse = -inf, not NaN
-  const float S = block_sum(s * __expf(m - Ms), scratch);
-  const float lse = Ms + logf(S);
-
-  const long long t = targets[row];
-  const bool ignored = t == ignore_index;
-  const bool bad = !ignored && (t < 0 || t >= V);
-  if (threadIdx.x == 0) {
-    const float loss = ignored ? 0.0f : bad ? CE_NAN : lse - to_float(srow[t]);
-    lse_out[row] = lse;
-    if (row_loss) row_loss[row] = loss;
-    else loss_none[row] = from_float<T>(loss);
-  }
+  const CeRow rr = ce_row_finish(m, s, scratch, srow, targets, row, V, ignore_index, lse_out, row_loss, loss_none);
+  const long long t = rr.t;
+  const bool ignored = rr.ignored, bad = rr.bad;
+  const float lse = rr.lse;
   // Ignored rows: exact zeros (a NaN logit there does not leak); out-of-range targets: NaN rows.
   const float scale = ignored ? 0.0f : row_dloss(grad, grad_stride, n_valid, row);
   const float L = bad ? CE_NAN : lse;
