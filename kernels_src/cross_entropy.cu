@@ -62,27 +62,31 @@ KF_DEVICE void online_rescale(float new_max, float& m, float& s) {
   }
 }
 
+// (m, s) updated by one pack of a row, and by one element.
+template <typename Pack>
+KF_DEVICE void pack_max_sumexp(const Pack& a, float& m, float& s) {
+  float pm = a.f(0);
+#pragma unroll
+  for (int k = 1; k < Pack::size; ++k) pm = fmaxf(pm, a.f(k));
+  online_rescale(pm, m, s);
+  const float ms = m == -KF_INF ? 0.0f : m;
+#pragma unroll
+  for (int k = 0; k < Pack::size; ++k) s += __expf(a.f(k) - ms);
+}
+KF_DEVICE void scalar_max_sumexp(float v, float& m, float& s) {
+  online_rescale(v, m, s);
+  s += __expf(v - (m == -KF_INF ? 0.0f : m));
+}
+
 // One thread's (max, sum-exp) over its share of row x.
 template <bool Stream, typename T>
 KF_DEVICE void thread_max_sumexp(const T* __restrict__ x, long long V, float& m, float& s) {
-  constexpr int P = Pack128<T>::size;
   const RowSplit<long long> r = split_row(x, V);
-  for_each_pack<Stream>(x + r.head, r.npk, [&](const Pack128<T>& a, long long) {
-    float pm = a.f(0);
-#pragma unroll
-    for (int k = 1; k < P; ++k) pm = fmaxf(pm, a.f(k));
-    online_rescale(pm, m, s);
-    const float ms = m == -KF_INF ? 0.0f : m;
-#pragma unroll
-    for (int k = 0; k < P; ++k) s += __expf(a.f(k) - ms);
-  });
+  for_each_pack<Stream>(x + r.head, r.npk, [&](const Pack128<T>& a, long long) { pack_max_sumexp(a, m, s); });
   // Head and tail hold fewer than 2 * P elements: at most one each for the first threads.
   const long long nscalar = r.head + r.tail;
-  for (long long j = threadIdx.x; j < nscalar; j += blockDim.x) {
-    const float v = to_float(x[j < r.head ? j : (V - r.tail) + (j - r.head)]);
-    online_rescale(v, m, s);
-    s += __expf(v - (m == -KF_INF ? 0.0f : m));
-  }
+  for (long long j = threadIdx.x; j < nscalar; j += blockDim.x)
+    scalar_max_sumexp(to_float(x[j < r.head ? j : (V - r.tail) + (j - r.head)]), m, s);
 }
 
 // Writes one gradient row dx = (exp(x - L) - onehot(t)) * scale, or zeros when `zero`.
@@ -229,21 +233,8 @@ __global__ void __launch_bounds__(kf_cross_entropy::kSmemThreads)
   __syncthreads();  // every thread's copies (and the scalars' stores) seen by all
 
   float m = -KF_INF, s = 0.0f;
-  for (int p = threadIdx.x; p < npk; p += blockDim.x) {
-    const auto a = lds16<T>(spk + (u32)p * 16u);
-    float pm = a.f(0);
-#pragma unroll
-    for (int k = 1; k < P; ++k) pm = fmaxf(pm, a.f(k));
-    online_rescale(pm, m, s);
-    const float ms = m == -KF_INF ? 0.0f : m;
-#pragma unroll
-    for (int k = 0; k < P; ++k) s += __expf(a.f(k) - ms);
-  }
-  if (has_sc) {
-    const float v = to_float(srow[sc]);
-    online_rescale(v, m, s);
-    s += __expf(v - (m == -KF_INF ? 0.0f : m));
-  }
+  for (int p = threadIdx.x; p < npk; p += blockDim.x) pack_max_sumexp(lds16<T>(spk + (u32)p * 16u), m, s);
+  if (has_sc) scalar_max_sumexp(to_float(srow[sc]), m, s);
   const CeRow rr = ce_row_finish(m, s, scratch, srow, targets, row, V, ignore_index, lse_out, row_loss, loss_none);
   const long long t = rr.t;
   const bool ignored = rr.ignored, bad = rr.bad;
