@@ -899,7 +899,8 @@ def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, t
 # V 128 fp32 / 256 16-bit), 512 threads (512 packs: V 2048 / 4096), backward rows of one chunk or more
 # (1024 packs: V 4096 / 8192), and small odd ones; views read in place (row-strided), copied
 # (transposed) or element-wise (misaligned).
-_CE_V = st.one_of(st.integers(1, 40), st.sampled_from([128, 256, 2048, 4096, 8192]).flatmap(lambda e: st.integers(e - 3, e + 3)))
+_CE_V = st.one_of(st.integers(1, 40),
+                  st.sampled_from([128, 256, 2048, 4096, 8192, 32000]).flatmap(lambda e: st.integers(e - 3, e + 3)))
 
 
 @gpu
