@@ -183,6 +183,9 @@ def _gemm_census(trace) -> Counter:
     # backward's matmuls; the tied lm_head (97 outputs: not padded)
     ("hf_gpt2", dict(dtype=torch.bfloat16, autocast=False),
      {"kforge_gemm_addmm", "kforge_gemm_addmm_views", "views", "kforge_gemm_linear"}),
+    # autocast: every addmm takes the view of its result; the fp32 weights' gradients widened
+    ("hf_gpt2", dict(dtype=torch.bfloat16, autocast=True),
+     {"kforge_gemm_addmm_views", "views", "views: widen", "kforge_gemm_linear"}),
 ])
 def test_every_gemm_of_a_fake_gpu_trace_is_rewritten(monkeypatch, model, setup, expect):
     import importlib

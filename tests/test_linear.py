@@ -571,7 +571,9 @@ def test_hf_gpt2_matches_eager(autocast):
         ref = ref_model(**inputs).loss
     loss.backward()
     ref.backward()
-    assert "kforge_gemm_addmm" in symbol_names(thunder.last_traces(jm)[-1])  # kforge_addmm_forward on a plan
+    names = symbol_names(thunder.last_traces(jm)[-1])
+    # Conv1D's addmm on a plan, its result's view folded in where one follows (every one under autocast)
+    assert names & {"kforge_gemm_addmm", "kforge_gemm_addmm_views"} and "addmm" not in names, names
     assert_close(loss, ref, torch.bfloat16, "loss", tol=2 * conftest.REL_TOL[torch.bfloat16])
     for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
         # bf16 rounding differs between the two programs: compare against the gradient's own scale.
