@@ -10,7 +10,7 @@
 #   SANITIZE_TIMEOUT=900 scripts/sanitize.sh                      # seconds per run (default 1200)
 #   JOBS=8 scripts/sanitize.sh                                     # runs at once (default 1)
 #   PYTEST_ARGS="-v" scripts/sanitize.sh                           # names each test before it runs
-#   PARTS=2 JOBS=2 SELECTIONS=rmsnorm scripts/sanitize.sh          # each selection (cover too) as 2 runs
+#   PARTS=2 JOBS=2 SELECTIONS=rmsnorm scripts/sanitize.sh          # each selection (cover, race too) as 2 runs
 #   SUMMARY_ONLY=1 OUT=dir scripts/sanitize.sh                     # summarise dir/sanitize/*.log again
 #
 # Writes $OUT/sanitize/<tool>-<selection>-dl<0|1>.log (compute-sanitizer and pytest output), and the
@@ -132,11 +132,20 @@ start() {  # run_one in the background, at most JOBS at once
   run_one "$@" &
 }
 
+start_parts() {  # tool, selection name, pytest args, dl: as PARTS runs when PARTS > 1
+  local tool=$1 name=$2 args=$3 dl=$4
+  if [ "$PARTS" -gt 1 ]; then
+    for ((p = 1; p <= PARTS; p++)); do start "$tool" "${name}_p${p}of$PARTS" "$args --shard $p/$PARTS" "$dl"; done
+  else
+    start "$tool" "$name" "$args" "$dl"
+  fi
+}
+
 if [ "$SUMMARY_ONLY" != 1 ]; then
   for tool in $TOOLS; do
     for dl in $DL; do
       if [ "$tool" = racecheck ]; then
-        for name in "${!RACE_SEL[@]}"; do start "$tool" "$name" "${RACE_SEL[$name]}" "$dl"; done
+        for name in "${!RACE_SEL[@]}"; do start_parts "$tool" "$name" "${RACE_SEL[$name]}" "$dl"; done
       else
         for name in $SELECTIONS; do
           if [ "$name" = cover ]; then
@@ -146,13 +155,7 @@ if [ "$SUMMARY_ONLY" != 1 ]; then
             [ -n "${SEL[$name]:-}" ] || { echo "unknown selection $name"; continue; }
             args=${SEL[$name]}
           fi
-          if [ "$PARTS" -gt 1 ]; then
-            for ((p = 1; p <= PARTS; p++)); do
-              start "$tool" "${name}_p${p}of$PARTS" "$args --shard $p/$PARTS" "$dl"
-            done
-          else
-            start "$tool" "$name" "$args" "$dl"
-          fi
+          start_parts "$tool" "$name" "$args" "$dl"
         done
       fi
     done

@@ -144,21 +144,25 @@ def test_jobs_capped_by_gpu_memory(tmp_path):
 
 
 def test_parts_split_a_selection_into_disjoint_shards(tmp_path):
-    """PARTS=N runs a selection, `cover` included, as N pytest shards: together they hold exactly the
-    whole selection's tests, none twice."""
+    """PARTS=N runs a selection, `cover` and racecheck's included, as N pytest shards: together they
+    hold exactly the whole selection's tests, none twice."""
+    # a stand-in for compute-sanitizer that runs the command after its options
+    fake = tmp_path / "sanitizer"
+    fake.write_text('#!/bin/sh\nwhile [ "$1" != python3 ]; do shift; done\nexec "$@"\n')
+    fake.chmod(0o755)
 
-    def collected(selection: str, parts: int, **env_extra: str) -> dict[str, list[str]]:
-        out = tmp_path / f"{selection}{parts}"
-        env = dict(os.environ, OUT=str(out), TOOLS="none", SELECTIONS=selection, DL="1", PARTS=str(parts),
-                   JOBS=str(parts), PYTEST_ARGS="--collect-only", **env_extra)
+    def collected(selection: str, parts: int, tool: str = "none", **env_extra: str) -> dict[str, list[str]]:
+        out = tmp_path / f"{tool}{selection}{parts}"
+        env = dict(os.environ, OUT=str(out), TOOLS=tool, SELECTIONS=selection, DL="1", PARTS=str(parts),
+                   JOBS=str(parts), PYTEST_ARGS="--collect-only", SANITIZER=str(fake), **env_extra)
         r = subprocess.run(["bash", "scripts/sanitize.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 0, r.stdout + r.stderr
-        logs = sorted((out / "sanitize").glob(f"none-{selection}*-dl1.log"))
+        logs = sorted((out / "sanitize").glob(f"{tool}-{selection}*-dl1.log"))
         return {p.name: [l for l in p.read_text().splitlines() if l.startswith("tests/")] for p in logs}
 
-    def check(selection: str, whole: list[str], parts: dict[str, list[str]]) -> None:
-        assert list(parts) == [f"none-{selection}_p{i}of3-dl1.log" for i in (1, 2, 3)], list(parts)
+    def check(selection: str, whole: list[str], parts: dict[str, list[str]], tool: str = "none") -> None:
+        assert list(parts) == [f"{tool}-{selection}_p{i}of3-dl1.log" for i in (1, 2, 3)], list(parts)
         ids = [i for p in parts.values() for i in p]
         assert all(parts.values()), parts
         assert len(ids) == len(set(ids)) and sorted(ids) == sorted(whole)
@@ -170,3 +174,8 @@ def test_parts_split_a_selection_into_disjoint_shards(tmp_path):
     cover = tmp_path / "cover.txt"
     cover.write_text("\n".join(whole[::2]) + "\n")
     check("cover", whole[::2], collected("cover", 3, COVER=str(cover)))
+    # racecheck's selections (the slowest tool) split the same way
+    race = {k: v for k, v in collected("race", 1, tool="racecheck").items() if "nonfinite" not in k}
+    assert list(race) == ["racecheck-race-dl1.log"] and len(race["racecheck-race-dl1.log"]) > 10, race
+    parts = {k: v for k, v in collected("race", 3, tool="racecheck").items() if "nonfinite" not in k}
+    check("race", race["racecheck-race-dl1.log"], parts, tool="racecheck")
