@@ -19,10 +19,10 @@
 //
 // Liger / llm.c fuse the gradient into the forward pass: `Fused` below re-reads the row hoping for L2,
 // and cross_entropy_fused_smem_kernel keeps rows of 16 .. 112 KB in shared memory (one read and one
-// write of the logits' bytes). That only pays when dloss is known before the forward runs; under
-// Thunder's grad transform it is not, and scaling a saved unit-gradient later costs the same
-// read+write pass as the backward kernel unless the scale goes into what reads the gradient (the
-// lm_head's GEMMs), so the executor uses forward + backward and the fused kernels are a launcher only.
+// write of the logits' bytes). dloss is not known when Thunder's forward runs: the executor's fused
+// path (opt-in, KFORGE_CE_FUSED=1) writes the gradient for dloss = 1 there, and the backward scales
+// it in place by the real dloss (cross_entropy_rescale_kernel), which costs only a launch when dloss
+// is 1, as loss.backward() makes it; otherwise the same read + write pass as the backward kernel.
 #include "common.cuh"
 #include "launch_params.cuh"
 
@@ -118,12 +118,13 @@ KF_DEVICE void write_row_grad(const T* __restrict__ x, T* __restrict__ dx, long 
   }
 }
 
-// dloss of one row: g (per row for reduction "none", grad_stride 1; else a scalar, stride 0),
-// divided by the device-side count of non-ignored targets for "mean" (n_valid != nullptr).
+// dloss of one row: g (per row for reduction "none", grad_stride 1; else a scalar, stride 0; 1 when
+// grad is null: the unit gradient), divided by the device-side count of non-ignored targets for
+// "mean" (n_valid != nullptr).
 template <typename T>
 KF_DEVICE float row_dloss(const T* __restrict__ grad, long long grad_stride,
                           const float* __restrict__ n_valid, long long row) {
-  float g = to_float(grad[row * grad_stride]);
+  float g = grad ? to_float(grad[row * grad_stride]) : 1.0f;
   return n_valid ? g / *n_valid : g;
 }
 
@@ -256,6 +257,47 @@ __global__ void __launch_bounds__(kf_cross_entropy::kSmemThreads)
   if (has_sc)
     dx[sc] = from_float<T>(ignored ? 0.0f : (__expf(to_float(srow[sc]) - L) - (sc == t ? 1.0f : 0.0f)) * scale);
   zero_row_padding(dx, V, ld, blockDim.x);
+}
+
+// ---- the unit gradient, scaled in the backward --------------------------------------------------
+// The executor's fused path (kforge/ops/cross_entropy.py) writes the gradient for dloss = 1 in the
+// forward (the kernels above with grad = null) and scales it here, in place, by the loss gradient g
+// that the backward receives. A row whose g is 1 is left as it is, and every block reads g before
+// anything else: for loss.backward() (g = 1, a scalar) the launch returns at once instead of making
+// the read + write pass of the separate backward kernel. Other g (gradient accumulation's 1 / steps,
+// a loss scale) cost that pass, one more rounding of each element than the separate kernel's.
+// Zeros stay exact zeros (ignored rows; 0 * inf would be NaN where the separate kernel writes 0); NaN
+// rows stay NaN. The padding columns [V, ld) are not touched (zeros already). Rows ld elements apart,
+// grid-stride over rows; 16-byte packs in a row's aligned middle, its head and tail element-wise.
+template <typename T>
+__global__ void cross_entropy_rescale_kernel(T* __restrict__ dlogits, const T* __restrict__ grad,
+                                             long long grad_stride, long long N, long long V, long long ld) {
+  kf_wait_prior_grids();
+  constexpr int P = Pack128<T>::size;
+  for (long long row = blockIdx.x; row < N; row += gridDim.x) {
+    const float g = to_float(grad[row * grad_stride]);
+    if (g == 1.0f) {
+      if (grad_stride == 0) return;  // one g for every row
+      continue;
+    }
+    T* dx = dlogits + row * ld;
+    const RowSplit<long long> r = split_row(dx, V);
+    for (long long p = threadIdx.x; p < r.npk; p += blockDim.x) {
+      Pack128<T> a = load128(dx + r.head + p * P);
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        const float v = a.f(k);
+        a.set(k, v == 0.0f ? 0.0f : v * g);
+      }
+      store128(dx + r.head + p * P, a);
+    }
+    const long long nscalar = r.head + r.tail;
+    for (long long j = threadIdx.x; j < nscalar; j += blockDim.x) {
+      const long long c = j < r.head ? j : (V - r.tail) + (j - r.head);
+      const float v = to_float(dx[c]);
+      dx[c] = from_float<T>(v == 0.0f ? 0.0f : v * g);
+    }
+  }
 }
 
 // ---- backward: a streaming elementwise kernel ------------------------------------------------------

@@ -48,6 +48,8 @@ def _launcher_calls(dev: str) -> dict:
         "cross_entropy_forward": lambda: C.cross_entropy_forward(x, t),
         "cross_entropy_backward": lambda: C.cross_entropy_backward(s, x, t, f, s),
         "cross_entropy_forward_backward": lambda: C.cross_entropy_forward_backward(x, t, s),
+        "cross_entropy_forward_unit_grad": lambda: C.cross_entropy_forward_unit_grad(x, t),
+        "cross_entropy_rescale": lambda: C.cross_entropy_rescale(x, s),
         "gelu_forward": lambda: C.gelu_forward(x),
         "gelu_backward": lambda: C.gelu_backward(x, x),
         "repeat_kv_forward": lambda: C.repeat_kv_forward(h, 2),

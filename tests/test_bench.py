@@ -619,6 +619,27 @@ def test_tune_backends_switch_gemm_tuning_per_step(monkeypatch):
         real(was)
 
 
+def test_cefused_backend_traces_with_its_environment(monkeypatch):
+    """kforge+cefused (asked for by name): built and first called with KFORGE_CE_FUSED=1, the
+    environment restored afterwards; the plain kforge row traces without it."""
+    assert "kforge+cefused" not in models.DEFAULT_BACKENDS
+    monkeypatch.delenv("KFORGE_CE_FUSED", raising=False)
+    seen: dict[str, str | None] = {}
+    real = models.wrap
+
+    def wrap(backend, *args, **kwargs):
+        seen[backend] = os.environ.get("KFORGE_CE_FUSED")
+        return real(backend, *args, **kwargs)
+
+    monkeypatch.setattr(models, "wrap", wrap)
+    rows = models.bench_models(models.resolve(_args(dry=True, names=["plain-llama"], setup="bf16",
+                                                    backends="kforge,kforge+cefused")))["rows"]
+    assert [r["backend"] for r in rows] == ["kforge", "kforge+cefused"]
+    assert all(r.get("error") is None and math.isfinite(r["final_loss"]) for r in rows), rows
+    assert seen == {"kforge": None, "kforge+cefused": "1"}, seen
+    assert "KFORGE_CE_FUSED" not in os.environ
+
+
 def test_gemm_backends_switch_the_plans_on_and_off(monkeypatch):
     """kforge+gemm / kforge-gemm (asked for by name, not defaults): kforge.jit(gemm=True / False), rows of
     their own whatever KFORGE_GEMM says; plain kforge follows KFORGE_GEMM (on by default)."""

@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kforge
-from conftest import DTYPES, assert_close, gpu, proxy, randn, swap_launchers
+from conftest import DTYPES, REL_TOL, assert_close, gpu, proxy, randn, swap_launchers
 
 _C = kforge._C
 REDUCTIONS = ["mean", "sum", "none"]
@@ -938,3 +938,244 @@ def test_property_matches_float64(n, v, dtype, reduction, ignore_index, view, se
     fused_loss, fused_dx = _C.cross_entropy_forward_backward(x, t, g, ignore_index, reduction)
     assert_close(fused_loss, ref_loss, dtype, "fused loss")
     assert_close(fused_dx, ref_dx, dtype, "fused dlogits")
+
+
+# ---- the fused path (KFORGE_CE_FUSED): the unit gradient in the forward, scaled in the backward --------
+def _torch_unit_grad(x, t, ignore_index, reduction):
+    """CPU stand-in for _C.cross_entropy_forward_unit_grad."""
+    loss, lse, n_valid = _torch_forward(x, t, ignore_index, reduction)
+    one = torch.ones((), dtype=x.dtype)
+    return loss, lse, n_valid, _torch_backward(one, x, t, lse, n_valid, ignore_index, reduction)
+
+
+def _torch_rescale(d, g, reduction):
+    """CPU stand-in for _C.cross_entropy_rescale: in place, rows whose g is 1 untouched, zeros kept."""
+    scale = g.float().expand(d.shape[0])[:, None]
+    d.copy_(torch.where((scale == 1) | (d == 0), d.float(), d.float() * scale).to(d.dtype))
+    return d
+
+
+def _fused_symbols(jf) -> tuple[str, str]:
+    import thunder
+
+    return str(thunder.last_traces(jf)[-1]), str(thunder.last_backward_traces(jf)[-1])
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("upcast", [False, True], ids=["plain", "upcast"])
+def test_fused_path_wiring_on_cpu_with_stand_in_launchers(monkeypatch, reduction, upcast):
+    """KFORGE_CE_FUSED=1, rows in the shared-memory kernel's range: the forward takes the unit-gradient
+    operator and the backward only scales its saved gradient (no backward kernel, logits not saved for
+    it); loss and dlogits match float64 for a loss gradient of 1 and of another value. Reduction
+    "none" (a gradient per row) keeps forward + backward. Launchers replaced by torch stand-ins."""
+    import thunder
+
+    import kforge.ops.cross_entropy as ce
+
+    monkeypatch.setenv("KFORGE_CE_FUSED", "1")
+    unit = ce.cross_entropy_f32_forward_unit_grad if upcast else ce.cross_entropy_forward_unit_grad
+
+    def unit_f32(x, t, ignore_index, reduction):
+        _, lse, n_valid, d = _torch_unit_grad(x, t, ignore_index, reduction)
+        return ce.fp32_loss(x, t, lse, n_valid, ignore_index, reduction), lse, n_valid, d
+
+    def forward_f32(x, t, ignore_index, reduction):
+        _, lse, n_valid = _torch_forward(x, t, ignore_index, reduction)
+        return ce.fp32_loss(x, t, lse, n_valid, ignore_index, reduction), lse, n_valid
+
+    swap_launchers(monkeypatch, ce, {unit: unit_f32 if upcast else _torch_unit_grad,
+                                     ce.cross_entropy_rescale: _torch_rescale,
+                                     ce.cross_entropy_forward: _torch_forward,
+                                     ce.cross_entropy_f32_forward: forward_f32,
+                                     ce.cross_entropy_backward: _torch_backward})
+    v = 8200  # bf16 rows of 16.4 KB, fp32 of 32.8 KB: the shared-memory kernel's range
+    dtype = torch.bfloat16 if upcast else torch.float32
+    assert _C.plan("cross_entropy_forward_backward", [10, v], dtype)["layout"] == "smem"
+
+    def fn(logits, targets):
+        if upcast:
+            return ce.cross_entropy_upcast(logits.view(-1, v), targets.view(-1), ignore_index=-1, reduction=reduction)
+        return gpt2_loss(logits, targets, reduction)
+
+    for g_kind in ("one", "other"):
+        logits = randn(2, 5, v, device="cpu", dtype=dtype, scale=2.0, seed=3).requires_grad_(True)
+        targets = make_targets(10, v, -1, 3, device="cpu").view(2, 5)
+        jf = thunder.jit(fn, executors=[kforge.executor])
+        loss = jf(logits, targets)
+        g = torch.ones(loss.shape) if g_kind == "one" else torch.rand(loss.shape) + 0.5
+        loss.backward(g)
+        fwd, bwd = _fused_symbols(jf)
+        if reduction == "none":
+            assert "unit_grad" not in fwd and "kforge_cross_entropy_backward" in bwd, (fwd, bwd)
+        else:
+            assert f"kforge_{unit.name.removeprefix('kforge_')}" in fwd, fwd
+            assert "kforge_cross_entropy_rescale" in bwd and "kforge_cross_entropy_backward" not in bwd, bwd
+            # the backward reads the saved unit gradient, not the logits
+            bt = thunder.last_backward_traces(jf)[-1]
+            rescale = next(b for b in bt.bound_symbols if b.sym.name == "kforge_cross_entropy_rescale")
+            saved = bt.args[0][0]  # backward_fn(saved_for_backward, cotangents): its tensors
+            assert [p.name for p in saved if getattr(p, "shape", None) == (10, v)] == [rescale.args[0].name], bt
+            # kforge.inspect shows the fused launcher's plan for it
+            from collections import Counter
+
+            from kforge.inspect import call_layouts
+
+            assert call_layouts([thunder.last_traces(jf)[-1]]) == {unit.name: Counter({"smem": 1})}
+        ref = logits.detach().double().requires_grad_(True)
+        ref_loss = (upcast_loss if upcast else gpt2_loss)(ref, targets, reduction)
+        ref_loss.backward(g.double())
+        assert_close(loss.detach(), ref_loss.detach(), torch.float32, f"loss ({g_kind})")
+        assert logits.grad.dtype == dtype
+        assert_close(logits.grad, ref.grad, dtype, f"dlogits ({g_kind})", tol=2 * 8e-3 if upcast else None)
+
+
+def test_fused_path_only_where_it_pays(monkeypatch, trace_ctx):
+    """fused_path: off unless KFORGE_CE_FUSED; never for reduction "none"; only for rows the
+    shared-memory kernel takes (fp32 50257-class rows, 196 KB, and 97-class rows are left apart)."""
+    from thunder.core import dtypes
+
+    from kforge.ops.cross_entropy import fused_path
+
+    def logits(v: int, dt=dtypes.bfloat16):
+        return proxy((8192, v), dtype=dt)
+
+    monkeypatch.delenv("KFORGE_CE_FUSED", raising=False)
+    assert not fused_path(logits(32000), "mean")
+    monkeypatch.setenv("KFORGE_CE_FUSED", "1")
+    assert fused_path(logits(32000), "mean") and fused_path(logits(50304), "sum") and fused_path(logits(50257), "mean")
+    assert not fused_path(logits(32000), "none")
+    assert not fused_path(logits(97), "mean") and not fused_path(logits(50257, dtypes.float32), "mean")
+    monkeypatch.setenv("KFORGE_CE_FUSED", "0")
+    assert not fused_path(logits(32000), "mean")
+
+
+@gpu
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("n,v,ld", [(67, 8193, 8193), (5, 16383, 16400), (9, 50257, 50304), (37, 300, 300)])
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
+def test_unit_gradient_and_rescale(dtype, n, v, ld, reduction):
+    """cross_entropy_forward_unit_grad: loss, lse and n_valid as the forward's, dlogits for a loss
+    gradient of 1 (bit for bit the fused launcher's with g = 1). cross_entropy_rescale in place:
+    g = 1 leaves every bit, another g matches float64 (one more rounding), an infinite g keeps the
+    ignored rows' exact zeros, the padding stays zero; the register kernel's rows (300) too."""
+    seed = n + v
+    x = randn(n * ld, dtype=dtype, scale=2.0, seed=seed).view(n, ld)[:, :v]
+    t = make_targets(n, v, -100, seed)
+    t[1] = -100
+    loss, lse, n_valid, d = _C.cross_entropy_forward_unit_grad(x, t, -100, reduction)
+    f_loss, f_lse, f_nv = _C.cross_entropy_forward(x, t, -100, reduction)
+    assert_close(loss, f_loss, dtype, "loss")
+    assert_close(lse, f_lse, torch.float32, "lse")
+    assert torch.equal(n_valid, f_nv)
+    one = torch.ones((n,) if reduction == "none" else (), dtype=dtype, device="cuda")
+    _, d_fused = _C.cross_entropy_forward_backward(x, t, one, -100, reduction)
+    assert torch.equal(d, d_fused), "the unit gradient is the fused launcher's for g = 1"
+    assert d.stride(0) == ld
+    unit = d.clone()
+    assert _C.cross_entropy_rescale(d, one, reduction) is d and torch.equal(d, unit), "g = 1 changes nothing"
+    g = make_grad(reduction, n, dtype, seed)
+    if reduction == "none":
+        g[2] = 1  # a row left as it is
+    _C.cross_entropy_rescale(d, g, reduction)
+    _, _, ref_dx = reference(x, t, g, -100, reduction)
+    assert_close(d, ref_dx, dtype, "rescaled dlogits", tol=3 * REL_TOL[dtype])  # two roundings
+    if reduction == "none":
+        assert torch.equal(d[2], unit[2])
+    assert (d[1] == 0).all(), "an ignored row stays exactly zero"
+    if ld > v:
+        assert (d.as_strided((n, ld - v), (ld, 1), d.storage_offset() + v) == 0).all()
+    inf = torch.full_like(one, float("inf"))
+    _C.cross_entropy_rescale(unit, inf, reduction)
+    assert (unit[1] == 0).all() and torch.isinf(unit[0]).any()
+
+
+@gpu
+def test_rescale_skips_the_pass_for_a_unit_loss_gradient():
+    """A loss gradient of 1 (loss.backward()) reads no dlogits: a buffer whose values would change
+    under any scale keeps its bits, NaN poison included, and under CUDA graph capture the launch
+    replays with the gradient read at replay time."""
+    n, v = 64, 32000
+    d = randn(n, v, dtype=torch.bfloat16, seed=5)
+    d[3, 7] = float("nan")
+    keep = d.clone()
+    g = torch.ones((), dtype=torch.bfloat16, device="cuda")
+    _C.cross_entropy_rescale(d, g, "mean")
+    assert torch.equal(d[~torch.isnan(d)], keep[~torch.isnan(keep)]) and torch.isnan(d[3, 7])
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _C.cross_entropy_rescale(d, g, "mean")  # warm (compiled, g = 1: nothing)
+        with torch.cuda.graph(graph, stream=s):
+            _C.cross_entropy_rescale(d, g, "mean")
+    torch.cuda.current_stream().wait_stream(s)
+    g.fill_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    fin = ~torch.isnan(keep)
+    assert torch.equal(d[fin], (keep.float() * 0.5).to(torch.bfloat16)[fin])
+
+
+@gpu
+@pytest.mark.parametrize("upcast", [False, True], ids=["plain", "upcast"])
+@pytest.mark.parametrize("scale", [None, 0.25], ids=["backward()", "loss*0.25"])
+def test_fused_path_under_thunder_matches_float64(monkeypatch, upcast, scale):
+    """KFORGE_CE_FUSED=1 under kforge.transforms.jit: GPT-2's loss line (and nanoGPT's upcast one) on
+    padded-width logits from a linear: the traces take the fused path, loss and every gradient match
+    float64, for loss.backward() and for a scaled loss (gradient accumulation's 1 / steps)."""
+    import kforge.transforms as kt
+
+    monkeypatch.setenv("KFORGE_CE_FUSED", "1")
+    b, tt, c, v = 2, 37, 64, 50257
+    x = randn(b, tt, c, dtype=torch.bfloat16, seed=11).requires_grad_(True)
+    w = randn(v, c, dtype=torch.bfloat16, scale=0.2, seed=12).requires_grad_(True)
+    targets = make_targets(b * tt, v, -1, 11).view(b, tt)
+
+    def fn(x, w, targets):
+        logits = F.linear(x, w)
+        loss = upcast_loss(logits, targets) if upcast else gpt2_loss(logits, targets)
+        return loss if scale is None else loss * scale
+
+    jf = kt.jit(fn)
+    loss = jf(x, w, targets)
+    loss.backward()
+    fwd, bwd = _fused_symbols(jf)
+    assert "unit_grad" in fwd and "kforge_cross_entropy_rescale" in bwd, (fwd, bwd)
+    assert "kforge_cross_entropy_backward" not in bwd, bwd
+    xr, wr = (a.detach().double().requires_grad_(True) for a in (x, w))
+    ref = fn(xr, wr, targets)  # eager, float64
+    ref.backward()
+    assert_close(loss, ref, torch.float32 if upcast else torch.bfloat16, "loss", tol=2e-2)
+    for got, want, name in ((x.grad, xr.grad, "dx"), (w.grad, wr.grad, "dw")):
+        scale_ = want.abs().max().item()
+        err = (got.double() - want).abs().max().item()
+        assert err <= 0.03 * scale_, f"{name}: max error {err:.3g} against scale {scale_:.3g}"
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+@pytest.mark.parametrize("model", ["nanogpt", "plain_llama", "hf_gpt2", "hf_llama"])
+def test_fused_path_in_users_models_as_on_a_gpu(monkeypatch, model, autocast):
+    """KFORGE_CE_FUSED=1 through kforge.jit / kforge.compile, traced as on a GPU with a vocabulary in
+    the shared-memory kernel's range: every users' model's loss takes the unit-gradient forward (the
+    upcast one where the model upcasts its logits), its backward scales that gradient and hands it to
+    the lm_head's GEMMs; no backward kernel."""
+    import importlib
+
+    from conftest import fake_cuda_trace
+
+    monkeypatch.setenv("KFORGE_CE_FUSED", "1")
+    mod = importlib.import_module(f"kforge.zoo.{model}")
+    monkeypatch.setitem(mod.SIZES, "micro", dict(mod.SIZES["micro"], vocab_size=8200))
+    ft = fake_cuda_trace(mod.make, jit=lambda f: kforge.jit(f, trace_cache=False), size="micro", batch=2, seq=16,
+                         dtype=torch.bfloat16, autocast=autocast)
+    fwd = [b.sym.name for b in ft.forward.bound_symbols]
+    bwd = ft.backward.bound_symbols
+    assert sum("forward_unit_grad" in n for n in fwd) == 1 and not any(n.endswith("cross_entropy_forward") for n in fwd), fwd
+    names = [b.sym.name for b in bwd]
+    assert "kforge_cross_entropy_rescale" in names and "kforge_cross_entropy_backward" not in names, names
+    rescaled = next(b for b in bwd if b.sym.name == "kforge_cross_entropy_rescale").output.name
+    # read by the lm_head's GEMMs, through a view, or through the region that adds the zero-aware
+    # cotangent of returned logits (a view at run time: kforge.fusion.zero_cotangents)
+    readers = [b.sym.name for b in bwd if any(getattr(a, "name", None) == rescaled for a in b.flat_proxy_args)
+               and b.sym.name != "python_del"]
+    assert readers and all(n.startswith(("kforge_gemm", "kforgeFusion", "torch_prims_reshape")) for n in readers), readers

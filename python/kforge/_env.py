@@ -10,6 +10,7 @@
     KFORGE_TRACE_CACHE       boolean, default on: kforge.jit / kforge.compile keep Thunder's compiled programs on disk
     KFORGE_GEMM              boolean, default on: GEMMs on kforge's cached cuBLASLt plans (kforge.ops.gemm)
     KFORGE_GEMM_TUNE         boolean, default on: time cuBLASLt's candidate kernels per GEMM shape, keep the fastest
+    KFORGE_CE_FUSED          boolean, default off: cross-entropy's gradient written in the forward, scaled in the backward
     KFORGE_COMMIT            commit recorded by kforge.bench where the checkout has no .git
 
 Booleans: "1", "true", "on", "yes" mean on and "0", "false", "off", "no" mean off, in any case and
@@ -52,6 +53,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("KFORGE_TRACE_CACHE", "flag", True, "kforge.jit / kforge.compile keep Thunder's compiled programs on disk (kforge.trace_cache)"),
     Knob("KFORGE_GEMM", "flag", True, "the traces' GEMMs called on kforge's cached cuBLASLt plans (kforge.ops.gemm)"),
     Knob("KFORGE_GEMM_TUNE", "flag", True, "time cuBLASLt's candidate kernels per GEMM shape once and keep the fastest"),
+    Knob("KFORGE_CE_FUSED", "flag", False, "cross-entropy's unit gradient written by the forward kernel (one read of "
+         "the logits), scaled by the loss gradient in the backward (kforge.ops.cross_entropy)"),
     Knob("KFORGE_COMMIT", "text", None, "commit that kforge.bench records"),
 )}
 

@@ -199,7 +199,9 @@ def _device_limits() -> dict:
 # Operators whose launcher call is another launcher's plan with options (_plan_query).
 _PLANNED_AS = {"add_rmsnorm_backward": "rmsnorm_backward", "rmsnorm_backward_copy": "rmsnorm_backward",
                "rmsnorm_backward_sum": "rmsnorm_backward",
-               "layernorm_backward_copy": "layernorm_backward", "add_layernorm_forward": "layernorm_forward"}
+               "layernorm_backward_copy": "layernorm_backward", "add_layernorm_forward": "layernorm_forward",
+               "cross_entropy_forward_unit_grad": "cross_entropy_forward_backward",
+               "cross_entropy_f32_forward_unit_grad": "cross_entropy_forward_backward"}
 
 
 def call_layouts(traces: list) -> dict[str, Counter]:

@@ -22,6 +22,7 @@ Kernel fused_smem(prog, "cross_entropy_fused_smem_kernel<{T}>");
 Kernel bwd_vec(prog, "cross_entropy_backward_kernel<{T}, true>");
 Kernel bwd_scalar(prog, "cross_entropy_backward_kernel<{T}, false>");
 Kernel reduce(prog, "cross_entropy_reduce_kernel<{T}>");
+Kernel rescale(prog, "cross_entropy_rescale_kernel<{T}>");
 
 enum class Reduction { none, mean, sum };
 
@@ -164,6 +165,44 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& logi
   return dlogits;
 }
 
+// Forward and gradient in one launch (the register or shared-memory kernel, by the plan): loss, lse,
+// n_valid and dlogits for the loss gradient g, or for dloss = 1 when g is undefined.
+struct FusedOut {
+  at::Tensor loss, lse, n_valid, dlogits;
+};
+FusedOut launch_fused(const Problem& p, const at::Tensor& g, long long ignore_index, Reduction red) {
+  LaunchOn on(p.logits);
+  const auto f32 = p.logits.options().dtype(at::kFloat);
+  FusedOut o;
+  o.loss = new_output(loss_shape(p, red), p.logits.options());
+  o.dlogits = new_dlogits(p);
+  o.lse = new_output({p.N}, f32);
+  o.n_valid = new_output({}, f32);
+  at::Tensor row_loss = red == Reduction::none ? at::Tensor() : new_output({p.N}, f32);
+  const long long ii = ignore_index;
+  void* const null = nullptr;
+  // The mean's 1/n_valid is needed by every row's gradient: count first.
+  if (red == Reduction::mean) launch_reduce(p, on, at::Tensor(), at::Tensor(), o.n_valid, ii, red);
+  const bool same_phase =
+      (reinterpret_cast<uintptr_t>(ptr(p.logits)) & 15) == (reinterpret_cast<uintptr_t>(ptr(o.dlogits)) & 15);
+  const CrossEntropyPlan plan =
+      plan_cross_entropy_forward(p.N, p.V, p.logits.element_size(), same_phase, true);
+  const Dim3 grid(static_cast<unsigned>(plan.grid)), block(static_cast<unsigned>(plan.block_x));
+  void* const loss_none = red == Reduction::none ? ptr(o.loss) : null;
+  void* const nv = red == Reduction::mean ? ptr(o.n_valid) : null;
+  const long long grad_stride = red == Reduction::none ? 1LL : 0LL;
+  if (plan.layout_id == CrossEntropyLayout::smem)
+    fused_smem.launch(p.dt, on.device, on.stream, grid, block, static_cast<size_t>(plan.smem), ptr(p.logits),
+                      ptr(p.targets), ptr(o.lse), ptr(row_loss), loss_none, ptr(o.dlogits), ptr(g), grad_stride,
+                      nv, p.V, p.ld, ii);
+  else
+    fused.launch(p.dt, on.device, on.stream, grid, block, 0, ptr(p.logits), ptr(p.targets), ptr(o.lse),
+                 ptr(row_loss), loss_none, ptr(o.dlogits), ptr(g), grad_stride, nv, p.V, p.ld, ii,
+                 static_cast<int>(plan.vec));
+  if (red != Reduction::none) launch_reduce(p, on, row_loss, o.loss, o.n_valid, ii, red);
+  return o;
+}
+
 std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_backward(const at::Tensor& logits,
                                                                   const at::Tensor& targets,
                                                                   const at::Tensor& grad, int64_t ignore_index,
@@ -172,35 +211,47 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_backward(const at::Tens
   const Reduction red = parse_reduction(reduction, op);
   const Problem p = check_problem(logits, targets, op);
   const at::Tensor g = check_grad(grad, p, red, op);
-  LaunchOn on(p.logits);
-  const auto f32 = p.logits.options().dtype(at::kFloat);
-  at::Tensor loss = new_output(loss_shape(p, red), p.logits.options());
-  at::Tensor dlogits = new_dlogits(p);
-  at::Tensor lse = new_output({p.N}, f32);  // written by the kernel, not returned
-  at::Tensor n_valid = new_output({}, f32);
-  at::Tensor row_loss = red == Reduction::none ? at::Tensor() : new_output({p.N}, f32);
-  const long long ii = ignore_index;
-  void* const null = nullptr;
-  // The mean's 1/n_valid is needed by every row's gradient: count first.
-  if (red == Reduction::mean) launch_reduce(p, on, at::Tensor(), at::Tensor(), n_valid, ii, red);
-  const bool same_phase =
-      (reinterpret_cast<uintptr_t>(ptr(p.logits)) & 15) == (reinterpret_cast<uintptr_t>(ptr(dlogits)) & 15);
-  const CrossEntropyPlan plan =
-      plan_cross_entropy_forward(p.N, p.V, p.logits.element_size(), same_phase, true);
-  const Dim3 grid(static_cast<unsigned>(plan.grid)), block(static_cast<unsigned>(plan.block_x));
-  void* const loss_none = red == Reduction::none ? ptr(loss) : null;
-  void* const nv = red == Reduction::mean ? ptr(n_valid) : null;
-  const long long grad_stride = red == Reduction::none ? 1LL : 0LL;
-  if (plan.layout_id == CrossEntropyLayout::smem)
-    fused_smem.launch(p.dt, on.device, on.stream, grid, block, static_cast<size_t>(plan.smem), ptr(p.logits),
-                      ptr(p.targets), ptr(lse), ptr(row_loss), loss_none, ptr(dlogits), ptr(g), grad_stride, nv,
-                      p.V, p.ld, ii);
+  FusedOut o = launch_fused(p, g, ignore_index, red);
+  return {o.loss, o.dlogits};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward_unit_grad(
+    const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index, const std::string& reduction) {
+  const char* op = "cross_entropy_forward_unit_grad";
+  const Reduction red = parse_reduction(reduction, op);
+  const Problem p = check_problem(logits, targets, op);
+  FusedOut o = launch_fused(p, at::Tensor(), ignore_index, red);
+  return {o.loss, o.lse, o.n_valid, o.dlogits};
+}
+
+// dlogits (the unit gradient above) scaled in place by the loss gradient; returns dlogits.
+at::Tensor cross_entropy_rescale(const at::Tensor& dlogits, const at::Tensor& grad, const std::string& reduction) {
+  const char* op = "cross_entropy_rescale";
+  const Reduction red = parse_reduction(reduction, op);
+  check_input(dlogits, op, "dlogits");
+  const DType dt = dtype_of(dlogits, op);
+  KF_CHECK(dlogits.dim() == 2, op, "dlogits must be 2-D (N, V), got shape ", dlogits.sizes());
+  const long long N = dlogits.size(0), V = dlogits.size(1);
+  // In place: the unit gradient's own layout, rows ld >= V elements apart with unit column stride.
+  KF_CHECK(V == 1 || dlogits.stride(1) == 1, op, "dlogits must have unit column stride, got strides ",
+           dlogits.strides());
+  const long long ld = N == 1 ? V : dlogits.stride(0);
+  KF_CHECK(ld >= V, op, "dlogits rows must not overlap, got strides ", dlogits.strides());
+  KF_CHECK(reinterpret_cast<uintptr_t>(dlogits.data_ptr()) % dlogits.element_size() == 0, op,
+           "dlogits data pointer is not aligned to its element size");
+  const at::Tensor g = input_like(grad, dlogits, op, "grad");
+  if (red == Reduction::none)
+    KF_CHECK(g.numel() == N, op, "grad must have N = ", N, " elements for reduction \"none\", got shape ",
+             g.sizes());
   else
-    fused.launch(p.dt, on.device, on.stream, grid, block, 0, ptr(p.logits), ptr(p.targets), ptr(lse),
-                 ptr(row_loss), loss_none, ptr(dlogits), ptr(g), grad_stride, nv, p.V, p.ld, ii,
-                 static_cast<int>(plan.vec));
-  if (red != Reduction::none) launch_reduce(p, on, row_loss, loss, n_valid, ii, red);
-  return {loss, dlogits};
+    KF_CHECK(g.numel() == 1, op, "grad must have one element for reduction \"mean\" / \"sum\", got shape ",
+             g.sizes());
+  if (N == 0 || V == 0) return dlogits;
+  LaunchOn on(dlogits);
+  const long long grid = std::min<long long>(N, static_cast<long long>(sm_count(on.device)) * 4);
+  rescale.launch(dt, on.device, on.stream, Dim3(static_cast<unsigned>(grid)), Dim3(256), 0, ptr(dlogits), ptr(g),
+                 red == Reduction::none ? 1LL : 0LL, N, V, ld);
+  return dlogits;
 }
 
 }  // namespace
@@ -226,6 +277,16 @@ KFORGE_BIND_OP(cross_entropy) {
         "cross_entropy_backward.",
         py::arg("logits"), py::arg("targets"), py::arg("grad"), py::arg("ignore_index") = -100,
         py::arg("reduction") = "mean");
+  m.def("cross_entropy_forward_unit_grad", &cross_entropy_forward_unit_grad,
+        "Forward and the gradient for dloss = 1 in one launch: returns (loss, lse, n_valid, dlogits), laid "
+        "out as cross_entropy_forward's and cross_entropy_backward's. cross_entropy_rescale scales dlogits "
+        "by the real loss gradient later.",
+        py::arg("logits"), py::arg("targets"), py::arg("ignore_index") = -100, py::arg("reduction") = "mean");
+  m.def("cross_entropy_rescale", &cross_entropy_rescale,
+        "Scales a unit gradient from cross_entropy_forward_unit_grad in place by the loss gradient grad ((N,) "
+        "for none, one element otherwise; the dlogits dtype) and returns it. Rows whose grad is 1 are left "
+        "alone (a scalar grad of 1: no pass over dlogits); zeros stay zeros.",
+        py::arg("dlogits"), py::arg("grad"), py::arg("reduction") = "mean");
 }
 
 }  // namespace kforge

@@ -80,9 +80,10 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "(default); all = the three")
     m.add_argument("--backends", metavar="LIST",
                    help="comma-separated subset of eager,torch.compile,thunder,kforge,kforge+gemm,kforge-gemm,"
-                        "kforge+group,kforge+tune,kforge-tune (default: the first four; kforge+gemm / kforge-gemm are "
+                        "kforge+group,kforge+tune,kforge-tune,kforge+cefused (default: the first four; kforge+gemm / kforge-gemm are "
                         "kforge.jit(gemm=True / False), kforge+group kforge with the opt-in linear_group pattern, "
-                        "kforge+tune / kforge-tune kforge with GEMM tuning on / off (KFORGE_GEMM_TUNE), for A/B timing)")
+                        "kforge+tune / kforge-tune kforge with GEMM tuning on / off (KFORGE_GEMM_TUNE), "
+                        "kforge+cefused kforge traced with KFORGE_CE_FUSED=1, for A/B timing)")
     m.add_argument("--batch", type=int, help="batch size (default 8; --dry 2)")
     m.add_argument("--seq", type=int, help="sequence length, clipped to the model's context (default 1024; --dry 16)")
     m.add_argument("--steps", type=int, help="timed steps per row (default 10)")

@@ -18,6 +18,9 @@ under `torch.autocast(bfloat16)`; fp32), on each backend:
   kforge+tune    kforge with GEMM tuning on / off (kforge.ops.gemm.set_tune; KFORGE_GEMM_TUNE, on by
   kforge-tune    default): each of their steps switches it, the other kforge rows' steps set it as the
                  environment does: an A/B of tuning in one run
+  kforge+cefused kforge with KFORGE_CE_FUSED=1 while it traces: cross-entropy's gradient written by
+                 the forward kernel and scaled in the backward (kforge.ops.cross_entropy), an A/B of
+                 that path against the kforge row
 
 Per row: median ms of CUDA-event-timed full steps (forward, backward, fused AdamW) with their 10th and
 90th percentiles, peak memory over a few steps taken alone, the first step's wall time (trace + compile + one step; by default every row starts
@@ -54,7 +57,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm", "kforge-gemm", "kforge+group", "kforge+tune", "kforge-tune")
+BACKENDS = ("eager", "torch.compile", "thunder", "kforge", "kforge+gemm", "kforge-gemm", "kforge+group", "kforge+tune",
+            "kforge-tune", "kforge+cefused")
+# Environment a backend's trace is made under (read by the grad transforms while the first step traces).
+TRACE_ENV = {"kforge+cefused": {"KFORGE_CE_FUSED": "1"}}
 DEFAULT_BACKENDS = ("eager", "torch.compile", "thunder", "kforge")  # the A/B rows: asked for by name
 SETUPS = ("bf16", "autocast", "fp32")
 # Default --size per zoo model: the sizes of issue 18's table.
@@ -241,7 +247,8 @@ def wrap(backend: str, model: Any, mode: str = "jit", *, cudagraphs: bool = Fals
         import thunder
 
         return thunder.jit(model, **extra)
-    if backend in ("kforge", "kforge+gemm", "kforge-gemm", "kforge+group", "kforge+tune", "kforge-tune"):
+    if backend in ("kforge", "kforge+gemm", "kforge-gemm", "kforge+group", "kforge+tune", "kforge-tune",
+                   "kforge+cefused"):
         import kforge
         from kforge.transforms import ALL_KINDS, OPT_IN_KINDS
 
@@ -343,6 +350,21 @@ def first_step_phases(fn: Any) -> dict[str, float]:
             "first_forward_s": (e1 - e0) / 1e9}
 
 
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    """os.environ updated with `env` inside, restored after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class Trainer:
     """One backend's wrapped model with its fused AdamW, ready to take training steps.
 
@@ -394,10 +416,11 @@ class Trainer:
         compiles0 = _nvrtc_compiles()
         gemm0 = _gemm_calls() if self.backend.startswith("kforge") else None
         _sync(self.device)
-        t0 = time.perf_counter()
-        self.fn = wrap(self.backend, self.built.model, self.built.mode, cudagraphs=self.cudagraphs)
-        loss = self.step().float().item()  # .item() waits for the step
-        row["first_s"] = time.perf_counter() - t0
+        with _environ(TRACE_ENV.get(self.backend, {})):
+            t0 = time.perf_counter()
+            self.fn = wrap(self.backend, self.built.model, self.built.mode, cudagraphs=self.cudagraphs)
+            loss = self.step().float().item()  # .item() waits for the step
+            row["first_s"] = time.perf_counter() - t0
         row.update(first_step_phases(self.fn))
         if gemm0 is not None:  # the first step's GEMM calls: on a plan, or fallen back to ATen
             row["gemm_calls"] = {k: v - gemm0[k] for k, v in _gemm_calls().items()}

@@ -4,7 +4,15 @@ Forward (`kforge_cross_entropy_forward`) reads the logits once and returns the l
 logsumexp (fp32) and the device-side count of non-ignored targets; backward
 (`kforge_cross_entropy_backward`) recomputes softmax from the saved logsumexp in one read of the
 logits and one write of the gradient. See kernels_src/cross_entropy.cu for the kernels and for why
-the gradient is not computed during the forward pass (Liger / llm.c style) here.
+the gradient is not computed during the forward pass by default.
+
+With KFORGE_CE_FUSED=1 (opt-in until measured in a training step) the grad transforms take the fused
+path where its shared-memory kernel applies (rows of 16 .. 112 KB, mean / sum): the forward
+(`kforge_cross_entropy_forward_unit_grad`) writes the gradient for a loss gradient of 1 in the same
+launch that computes the loss (one read of the logits instead of two), and the backward
+(`kforge_cross_entropy_rescale`) scales it in place by the loss gradient it receives, a launch that
+does nothing when that is 1 (loss.backward()). Thunder's backward consumes its saved tensors once, so
+the in-place scale never meets the same buffer twice.
 
 Row-strided logits (a column slice of a wider buffer, as kforge's padded linear returns) are read in
 place, and their gradient comes back with the same row stride and zeros in the padding.
@@ -35,7 +43,7 @@ from thunder.core import dtypes
 from thunder.core.proxies import NumberProxy, TensorProxy
 from thunder.core.transforms import get_grad, put_grad
 
-from .. import _C
+from .. import _C, _env
 from .._thunder import Claim, OpSpec, operator, tensor_problem
 from .linear import mark_zero_padded
 
@@ -57,19 +65,72 @@ def _backward_meta(grad: TensorProxy, logits: TensorProxy, targets: TensorProxy,
 
 # (logits, targets, ignore_index, reduction) -> (loss, lse (N,) f32, n_valid () f32)
 cross_entropy_forward = operator("cross_entropy_forward", meta=_forward_meta, fn=_C.cross_entropy_forward)
-def _backward(grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-              n_valid: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
-    """The launcher; a gradient in a padded layout (row-strided logits, e.g. from kforge's padded
-    linear: dlogits has their row stride, padding zeroed) is marked so the linear's backward takes
-    the buffer as its padded gradient without a copy."""
-    dlogits = _C.cross_entropy_backward(grad, logits, targets, lse, n_valid, ignore_index, reduction)
+def _mark_padded(dlogits: torch.Tensor) -> torch.Tensor:
+    """dlogits in a padded layout (rows of row-strided logits, e.g. from kforge's padded linear: the
+    gradient has their row stride, padding zeroed) marked so that the linear's backward takes the
+    buffer as its padded gradient without a copy."""
     if dlogits.dim() == 2 and dlogits.stride(0) > dlogits.shape[1]:
         mark_zero_padded(dlogits)
     return dlogits
 
 
+def _backward(grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+              n_valid: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """The launcher, its gradient marked when padded (_mark_padded)."""
+    return _mark_padded(_C.cross_entropy_backward(grad, logits, targets, lse, n_valid, ignore_index, reduction))
+
+
 # (grad, logits, targets, lse, n_valid, ignore_index, reduction) -> dlogits
 cross_entropy_backward = operator("cross_entropy_backward", meta=_backward_meta, fn=_backward)
+
+
+# ---- the fused path: the unit gradient in the forward, scaled in the backward -------------------------
+def _unit_grad_meta(logits: TensorProxy, targets: TensorProxy, ignore_index: int, reduction: str):
+    return (*_forward_meta(logits, targets, ignore_index, reduction), TensorProxy(like=logits))
+
+
+def _unit_grad(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str):
+    """(loss, lse, n_valid, dlogits for a loss gradient of 1), one fused launch."""
+    loss, lse, n_valid, dlogits = _C.cross_entropy_forward_unit_grad(logits, targets, ignore_index, reduction)
+    return loss, lse, n_valid, _mark_padded(dlogits)
+
+
+def _unit_grad_f32_meta(logits: TensorProxy, targets: TensorProxy, ignore_index: int, reduction: str):
+    loss, lse, n_valid, dlogits = _unit_grad_meta(logits, targets, ignore_index, reduction)
+    return TensorProxy(like=loss, dtype=dtypes.float32), lse, n_valid, dlogits
+
+
+def _unit_grad_f32(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str):
+    """As _unit_grad, with the fp32 loss of 16-bit logits (fp32_loss from the kernel's lse)."""
+    _, lse, n_valid, dlogits = _unit_grad(logits, targets, ignore_index, reduction)
+    return fp32_loss(logits, targets, lse, n_valid, ignore_index, reduction), lse, n_valid, dlogits
+
+
+def _rescale(dlogits: torch.Tensor, grad: torch.Tensor, reduction: str) -> torch.Tensor:
+    return _mark_padded(_C.cross_entropy_rescale(dlogits, grad, reduction))
+
+
+# (logits, targets, ignore_index, reduction) -> (loss, lse, n_valid, unit dlogits)
+cross_entropy_forward_unit_grad = operator("cross_entropy_forward_unit_grad", meta=_unit_grad_meta, fn=_unit_grad)
+# (logits16, targets, ignore_index, reduction) -> (fp32 loss, lse, n_valid, unit dlogits)
+cross_entropy_f32_forward_unit_grad = operator("cross_entropy_f32_forward_unit_grad", meta=_unit_grad_f32_meta,
+                                               fn=_unit_grad_f32)
+# (unit dlogits, grad, reduction) -> dlogits, the same buffer scaled in place
+cross_entropy_rescale = operator("cross_entropy_rescale", meta=lambda d, g, reduction: TensorProxy(like=d),
+                                 fn=_rescale)
+
+
+def fused_path(logits: TensorProxy, reduction: str) -> bool:
+    """Whether the grad transforms take the fused path for these logits: KFORGE_CE_FUSED on, a scalar
+    loss (mean / sum: its gradient is one number) and rows the shared-memory kernel holds (else the
+    fused launch re-reads rows from L2 or DRAM and is no faster than forward + backward apart)."""
+    if reduction == "none" or not _env.flag("KFORGE_CE_FUSED"):
+        return False
+    n, v = logits.shape
+    if not (isinstance(n, int) and isinstance(v, int)):
+        return False
+    plan = _C.plan("cross_entropy_forward_backward", [n, v], dtypes.to_torch_dtype(logits.dtype))
+    return plan["layout"] == "smem"
 
 
 # ---- the loss on upcast logits ----------------------------------------------------------------------
@@ -176,6 +237,10 @@ def _execution(a: TensorProxy, target: TensorProxy, weight: Any = None, size_ave
 def _grad(a: TensorProxy, target: TensorProxy, weight: Any = None, size_average: Any = None,
           ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
           label_smoothing: float = 0.0) -> TensorProxy:
+    if fused_path(a, reduction):  # saved for backward: the unit gradient
+        loss, _, _, unit = cross_entropy_forward_unit_grad(a, target, ignore_index, reduction)
+        put_grad(a, cross_entropy_rescale(unit, get_grad(loss), reduction))
+        return loss
     # Saved for backward: logits, targets, lse (N floats), n_valid (one float).
     loss, lse, n_valid = cross_entropy_forward(a, target, ignore_index, reduction)
     g = get_grad(loss)
@@ -202,6 +267,11 @@ def _upcast_execution(logits: TensorProxy, target: TensorProxy, weight: Any = No
 def _upcast_grad(logits: TensorProxy, target: TensorProxy, weight: Any = None, size_average: Any = None,
                  ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
                  label_smoothing: float = 0.0) -> TensorProxy:
+    if fused_path(logits, reduction):  # saved for backward: the unit gradient (logits' dtype)
+        loss, _, _, unit = cross_entropy_f32_forward_unit_grad(logits, target, ignore_index, reduction)
+        g = ltorch.to(get_grad(loss), logits.dtype)
+        put_grad(logits, cross_entropy_rescale(unit, g, reduction))
+        return loss
     # Saved for backward: the 16-bit logits, targets, lse, n_valid. The fp32 loss gradient is rounded
     # to the logits' dtype for the kernel, which returns dlogits in that dtype (`.float()`'s backward).
     loss, lse, n_valid = cross_entropy_f32_forward(logits, target, ignore_index, reduction)
