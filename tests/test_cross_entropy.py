@@ -904,7 +904,10 @@ def test_checker_never_accepts_what_the_kernel_cannot_do(shape, dtype, device, t
 # (1024 packs: V 4096 / 8192), and small odd ones; views read in place (row-strided), copied
 # (transposed) or element-wise (misaligned).
 _CE_V = st.one_of(st.integers(1, 40),
-                  st.sampled_from([128, 256, 2048, 4096, 8192, 32000]).flatmap(lambda e: st.integers(e - 3, e + 3)))
+                  # ... 4096 / 8192 (fp32 / 16-bit rows of 16 KB) and 28672 / 57344 (112 KB): the fused
+                  # launcher's shared-memory range
+                  st.sampled_from([128, 256, 2048, 4096, 8192, 28672, 32000, 57344]).flatmap(
+                      lambda e: st.integers(e - 3, e + 3)))
 
 
 @gpu
@@ -915,9 +918,10 @@ _CE_V = st.one_of(st.integers(1, 40),
        view=st.sampled_from(["contiguous", "misaligned", "row_strided", "transposed"]), seed=st.integers(0, 2**31 - 1))
 def test_property_matches_float64(n, v, dtype, reduction, ignore_index, view, seed):
     """Generated (N, V), dtypes, reductions, ignore_index values (inside and outside [0, V)) and
-    logits views: forward (loss, lse, n_valid), backward and the fused forward + backward within the
-    dtype's tolerance of float64; ignored rows get exactly zero gradient. Fails on a wrong logsumexp,
-    a miscounted n_valid, a gradient on an ignored row or an unwritten (NaN-poisoned) element."""
+    logits views: forward (loss, lse, n_valid), backward, the fused forward + backward, and the unit
+    gradient scaled in place (the executor's KFORGE_CE_FUSED path) within the dtype's tolerance of
+    float64; ignored rows get exactly zero gradient. Fails on a wrong logsumexp, a miscounted
+    n_valid, a gradient on an ignored row or an unwritten (NaN-poisoned) element."""
     hypothesis.assume(not (v == 1 and ignore_index == 0))  # make_targets' always-counted row 0 needs a class
     x = randn(n, v, dtype=dtype, scale=2.0, seed=seed)
     if view == "misaligned":
@@ -938,6 +942,16 @@ def test_property_matches_float64(n, v, dtype, reduction, ignore_index, view, se
     fused_loss, fused_dx = _C.cross_entropy_forward_backward(x, t, g, ignore_index, reduction)
     assert_close(fused_loss, ref_loss, dtype, "fused loss")
     assert_close(fused_dx, ref_dx, dtype, "fused dlogits")
+    unit_loss, unit_lse, unit_nv, unit = _C.cross_entropy_forward_unit_grad(x, t, ignore_index, reduction)
+    assert_close(unit_loss, ref_loss, dtype, "unit-gradient loss")
+    assert_close(unit_lse, ref_lse, torch.float32, "unit-gradient lse")
+    assert torch.equal(unit_nv, n_valid)
+    assert _C.cross_entropy_rescale(unit, g, reduction) is unit
+    # two roundings; fp16's unit gradient also reaches its subnormals sooner (p / n_valid before the
+    # scale), which is why the executor keeps fp16 off this path
+    tol = (4 if dtype == torch.float16 else 2) * REL_TOL[dtype]
+    assert_close(unit, ref_dx, dtype, "unit gradient rescaled", tol=tol)
+    assert (unit[t == ignore_index] == 0).all()
 
 
 # ---- the fused path (KFORGE_CE_FUSED): the unit gradient in the forward, scaled in the backward --------
@@ -1030,8 +1044,9 @@ def test_fused_path_wiring_on_cpu_with_stand_in_launchers(monkeypatch, reduction
 
 
 def test_fused_path_only_where_it_pays(monkeypatch, trace_ctx):
-    """fused_path: off unless KFORGE_CE_FUSED; never for reduction "none"; only for rows the
-    shared-memory kernel takes (fp32 50257-class rows, 196 KB, and 97-class rows are left apart)."""
+    """fused_path: off unless KFORGE_CE_FUSED; never for reduction "none" or fp16 logits; only for
+    rows the shared-memory kernel takes (fp32 50257-class rows, 196 KB, and 97-class rows are left
+    apart)."""
     from thunder.core import dtypes
 
     from kforge.ops.cross_entropy import fused_path
@@ -1045,6 +1060,9 @@ def test_fused_path_only_where_it_pays(monkeypatch, trace_ctx):
     assert fused_path(logits(32000), "mean") and fused_path(logits(50304), "sum") and fused_path(logits(50257), "mean")
     assert not fused_path(logits(32000), "none")
     assert not fused_path(logits(97), "mean") and not fused_path(logits(50257, dtypes.float32), "mean")
+    assert fused_path(logits(16384, dtypes.float32), "mean")
+    # fp16: the unit gradient would underflow before a loss scale (GradScaler) could lift it
+    assert not fused_path(logits(32000, dtypes.float16), "mean")
     monkeypatch.setenv("KFORGE_CE_FUSED", "0")
     assert not fused_path(logits(32000), "mean")
 

@@ -7,7 +7,7 @@ logits and one write of the gradient. See kernels_src/cross_entropy.cu for the k
 the gradient is not computed during the forward pass by default.
 
 With KFORGE_CE_FUSED=1 (opt-in until measured in a training step) the grad transforms take the fused
-path where its shared-memory kernel applies (rows of 16 .. 112 KB, mean / sum): the forward
+path where its shared-memory kernel applies (bf16 / fp32 rows of 16 .. 112 KB, mean / sum): the forward
 (`kforge_cross_entropy_forward_unit_grad`) writes the gradient for a loss gradient of 1 in the same
 launch that computes the loss (one read of the logits instead of two), and the backward
 (`kforge_cross_entropy_rescale`) scales it in place by the loss gradient it receives, a launch that
@@ -122,9 +122,14 @@ cross_entropy_rescale = operator("cross_entropy_rescale", meta=lambda d, g, redu
 
 def fused_path(logits: TensorProxy, reduction: str) -> bool:
     """Whether the grad transforms take the fused path for these logits: KFORGE_CE_FUSED on, a scalar
-    loss (mean / sum: its gradient is one number) and rows the shared-memory kernel holds (else the
-    fused launch re-reads rows from L2 or DRAM and is no faster than forward + backward apart)."""
+    loss (mean / sum: its gradient is one number), bf16 or fp32 logits, and rows the shared-memory
+    kernel holds (else the fused launch re-reads rows from L2 or DRAM and is no faster than forward +
+    backward apart). Not fp16: its unit gradient p / n_valid reaches fp16's subnormals (p ~ 1 / V)
+    before a loss scale (GradScaler's g) could lift it, where the backward kernel scales in fp32
+    first."""
     if reduction == "none" or not _env.flag("KFORGE_CE_FUSED"):
+        return False
+    if dtypes.to_torch_dtype(logits.dtype) not in (torch.bfloat16, torch.float32):
         return False
     n, v = logits.shape
     if not (isinstance(n, int) and isinstance(v, int)):
