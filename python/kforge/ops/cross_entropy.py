@@ -90,9 +90,9 @@ def _unit_grad_meta(logits: TensorProxy, targets: TensorProxy, ignore_index: int
 
 
 def _unit_grad(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str):
-    """(loss, lse, n_valid, dlogits for a loss gradient of 1), one fused launch."""
-    loss, lse, n_valid, dlogits = _C.cross_entropy_forward_unit_grad(logits, targets, ignore_index, reduction)
-    return loss, lse, n_valid, _mark_padded(dlogits)
+    """(loss, lse, n_valid, dlogits for a loss gradient of 1), one fused launch (marked padded by the
+    backward's _rescale, which hands it on)."""
+    return _C.cross_entropy_forward_unit_grad(logits, targets, ignore_index, reduction)
 
 
 def _unit_grad_f32_meta(logits: TensorProxy, targets: TensorProxy, ignore_index: int, reduction: str):
