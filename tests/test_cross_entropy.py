@@ -1197,3 +1197,28 @@ def test_fused_path_in_users_models_as_on_a_gpu(monkeypatch, model, autocast):
     readers = [b.sym.name for b in bwd if any(getattr(a, "name", None) == rescaled for a in b.flat_proxy_args)
                and b.sym.name != "python_del"]
     assert readers and all(n.startswith(("kforge_gemm", "kforgeFusion", "torch_prims_reshape")) for n in readers), readers
+
+
+def test_bench_cases_time_the_fused_path():
+    """`bench ops --op cross_entropy` times the KFORGE_CE_FUSED path's two launches beside the
+    separate kernels and the fused launcher, at each size (built without a GPU)."""
+    from kforge.ops.cross_entropy import bench_cases
+
+    shapes = [c.shape for c in bench_cases(torch.bfloat16, quick=False) if c.direction == "fwd+bwd"]
+    for size in ("8192x50257", "8192x32000"):
+        assert [s.removeprefix(size + " ") for s in shapes if s.startswith(size)] == [
+            "separate", "fused", "unit+rescale g=1", "unit+rescale g=0.5"], shapes
+
+
+@gpu
+def test_bench_cases_of_the_fused_path_match_eager():
+    """The bench's unit + rescale cases compute what eager does (loss and dlogits), g = 1 and 0.5."""
+    from kforge.ops.cross_entropy import bench_cases
+
+    for case in bench_cases(torch.bfloat16, quick=True):
+        if "unit+rescale" not in case.shape:
+            continue
+        inputs = case.make_inputs()
+        (loss, dx), (ref_loss, ref_dx) = case.kforge(*inputs), case.eager(*inputs)
+        assert_close(loss, ref_loss, torch.bfloat16, f"{case.shape} loss", tol=2e-2)
+        assert_close(dx, ref_dx, torch.bfloat16, f"{case.shape} dlogits", tol=3 * REL_TOL[torch.bfloat16])

@@ -292,7 +292,8 @@ SPEC = OpSpec("cross_entropy", (
 
 
 def bench_cases(dtype: torch.dtype, quick: bool) -> list:
-    """Forward, backward, and forward+backward (separate kernels vs the fused launcher) at 8192 rows."""
+    """Forward, backward, and forward+backward (separate kernels, the fused launcher, and the
+    KFORGE_CE_FUSED path's unit gradient + rescale) at 8192 rows."""
     from ..bench.cases import BenchCase
 
     shapes = [(8192, 50257)] if quick else [(8192, 50257), (8192, 32000)]
@@ -333,6 +334,19 @@ def bench_cases(dtype: torch.dtype, quick: bool) -> list:
             grad = torch.ones((), device="cuda", dtype=dtype)
             return _C.cross_entropy_forward_backward(logits, targets, grad, -100, "mean")
 
+        def unit_rescale(logits, targets, g):
+            # the executor's KFORGE_CE_FUSED path: the unit gradient, then its in-place scale by g
+            loss, _, _, dlogits = _C.cross_entropy_forward_unit_grad(logits, targets, -100, "mean")
+            return loss, _C.cross_entropy_rescale(dlogits, g, "mean")
+
+        def with_grad(value: float, lt=logits_targets):
+            return (*lt(), torch.full((), value, device="cuda", dtype=dtype))
+
+        def eager_scaled(logits, targets, g):
+            x = logits.detach().requires_grad_(True)
+            loss = F.cross_entropy(x, targets)
+            return loss, torch.autograd.grad(loss, x, g)[0]
+
         big = n * v * es  # one pass over the logits
         rows = n * (8 + 4)  # targets + lse
         cases += [
@@ -347,5 +361,11 @@ def bench_cases(dtype: torch.dtype, quick: bool) -> list:
                       eager_fwd_bwd, 2 * big + rows, compile_ok=False),
             BenchCase("cross_entropy", "fwd+bwd", shape + " fused", logits_targets, fused,
                       eager_fwd_bwd, 2 * big + rows, compile_ok=False),
+            # KFORGE_CE_FUSED's two launches: a loss gradient of 1 (the rescale returns at once), and
+            # another (the rescale reads and writes the gradient again)
+            BenchCase("cross_entropy", "fwd+bwd", shape + " unit+rescale g=1", lambda: with_grad(1.0), unit_rescale,
+                      eager_scaled, 2 * big + rows, compile_ok=False),
+            BenchCase("cross_entropy", "fwd+bwd", shape + " unit+rescale g=0.5", lambda: with_grad(0.5),
+                      unit_rescale, eager_scaled, 2 * big + rows, compile_ok=False),
         ]
     return cases
