@@ -326,8 +326,10 @@ def _splice(bsyms: list, replace: dict[int, Any], drop: set[int]) -> tuple[list,
     the number removed)."""
     if not replace:
         return bsyms, 0
-    gone = {p.name for i in drop for p in bsyms[i].flat_proxy_outs}
-    gone |= {bsyms[i].output.name for i, nb in replace.items() if nb.output is not bsyms[i].output}
+    # Names no longer made: those of the dropped and replaced calls that no replacement makes. A
+    # folded view's result is now the GEMM's own output: its `del` stays (else it lives to the end).
+    made = {p.name for nb in replace.values() for p in nb.flat_proxy_outs}
+    gone = {p.name for i in (*drop, *replace) for p in bsyms[i].flat_proxy_outs} - made
     kept = [replace.get(i, b) for i, b in enumerate(bsyms) if i not in drop]
     return _place_dels(kept, gone), len(drop)
 
