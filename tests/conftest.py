@@ -438,6 +438,22 @@ def traced_region(fn, args: tuple, *, zeros: tuple = ()):
     return fir.lower(bsyms, ins, outs, zeros=zeros), ins
 
 
+def undeleted_tensors(trace) -> dict[str, str]:
+    """{name: producing symbol} of the tensors a final trace makes and neither returns nor deletes:
+    each holds its memory until the trace's function returns (a pass that replaced calls and dropped
+    their `del`s)."""
+    from thunder.core.prims import PrimIDs
+    from thunder.core.proxies import TensorProxy
+
+    made, gone = {}, set()
+    for b in trace.bound_symbols:
+        if b.sym.id in (PrimIDs.DEL, PrimIDs.RETURN):
+            gone |= {p.name for p in b.flat_proxy_args}
+        else:
+            made.update({p.name: b.sym.name for p in b.flat_proxy_outs if isinstance(p, TensorProxy)})
+    return {k: v for k, v in made.items() if k not in gone}
+
+
 def fake_cuda_trace(make, /, *, jit=None, dynamo: bool | None = None, **make_kwargs) -> FakeTrace:
     """Trace `make`'s function as Thunder would on a GPU, without one: forward and backward traces
     are built, no kernel runs.

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kforge
-from conftest import assert_close, fake_cuda_trace, gpu, randn
+from conftest import assert_close, fake_cuda_trace, gpu, randn, undeleted_tensors
 from kforge.ops import gemm
 
 _C = kforge._C
@@ -170,20 +170,6 @@ def _gemm_census(trace) -> Counter:
     return c
 
 
-def _undeleted(trace) -> dict[str, str]:
-    """{name: producing symbol} of the tensors `trace` makes, neither returns nor deletes."""
-    from thunder.core.prims import PrimIDs
-    from thunder.core.proxies import TensorProxy
-
-    made, gone = {}, set()
-    for b in trace.bound_symbols:
-        if b.sym.id in (PrimIDs.DEL, PrimIDs.RETURN):
-            gone |= {p.name for p in b.flat_proxy_args}
-        else:
-            made.update({p.name: b.sym.name for p in b.flat_proxy_outs if isinstance(p, TensorProxy)})
-    return {k: v for k, v in made.items() if k not in gone}
-
-
 @pytest.mark.parametrize("model, setup, expect", [
     # linears (forward; q / k / v and the logits with their head split or row view folded in), matmuls
     # and the q / k / v and w1 / w3 input-gradient sums (backward), every backward GEMM with its views
@@ -223,7 +209,7 @@ def test_every_gemm_of_a_fake_gpu_trace_is_rewritten(monkeypatch, model, setup, 
     # every tensor a trace makes and does not return is deleted after its last use, folded views'
     # results (now the GEMMs' own outputs) included: one left alive holds its memory to the end
     for trace in (ft.forward, ft.backward):
-        assert not _undeleted(trace), _undeleted(trace)
+        assert not undeleted_tensors(trace), undeleted_tensors(trace)
     if model == "plain_llama":  # every view around the backward's GEMMs folded into them
         assert not [b for b in ft.backward.bound_symbols if b.sym.name == "reshape"], ft.backward
         # and the forward's head splits: no view call left there but the embedding's

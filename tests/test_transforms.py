@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import kforge.transforms as kt
-from conftest import REL_TOL, assert_close, fake_cuda_trace, gpu, kforge_executors, randn
+from conftest import REL_TOL, assert_close, fake_cuda_trace, gpu, kforge_executors, randn, undeleted_tensors
 
 BF16, F32 = torch.bfloat16, torch.float32
 B, H, HKV, T, D, C, V = 2, 4, 2, 8, 16, 64, 97
@@ -198,6 +198,8 @@ def test_users_models_under_kforge_jit(model, setup):
     check_every_step_claimed(model, traced, B * T, SETUPS[setup]["autocast"])
     fwd, bwd = traced.symbols()
     assert not (fwd["kforge_residual_forward"] or bwd["kforge_residual_forward"] or bwd["kforge_colsum_forward"])
+    for trace in (traced.forward, traced.backward):  # nothing held to the end by a pass's lost `del`
+        assert not undeleted_tensors(trace), undeleted_tensors(trace)
 
 
 def test_nn_rmsnorm_stays_in_thunder_on_the_dynamo_path():
