@@ -74,11 +74,11 @@ Problem check_problem(const at::Tensor& logits_, const at::Tensor& targets_, con
   return p;
 }
 
-// The gradient of the loss: N values for "none", one for "mean" / "sum"; the logits' dtype.
-at::Tensor check_grad(const at::Tensor& grad_, const Problem& p, Reduction red, const char* op) {
-  const at::Tensor g = input_like(grad_, p.logits, op, "grad");
+// The gradient of the loss: N values for "none", one for "mean" / "sum"; `ref`'s dtype (the logits').
+at::Tensor check_grad(const at::Tensor& grad_, const at::Tensor& ref, long long N, Reduction red, const char* op) {
+  const at::Tensor g = input_like(grad_, ref, op, "grad");
   if (red == Reduction::none)
-    KF_CHECK(g.numel() == p.N, op, "grad must have N = ", p.N, " elements for reduction \"none\", got shape ",
+    KF_CHECK(g.numel() == N, op, "grad must have N = ", N, " elements for reduction \"none\", got shape ",
              g.sizes());
   else
     KF_CHECK(g.numel() == 1, op, "grad must have one element for reduction \"mean\" / \"sum\", got shape ",
@@ -144,7 +144,7 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& logi
   const char* op = "cross_entropy_backward";
   const Reduction red = parse_reduction(reduction, op);
   const Problem p = check_problem(logits, targets, op);
-  const at::Tensor g = check_grad(grad, p, red, op);
+  const at::Tensor g = check_grad(grad, p.logits, p.N, red, op);
   const at::Tensor lse = check_f32(lse_, p, p.N, op, "lse");
   const at::Tensor n_valid = check_f32(n_valid_, p, 1, op, "n_valid");
   LaunchOn on(p.logits);
@@ -210,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_backward(const at::Tens
   const char* op = "cross_entropy_forward_backward";
   const Reduction red = parse_reduction(reduction, op);
   const Problem p = check_problem(logits, targets, op);
-  const at::Tensor g = check_grad(grad, p, red, op);
+  const at::Tensor g = check_grad(grad, p.logits, p.N, red, op);
   FusedOut o = launch_fused(p, g, ignore_index, red);
   return {o.loss, o.dlogits};
 }
@@ -239,13 +239,7 @@ at::Tensor cross_entropy_rescale(const at::Tensor& dlogits, const at::Tensor& gr
   KF_CHECK(ld >= V, op, "dlogits rows must not overlap, got strides ", dlogits.strides());
   KF_CHECK(reinterpret_cast<uintptr_t>(dlogits.data_ptr()) % dlogits.element_size() == 0, op,
            "dlogits data pointer is not aligned to its element size");
-  const at::Tensor g = input_like(grad, dlogits, op, "grad");
-  if (red == Reduction::none)
-    KF_CHECK(g.numel() == N, op, "grad must have N = ", N, " elements for reduction \"none\", got shape ",
-             g.sizes());
-  else
-    KF_CHECK(g.numel() == 1, op, "grad must have one element for reduction \"mean\" / \"sum\", got shape ",
-             g.sizes());
+  const at::Tensor g = check_grad(grad, dlogits, N, red, op);
   if (N == 0 || V == 0) return dlogits;
   LaunchOn on(dlogits);
   const long long grid = std::min<long long>(N, static_cast<long long>(sm_count(on.device)) * 4);
