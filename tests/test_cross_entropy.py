@@ -107,8 +107,8 @@ def test_fused_forward_backward_matches_float64(dtype, n, v, reduction):
 @pytest.mark.parametrize("offset", [0, 1, 7])
 @pytest.mark.parametrize("n,v,ld", [
     # the smaller rows also in the sanitizer's subsets; racecheck (the row staged in shared memory by
-    # cp.async, the slowest tool) takes a few rows of both phases: odd 8193-element rows start at a
-    # new offset from a 16-byte boundary each, 16400-element ones all at the first row's
+    # cp.async, the slowest tool) takes a few rows of both kinds: 8193-element rows each start at a
+    # new offset from a 16-byte boundary, 16400-element ones all at the first row's
     pytest.param(67, 8193, 8193, marks=pytest.mark.sanitize),
     pytest.param(7, 8193, 8193, marks=[pytest.mark.sanitize, pytest.mark.sanitize_race]),
     pytest.param(5, 16383, 16400, marks=[pytest.mark.sanitize, pytest.mark.sanitize_race]),
