@@ -111,6 +111,12 @@ def _cases(dtype):
                                    lambda: ce_inputs("mean")),
         "cross_entropy_forward_backward": (lambda lg, t, g, lse, nv, red: C.cross_entropy_forward_backward(lg, t, g, -100, red),
                                            lambda: ce_inputs("mean")),
+        "cross_entropy_forward_unit_grad": (lambda lg, t: C.cross_entropy_forward_unit_grad(lg, t, -100, "mean"),
+                                            lambda: ce_inputs("mean")[:2]),
+        # in place: each run scales a fresh copy of the same unit gradient
+        "cross_entropy_rescale": (lambda d, g: C.cross_entropy_rescale(d.clone(), g, "none"),
+                                  lambda: (C.cross_entropy_forward_unit_grad(*ce_inputs("none")[:2], -100, "none")[3],
+                                           ce_inputs("none")[2])),
         "gelu_forward": (C.gelu_forward, lambda: (randn(8, 1024, 3072, dtype=dtype),)),
         "gelu_backward": (C.gelu_backward, lambda: (randn(8, 1024, 771, dtype=dtype), randn(8, 1024, 771, dtype=dtype))),
         "swiglu_forward": (C.swiglu_forward, lambda: (randn(4, 1000, 2753, dtype=dtype), randn(4, 1000, 2753, dtype=dtype))),
