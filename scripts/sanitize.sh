@@ -11,6 +11,7 @@
 #   JOBS=8 scripts/sanitize.sh                                     # runs at once (default 1)
 #   PYTEST_ARGS="-v" scripts/sanitize.sh                           # names each test before it runs
 #   PARTS=2 JOBS=2 SELECTIONS=rmsnorm scripts/sanitize.sh          # each selection (cover, race too) as 2 runs
+#   TOOLS=racecheck SELECTIONS=cover scripts/sanitize.sh          # racecheck over other selections (default: race, race_nonfinite)
 #   SUMMARY_ONLY=1 OUT=dir scripts/sanitize.sh                     # summarise dir/sanitize/*.log again
 #
 # Writes $OUT/sanitize/<tool>-<selection>-dl<0|1>.log (compute-sanitizer and pytest output), and the
@@ -100,6 +101,8 @@ declare -A RACE_SEL=(
   [race]="-m sanitize_race tests/"
   [race_nonfinite]="tests/test_nonfinite.py -k \"not 50257 and not 20000\""
 )
+# racecheck runs RACE_SEL's selections unless SELECTIONS names others (cover, race, a SEL entry).
+RACE_SELECTIONS=${SELECTIONS:-"${!RACE_SEL[*]}"}
 SELECTIONS=${SELECTIONS:-"${!SEL[*]}"}
 # `cover` (never in the default list): the tests listed in $COVER, one node id a line; the summary
 # writes $LOGS/cover.txt from the coverage files, the first test to launch each instantiation. A
@@ -144,20 +147,19 @@ start_parts() {  # tool, selection name, pytest args, dl: as PARTS runs when PAR
 if [ "$SUMMARY_ONLY" != 1 ]; then
   for tool in $TOOLS; do
     for dl in $DL; do
-      if [ "$tool" = racecheck ]; then
-        for name in "${!RACE_SEL[@]}"; do start_parts "$tool" "$name" "${RACE_SEL[$name]}" "$dl"; done
-      else
-        for name in $SELECTIONS; do
-          if [ "$name" = cover ]; then
-            [ -s "$COVER" ] || { echo "cover: no node ids in $COVER (run TOOLS=none first)"; continue; }
-            args="tests/"
-          else
-            [ -n "${SEL[$name]:-}" ] || { echo "unknown selection $name"; continue; }
-            args=${SEL[$name]}
-          fi
-          start_parts "$tool" "$name" "$args" "$dl"
-        done
-      fi
+      names=$SELECTIONS; [ "$tool" = racecheck ] && names=$RACE_SELECTIONS
+      for name in $names; do
+        if [ "$name" = cover ]; then
+          [ -s "$COVER" ] || { echo "cover: no node ids in $COVER (run TOOLS=none first)"; continue; }
+          args="tests/"
+        elif [ -n "${RACE_SEL[$name]:-}" ]; then
+          args=${RACE_SEL[$name]}
+        else
+          [ -n "${SEL[$name]:-}" ] || { echo "unknown selection $name"; continue; }
+          args=${SEL[$name]}
+        fi
+        start_parts "$tool" "$name" "$args" "$dl"
+      done
     done
   done
   wait
