@@ -52,7 +52,9 @@ AUTOCAST_ONLY = {"kforge_add_layernorm_forward", "kforge_layernorm_backward_copy
 MANUAL_GPT2_OPS = {
     "layernorm": lambda name: name not in AUTOCAST_ONLY,
     "gelu": lambda name: True,
-    "cross_entropy": lambda name: "f32" not in name,  # the fp32-loss form is for logits upcast first
+    # The fp32-loss form is for logits upcast first; the unit gradient and its rescale are the
+    # opt-in fused path (KFORGE_CE_FUSED=1).
+    "cross_entropy": lambda name: "f32" not in name and "unit_grad" not in name and "rescale" not in name,
     "permute": lambda name: "views" not in name,  # split_qkv(copy=False) is the SDPA variant's
     "softmax": lambda name: "causal" in name,
 }

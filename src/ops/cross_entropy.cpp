@@ -221,6 +221,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward
   const Reduction red = parse_reduction(reduction, op);
   const Problem p = check_problem(logits, targets, op);
   FusedOut o = launch_fused(p, at::Tensor(), ignore_index, red);
+  // The fused kernels count n_valid only where the mean needs it; "none" returns it too, as
+  // cross_entropy_forward does.
+  if (red == Reduction::none)
+    launch_reduce(p, LaunchOn(p.logits), at::Tensor(), at::Tensor(), o.n_valid, ignore_index, red);
   return {o.loss, o.lse, o.n_valid, o.dlogits};
 }
 
