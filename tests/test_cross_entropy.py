@@ -1213,6 +1213,31 @@ def test_bench_cases_time_the_fused_path():
             "separate", "fused", "unit+rescale g=1", "unit+rescale g=0.5"], shapes
 
 
+def test_bench_cases_build_the_size_they_name(monkeypatch):
+    """Each fwd / fwd+bwd case's inputs are the logits of the size in its label (built on the meta
+    device, no GPU): a case that closed over a loop variable late would time another size's rows."""
+    from kforge.ops.cross_entropy import bench_cases
+
+    def on_meta(factory):
+        def make(*args, **kwargs):
+            kwargs.pop("generator", None)
+            return factory(*args, **{**kwargs, "device": "meta"})
+        return make
+
+    for name in ("randn", "randint", "full", "ones"):
+        monkeypatch.setattr(torch, name, on_meta(getattr(torch, name)))
+    monkeypatch.setattr(torch, "Generator", lambda device=None: torch.default_generator)
+    checked = 0
+    for case in bench_cases(torch.bfloat16, quick=False):
+        if case.direction == "bwd":  # its inputs come from the forward launcher
+            continue
+        n, v = (int(d) for d in case.shape.split()[0].split("x"))
+        logits = case.make_inputs()[0]
+        assert tuple(logits.shape) == (n, v), f"{case.direction} {case.shape}: logits {tuple(logits.shape)}"
+        checked += 1
+    assert checked == 10
+
+
 @gpu
 def test_bench_cases_of_the_fused_path_match_eager():
     """The bench's unit + rescale cases compute what eager does (loss and dlogits), g = 1 and 0.5."""

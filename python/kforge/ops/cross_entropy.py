@@ -34,6 +34,7 @@ the rounding every dlogits element gets anyway.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -363,9 +364,11 @@ def bench_cases(dtype: torch.dtype, quick: bool) -> list:
                       eager_fwd_bwd, 2 * big + rows, compile_ok=False),
             # KFORGE_CE_FUSED's two launches: a loss gradient of 1 (the rescale returns at once), and
             # another (the rescale reads and writes the gradient again)
-            BenchCase("cross_entropy", "fwd+bwd", shape + " unit+rescale g=1", lambda: with_grad(1.0), unit_rescale,
-                      eager_scaled, 2 * big + rows, compile_ok=False),
-            BenchCase("cross_entropy", "fwd+bwd", shape + " unit+rescale g=0.5", lambda: with_grad(0.5),
+            # (partial binds this size's with_grad: a lambda would look the name up when called, after
+            # the loop has rebound it to the last size's)
+            BenchCase("cross_entropy", "fwd+bwd", shape + " unit+rescale g=1", functools.partial(with_grad, 1.0),
+                      unit_rescale, eager_scaled, 2 * big + rows, compile_ok=False),
+            BenchCase("cross_entropy", "fwd+bwd", shape + " unit+rescale g=0.5", functools.partial(with_grad, 0.5),
                       unit_rescale, eager_scaled, 2 * big + rows, compile_ok=False),
         ]
     return cases
