@@ -336,7 +336,8 @@ def test_latest_run_per_table_and_gpu():
             _run("ops", [_op("layernorm", 9.0, 70)], commit="new", copy_gbs=4100.0),
             _run("ops", [_op("layernorm", 12.0, 85)], gpu="NVIDIA H100", commit="h100"),
             {**_run("ops", [_op("gelu", 1.0, 99)], commit="dry"), "device": "cpu"},
-            {**_run("ops", [_op("gelu", 1.0, 99)], commit="dry2"), "dry": True}]
+            {**_run("ops", [_op("gelu", 1.0, 99)], commit="dry2"), "dry": True},
+            {**_run("ops", [_op("layernorm", 1.0, 99)], commit="busy"), "contended": "other work on the host"}]
     tables = {(t.key[1], t.key[2]): t for t in report.current_tables(runs)}
     assert tables[("layernorm", "NVIDIA H200")].run["commit"] == "new"
     assert tables[("gelu", "NVIDIA H200")].run["commit"] == "old"

@@ -50,7 +50,9 @@ def make_grad(reduction: str, n: int, dtype: torch.dtype, seed: int) -> torch.Te
 
 def reference(x: torch.Tensor, t: torch.Tensor, g: torch.Tensor, ignore_index: int, reduction: str):
     """float64 loss, logsumexp and dlogits from the same (rounded) inputs."""
-    x64 = x.detach().double().requires_grad_(True)
+    # Contiguous whatever x's layout: under initcheck, torch's amax over a column-major float64 copy
+    # (the "transposed" views) read uninitialized bytes (docs/experiments/sanitizer.md).
+    x64 = x.detach().to(torch.float64, memory_format=torch.contiguous_format).requires_grad_(True)
     loss = F.cross_entropy(x64, t, ignore_index=ignore_index, reduction=reduction)
     (dx,) = torch.autograd.grad(loss, x64, g.double())
     return loss.detach(), torch.logsumexp(x64.detach(), -1), dx

@@ -1,6 +1,7 @@
 """BENCHMARKS.md and docs/plots, generated from the record (`python -m kforge.bench report`).
 
-Current results only: for every table the latest run that measured it, per GPU. A table is an op
+Current results only: for every table the latest run that measured it, per GPU (runs marked
+`contended` stay in the record only). A table is an op
 (ops runs), a reference model and attention (gpt2 / llama runs), a users' model at one size and
 batch x sequence (models runs), or the launch overhead. The targets table is derived from those
 tables by the rules in TARGETS; nothing in the generated file is typed by hand.
@@ -212,11 +213,12 @@ def _measured_2nd(r: dict[str, Any]) -> bool:
 
 def current_tables(runs: Sequence[dict[str, Any]]) -> list[Table]:
     """For every table key, the rows of the latest run (last in the record) that measured it. Runs
-    without a GPU (dry runs) never count."""
+    without a GPU (dry runs) never count, nor runs marked `contended` (measured while other work
+    shared the host: kept in the record with the reason, never shown as a current result)."""
     latest: dict[tuple, Table] = {}
     order: dict[int, int] = {}
     for i, run in enumerate(runs):
-        if run.get("device", "cuda") != "cuda" or run.get("dry"):
+        if run.get("device", "cuda") != "cuda" or run.get("dry") or run.get("contended"):
             continue
         order[id(run)] = i
         for key, rows in _row_keys(run).items():
