@@ -145,7 +145,9 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [it for it in items if in_shard(it.nodeid, i, n)]
     # SANITIZE_NODEIDS_FILE (scripts/sanitize.sh's `cover` selection): only the tests listed there,
     # one node id a line (ids hold spaces and brackets a shell -k expression would mangle).
-    keep_file = os.environ.get("SANITIZE_NODEIDS_FILE")
+    # Read once and dropped: the tests that start pytest or sanitize.sh in a subprocess must not
+    # inherit the filter (their own selections would come out empty).
+    keep_file = os.environ.pop("SANITIZE_NODEIDS_FILE", None)
     if keep_file:
         with open(keep_file) as f:
             keep = {line.strip() for line in f if line.strip()}
