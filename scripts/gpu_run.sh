@@ -5,7 +5,10 @@
 #   scripts/gpu_run.sh bench <args...>         python -m kforge.bench <args>, log in $OUT/bench-*.log
 #   scripts/gpu_run.sh suite [SECONDS] [args]  the whole GPU suite, one shard per GPU, all at once
 #                                                (logs $OUT/shardI.log; counts per shard even when a
-#                                                shard is cut at SECONDS, default 480)
+#                                                shard is cut at SECONDS, default 480; each test's
+#                                                seconds in $OUT/durationsI.txt: concatenated, they
+#                                                are tests/gpu_durations.txt, which orders the suite
+#                                                longest first)
 #   scripts/gpu_run.sh sh '<command>'          anything else after the build
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -48,7 +51,8 @@ while [ $# -gt 0 ]; do
       args=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       gpus=$(nvidia-smi -L | wc -l); workers=$(( $(nproc) / gpus - 1 )); [ "$workers" -ge 1 ] || workers=1
       for i in $(seq 1 "$gpus"); do
-        CUDA_VISIBLE_DEVICES=$(( i - 1 )) timeout "$limit" python3 -m pytest -v -p no:cacheprovider tests \
+        CUDA_VISIBLE_DEVICES=$(( i - 1 )) KFORGE_DURATIONS_FILE="$OUT/durations$i.txt" \
+          timeout "$limit" python3 -m pytest -v -p no:cacheprovider tests \
           -n "$workers" --dist loadgroup -rf -W ignore --tb=short -p no:logging --shard "$i/$gpus" \
           "${args[@]}" > "$OUT/shard$i.log" 2>&1 &
       done

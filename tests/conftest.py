@@ -114,6 +114,53 @@ def pytest_unconfigure(config):
         json.dump(rows, f)
 
 
+# Test durations, for ordering the GPU suite (scripts/gpu_run.sh suite). KFORGE_DURATIONS_FILE: each
+# test's seconds (setup + call + teardown) are appended there, "seconds<TAB>node id" a line, by the
+# process that reports results (the controller under pytest-xdist). tests/gpu_durations.txt, in the
+# same format, is what a GPU suite recorded: when it is there, the collected tests run longest first
+# (tests it does not list count as its mean), so that with pytest-xdist the slow ones start at once
+# rather than trail after the rest. KFORGE_ORDER_BY_DURATION=0 keeps the collection order;
+# KFORGE_ORDER_DURATIONS names another durations file to order by.
+_DURATIONS: dict[str, float] = {}
+DURATIONS_FILE = os.path.join(os.path.dirname(__file__), "gpu_durations.txt")
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("KFORGE_DURATIONS_FILE")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+    if report.when == "teardown":
+        with open(path, "a") as f:
+            f.write(f"{_DURATIONS.pop(report.nodeid):.3f}\t{report.nodeid}\n")
+
+
+def recorded_durations(path: str = DURATIONS_FILE) -> dict[str, float]:
+    """{node id: seconds} from a durations file (the last line of a node id wins; bad lines skipped)."""
+    out: dict[str, float] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                seconds, _, nodeid = line.rstrip("\n").partition("\t")
+                try:
+                    out[nodeid] = float(seconds)
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    out.pop("", None)
+    return out
+
+
+def longest_first(items: list, durations: dict[str, float]) -> list:
+    """`items` by recorded duration, longest first; unrecorded ones count as the mean; ties keep
+    their collection order (the same order in every process, as pytest-xdist requires)."""
+    if not durations:
+        return list(items)
+    mean = sum(durations.values()) / len(durations)
+    return sorted(items, key=lambda it: -durations.get(it.nodeid, mean))
+
+
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/N",
                      help="run the I-th of N parts of the collected tests (1-based; each test in exactly one "
@@ -154,6 +201,8 @@ def pytest_collection_modifyitems(config, items):
         selected = [it for it in items if it.nodeid in keep]
         config.hook.pytest_deselected(items=[it for it in items if it.nodeid not in keep])
         items[:] = selected
+    if os.environ.get("KFORGE_ORDER_BY_DURATION", "1") != "0":
+        items[:] = longest_first(items, recorded_durations(os.environ.get("KFORGE_ORDER_DURATIONS", DURATIONS_FILE)))
     # Under pytest-xdist with --dist loadgroup the bigmem tests share one worker, so they run one at a
     # time instead of several at once exhausting the GPU's memory for every other worker.
     for item in items:
