@@ -553,7 +553,7 @@ def test_default_loss_picks_the_scalar():
 def _args(**kw) -> argparse.Namespace:
     base = dict(names=[], model_specs=None, preset=None, size=None, setup=None, backends=None, batch=None, seq=None,
                 steps=None, warmup=None, cudagraphs=False, path=None, second_process=False, warm_caches=False,
-                dry=False)
+                dry=False, dropout=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -736,6 +736,53 @@ def test_hf_gpt2_has_nanogpts_sizes():
     assert opts["autocast"] is None and "mode" not in opts and set(inputs) == {"input_ids", "labels"}
     assert hf.config.resid_pdrop == hf.config.attn_pdrop == hf.config.embd_pdrop == 0.0
     _autocast_micro_step(hf_gpt2.make)
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "hf-gpt2", "hf-llama"])
+def test_zoo_models_take_a_dropout(name):
+    """make(dropout=p): in train mode two steps of the same inputs differ, in eval mode the model is
+    the dropout-free one (same weights); dropout=0 (the default) is deterministic in train mode."""
+    from kforge.zoo import MODELS
+
+    make = models.load_factory(MODELS[name])
+
+    def losses(dropout, train, calls=2):
+        model, inputs, opts = make(size="micro", batch=2, seq=16, device="cpu", dtype=torch.float32, dropout=dropout)
+        model.train(train)
+        call = (lambda: model(**inputs)) if isinstance(inputs, dict) else (lambda: model(*inputs))
+        return [opts["loss_fn"](call()).item() for _ in range(calls)]
+
+    torch.manual_seed(1)
+    a, b = losses(0.5, True)
+    assert a != b, "dropout 0.5 in train mode changed nothing"
+    assert losses(0.5, False) == losses(0.0, False) == losses(0.0, True)[:1] * 2
+
+
+def test_dropout_reaches_the_factories_rows_and_a_table_of_its_own(factories):
+    """--dropout P: passed to every factory (one that takes none is an error naming it), kept in each
+    row, and its runs make tables of their own that the issue's targets leave out."""
+    import kf_bench_models
+
+    cfg = models.resolve(_args(names=["nanogpt"], model_specs=["kf_bench_models:make_all"], dropout=0.1))
+    assert [c.dropout for c in cfg.cases] == [0.1, 0.1]
+    models.build(cfg.cases[1], "bf16", batch=1, seq=4, device="cpu")
+    assert kf_bench_models.seen[-1]["dropout"] == 0.1
+    models.build(models.ModelCase("m", "kf_bench_models:make_all"), "bf16", batch=1, seq=4, device="cpu")
+    assert "dropout" not in kf_bench_models.seen[-1]  # only when asked for
+    with pytest.raises(models.FactoryError, match="takes no dropout"):
+        models.build(models.ModelCase("m", "kf_bench_models:make", dropout=0.1), "bf16", batch=1, seq=4, device="cpu")
+    with pytest.raises(models.UsageError, match="--dropout"):
+        models.resolve(_args(dropout=1.0))
+    (row,) = models.bench_models(models.resolve(_args(dry=True, names=["nanogpt"], backends="eager", setup="bf16",
+                                                      dropout=0.1)))["rows"]
+    assert row["dropout"] == 0.1 and "error" not in row, row
+    plain, dropped = _users_run(17.0, 19.0, 40.0), _users_run(30.0, 19.0, 40.0)
+    for r in dropped["rows"]:
+        r["dropout"] = 0.1
+    tables = report._tables(report.current_tables([plain, dropped]), "models")
+    assert sorted(t.key[2] for t in tables) == ["124M", "124M dropout 0.1"]
+    assert report.TARGETS[0].check(report.current_tables([plain, dropped]))[0] == "met"  # 30 ms is not judged
+    assert report.TARGETS[0].check(report.current_tables([dropped])) == ("no run", "")
 
 
 # ---- dry runs ------------------------------------------------------------------------------------

@@ -34,9 +34,10 @@ from . import records
 SUBCOMMANDS = ("models", "ops", "gpt2", "llama", "launch", "report", "import-md")
 MEASURING = ("models", "ops", "gpt2", "llama", "launch")
 FACTORY_HELP = _cli.factory_contract(
-    ("size", "batch", "seq", "device", "dtype", "seed", "autocast"),
+    ("size", "batch", "seq", "device", "dtype", "seed", "autocast", "dropout"),
     "batch and seq are the\n            benchmark's (--batch, --seq), size is passed when --size is "
-    "given, autocast (a bool)\n            says whether the step runs under bf16 autocast")
+    "given, dropout when --dropout is,\n            autocast (a bool) says whether the step runs under "
+    "bf16 autocast")
 
 
 def invoked_as() -> str:
@@ -75,6 +76,10 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="small: the llm.c notebook's case, nanogpt 124M, B=4 T=64, fp32, --cudagraphs")
     m.add_argument("--size", help="size preset passed to every factory (zoo: 124M / bench, tiny, micro; "
                                   "default: nanogpt and hf-gpt2 124M, plain-llama and hf-llama bench)")
+    m.add_argument("--dropout", type=float, metavar="P",
+                   help="dropout probability passed to every factory (zoo: nanogpt's and hf-gpt2's embedding, "
+                        "attention and residual dropout, hf-llama's attention dropout; plain-llama has none); "
+                        "default: each factory's own (the zoo's: off)")
     m.add_argument("--setup", choices=["bf16", "autocast", "fp32", "both", "all"],
                    help="bf16 weights; fp32 weights + torch.autocast(bf16); fp32; both = bf16 and autocast "
                         "(default); all = the three")

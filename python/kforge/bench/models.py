@@ -94,6 +94,7 @@ class ModelCase:
     label: str
     spec: str
     size: str | None = None
+    dropout: float | None = None  # passed to the factory when set (--dropout)
 
 
 @dataclass
@@ -193,6 +194,10 @@ def build(case: ModelCase, setup: str, *, batch: int, seq: int, device: Any, see
         offered["dtype"] = weights
     if case.size is not None:
         offered["size"] = case.size
+    if case.dropout is not None:
+        if not (takes_all or "dropout" in params):
+            raise FactoryError(f"{case.label}: the factory takes no dropout (--dropout {case.dropout:g})")
+        offered["dropout"] = case.dropout
     kw = {k: v for k, v in offered.items() if takes_all or k in params}
     out = factory(**kw)
     if not (isinstance(out, tuple) and len(out) in (2, 3)):
@@ -527,7 +532,8 @@ def second_process(case: ModelCase, setup: str, backend: str, *, batch: int, seq
                    path: str | None = None) -> dict[str, Any]:
     """The first step of `backend` again, in a fresh Python process with the row's cache directories
     (`env`): what a second training run pays when the disk caches are warm."""
-    spec = dict(label=case.label, spec=case.spec, size=case.size, setup=setup, backend=backend, batch=batch,
+    spec = dict(label=case.label, spec=case.spec, size=case.size, dropout=case.dropout, setup=setup, backend=backend,
+                batch=batch,
                 seq=seq, device=device, cudagraphs=cudagraphs, path=path)
     child_env = dict(os.environ, **env)
     # The child imports the factory as this process did: same sys.path.
@@ -556,7 +562,7 @@ def _child(spec_json: str) -> int:
 
     warnings.filterwarnings("ignore", message="transformer_engine module not found")
     spec = json.loads(spec_json)
-    case = ModelCase(spec["label"], spec["spec"], spec["size"])
+    case = ModelCase(spec["label"], spec["spec"], spec["size"], spec.get("dropout"))
     res: dict[str, Any] = {}
     try:
         built = build(case, spec["setup"], batch=spec["batch"], seq=spec["seq"], device=spec["device"],
@@ -620,6 +626,12 @@ def resolve(args: Any) -> ModelsConfig:
     for spec in args.model_specs or []:
         load_factory(spec)  # fail on a bad spec before anything runs
         cases.append(ModelCase(spec, spec, size))
+    dropout = getattr(args, "dropout", None)
+    if dropout is not None:
+        if not 0.0 <= dropout < 1.0:
+            raise UsageError(f"--dropout must be in [0, 1), got {dropout}")
+        for case in cases:
+            case.dropout = dropout
     setup = pick("setup", "both")
     setups = {"both": ["bf16", "autocast"], "all": list(SETUPS)}.get(setup, [setup])
     backends = [b.strip() for b in (args.backends or ",".join(DEFAULT_BACKENDS)).split(",") if b.strip()]
@@ -701,6 +713,8 @@ def _bench_group(case: ModelCase, setup: str, cfg: ModelsConfig, *, device: str,
     for backend in cfg.backends:
         row: dict[str, Any] = dict(model=case.label, size=case.size, setup=setup, backend=backend,
                                    cudagraphs=cudagraphs and backend != "eager", batch=cfg.batch, seq=cfg.seq)
+        if case.dropout is not None:
+            row["dropout"] = case.dropout
         if row["cudagraphs"] and backend.startswith("kforge"):
             row["graph_runner"] = "kforge.cudagraphs"  # earlier records: Thunder's CUDAGraphTransform
         env: dict[str, str] = {}

@@ -194,7 +194,7 @@ def _row_keys(run: dict[str, Any]) -> dict[tuple, list[dict]]:
         elif kind == "model":
             key = ("model", r["model"], r["attention"], gpu)
         elif kind == "models":  # one key per set-up: runs of one set-up each add up to one table
-            key = ("models", r["model"], r.get("size"), r["batch"], r["seq"],
+            key = ("models", r["model"], _size_label(r), r["batch"], r["seq"],
                    any(x.get("cudagraphs") for x in run["rows"]), gpu, r["setup"])
             if any(_measured_2nd(x) for x in run["rows"] if x["model"] == r["model"] and x["setup"] == r["setup"]):
                 # a second-process start is its own measurement: a later run without one keeps it
@@ -205,6 +205,11 @@ def _row_keys(run: dict[str, Any]) -> dict[tuple, list[dict]]:
             continue
         out.setdefault(key, []).append(r)
     return out
+
+
+def _size_label(r: dict[str, Any]) -> Any:
+    """A users' model row's size, with its dropout when --dropout set one: a table of its own."""
+    return r.get("size") if r.get("dropout") is None else f"{r.get('size')} dropout {r['dropout']:g}"
 
 
 def _measured_2nd(r: dict[str, Any]) -> bool:
@@ -370,7 +375,8 @@ def _ops_pct(ops: Sequence[str] | None, threshold: float, exclude: Sequence[str]
 def _user_cases(tables: list[Table], cudagraphs: bool) -> list[tuple[Table, str, dict[str, dict]]]:
     out = []
     for t in _tables(tables, "models"):
-        if t.key[5] != cudagraphs:
+        # the targets are the models as the zoo builds them; --dropout tables are shown, not judged
+        if t.key[5] != cudagraphs or any(r.get("dropout") is not None for r in t.rows):
             continue
         for setup, by in _by_setup(t.rows).items():
             out.append((t, setup, by))
@@ -447,6 +453,8 @@ def _kforge_warm(by: dict[str, dict]) -> tuple[bool | None, str]:
 def _warm_target(tables: list[Table]) -> tuple[str, str]:
     results = []
     for t in _tables(tables, "warm"):
+        if any(r.get("dropout") is not None for r in t.rows):
+            continue
         ok, txt = _kforge_warm({r["backend"]: r for r in t.rows})
         if ok is not None:
             results.append((t, ok, txt))

@@ -8,8 +8,8 @@ How it differs from nanoGPT's spelling: every projection is transformers' `Conv1
 (`NewGELUActivation`: `0.5 * x * (1 + tanh(...(x + 0.044715 * x**3)))`, which kforge.transforms'
 `gelu` pattern finds); the causal mask comes from
 transformers' mask utilities; the loss upcasts the logits to fp32 and shifts the labels itself.
-Dropout is off (GPT2Config's default is 0.1), as in nanogpt's bench model: attention with dropout
-is left to Thunder's sdpa executor.
+Dropout is off by default (GPT2Config's own default is 0.1), as in nanogpt's bench model;
+`make(dropout=0.1)` sets GPT2Config's three (embeddings, attention weights, residual branches).
 
 Plain PyTorch / transformers only; nothing here calls kforge.
 """
@@ -26,16 +26,17 @@ SIZES = {
 }
 
 
-def config(size: str = "tiny", *, attn_implementation: str = "sdpa"):
-    """The `transformers.GPT2Config` of a size: tied embeddings, dropout off, no KV cache."""
+def config(size: str = "tiny", *, attn_implementation: str = "sdpa", dropout: float = 0.0):
+    """The `transformers.GPT2Config` of a size: tied embeddings, `dropout` (resid, embd and attn
+    pdrop; default off), no KV cache."""
     import transformers
 
     s = SIZES[size]
     return transformers.GPT2Config(
         **s,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         bos_token_id=0,
         eos_token_id=0,
         use_cache=False,
@@ -45,13 +46,13 @@ def config(size: str = "tiny", *, attn_implementation: str = "sdpa"):
 
 def make(*, size: str = "tiny", batch: int = 4, seq: int | None = None, device: str | torch.device = "cuda",
          dtype: torch.dtype | None = torch.bfloat16, autocast: bool = False, seed: int = 0,
-         attn_implementation: str = "sdpa"):
+         attn_implementation: str = "sdpa", dropout: float = 0.0):
     """(model, {"input_ids", "labels"}, options): random weights (HF's own initialisation) and random
     tokens. `dtype` is the weights' dtype; with `autocast`, weights stay fp32 and the step runs under
-    `torch.autocast(dtype)`. options: loss_fn `out.loss`."""
+    `torch.autocast(dtype)`; `dropout` goes to config(). options: loss_fn `out.loss`."""
     import transformers
 
     torch.manual_seed(seed)
-    cfg = config(size, attn_implementation=attn_implementation)
+    cfg = config(size, attn_implementation=attn_implementation, dropout=dropout)
     return hf_causal_lm(transformers.GPT2LMHeadModel, cfg, positions=cfg.n_positions, batch=batch, seq=seq,
                         device=device, dtype=dtype, autocast=autocast, seed=seed)

@@ -23,7 +23,7 @@ SIZES = {
 }
 
 
-def config(size: str = "tiny", *, attn_implementation: str = "sdpa"):
+def config(size: str = "tiny", *, attn_implementation: str = "sdpa", dropout: float = 0.0):
     """The `transformers.LlamaConfig` of a size: untied embeddings, no biases, no padding token,
     default RoPE (theta 10000), RMSNorm eps 1e-5, no KV cache."""
     import transformers
@@ -43,7 +43,7 @@ def config(size: str = "tiny", *, attn_implementation: str = "sdpa"):
         hidden_act="silu",
         attention_bias=False,
         mlp_bias=False,
-        attention_dropout=0.0,
+        attention_dropout=dropout,  # Llama's only dropout: on the attention weights
         tie_word_embeddings=False,
         pad_token_id=None,
         use_cache=False,
@@ -53,14 +53,15 @@ def config(size: str = "tiny", *, attn_implementation: str = "sdpa"):
 
 def make(*, size: str = "tiny", batch: int = 4, seq: int | None = None, device: str | torch.device = "cuda",
          dtype: torch.dtype | None = torch.bfloat16, autocast: bool = False, seed: int = 0,
-         attn_implementation: str = "sdpa"):
+         attn_implementation: str = "sdpa", dropout: float = 0.0):
     """(model, {"input_ids", "labels"}, options): random weights (HF's own initialisation, std 0.02)
     and random tokens. `dtype` is the weights' dtype; with `autocast`, weights stay fp32 and the step
-    runs under `torch.autocast(dtype)`. options: mode "dynamo", loss_fn `out.loss`."""
+    runs under `torch.autocast(dtype)`; `dropout` is LlamaConfig's attention_dropout. options: mode
+    "dynamo", loss_fn `out.loss`."""
     import transformers
 
     torch.manual_seed(seed)
-    cfg = config(size, attn_implementation=attn_implementation)
+    cfg = config(size, attn_implementation=attn_implementation, dropout=dropout)
     model, inputs, options = hf_causal_lm(transformers.LlamaForCausalLM, cfg, positions=cfg.max_position_embeddings,
                                           batch=batch, seq=seq, device=device, dtype=dtype, autocast=autocast,
                                           seed=seed)

@@ -30,6 +30,7 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     bias: bool = True
+    dropout: float = 0.0  # nanoGPT's: embeddings, attention weights, both residual branches
 
 
 class CausalSelfAttention(nn.Module):
@@ -38,6 +39,8 @@ class CausalSelfAttention(nn.Module):
         assert config.n_embd % config.n_head == 0
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
@@ -47,9 +50,10 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None,
+                                           dropout_p=self.attn_dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -58,9 +62,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU()
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -84,6 +89,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
@@ -105,7 +111,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         b, t = idx.size()
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
@@ -119,11 +125,12 @@ class GPT(nn.Module):
 
 
 def make(*, size: str = "tiny", batch: int = 4, seq: int | None = None, device: str | torch.device = "cuda",
-         dtype: torch.dtype | None = torch.bfloat16, autocast: bool = False, seed: int = 0):
-    """(model, (idx, targets), options): random weights and tokens. `dtype` is the weights' dtype;
-    with `autocast`, weights stay fp32 and the step runs under `torch.autocast(dtype)`."""
+         dtype: torch.dtype | None = torch.bfloat16, autocast: bool = False, seed: int = 0, dropout: float = 0.0):
+    """(model, (idx, targets), options): random weights and tokens, the model in train mode. `dtype`
+    is the weights' dtype; with `autocast`, weights stay fp32 and the step runs under
+    `torch.autocast(dtype)`; `dropout` is nanoGPT's (0 for pretraining, 0.1 or so for fine-tuning)."""
     torch.manual_seed(seed)
-    cfg = GPTConfig(**SIZES[size])
+    cfg = GPTConfig(**SIZES[size], dropout=dropout)
     seq = min(seq or cfg.block_size, cfg.block_size)
     model = build(GPT, cfg, device=device, dtype=None if autocast else dtype)
     idx, targets = random_tokens(cfg.vocab_size, batch, seq, device, seed + 1)
