@@ -29,7 +29,9 @@ def test_checker_accepts_and_declines(trace_ctx, on_hopper) -> None:
     reasons = {
         "fp32": _check(*(proxy(2, 4, 128, 64),) * 3),
         "mask": _check(q, q, q, attn_mask=proxy(128, 128, dtype=torch.bfloat16)),
-        "dropout": _check(q, q, q, dropout_p=0.1),
+        "dropout of 1": _check(q, q, q, dropout_p=1.0),
+        "negative dropout": _check(q, q, q, dropout_p=-0.1),
+        "dropout not a number": _check(q, q, q, dropout_p=True),
         "gqa": _check(q, proxy(2, 2, 128, 64, dtype=torch.bfloat16), proxy(2, 2, 128, 64, dtype=torch.bfloat16)),
         "head dim": _check(*(proxy(2, 4, 128, 160, dtype=torch.bfloat16),) * 3),
         "3-D": _check(*(proxy(4, 128, 64, dtype=torch.bfloat16),) * 3),
@@ -38,6 +40,8 @@ def test_checker_accepts_and_declines(trace_ctx, on_hopper) -> None:
     for what, reason in reasons.items():
         assert reason, f"{what} accepted"
     assert "bf16" in reasons["fp32"] and "mask" in reasons["mask"] and "head dim" in reasons["head dim"]
+    assert "0 <= p < 1" in reasons["dropout of 1"] and "not a constant" in reasons["dropout not a number"]
+    assert _check(q, q, q, dropout_p=0.1, is_causal=True) is None  # attention dropout: inside cuDNN
 
 
 def test_declined_without_a_gpu(trace_ctx) -> None:
@@ -151,6 +155,93 @@ def test_transform_takes_grouped_heads(spelling, monkeypatch) -> None:
         ft = fake_cuda_trace(make, jit=kforge.jit, other_use=True)
         att = next(b for b in ft.forward.bound_symbols if b.sym.name == "kforge_attention_forward")
         assert tuple(att.args[1].shape) == (2, 6, 64, 32)
+
+
+@pytest.mark.parametrize("model", ["nanogpt", "hf_gpt2", "hf_llama"])
+def test_attention_dropout_stays_in_kforge_as_on_a_gpu(model, monkeypatch) -> None:
+    """With dropout on (fine-tuning), the users' models keep their attention on kforge's cuDNN
+    operators, the probability passed through to forward and backward; Hugging Face's causal mask
+    still becomes is_causal (no mask built in the trace), grouped heads stay grouped."""
+    import importlib
+
+    from conftest import fake_cuda_trace
+    from kforge.ops import attention
+
+    import kforge
+
+    monkeypatch.setattr(attention, "_device_problem", lambda q: None)
+    make = importlib.import_module(f"kforge.zoo.{model}").make
+    ft = fake_cuda_trace(make, jit=kforge.jit, size="micro", batch=2, seq=16, dtype=torch.bfloat16, dropout=0.25)
+    fwd = [b for b in ft.forward.bound_symbols if b.sym.name == "kforge_attention_forward"]
+    bwd = [b for b in ft.backward.bound_symbols if b.sym.name == "kforge_attention_backward"]
+    assert fwd and len(fwd) == len(bwd), [b.sym.name for b in ft.forward.bound_symbols]
+    assert all(b.args[5] == 0.25 and b.args[3] is True for b in fwd), [b.args[3:] for b in fwd]
+    assert all(b.args[-1] == 0.25 for b in bwd)
+    names = {b.sym.name for b in ft.forward.bound_symbols}
+    assert not any(n.startswith("sdpa") or n in ("cumsum", "diff") for n in names), names
+    if model == "hf_llama":  # 4 query heads over 2 kv heads at micro size: k and v as they are
+        assert fwd[0].args[1].shape[1] < fwd[0].args[0].shape[1]
+
+
+def _cudnn_eager(q, k, v, p, is_causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=is_causal)
+
+
+@gpu
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_dropout_matches_eager_cudnn_under_the_same_seed(is_causal) -> None:
+    """Attention dropout through kforge is eager's cuDNN attention, bit for bit, when both start from
+    the same generator state: the same mask in the forward and the same mask regenerated in the
+    backward (dq, dk, dv equal). Another seed gives another mask, and p = 0.5 changes the output."""
+    import thunder
+
+    import kforge
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("cuDNN attention is claimed from sm_90 on")
+    b, h, t, d, p = 2, 3, 197, 64, 0.5
+    q, k, v = (randn(b, h, t, d, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    dout = randn(b, h, t, d, dtype=torch.bfloat16)
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=is_causal)
+
+    jf = thunder.jit(fn, executors=kforge.executors())
+    results = []
+    for f in (jf, lambda q, k, v: _cudnn_eager(q, k, v, p, is_causal)):
+        torch.manual_seed(1234)
+        out = f(q, k, v)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    assert "kforge_attention_forward" in {s.sym.name for s in thunder.last_traces(jf)[-1].bound_symbols}
+    for name, a, e in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, e), f"{name} differs from eager cuDNN under the same seed"
+    torch.manual_seed(4321)
+    assert not torch.equal(jf(q, k, v), results[0][0]), "another seed, the same mask"
+    ref = _reference(q, k, v, is_causal, None).to(torch.bfloat16)
+    assert (results[0][0] - ref).abs().max() > 0.1, "p = 0.5 dropped nothing"
+
+
+@gpu
+def test_dropout_is_unbiased() -> None:
+    """Averaged over many draws, attention with dropout p is attention without it (the kept weights
+    scaled by 1 / (1 - p)): the mean over 400 seeds within 4 standard errors of the float64 output."""
+    import thunder
+
+    import kforge
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("cuDNN attention is claimed from sm_90 on")
+    q, k, v = (randn(1, 2, 64, 64, dtype=torch.bfloat16) for _ in range(3))
+    jf = thunder.jit(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True),
+                     executors=kforge.executors())
+    draws = torch.stack([jf(q, k, v).double() for _ in range(400)])
+    mean, sem = draws.mean(0), draws.std(0) / math.sqrt(len(draws))
+    ref = _reference(q, k, v, True, None)
+    err = ((mean - ref).abs() / (sem + 1e-3)).flatten()
+    assert err.quantile(0.99) < 4, f"mean off by {err.max():.1f} standard errors"
 
 
 @gpu

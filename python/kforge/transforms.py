@@ -206,7 +206,8 @@ class Match:
              add_rms_norm: (s, y)).
     bsyms:   every top-level bound symbol the match replaces.
     kwargs:  keyword arguments of the helper (rope: interleaved; split_qkv: copy; rms_norm:
-             cast_before_weight=False for litgpt's / F.rms_norm's order; attention: is_causal, scale;
+             cast_before_weight=False for litgpt's / F.rms_norm's order; attention: is_causal, scale,
+             dropout_p when not 0;
              add_rms_norm: cast_before_weight; gelu: approximate).
     prep:    when set, turns `args` into the helper's arguments inside the trace (a transpose of
              (B, T, H, D) heads, a table reshape, a flatten of the logits).
@@ -1267,8 +1268,9 @@ def _match_attention(g: _Graph, sdpa: BoundSymbol) -> Match | None:
     q, rk, rv = (_arg(sdpa, i, name) for i, name in enumerate(("query", "key", "value")))
     if not all(isinstance(t, TensorProxy) and t.ndim == 4 for t in (q, rk, rv)):
         return None
-    if _arg(sdpa, 4, "dropout_p", 0.0) != 0.0:
-        return None
+    dropout_p = _arg(sdpa, 4, "dropout_p", 0.0)
+    if not isinstance(dropout_p, Number) or isinstance(dropout_p, bool):
+        return None  # a probability known only at run time: SDPA as it is
     mask, is_causal, scale = _arg(sdpa, 3, "attn_mask"), _arg(sdpa, 5, "is_causal", False), _arg(sdpa, 6, "scale")
     if not isinstance(is_causal, bool) or not (scale is None or isinstance(scale, Number)):
         return None
@@ -1296,8 +1298,10 @@ def _match_attention(g: _Graph, sdpa: BoundSymbol) -> Match | None:
             k, v = rk, rv
     if n_rep == 1 and mask is None:
         return None
-    return Match("attention", (q, k, v, n_rep), (sdpa.output,), bsyms, {"is_causal": is_causal, "scale": scale},
-                 problem=problem)
+    kwargs = {"is_causal": is_causal, "scale": scale}
+    if dropout_p:
+        kwargs["dropout_p"] = float(dropout_p)
+    return Match("attention", (q, k, v, n_rep), (sdpa.output,), bsyms, kwargs, problem=problem)
 
 
 def _spelled_expansion(g: _Graph, t: TensorProxy) -> bool:

@@ -4,8 +4,13 @@ Eager PyTorch picks cuDNN's SDPA on Hopper; Thunder's sdpa executor runs FlashAt
 is about 1.6x slower per GPT-2 124M step's attention (3.25 vs 2.0 ms at B=8, T=1024, H100). kforge
 therefore claims the SDPA call itself and runs torch's cuDNN attention forward and backward ops
 (`aten._scaled_dot_product_cudnn_attention[_backward]`): no kernels of kforge's own. What cuDNN's
-path does not take (fp32, an explicit mask, dropout, grouped heads without expansion, head dims past
-128, devices before sm_90) is declined with its reason, and Thunder's sdpa executor takes it (FA2).
+path does not take (fp32, an explicit mask, grouped heads without expansion, head dims past 128,
+devices before sm_90, a dropout probability that is not a constant) is declined with its reason, and
+Thunder's sdpa executor takes it (FA2).
+
+Dropout (fine-tuning's attention dropout) runs inside cuDNN's kernels: the forward draws its mask
+from torch's CUDA generator (Philox, a seed and an offset cuDNN returns), the backward takes the same
+seed and offset and draws the same mask again, so no mask is stored, as eager's cuDNN path does.
 `SdpaMaskShape` (in kforge.jit / kforge.compile) hands it masks at their broadcast shape, which its
 memory-efficient path needs.
 
@@ -22,11 +27,12 @@ arrive token-major ((B, T, H, D) in memory, as a linear's output viewed and tran
 token-major, and the head merge after attention is a view.
 
 Thunder symbols:
-    kforge_attention_forward(q, k, v, is_causal, scale) -> (out, logsumexp, philox_seed, philox_offset)
-    kforge_attention_backward(dout, q, k, v, out, logsumexp, philox_seed, philox_offset, is_causal, scale)
-        -> (dq, dk, dv). Saved for backward: q, k, v, out, logsumexp. k and v may have fewer heads
-        than q (a divisor of q's).
-    kforge_attention(q, k, v, n_rep, is_causal, scale) -> out
+    kforge_attention_forward(q, k, v, is_causal, scale, dropout_p) -> (out, logsumexp, philox_seed,
+        philox_offset)
+    kforge_attention_backward(dout, q, k, v, out, logsumexp, philox_seed, philox_offset, is_causal, scale,
+        dropout_p) -> (dq, dk, dv). Saved for backward: q, k, v, out, logsumexp and, with dropout, the
+        generator's seed and offset. k and v may have fewer heads than q (a divisor of q's).
+    kforge_attention(q, k, v, n_rep, is_causal, scale, dropout_p) -> out
         registered with `replaces=attention`; decomposes into repeat_kv + SDPA when declined.
 """
 from __future__ import annotations
@@ -53,20 +59,21 @@ _cudnn_attention = getattr(torch, "_scaled_dot_product_cudnn_attention",
                            torch.ops.aten._scaled_dot_product_cudnn_attention)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None):
-    o = _cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
+             dropout_p: float = 0.0):
+    o = _cudnn_attention(q, k, v, None, True, dropout_p, is_causal, False, scale=scale)
     return o[0], o[1], o[6], o[7]
 
 
-def _backward(dout, q, k, v, out, lse, seed, offset, is_causal: bool, scale: float | None):
+def _backward(dout, q, k, v, out, lse, seed, offset, is_causal: bool, scale: float | None, dropout_p: float = 0.0):
     if dout.stride() != out.stride():  # cuDNN reads dO in O's layout
         dout = torch.empty_like(out).copy_(dout)
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, is_causal,
+        dout, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], dropout_p, is_causal,
         scale=scale)
 
 
-def _forward_meta(q, k, v, is_causal, scale):
+def _forward_meta(q, k, v, is_causal, scale, dropout_p=0.0):
     b, h, t, _ = q.shape
     out = TensorProxy(like=q, shape=(b, h, t, v.shape[-1]))
     lse = TensorProxy(like=q, shape=(b, h, t, 1), dtype=dtypes.float32)
@@ -75,7 +82,7 @@ def _forward_meta(q, k, v, is_causal, scale):
     return out, lse, seed, offset
 
 
-def _backward_meta(dout, q, k, v, out, lse, seed, offset, is_causal, scale):
+def _backward_meta(dout, q, k, v, out, lse, seed, offset, is_causal, scale, dropout_p=0.0):
     return TensorProxy(like=q), TensorProxy(like=k), TensorProxy(like=v)
 
 
@@ -112,8 +119,10 @@ def _check(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: f
         return "query, key and value must be 4-D (batch, heads, sequence, head dim)"
     if attn_mask is not None:
         return "an explicit attn_mask"
-    if not (isinstance(dropout_p, (int, float)) and dropout_p == 0.0):
-        return "dropout"
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+        return "dropout_p is not a constant"
+    if not 0.0 <= dropout_p < 1.0:
+        return f"dropout_p {dropout_p} (cuDNN attention: 0 <= p < 1)"
     if not isinstance(is_causal, bool):
         return "is_causal is not a constant"
     if scale is not None and not isinstance(scale, (int, float)):
@@ -131,14 +140,19 @@ def _check(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: f
     return _device_problem(query)
 
 
+def _p(dropout_p: float) -> float:
+    return float(dropout_p)  # an int 0 reaches the trace as 0.0: one spelling per program
+
+
 def _execution(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                enable_gqa=False):
-    return attention_forward(query, key, value, is_causal, scale)[0]
+    return attention_forward(query, key, value, is_causal, scale, _p(dropout_p))[0]
 
 
 def _grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-    out, lse, seed, offset = attention_forward(query, key, value, is_causal, scale)
-    dq, dk, dv = attention_backward(get_grad(out), query, key, value, out, lse, seed, offset, is_causal, scale)
+    p = _p(dropout_p)
+    out, lse, seed, offset = attention_forward(query, key, value, is_causal, scale, p)
+    dq, dk, dv = attention_backward(get_grad(out), query, key, value, out, lse, seed, offset, is_causal, scale, p)
     put_grad(query, dq)
     put_grad(key, dk)
     put_grad(value, dv)
@@ -147,40 +161,42 @@ def _grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
 
 # ---- the helper the pattern rewrite calls: grouped heads, causal flag -------------------------------
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int = 1, is_causal: bool = False,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """SDPA of q (B, H, T, D) over k, v (B, H / n_rep, T, D), kv head j serving q heads j * n_rep ..
-    (j + 1) * n_rep - 1: `F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))`.
-    Plain PyTorch; under `thunder.jit` with kforge, cuDNN attention on the grouped heads as they are."""
+    (j + 1) * n_rep - 1: `F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))`,
+    with attention dropout `dropout_p`. Plain PyTorch; under `thunder.jit` with kforge, cuDNN attention
+    on the grouped heads as they are."""
     from .gqa import repeat_kv
 
-    return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=is_causal,
-                                          scale=scale)
+    return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale)
 
 
 def _attention_like(q: TensorProxy, k: TensorProxy, v: TensorProxy, n_rep: int = 1, is_causal: bool = False,
-                    scale: float | None = None) -> TensorProxy:
+                    scale: float | None = None, dropout_p: float = 0.0) -> TensorProxy:
     # attention in thunder.torch ops: the operator's meta and its decomposition when declined.
     from .gqa import _repeat_kv_like
 
     return ltorch.scaled_dot_product_attention(q, _repeat_kv_like(k, n_rep), _repeat_kv_like(v, n_rep), None,
-                                               0.0, is_causal, scale=scale)
+                                               dropout_p, is_causal, scale=scale)
 
 
 kforge_attention = operator("attention", like=_attention_like, fn=attention, replaces=attention)
 
 
-def _check_attention(q: Any, k: Any, v: Any, n_rep: Any = 1, is_causal: Any = False, scale: Any = None) -> str | None:
+def _check_attention(q: Any, k: Any, v: Any, n_rep: Any = 1, is_causal: Any = False, scale: Any = None,
+                     dropout_p: Any = 0.0) -> str | None:
     if not isinstance(n_rep, int) or isinstance(n_rep, bool) or n_rep < 1:
         return f"n_rep must be a positive Python int, got {n_rep!r}"
-    return _check(q, k, v, None, 0.0, is_causal, scale=scale, n_rep=n_rep)
+    return _check(q, k, v, None, dropout_p, is_causal, scale=scale, n_rep=n_rep)
 
 
-def _attention_execution(q, k, v, n_rep=1, is_causal=False, scale=None):
-    return attention_forward(q, k, v, is_causal, scale)[0]
+def _attention_execution(q, k, v, n_rep=1, is_causal=False, scale=None, dropout_p=0.0):
+    return _execution(q, k, v, None, dropout_p, is_causal, scale=scale)
 
 
-def _attention_grad(q, k, v, n_rep=1, is_causal=False, scale=None):
-    return _grad(q, k, v, None, 0.0, is_causal, scale=scale)
+def _attention_grad(q, k, v, n_rep=1, is_causal=False, scale=None, dropout_p=0.0):
+    return _grad(q, k, v, None, dropout_p, is_causal, scale=scale)
 
 
 SPEC = OpSpec("attention", (Claim(ltorch.scaled_dot_product_attention, _check, _execution, _grad),
