@@ -51,7 +51,7 @@ while [ $# -gt 0 ]; do
       args=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       gpus=$(nvidia-smi -L | wc -l); workers=$(( $(nproc) / gpus - 1 )); [ "$workers" -ge 1 ] || workers=1
       for i in $(seq 1 "$gpus"); do
-        CUDA_VISIBLE_DEVICES=$(( i - 1 )) KFORGE_DURATIONS_FILE="$OUT/durations$i.txt" \
+        CUDA_VISIBLE_DEVICES=$(( i - 1 )) TEST_DURATIONS_FILE="$OUT/durations$i.txt" \
           timeout "$limit" python3 -m pytest -v -p no:cacheprovider tests \
           -n "$workers" --dist loadgroup -rf -W ignore --tb=short -p no:logging --shard "$i/$gpus" \
           "${args[@]}" > "$OUT/shard$i.log" 2>&1 &

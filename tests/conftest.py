@@ -26,6 +26,9 @@ gpu = pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 
 
 def pytest_configure(config):
+    global _REPORTS_RESULTS
+    # not the PYTEST_XDIST_WORKER variable: a test's own pytest subprocess inherits it
+    _REPORTS_RESULTS = not hasattr(config, "workerinput")
     config.addinivalue_line("markers", "bigmem: needs 10+ GiB of GPU memory (tensors past 2^31 elements)")
     config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
     # scripts/sanitize.sh runs `-m sanitize` under compute-sanitizer (10-100x slower kernels): small
@@ -114,20 +117,23 @@ def pytest_unconfigure(config):
         json.dump(rows, f)
 
 
-# Test durations, for ordering the GPU suite (scripts/gpu_run.sh suite). KFORGE_DURATIONS_FILE: each
+# Test durations, for ordering the GPU suite (scripts/gpu_run.sh suite). TEST_DURATIONS_FILE: each
 # test's seconds (setup + call + teardown) are appended there, "seconds<TAB>node id" a line, by the
 # process that reports results (the controller under pytest-xdist). tests/gpu_durations.txt, in the
 # same format, is what a GPU suite recorded: when it is there, the collected tests run longest first
 # (tests it does not list count as its mean), so that with pytest-xdist the slow ones start at once
-# rather than trail after the rest. KFORGE_ORDER_BY_DURATION=0 keeps the collection order;
-# KFORGE_ORDER_DURATIONS names another durations file to order by.
+# rather than trail after the rest. TEST_ORDER_BY_DURATION=0 keeps the collection order;
+# TEST_ORDER_DURATIONS names another durations file to order by.
 _DURATIONS: dict[str, float] = {}
 DURATIONS_FILE = os.path.join(os.path.dirname(__file__), "gpu_durations.txt")
 
 
+_REPORTS_RESULTS = True  # false in a pytest-xdist worker (its controller writes the durations)
+
+
 def pytest_runtest_logreport(report):
-    path = os.environ.get("KFORGE_DURATIONS_FILE")
-    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+    path = os.environ.get("TEST_DURATIONS_FILE")
+    if not path or not _REPORTS_RESULTS:
         return
     _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
     if report.when == "teardown":
@@ -201,8 +207,8 @@ def pytest_collection_modifyitems(config, items):
         selected = [it for it in items if it.nodeid in keep]
         config.hook.pytest_deselected(items=[it for it in items if it.nodeid not in keep])
         items[:] = selected
-    if os.environ.get("KFORGE_ORDER_BY_DURATION", "1") != "0":
-        items[:] = longest_first(items, recorded_durations(os.environ.get("KFORGE_ORDER_DURATIONS", DURATIONS_FILE)))
+    if os.environ.get("TEST_ORDER_BY_DURATION", "1") != "0":
+        items[:] = longest_first(items, recorded_durations(os.environ.get("TEST_ORDER_DURATIONS", DURATIONS_FILE)))
     # Under pytest-xdist with --dist loadgroup the bigmem tests share one worker, so they run one at a
     # time instead of several at once exhausting the GPU's memory for every other worker.
     for item in items:

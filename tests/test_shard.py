@@ -38,10 +38,10 @@ def test_bad_shard_is_a_usage_error(spec):
 
 # ---- durations: recorded per test, and the suite ordered longest first ----------------------------
 def test_durations_are_recorded_once_per_test(tmp_path):
-    """KFORGE_DURATIONS_FILE gets one line per test, from the controller only under pytest-xdist."""
+    """TEST_DURATIONS_FILE gets one line per test, from the controller only under pytest-xdist."""
     for workers in ([], ["-n", "2"]):
         path = tmp_path / f"durations{len(workers)}.txt"
-        env = dict(os.environ, KFORGE_DURATIONS_FILE=str(path), KFORGE_ORDER_BY_DURATION="0")
+        env = dict(os.environ, TEST_DURATIONS_FILE=str(path), TEST_ORDER_BY_DURATION="0")
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
                               os.path.join(HERE, "test_gelu.py"), "-k", "dispatch or checker", *workers],
                              capture_output=True, text=True, cwd=os.path.dirname(HERE), timeout=600, env=env)
@@ -68,11 +68,11 @@ def test_longest_first_keeps_ties_and_counts_the_unlisted_as_the_mean():
 def test_suite_runs_longest_first_and_parts_still_cover_every_test_once(tmp_path):
     """With a durations file the collection puts its slowest tests first; the --shard parts still
     partition the suite (every process computes the same order)."""
-    plain = _collected(env=dict(os.environ, KFORGE_ORDER_BY_DURATION="0"))
+    plain = _collected(env=dict(os.environ, TEST_ORDER_BY_DURATION="0"))
     slow, second = plain[-1].split(" ")[0], plain[len(plain) // 2].split(" ")[0]
     path = tmp_path / "durations.txt"
     path.write_text(f"100.0\t{slow}\nnot a number\t{plain[0]}\n50.5\t{second}\n0.001\t{plain[1]}\n")
-    env = dict(os.environ, KFORGE_ORDER_DURATIONS=str(path))
+    env = dict(os.environ, TEST_ORDER_DURATIONS=str(path))
     ordered = _collected(env=env)
     assert ordered[:2] == [slow, second] and sorted(ordered) == sorted(plain)
     parts = [_collected("--shard", f"{i}/2", env=env) for i in (1, 2)]
