@@ -532,9 +532,8 @@ def second_process(case: ModelCase, setup: str, backend: str, *, batch: int, seq
                    path: str | None = None) -> dict[str, Any]:
     """The first step of `backend` again, in a fresh Python process with the row's cache directories
     (`env`): what a second training run pays when the disk caches are warm."""
-    spec = dict(label=case.label, spec=case.spec, size=case.size, dropout=case.dropout, setup=setup, backend=backend,
-                batch=batch,
-                seq=seq, device=device, cudagraphs=cudagraphs, path=path)
+    spec = dict(label=case.label, spec=case.spec, size=case.size, dropout=case.dropout, setup=setup,
+                backend=backend, batch=batch, seq=seq, device=device, cudagraphs=cudagraphs, path=path)
     child_env = dict(os.environ, **env)
     # The child imports the factory as this process did: same sys.path.
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
