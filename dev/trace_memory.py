@@ -4,7 +4,8 @@ where a training step's activation memory peaks and which tensors make it.
     PYTHONPATH=python:tests python3 dev/trace_memory.py plain_llama --size bench [--autocast] [--top 12]
 
 Walks the forward trace, then the backward trace from the tensors the forward saved for it: each
-tensor a symbol makes counts from that symbol until its `del` (or the end of its trace). Parameters,
+tensor a symbol makes counts from that symbol until its `del` (or the end of its trace); a view
+(reshape, permute, ...) counts nothing and keeps its base live until both are deleted. Parameters,
 gradients and optimizer state are not counted (they are the same for every backend), nor what
 kernels allocate inside (workspaces, a launcher's temporaries), nor the caching allocator's rounding
 and fragmentation: compare the peaks of two traces of the same model, not with measured GiB.
@@ -24,21 +25,44 @@ def nbytes(p) -> int:
     return math.prod(p.shape) * dtypes.to_torch_dtype(p.dtype).itemsize
 
 
+# Symbols whose tensor output is a view of their first tensor argument (reshape where torch.reshape
+# gives a view, as it does for the contiguous tensors these traces reshape): no bytes of their own,
+# and they keep that argument's storage alive.
+VIEWS = {"torch_prims_reshape_impl", "reshape", "view", "permute", "transpose", "unsqueeze", "squeeze",
+         "expand", "shallow_copy", "split", "__getitem__"}
+
+
 def walk(trace, live: dict[str, tuple[int, str]]) -> tuple[int, str, dict[str, tuple[int, str]]]:
     """(peak bytes, symbol at the peak, what was live then); `live` ({name: (bytes, maker)}) is
-    updated to what is live at the trace's end."""
+    updated to what is live at the trace's end. A view counts nothing itself and keeps its base's
+    bytes live until the base and every view of it are deleted."""
     from thunder.core.prims import PrimIDs
     from thunder.core.proxies import TensorProxy
 
+    base = {name: name for name in live}  # tensor name -> the name owning its storage
+    users = {name: {name} for name in live}  # storage owner -> names still referring to it
     peak, at, at_peak = sum(v[0] for v in live.values()), "start", dict(live)
     for b in trace.bound_symbols:
         if b.sym.id == PrimIDs.DEL:
             for p in b.flat_proxy_args:
-                live.pop(p.name, None)
+                owner = base.pop(p.name, None)
+                if owner is not None:
+                    users[owner].discard(p.name)
+                    if not users[owner]:
+                        live.pop(owner, None)
+                        del users[owner]
         elif b.sym.id != PrimIDs.RETURN:
+            src = next((a for a in b.flat_proxy_args if isinstance(a, TensorProxy)), None)
             for p in b.flat_proxy_outs:
-                if isinstance(p, TensorProxy) and p.name not in live:
+                if not isinstance(p, TensorProxy) or p.name in base:
+                    continue
+                if b.sym.name in VIEWS and src is not None and src.name in base:
+                    base[p.name] = base[src.name]
+                else:
+                    base[p.name] = p.name
+                    users[p.name] = set()
                     live[p.name] = (nbytes(p), b.sym.name)
+                users[base[p.name]].add(p.name)
             cur = sum(v[0] for v in live.values())
             if cur > peak:
                 peak, at, at_peak = cur, b.sym.name, dict(live)
