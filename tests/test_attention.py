@@ -44,6 +44,21 @@ def test_checker_accepts_and_declines(trace_ctx, on_hopper) -> None:
     assert _check(q, q, q, dropout_p=0.1, is_causal=True) is None  # attention dropout: inside cuDNN
 
 
+def test_dropout_declined_where_cudnn_has_none(trace_ctx, on_hopper, monkeypatch) -> None:
+    """cuDNN 9.11 - 9.13 attention has no dropout (torch's dispatch skips them): declined there, with
+    the version; p = 0 and other versions are taken."""
+    from kforge.ops.attention import _check
+
+    q = proxy(2, 4, 128, 64, dtype=torch.bfloat16)
+    reasons = {}
+    for version, taken in ((91100, True), (91200, False), (91399, False), (91400, True), (91900, True)):
+        monkeypatch.setattr(torch.backends.cudnn, "version", lambda v=version: v)
+        reasons[version] = _check(q, q, q, dropout_p=0.1)
+        assert (reasons[version] is None) == taken, (version, reasons[version])
+        assert _check(q, q, q, dropout_p=0.0) is None
+    assert "91399" in reasons[91399]
+
+
 def test_declined_without_a_gpu(trace_ctx) -> None:
     from kforge.ops.attention import _check
 

@@ -51,6 +51,9 @@ from thunder.core.transforms import get_grad, put_grad
 from .._thunder import Claim, OpSpec, operator, replace_calls, same_dtype_device, tensor_problem
 
 MAX_HEAD_DIM = 128
+# cuDNN runtime versions whose attention has no dropout (torch's SDPA dispatch declines them too):
+# strictly between these two.
+_CUDNN_WITHOUT_DROPOUT = (91100, 91400)
 
 
 # torch's own binding of the op where it has one: a few us of host time under the op-packet call, in
@@ -123,6 +126,8 @@ def _check(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: f
         return "dropout_p is not a constant"
     if not 0.0 <= dropout_p < 1.0:
         return f"dropout_p {dropout_p} (cuDNN attention: 0 <= p < 1)"
+    if dropout_p > 0.0 and _CUDNN_WITHOUT_DROPOUT[0] < (torch.backends.cudnn.version() or 0) < _CUDNN_WITHOUT_DROPOUT[1]:
+        return f"dropout with cuDNN {torch.backends.cudnn.version()} (9.11 - 9.13 have none in attention)"
     if not isinstance(is_causal, bool):
         return "is_causal is not a constant"
     if scale is not None and not isinstance(scale, (int, float)):
