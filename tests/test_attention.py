@@ -44,6 +44,19 @@ def test_checker_accepts_and_declines(trace_ctx, on_hopper) -> None:
     assert _check(q, q, q, dropout_p=0.1, is_causal=True) is None  # attention dropout: inside cuDNN
 
 
+def test_declined_under_deterministic_algorithms(trace_ctx, on_hopper, monkeypatch) -> None:
+    """torch.use_deterministic_algorithms(True) (not warn-only): declined, as torch's own dispatch
+    skips cuDNN attention then; warn-only keeps it."""
+    from kforge.ops.attention import _check
+
+    q = proxy(2, 4, 128, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    monkeypatch.setattr(torch, "is_deterministic_algorithms_warn_only_enabled", lambda: False)
+    assert "deterministic" in _check(q, q, q, is_causal=True)
+    monkeypatch.setattr(torch, "is_deterministic_algorithms_warn_only_enabled", lambda: True)
+    assert _check(q, q, q, is_causal=True) is None
+
+
 def test_dropout_declined_where_cudnn_has_none(trace_ctx, on_hopper, monkeypatch) -> None:
     """cuDNN 9.11 - 9.13 attention has no dropout (torch's dispatch skips them): declined there, with
     the version; p = 0 and other versions are taken."""

@@ -142,6 +142,9 @@ def _check(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: f
         return f"head dim {d} (cuDNN: a multiple of 8, at most {MAX_HEAD_DIM})"
     if is_causal and t != tk:
         return "causal attention with query and key lengths that differ"
+    if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+        # as torch's SDPA dispatch: read when the trace is made, as every checker's inputs are
+        return "torch.use_deterministic_algorithms(True): cuDNN attention is not deterministic"
     return _device_problem(query)
 
 
