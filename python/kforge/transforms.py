@@ -2247,11 +2247,14 @@ def executors() -> list:
 
 def _install_lookasides() -> None:
     """kforge's lookasides in Thunder's interpreter (`kforge.lookasides`), unless KFORGE_LOOKASIDES
-    is off."""
+    is off, and transformers' MoE custom op mapped to kforge's grouped product (`kforge.ops.grouped_mm`)."""
     from . import _env, lookasides
 
     if _env.flag("KFORGE_LOOKASIDES"):
         lookasides.install()
+    from .ops import grouped_mm
+
+    grouped_mm.map_custom_ops()  # transformers registers its MoE op when its integration is imported
 
 
 def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterable[str] = ALL_KINDS,
@@ -2275,6 +2278,7 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     from thunder.dynamo.utils import get_torch_compile_kwargs
 
     from .fusion.zero_cotangents import ZeroCotangents
+    from .inplace import InPlaceIntermediates
     from .ops.attention import SdpaMaskShape
     from .ops.linear import LinearBiasSplit
     from .prologue import BatchedChecks
@@ -2282,8 +2286,8 @@ def thunderfx(model: Callable, /, *, transforms: Sequence[Transform] = (), kinds
     _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    kwargs["transforms"] = [patterns, SdpaMaskShape(), LinearBiasSplit(), *_gemm_calls(gemm), *transforms,
-                            ZeroCotangents(), BatchedChecks()]
+    kwargs["transforms"] = [InPlaceIntermediates(), patterns, SdpaMaskShape(), LinearBiasSplit(),
+                            *_gemm_calls(gemm), *transforms, ZeroCotangents(), BatchedChecks()]
     compile_kwargs = get_torch_compile_kwargs(**kwargs)
     backend = _compiler_class()(trace_cache=trace_cache,
                                 **{k: v for k, v in kwargs.items() if k not in compile_kwargs})
@@ -2311,6 +2315,7 @@ def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterabl
     import thunder
 
     from .fusion.zero_cotangents import ZeroCotangents
+    from .inplace import InPlaceIntermediates
     from .ops.attention import SdpaMaskShape
     from .ops.linear import LinearBiasSplit
     from .prologue import BatchedChecks
@@ -2318,8 +2323,8 @@ def jit(fn: Callable, /, *, transforms: Sequence[Transform] = (), kinds: Iterabl
     _install_lookasides()
     kwargs.setdefault("executors", executors())
     patterns = LlamaPatternTransform(kinds=kinds)
-    transforms = [patterns, SdpaMaskShape(), LinearBiasSplit(), *_gemm_calls(gemm), *transforms, ZeroCotangents(),
-                  BatchedChecks()]
+    transforms = [InPlaceIntermediates(), patterns, SdpaMaskShape(), LinearBiasSplit(), *_gemm_calls(gemm),
+                  *transforms, ZeroCotangents(), BatchedChecks()]
     jfn = thunder.jit(fn, transforms=transforms, **kwargs)
     jfn.llama_patterns = patterns
     return jfn
