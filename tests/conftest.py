@@ -448,10 +448,14 @@ class FakeTrace:
         return symbol_counts(self.forward), symbol_counts(self.backward) if self.backward is not None else None
 
 
+def _hopper_capability(device=None) -> tuple[int, int]:
+    return (9, 0)  # a plain function, which Dynamo and Thunder's interpreter trace as they would torch's
+
+
 @contextlib.contextmanager
 def as_on_a_gpu():
     """What tracing CUDA models without a GPU needs patched: SDPA's flash / efficient checks, autocast's CUDA
-    checks, kforge attention's device check (an sm_90 GPU), module parameters converted by `.to()`
+    checks, kforge attention's device check and the device capability (an sm_90 GPU), module parameters converted by `.to()`
     under fake tensors. Restored afterwards."""
     import contextlib
     from unittest import mock
@@ -468,6 +472,8 @@ def as_on_a_gpu():
                                                   return_value=True, create=True))
             stack.enter_context(mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False))
             stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=True))
+            # transformers' MoE layers pick torch's grouped GEMM by the capability (sm_80+)
+            stack.enter_context(mock.patch("torch.cuda.get_device_capability", new=_hopper_capability))
             # kforge's cuDNN attention asks the device for sm_90: answer as a Hopper GPU would.
             stack.enter_context(mock.patch("kforge.ops.attention._device_problem", return_value=None))
             yield

@@ -14,6 +14,10 @@ Thunder symbols:
     kforge_grouped_mm(a, b, offs) -> out
         a (S, K), b (E, K, N), offs (E,) integer: out (S, N) in a's dtype. transformers' custom op
         and `torch._grouped_mm(a, b, offs=offs)` (2-D by 3-D, no bias, no out_dtype) become it.
+    kforge_torch_grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None)
+        what `torch._grouped_mm` (and F.grouped_mm) become under kforge: Thunder 0.2.6's own symbol
+        takes `offsets=` and rejected torch's `offs=`. The experts' form decomposes to
+        kforge_grouped_mm, the others to Thunder's symbol.
     kforge_grouped_mm_forward(a, b, offs) -> out
     kforge_grouped_mm_backward(g, a, b, offs) -> (da, db)
         da = grouped g @ b[e]^T (S, K); db[e] = a[group e]^T @ g[group e] (E, K, N), zero for an
@@ -130,8 +134,15 @@ grouped_mm_backward = operator("grouped_mm_backward", meta=_backward_meta, fn=gr
 kforge_grouped_mm = operator("grouped_mm", like=_grouped_mm_like, fn=grouped_mm)
 
 
-def _transformers_op(a, b, offs):  # the custom op's schema: (Tensor input, Tensor weight, Tensor offs)
-    return kforge_grouped_mm(a, b, offs)
+def _torch_like(mat_a: TensorProxy, mat_b: TensorProxy, offs: TensorProxy | None = None,
+                bias: TensorProxy | None = None, out_dtype: Any = None) -> TensorProxy:
+    # torch._grouped_mm in torch's own signature (F.grouped_mm calls it with offs=, which Thunder
+    # 0.2.6's symbol, taking offsets=, rejects): the experts' form is kforge_grouped_mm, the others
+    # Thunder's symbol.
+    same = out_dtype is None or dtypes.to_dtype(out_dtype) == mat_a.dtype
+    if offs is not None and bias is None and same and _shape_problem(mat_a, mat_b, offs) is None:
+        return kforge_grouped_mm(mat_a, mat_b, offs)
+    return ltorch._grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
 
 
 def map_custom_ops() -> bool:
@@ -152,6 +163,9 @@ def map_custom_ops() -> bool:
 
 
 map_custom_ops()
+if hasattr(torch, "_grouped_mm") and hasattr(ltorch, "_grouped_mm"):
+    kforge_torch_grouped_mm = operator("torch_grouped_mm", like=_torch_like, fn=torch._grouped_mm,
+                                       replaces=torch._grouped_mm)
 
 
 # ---- claims -------------------------------------------------------------------------------------------
