@@ -128,12 +128,19 @@ def test_bad_input_is_named():
 
 
 # ---- Hugging Face's MoE models ------------------------------------------------------------------------
+# name: (model class, config class, config, grouped products per step (two per MoE layer))
 MOE = {
-    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2), 4),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
-                       norm_topk_prob=True)),
-    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
+                       norm_topk_prob=True), 4),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2), 4),
+    # multi-head latent attention (its keys written slice by slice into a new tensor), one dense layer
+    # then one MoE layer with a shared expert and group-limited routing
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                    dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=None,
+                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                         first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4), 2),
 }
 
 
@@ -142,11 +149,11 @@ def make_moe(name, *, device="cpu", dtype=torch.float32, autocast=False, batch=2
     transformers = pytest.importorskip("transformers")
     from kforge.zoo._build import hf_causal_lm
 
-    cls, cfg_cls, extra = MOE[name]
-    cfg = getattr(transformers, cfg_cls)(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa",
-        tie_word_embeddings=False, pad_token_id=None, **extra)
+    cls, cfg_cls, extra, _ = MOE[name]
+    cfg = getattr(transformers, cfg_cls)(**{
+        **dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa",
+               tie_word_embeddings=False, pad_token_id=None), **extra})
     torch.manual_seed(0)
     model, inputs, options = hf_causal_lm(getattr(transformers, cls), cfg, positions=seq, batch=batch, seq=seq,
                                           device=device, dtype=dtype, autocast=autocast, seed=0)
@@ -156,8 +163,9 @@ def make_moe(name, *, device="cpu", dtype=torch.float32, autocast=False, batch=2
 @pytest.mark.parametrize("name", list(MOE))
 def test_moe_models_train_a_step_as_eager_does(name):
     """fp32 on the CPU (torch's grouped GEMM has no float64): the loss and every gradient, each within
-    1e-4 of its largest entry. The routers renormalise their top-k weights in place; before
-    kforge.inplace, their gradients were tens of percent off."""
+    1e-4 of its largest entry. The routers renormalise their top-k weights in place, DeepSeek-V3
+    writes its keys slice by slice into a new tensor; before kforge.inplace, Thunder's gradients
+    were percents to tens of percent off."""
     model, inputs, _ = make_moe(name)
     ref = model(**inputs).loss
     ref.backward()
@@ -180,8 +188,8 @@ def test_moe_models_train_a_step_as_eager_does(name):
 @pytest.mark.parametrize("name", list(MOE))
 def test_moe_models_trace_as_on_a_gpu(name, dynamo, autocast):
     """bf16 weights take F.grouped_mm (torch._grouped_mm), fp32 weights under autocast transformers'
-    custom op: both become kforge_grouped_mm, two per layer (gate_up and down) forward and as many
-    backward, on thunder.jit and on Thunder's Dynamo path."""
+    custom op: both become kforge_grouped_mm, two per MoE layer (gate_up and down) forward and as
+    many backward, on thunder.jit and on Thunder's Dynamo path."""
     import kforge
 
     from conftest import fake_cuda_trace
@@ -189,8 +197,11 @@ def test_moe_models_trace_as_on_a_gpu(name, dynamo, autocast):
     traced = fake_cuda_trace(functools.partial(make_moe, name), jit=kforge.jit, dtype=torch.bfloat16,
                              autocast=autocast, dynamo=dynamo)
     fwd, bwd = traced.symbols()
-    assert fwd["kforge_grouped_mm_forward"] == 4 and bwd["kforge_grouped_mm_backward"] == 4, (dict(fwd), dict(bwd))
-    assert fwd["kforge_attention_forward"] == 2 and fwd["kforge_rope_forward"] == 2
+    n = MOE[name][3]
+    assert fwd["kforge_grouped_mm_forward"] == n and bwd["kforge_grouped_mm_backward"] == n, (dict(fwd), dict(bwd))
+    assert fwd["kforge_attention_forward"] == 2
+    # DeepSeek's RoPE rotates even / odd slices of one shared key head: no kforge pattern (fused instead)
+    assert fwd["kforge_rope_forward"] == (0 if name == "deepseek_v3" else 2), dict(fwd)
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------

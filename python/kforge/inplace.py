@@ -13,6 +13,11 @@ whose out-of-place form has the same dtype and shape, is rewritten to that out-o
 trace's later readers already read the op's output (Thunder renamed them), so the only effect of
 the in-place write was the overwrite. The copy kernel goes too, and the fusion executor can fuse the
 op with its neighbours. Everything else is left to Thunder as it is.
+
+A tensor made by `empty` / `zeros` / `full` and then written slice by slice with `copy_` (slices that
+partition one dim, nothing reading the tensor in between) becomes the `cat` of what was copied:
+Thunder gives the copied tensors no gradient through `copy_` into a view (Hugging Face's DeepSeek-V3
+builds its keys that way).
 """
 from __future__ import annotations
 
@@ -52,17 +57,153 @@ def _call_args(b: Any) -> tuple[list, dict]:
     return args, kwargs
 
 
+# Symbols that make a tensor whose old contents nothing reads once slices cover it.
+_FRESH = {"new_empty", "empty", "empty_like", "new_zeros", "zeros", "zeros_like", "new_full", "full", "full_like"}
+
+
+def _slice_of(index: Any, shape: tuple) -> tuple[int, int, int] | None:
+    """(dim, start, stop) when `index` (a getitem's) is full slices and Ellipsis but for one step-1
+    slice along dim, else None."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if sum(i is Ellipsis for i in items) > 1 or not all(i is Ellipsis or isinstance(i, slice) for i in items):
+        return None
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + [slice(None)] * (len(shape) - len(items) + 1) + items[at + 1:]
+    items += [slice(None)] * (len(shape) - len(items))
+    if len(items) != len(shape):
+        return None
+    partial = []
+    for d, (sl, n) in enumerate(zip(items, shape)):
+        if sl.step not in (None, 1):
+            return None
+        start, stop, _ = sl.indices(n)
+        if (start, stop) != (0, n):
+            partial.append((d, start, stop))
+    return partial[0] if len(partial) == 1 else None
+
+
+def _fill_by_slices(trace: Any) -> tuple[Any, int]:
+    """(`trace` with each fresh tensor written slice by slice with `copy_` (every slice along one dim,
+    together covering it) made the `cat` of what was copied, how many). Thunder 0.2.6 gives the
+    copied tensors no gradient at all through such writes (Hugging Face's DeepSeek-V3 builds its
+    keys this way: the key path's weights got none of the attention's gradient)."""
+    import thunder.torch as ltorch
+    from thunder.core import prims
+    from thunder.core.proxies import TensorProxy, variableify
+    from thunder.core.trace import TraceProvenance, from_trace, tracectx
+
+    bsyms = list(trace.bound_symbols)
+    count = 0
+    i = 0
+    while i < len(bsyms):
+        b = bsyms[i]
+        outs = [o for o in b.flat_proxy_outs if isinstance(o, TensorProxy)]
+        if b.sym.name not in _FRESH or len(outs) != 1:
+            i += 1
+            continue
+        match = _match_fill(bsyms, i, outs[0], prims, TensorProxy)
+        if match is None:
+            i += 1
+            continue
+        consumed, pieces, dim, final, at = match
+        new = from_trace(trace)
+        new.push_scope([])
+        with tracectx(new):
+            parts = []
+            for shape, src in pieces:
+                t = src if tuple(src.shape) == shape else ltorch.expand(src, shape)
+                parts.append(t if t.dtype == final.dtype else ltorch.to(t, final.dtype))
+            out = ltorch.cat(parts, dim)
+        made = [m.from_bsym_swap_proxies({variableify(out): final}) for m in new.pop_scope()]
+        bsyms = [x for k, x in enumerate(bsyms[:at]) if k not in consumed] + made + bsyms[at:]
+        count += 1
+        i = 0
+    if not count:
+        return trace, 0
+    out_trace = from_trace(trace)
+    out_trace.bound_symbols = bsyms
+    out_trace.set_provenance(TraceProvenance(f"kforge: {count} tensor(s) filled slice by slice made a cat"))
+    return out_trace, count
+
+
+def _match_fill(bsyms: list, i: int, base: Any, prims: Any, TensorProxy: type):
+    """(indices of the bound symbols to drop, [(slice shape, copied tensor)] in order along the dim,
+    dim, the base's last name, where the cat goes) for the fill starting at bsyms[i], or None."""
+    role: dict[str, Any] = {base.name: "base"}
+    current = {"base": base.name}
+    views: list[dict] = []
+    consumed = {i}
+    for j in range(i + 1, len(bsyms)):
+        b = bsyms[j]
+        args = [a for a in b.flat_proxy_args if isinstance(a, TensorProxy)]
+        ins = [a.name for a in args]
+        touched = [n for n in ins if n in role]
+        if b.sym.id == prims.PrimIDs.UPDATE_ALIASES and touched:
+            outs = [o.name for o in b.flat_proxy_outs]
+            if len(touched) != len(ins) or len(outs) != len(ins):
+                return None
+            for n, o in zip(ins, outs):
+                role[o] = role[n]
+                current[role[n]] = o
+            consumed.add(j)
+            continue
+        if b.sym.name == "getitem" and ins[:1] == [current["base"]] and len(touched) == 1:
+            where = _slice_of(b.args[1], tuple(base.shape))
+            if where is None or len(b.flat_proxy_outs) != 1:
+                return None
+            k = ("view", len(views))
+            views.append({"slice": where, "shape": tuple(b.flat_proxy_outs[0].shape), "src": None})
+            role[b.flat_proxy_outs[0].name] = k
+            current[k] = b.flat_proxy_outs[0].name
+            consumed.add(j)
+            continue
+        if b.sym.name == "copy_" and touched and ins[0] in role and role[ins[0]] != "base" \
+                and current.get(role[ins[0]]) == ins[0] and len(touched) == 1 and isinstance(b.args[1], TensorProxy):
+            view = views[role[ins[0]][1]]
+            if view["src"] is not None:
+                return None
+            view["src"] = b.args[1]
+            for o in b.flat_proxy_outs:
+                role[o.name] = role[ins[0]]
+                current[role[ins[0]]] = o.name
+            consumed.add(j)
+            continue
+        if not touched:
+            continue
+        # the first reader of the filled tensor: it reads the base's latest name only, every slice is
+        # written, and the slices partition one dim
+        if touched != [current["base"]] * len(touched) or not views or any(v["src"] is None for v in views):
+            return None
+        dims = {v["slice"][0] for v in views}
+        if len(dims) != 1:
+            return None
+        dim = dims.pop()
+        spans = sorted((v["slice"][1], v["slice"][2], v["shape"], v["src"]) for v in views)
+        edge = 0
+        for start, stop, _, _ in spans:
+            if start != edge:
+                return None
+            edge = stop
+        if edge != base.shape[dim]:
+            return None
+        final = next(a for a in args if a.name == current["base"])
+        return consumed, [(shape, src) for _, _, shape, src in spans], dim, final, j
+    return None
+
+
 def take_out_of_place(trace: Any) -> tuple[Any, int]:
     """(`trace` with the in-place ops on unaliased intermediates rewritten out of place, how many);
     `trace` itself when none is."""
     import thunder.torch as ltorch
     from thunder.core import prims
-    from thunder.core.trace import from_trace, tracectx
+    from thunder.core.trace import TraceProvenance, from_trace, tracectx
     from thunder.core.update_aliases import _is_inplace_op, _is_view_creation_op
 
+    trace, filled = _fill_by_slices(trace)
     bsyms = trace.bound_symbols
     if not any(_is_inplace_op(b) for b in bsyms):
-        return trace, 0
+        return trace, filled
     # Names of one storage: a tensor and its update_aliases output, an in-place op's target and its
     # output. A class is unsafe when it holds a trace input, a view of another tensor, or a tensor
     # Thunder groups with others in one update_aliases (a view of it exists). Views taken of the
@@ -122,7 +263,11 @@ def take_out_of_place(trace: Any) -> tuple[Any, int]:
         sym, args, kwargs = chosen[id(b)]
         return lambda: sym(*args, **kwargs)
 
-    return replace_calls(trace, replacement, "kforge: {} in-place op(s) on unaliased intermediates taken out of place")
+    out, n = replace_calls(trace, replacement, "kforge: {} in-place op(s) on unaliased intermediates taken out of place")
+    if n and filled:
+        out.set_provenance(TraceProvenance(f"kforge: {filled} tensor(s) filled slice by slice made a cat, {n} in-place "
+                                           "op(s) on unaliased intermediates taken out of place"))
+    return out, n + filled
 
 
 class InPlaceIntermediates(Transform):
