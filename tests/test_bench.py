@@ -715,7 +715,7 @@ def _autocast_micro_step(make) -> None:
 def test_hf_llama_has_the_plain_llamas_sizes():
     from kforge.zoo import MODELS, hf_llama, plain_llama
 
-    assert set(MODELS) == {"nanogpt", "plain-llama", "hf-llama", "hf-gpt2"}
+    assert set(MODELS) == {"nanogpt", "plain-llama", "hf-llama", "hf-gpt2", "hf-mixtral"}
     assert hf_llama.SIZES == plain_llama.SIZES
     hf, inputs, opts = hf_llama.make(size="bench", batch=2, seq=16, device="meta", dtype=torch.bfloat16)
     plain, _, _ = plain_llama.make(size="bench", batch=2, seq=16, device="meta", dtype=torch.bfloat16)
@@ -723,6 +723,42 @@ def test_hf_llama_has_the_plain_llamas_sizes():
     assert opts["mode"] == "dynamo" and opts["autocast"] is None and set(inputs) == {"input_ids", "labels"}
     assert hf.config.num_key_value_heads == 4 and hf.config.intermediate_size == 2048 and not hf.config.use_cache
     _autocast_micro_step(hf_llama.make)
+
+
+def test_hf_mixtral_is_the_llama_with_its_feed_forward_as_experts():
+    """The bench size: the Llama's attention, and per token (top 2 of 8 experts of 1024) its 2048-wide
+    feed-forward."""
+    from kforge.zoo import hf_mixtral, plain_llama
+
+    mx, inputs, opts = hf_mixtral.make(size="bench", batch=2, seq=16, device="meta", dtype=torch.bfloat16)
+    ll, _, _ = plain_llama.make(size="bench", batch=2, seq=16, device="meta", dtype=torch.bfloat16)
+    c, s = mx.config, plain_llama.SIZES["bench"]
+    assert c.num_experts_per_tok * c.intermediate_size == s["hidden_dim"] and c.num_local_experts == 8
+    ffn = 3 * s["dim"] * s["hidden_dim"] * s["n_layer"]  # the Llama's w1, w2, w3
+    router = c.num_local_experts * s["dim"] * s["n_layer"]
+    n_mx, n_ll = (sum(p.numel() for p in m.parameters()) for m in (mx, ll))
+    assert n_mx == n_ll - ffn + 4 * ffn + router, (n_mx, n_ll)
+    assert opts["mode"] == "dynamo" and set(inputs) == {"input_ids", "labels"} and not c.use_cache
+    assert c.router_aux_loss_coef == 0.0 and not c.output_router_logits
+    _autocast_micro_step(hf_mixtral.make)
+
+
+def test_hf_mixtral_trains_a_step_under_kforge_as_eager_does():
+    """CPU, micro size: the loss and every gradient within 1e-4 of its largest entry (the router's
+    in-place renormalisation and the grouped expert products, kforge.inplace / kforge.ops.grouped_mm)."""
+    from kforge.transforms import jit
+    from kforge.zoo import hf_mixtral
+
+    model, inputs, opts = hf_mixtral.make(size="micro", batch=2, seq=32, device="cpu", dtype=torch.float32)
+    ref = opts["loss_fn"](model(**inputs))
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = opts["loss_fn"](jit(model)(**inputs))
+    loss.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        assert (p.grad - want[n]).abs().max() <= 1e-4 * want[n].abs().max(), n
 
 
 def test_hf_gpt2_has_nanogpts_sizes():
@@ -738,7 +774,7 @@ def test_hf_gpt2_has_nanogpts_sizes():
     _autocast_micro_step(hf_gpt2.make)
 
 
-@pytest.mark.parametrize("name", ["nanogpt", "hf-gpt2", "hf-llama"])
+@pytest.mark.parametrize("name", ["nanogpt", "hf-gpt2", "hf-llama", "hf-mixtral"])
 def test_zoo_models_take_a_dropout(name):
     """make(dropout=p): in train mode two steps of the same inputs differ, in eval mode the model is
     the dropout-free one (same weights); dropout=0 (the default) is deterministic in train mode."""

@@ -1,7 +1,7 @@
 """python -m kforge.bench (also: python -m kforge bench) — benchmarks, and the record they keep.
 
 Measuring (CUDA GPU):
-  models    users' models (kforge.zoo: nanogpt, plain-llama, hf-llama, hf-gpt2; --model pkg.mod:factory):
+  models    users' models (kforge.zoo: nanogpt, plain-llama, hf-llama, hf-gpt2, hf-mixtral; --model pkg.mod:factory):
             ms/step, peak memory, first step, loss per set-up and backend (eager, torch.compile,
             thunder, kforge); --second-process, --preset small (CUDA graphs, B=4 T=64); --dry on CPU
   ops       each kernel's time and GB/s against copy bandwidth, eager and torch.compile
@@ -69,16 +69,16 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                        "(kforge.jit / kforge.compile).",
                        epilog=FACTORY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("names", nargs="*", metavar="MODEL",
-                   help="zoo models to run: nanogpt, plain-llama, hf-llama, hf-gpt2 (default: the first three, unless --model)")
+                   help="zoo models to run: nanogpt, plain-llama, hf-llama, hf-gpt2, hf-mixtral (default: the first three, unless --model)")
     m.add_argument("--model", dest="model_specs", action="append", metavar="PKG.MODULE:FACTORY",
                    help="your own model's factory (repeatable); contract below")
     m.add_argument("--preset", choices=["small"],
                    help="small: the llm.c notebook's case, nanogpt 124M, B=4 T=64, fp32, --cudagraphs")
     m.add_argument("--size", help="size preset passed to every factory (zoo: 124M / bench, tiny, micro; "
-                                  "default: nanogpt and hf-gpt2 124M, plain-llama and hf-llama bench)")
+                                  "default: nanogpt and hf-gpt2 124M, plain-llama, hf-llama and hf-mixtral bench)")
     m.add_argument("--dropout", type=float, metavar="P",
                    help="dropout probability passed to every factory (zoo: nanogpt's and hf-gpt2's embedding, "
-                        "attention and residual dropout, hf-llama's attention dropout; plain-llama has none); "
+                        "attention and residual dropout, hf-llama's and hf-mixtral's attention dropout; plain-llama has none); "
                         "default: each factory's own (the zoo's: off)")
     m.add_argument("--setup", choices=["bf16", "autocast", "fp32", "both", "all"],
                    help="bf16 weights; fp32 weights + torch.autocast(bf16); fp32; both = bf16 and autocast "
@@ -99,7 +99,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     m.add_argument("--path", choices=["jit", "dynamo"],
                    help="how thunder and kforge reach every model: jit = thunder.jit / kforge.jit, dynamo = "
                         "Thunder's Dynamo path (thunderfx / kforge.compile); default: each factory's own "
-                        "(zoo: hf-llama dynamo, the others jit)")
+                        "(zoo: hf-llama and hf-mixtral dynamo, the others jit)")
     m.add_argument("--second-process", action="store_true",
                    help="time the first step of kforge and torch.compile again in a fresh process (warm disk caches)")
     m.add_argument("--no-trace-cache", dest="trace_cache", action="store_false",

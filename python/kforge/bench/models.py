@@ -64,7 +64,8 @@ TRACE_ENV = {"kforge+cefused": {"KFORGE_CE_FUSED": "1"}}
 DEFAULT_BACKENDS = ("eager", "torch.compile", "thunder", "kforge")  # the A/B rows: asked for by name
 SETUPS = ("bf16", "autocast", "fp32")
 # Default --size per zoo model: the sizes of issue 18's table.
-DEFAULT_SIZE = {"nanogpt": "124M", "plain-llama": "bench", "hf-llama": "bench", "hf-gpt2": "124M"}
+DEFAULT_SIZE = {"nanogpt": "124M", "plain-llama": "bench", "hf-llama": "bench", "hf-gpt2": "124M",
+                "hf-mixtral": "bench"}
 # --dry builds every model at this size on the CPU.
 DRY_SIZE = "micro"
 OPTION_KEYS = {"loss_fn", "autocast", "mode"}

@@ -24,6 +24,7 @@ USER_MODEL_TITLES = {
     "plain-llama": "Llama in plain PyTorch (kforge.zoo.plain_llama)",
     "hf-llama": "Hugging Face LlamaForCausalLM (kforge.zoo.hf_llama)",
     "hf-gpt2": "Hugging Face GPT2LMHeadModel (kforge.zoo.hf_gpt2)",
+    "hf-mixtral": "Hugging Face MixtralForCausalLM (kforge.zoo.hf_mixtral)",
 }
 SETUP_TITLES = {"bf16": "bf16 weights", "autocast": "fp32 weights + bf16 autocast", "fp32": "fp32"}
 
