@@ -818,6 +818,45 @@ def test_dtype_comparisons_as_in_eager(restore_lookaside, dtype):
     assert lookasides.installed() and dtypes.float32 != torch.float32  # outside a compilation: Thunder's
 
 
+class _Instantiating(dict):
+    """transformers' ClassInstantier (ACT2FN): the stored item is a class, `table[name]` an instance."""
+
+    def __getitem__(self, key):
+        content = super().__getitem__(key)
+        cls, kwargs = content if isinstance(content, tuple) else (content, {})
+        return cls(**kwargs)
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self, by: float = 2.0):
+        super().__init__()
+        self.by = by
+
+    def forward(self, x):
+        return x * self.by
+
+
+_TABLE = _Instantiating({"double": _Scale, "triple": (_Scale, {"by": 3.0})})
+
+
+def _activations_by_name(x):
+    return _TABLE["double"](x) + _TABLE["triple"](x) + len(_TABLE)
+
+
+def test_dict_subclass_reads_its_stored_item_through_super(restore_lookaside):
+    """`super().__getitem__(key)` inside a dict subclass's own `__getitem__` reads the stored item in
+    kforge's compilations (Thunder's interpreter ran the subclass's method again: an activation table
+    called the new module without input, and Mamba's trace stopped); Thunder's own thunder.jit keeps
+    its behaviour."""
+    x = torch.randn(3, dtype=torch.float64)
+    jfn = kforge.jit(_activations_by_name)
+    for _ in range(2):  # the second call runs the prologue's checks of what the first traced
+        torch.testing.assert_close(jfn(x), _activations_by_name(x))
+    assert lookasides.installed()
+    with pytest.raises(Exception):
+        thunder.jit(_activations_by_name)(x)
+
+
 class _LossMadeInForward(torch.nn.Module):
     """A head that constructs its loss module inside forward, as Hugging Face's heads do: the loss's
     __init__ registers a buffer on the fresh module."""

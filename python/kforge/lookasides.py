@@ -239,6 +239,27 @@ def _sequence_contains_lookaside(self, key):
     return SequenceWrapperMethods.__contains__(self, key)
 
 
+def _dict_getitem_lookaside(self, key):
+    """`dict.__getitem__` in the interpreter. Thunder's reads `self.value[key]`, which for a dict
+    subclass with its own `__getitem__` runs that method again: `super().__getitem__(key)` inside it
+    returned the subclass's processed item, not the stored one. transformers' activation table
+    (`ACT2FN[name]`, a `ClassInstantier` whose `__getitem__` instantiates the stored class) then
+    called the new module with no input, which stopped Mamba, Mamba2 and Jamba in the trace ("forward()
+    missing 1 required positional argument"). In kforge's compilations a subclass's item is read with
+    dict's own method, as a constant of the trace: the prologue would replay a read by `mapping[key]`,
+    the subclass's method again. Plain dicts, and everything outside kforge's compilations, are
+    Thunder's."""
+    from thunder.core.interpreter import MutMappingWrapperMethods, do_raise, unwrap, wrap_const
+
+    mapping = unwrap(self)
+    if type(mapping).__getitem__ is dict.__getitem__ or not _kforge_compilation():
+        return MutMappingWrapperMethods.__getitem__(self, key)
+    try:
+        return wrap_const(dict.__getitem__(mapping, unwrap(key)))
+    except Exception as e:
+        return do_raise(e)
+
+
 def _next_lookaside(iterator, *default):
     """The interpreter's `next(iterator[, default])`, which every `for` loop runs per item. On the
     iterator Thunder makes for a tuple or list (its `SequenceIter`) Thunder interprets
@@ -712,7 +733,8 @@ def _our_entries() -> dict:
     if _entries is None:
         _entries = {_CALL_IMPL: _call_impl_lookaside, _WRAPPED_CALL_IMPL: _wrapped_call_impl_lookaside,
                     _GETATTR: _module_getattr_lookaside, tuple.__contains__: _sequence_contains_lookaside,
-                    list.__contains__: _sequence_contains_lookaside, next: _next_lookaside}
+                    list.__contains__: _sequence_contains_lookaside, next: _next_lookaside,
+                    dict.__getitem__: _dict_getitem_lookaside}
         for w in _dispatch_wrappers():
             _entries[w] = _dispatch_lookaside(w)
         # A dataclass's field list (transformers' ModelOutput reads it on every attribute it sets).
@@ -776,8 +798,9 @@ def install() -> bool:
     applied without torch's functorch unwrapping where there is nothing to unwrap; in place of
     Thunder's own entries, `F.multi_head_attention_forward` interpreted and reentrant checkpoints
     traced as non-reentrant; dtype comparisons as torch's; writes to modules made during the trace left out;
-    `Tensor.requires_grad_`. False where something else already holds one of the other entries (that
-    one stays as it is; the others are registered)."""
+    `Tensor.requires_grad_`; a dict subclass's stored items read with dict's own method. False where
+    something else already holds one of the other entries (that one stays as it is; the others are
+    registered)."""
     from thunder.core.jit_ext import _general_jit_lookaside_map
 
     ok = True

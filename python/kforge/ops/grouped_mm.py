@@ -24,7 +24,7 @@ Thunder symbols:
         empty group.
 
 Execution: `torch._grouped_mm` (CUTLASS grouped GEMMs, no host sync) for bf16 CUDA tensors whose
-rows are 16-byte aligned, as torch documents it; elsewhere (fp32 / fp16, the CPU, odd widths) one
+rows are 16-byte aligned and int32 offsets, as torch documents it; elsewhere (fp32 / fp16, the CPU, odd widths) one
 `torch.mm` per non-empty group, which reads the offsets on the host once per call, as transformers'
 own fallback does. Rows past offs[-1] (expert-parallel sentinels) are written as zeros there and
 left unspecified by torch's kernel; transformers masks them either way.
@@ -55,8 +55,8 @@ def _aligned(t: torch.Tensor) -> bool:
     return (row_major or col_major) and t.data_ptr() % 16 == 0
 
 
-def _fast(*ts: torch.Tensor) -> bool:
-    return all(t.is_cuda and t.dtype == torch.bfloat16 and _aligned(t) for t in ts)
+def _fast(offs: torch.Tensor, *ts: torch.Tensor) -> bool:
+    return offs.dtype == torch.int32 and all(t.is_cuda and t.dtype == torch.bfloat16 and _aligned(t) for t in ts)
 
 
 def _bounds(offs: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -71,7 +71,7 @@ def _bounds(offs: torch.Tensor) -> list[tuple[int, int, int]]:
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """out[r] = a[r] @ b[e] for the rows r of group e (a (S, K), b (E, K, N), offs (E,) cumulative)."""
-    if _fast(a, b):
+    if _fast(offs, a, b):
         return torch._grouped_mm(a, b, offs=offs)
     out = torch.zeros(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
     for e, s, t in _bounds(offs):
@@ -83,7 +83,7 @@ def grouped_mm_grads(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(da, db) of `grouped_mm(a, b, offs)` for the output gradient g."""
     bt, at = b.transpose(-2, -1), a.t()
-    if _fast(g, bt, at):
+    if _fast(offs, g, bt, at):
         # the weight gradient is the 2-D by 2-D form: a^T (K, S) and g (S, N) split along S
         return torch._grouped_mm(g, bt, offs=offs), torch._grouped_mm(at, g, offs=offs)
     da = torch.zeros_like(a, memory_format=torch.contiguous_format)
