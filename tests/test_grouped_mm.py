@@ -189,7 +189,8 @@ def test_moe_models_train_a_step_as_eager_does(name):
 def test_moe_models_trace_as_on_a_gpu(name, dynamo, autocast):
     """bf16 weights take F.grouped_mm (torch._grouped_mm), fp32 weights under autocast transformers'
     custom op: both become kforge_grouped_mm, two per MoE layer (gate_up and down) forward and as
-    many backward, on thunder.jit and on Thunder's Dynamo path."""
+    many backward, on thunder.jit and on Thunder's Dynamo path; in bf16 on thunder.jit every fusion
+    region's kernels compile."""
     import kforge
 
     from conftest import fake_cuda_trace
@@ -202,6 +203,23 @@ def test_moe_models_trace_as_on_a_gpu(name, dynamo, autocast):
     assert fwd["kforge_attention_forward"] == 2
     # DeepSeek's RoPE rotates even / odd slices of one shared key head: no kforge pattern (fused instead)
     assert fwd["kforge_rope_forward"] == (0 if name == "deepseek_v3" else 2), dict(fwd)
+    if dynamo or autocast:
+        return
+    # every generated region, forward and backward, compiles (NVRTC, sm_90): the routing's integer
+    # and bool values pass through regions too
+    from kforge import _C
+    from kforge.fusion import codegen, executor as fx
+
+    compiled = 0
+    for trace in (traced.forward, traced.backward):
+        for b in trace.bound_symbols:
+            if b.sym.name.startswith("kforgeFusion"):
+                region = fx.lower_fusion(b)
+                ks = codegen.generate(region, codegen.default_key(region))
+                if ks.launches:
+                    _C.compile_generated(ks.program, ks.source, [launch[0] for launch in ks.launches], 90)
+                    compiled += 1
+    assert compiled
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------
