@@ -575,3 +575,39 @@ def _dynamo_graph(fn, args, kwargs, autocast):
     inputs = [torch.empty_strided(e.shape, e.stride(), dtype=e.dtype, device=e.device, requires_grad=e.requires_grad)
               if isinstance(e, torch.Tensor) else e for e in example]
     return gm, tuple(inputs), {}
+
+
+def hf_micro_lm(model_class: str, config_class: str, config: dict, *, device="cpu", dtype=torch.float32,
+                autocast=False, batch=2, seq=32, **_):
+    """(model, {"input_ids", "labels"}, options) of a 2-layer Hugging Face causal LM at micro size
+    (hidden 64, 4 heads / 2 key-value heads, vocab 97; random weights), as the zoo builds its HF
+    models, `config` overriding those; options' mode "dynamo" as the zoo's HF models."""
+    transformers = pytest.importorskip("transformers")
+    from kforge.zoo._build import hf_causal_lm
+
+    cfg = getattr(transformers, config_class)(**{
+        **dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa",
+               tie_word_embeddings=False, pad_token_id=None), **config})
+    torch.manual_seed(0)
+    model, inputs, options = hf_causal_lm(getattr(transformers, model_class), cfg, positions=seq, batch=batch,
+                                          seq=seq, device=device, dtype=dtype, autocast=autocast, seed=0)
+    return model, inputs, {**options, "mode": "dynamo"}
+
+
+def step_matches_eager(model, inputs, jit, *, rtol: float = 1e-4):
+    """One training step of `model(**inputs).loss` under `jit(model)` against eager: the loss within
+    1e-5 and every gradient within `rtol` of its largest entry. Returns the compiled model."""
+    ref = model(**inputs).loss
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    compiled = jit(model)
+    loss = compiled(**inputs).loss
+    loss.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        if n in want:
+            err = (p.grad - want[n]).abs().max().item() / max(want[n].abs().max().item(), 1e-30)
+            assert err < rtol, (n, err)
+    return compiled
