@@ -149,9 +149,30 @@ def test_tensors_filled_slice_by_slice_become_a_cat(fn, shapes):
     assert not [b for b in final.bound_symbols if b.sym.name == "copy_"], final
 
 
-def partly_filled(a):
-    out = a.new_zeros(4, 5)
-    out[:, :3].copy_(a * 2.0)   # columns 3 and 4 keep their zeros: not a cat of the copies
+def zeros_in_part(a):
+    out = a.new_zeros(4, 6)
+    out[:, 1:4].copy_(a * 2.0)  # columns 0, 4 and 5 keep their zeros
+    return out * out
+
+
+def full_in_part(a):
+    out = torch.full((5, 3), 0.25, dtype=a.dtype)
+    out[1:5].copy_(a.t()[:4] + 1.0)  # row 0 keeps 0.25
+    return out.exp()
+
+
+@pytest.mark.parametrize("fn, shapes", [(zeros_in_part, [(4, 3)]), (full_in_part, [(3, 5)])])
+def test_filled_tensors_written_in_part_keep_their_value_elsewhere(fn, shapes):
+    """Thunder 0.2.6 gave `a` a zero gradient here."""
+    jfn, ref, got = _grads(fn, *shapes)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)
+    assert _rewrites(jfn) == 1
+
+
+def empty_in_part(a):
+    out = a.new_empty(4, 5)
+    out[:, :3].copy_(a * 2.0)   # columns 3 and 4 are whatever the memory held: no value to cat
+    out[:, 3:].zero_()
     return out + 1.0
 
 
@@ -162,7 +183,7 @@ def overlapping(a):
     return out
 
 
-@pytest.mark.parametrize("fn", [partly_filled, overlapping])
+@pytest.mark.parametrize("fn", [empty_in_part, overlapping])
 def test_fills_that_are_not_a_partition_are_left(fn):
     x = torch.rand(4, 3, dtype=F64)
     jfn = _jit(fn)

@@ -4,7 +4,7 @@ Thunder 0.2.6 writes `x /= s` as `copy_(div(x, s), x)`: the quotient is computed
 into x's memory. When x is also saved for the backward (here: the numerator, for the gradient of
 s), the backward reads the overwritten x and the gradients come out wrong, silently. Hugging Face's
 mixture-of-experts routers do exactly this (`router_top_value /= router_top_value.sum(...)`:
-Mixtral, Qwen2/3-MoE, OLMoE); under `thunder.jit` their routers' gradients were off by tens of
+Mixtral, Qwen2/3-MoE, OLMoE); traced by Thunder, their routers' gradients were off by tens of
 percent. `x.pow_(2)`, `x.mul_(y)`, ... on a tensor whose old value the backward needs go the same way.
 
 An in-place op whose target the trace created itself, that nothing else aliases (no view of it or
@@ -14,10 +14,11 @@ trace's later readers already read the op's output (Thunder renamed them), so th
 the in-place write was the overwrite. The copy kernel goes too, and the fusion executor can fuse the
 op with its neighbours. Everything else is left to Thunder as it is.
 
-A tensor made by `empty` / `zeros` / `full` and then written slice by slice with `copy_` (slices that
-partition one dim, nothing reading the tensor in between) becomes the `cat` of what was copied:
-Thunder gives the copied tensors no gradient through `copy_` into a view (Hugging Face's DeepSeek-V3
-builds its keys that way).
+A tensor made by `empty` / `zeros` / `full` and then written slice by slice with `copy_` (slices of
+one dim, not overlapping, covering it unless the tensor was filled with a value; nothing reading the
+tensor in between) becomes the `cat` of what was copied and of that value where nothing was: Thunder
+gives the copied tensors no gradient through `copy_` into a view (Hugging Face's DeepSeek-V3 builds
+its keys that way; a zeros tensor written in part got a zero gradient).
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def _fill_by_slices(trace: Any) -> tuple[Any, int]:
         if b.sym.name not in _FRESH or len(outs) != 1:
             i += 1
             continue
-        match = _match_fill(bsyms, i, outs[0], prims, TensorProxy)
+        match = _match_fill(bsyms, i, outs[0], prims, TensorProxy, _fill_value(b))
         if match is None:
             i += 1
             continue
@@ -112,6 +113,9 @@ def _fill_by_slices(trace: Any) -> tuple[Any, int]:
         with tracectx(new):
             parts = []
             for shape, src in pieces:
+                if not isinstance(src, TensorProxy):  # a span no copy wrote: the base's fill value
+                    parts.append(ltorch.full(shape, src, device=final.device, dtype=final.dtype))
+                    continue
                 t = src if tuple(src.shape) == shape else ltorch.expand(src, shape)
                 parts.append(t if t.dtype == final.dtype else ltorch.to(t, final.dtype))
             out = ltorch.cat(parts, dim)
@@ -127,9 +131,26 @@ def _fill_by_slices(trace: Any) -> tuple[Any, int]:
     return out_trace, count
 
 
-def _match_fill(bsyms: list, i: int, base: Any, prims: Any, TensorProxy: type):
-    """(indices of the bound symbols to drop, [(slice shape, copied tensor)] in order along the dim,
-    dim, the base's last name, where the cat goes) for the fill starting at bsyms[i], or None."""
+def _fill_value(b: Any) -> Any:
+    """The value a zeros / full bound symbol fills its tensor with; None for empty (and anything else)."""
+    import inspect
+    from numbers import Number
+
+    if b.sym.name in ("new_zeros", "zeros", "zeros_like"):
+        return 0
+    if b.sym.name in ("new_full", "full", "full_like"):
+        try:
+            value = inspect.signature(b.sym.meta).bind(*b.args, **b.kwargs).arguments.get("fill_value")
+        except (TypeError, ValueError):
+            return None
+        return value if isinstance(value, Number) and not isinstance(value, bool) else None
+    return None
+
+
+def _match_fill(bsyms: list, i: int, base: Any, prims: Any, TensorProxy: type, fill: Any = None):
+    """(indices of the bound symbols to drop, [(span shape, copied tensor or the fill value)] in order
+    along the dim, dim, the base's last name, where the cat goes) for the fill starting at bsyms[i],
+    or None. Spans no copy wrote keep the base's `fill` value (None: an empty base, no such span)."""
     role: dict[str, Any] = {base.name: "base"}
     current = {"base": base.name}
     views: list[dict] = []
@@ -179,16 +200,22 @@ def _match_fill(bsyms: list, i: int, base: Any, prims: Any, TensorProxy: type):
         if len(dims) != 1:
             return None
         dim = dims.pop()
-        spans = sorted((v["slice"][1], v["slice"][2], v["shape"], v["src"]) for v in views)
-        edge = 0
-        for start, stop, _, _ in spans:
-            if start != edge:
-                return None
+        spans = sorted(((v["slice"][1], v["slice"][2], v["shape"], v["src"]) for v in views), key=lambda x: x[0])
+
+        def gap(n: int) -> tuple:
+            return tuple(n if d == dim else size for d, size in enumerate(base.shape)), fill
+
+        pieces, edge = [], 0
+        for start, stop, shape, src in spans + [(base.shape[dim], base.shape[dim], None, None)]:
+            if start < edge or (start > edge and fill is None):
+                return None  # overlapping copies, or a span of an empty tensor nothing wrote
+            if start > edge:
+                pieces.append(gap(start - edge))
+            if src is not None:
+                pieces.append((shape, src))
             edge = stop
-        if edge != base.shape[dim]:
-            return None
         final = next(a for a in args if a.name == current["base"])
-        return consumed, [(shape, src) for _, _, shape, src in spans], dim, final, j
+        return consumed, pieces, dim, final, j
     return None
 
 
