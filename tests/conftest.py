@@ -441,6 +441,23 @@ class FakeTrace:
     def __init__(self, fn, computation, forward, backward):
         self.fn, self.computation, self.forward, self.backward = fn, computation, forward, backward
 
+    def compile_regions(self, arch: int = 90) -> int:
+        """Compiles (NVRTC, sm_`arch`) the kernels of every kforge.fusion region of the forward and
+        backward traces; returns how many regions launch a kernel."""
+        from kforge import _C
+        from kforge.fusion import codegen, executor as fx
+
+        compiled = 0
+        for trace in (self.forward, self.backward):
+            for b in trace.bound_symbols if trace is not None else ():
+                if b.sym.name.startswith("kforgeFusion"):
+                    region = fx.lower_fusion(b)
+                    ks = codegen.generate(region, codegen.default_key(region))
+                    if ks.launches:
+                        _C.compile_generated(ks.program, ks.source, [launch[0] for launch in ks.launches], arch)
+                        compiled += 1
+        return compiled
+
     def symbols(self) -> tuple:
         """(forward, backward) Counters of the kforge symbols, fusion regions included."""
         from kforge.tieout import symbol_counts
