@@ -91,6 +91,8 @@ def test_transformers_custom_op_becomes_kforge_grouped_mm():
     torch.testing.assert_close(aj.grad, ar.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(bj.grad, br.grad, rtol=1e-12, atol=1e-12)
     assert {"kforge_grouped_mm_forward", "kforge_grouped_mm_backward"} <= _symbols(jfn)
+    with pytest.raises(Exception, match="not registered"):  # Thunder's own compilations: as they were
+        thunder.jit(experts)(a, b, offs)
 
 
 def test_torch_grouped_mm_with_offs_becomes_kforge_grouped_mm():

@@ -146,9 +146,10 @@ def _torch_like(mat_a: TensorProxy, mat_b: TensorProxy, offs: TensorProxy | None
 
 
 def map_custom_ops() -> bool:
-    """Map transformers' `grouped_mm_fallback` custom op (its packet and overload) to
-    kforge_grouped_mm for thunder.jit and Thunder's Dynamo splitter; True when it exists. transformers
-    registers it when its MoE integration is imported, so kforge's compilations call this again."""
+    """Make transformers' `grouped_mm_fallback` custom op (its packet and overload) kforge_grouped_mm
+    in compilations with kforge's executor (an executor lookaside: Thunder's own compilations keep
+    their behaviour); True when it exists. transformers registers the op when its MoE integration is
+    imported, so kforge's compilations call this again."""
     ns = getattr(torch.ops, "transformers", None)
     try:
         packet = getattr(ns, "grouped_mm_fallback") if ns is not None else None
@@ -156,9 +157,10 @@ def map_custom_ops() -> bool:
         packet = None
     if packet is None:
         return False
-    table = ltorch._torch_to_thunder_function_map
+    from .._thunder import executor
+
     for fn in (packet, packet.default):
-        table.setdefault(fn, kforge_grouped_mm)
+        executor._lookasides.setdefault(fn, kforge_grouped_mm)
     return True
 
 
