@@ -49,3 +49,13 @@ def hf_causal_lm(cls, cfg, *, positions: int, batch: int, seq: int | None, devic
         "loss_fn": lambda out: out.loss,
         "autocast": dtype if autocast else None,
     }
+
+
+def hf_dynamo_lm(cls, cfg, *, batch: int, seq: int | None, device: str | torch.device,
+                 dtype: torch.dtype | None, autocast: bool, seed: int) -> tuple:
+    """`hf_causal_lm` seeded with `seed`, at the config's context length, and options' mode "dynamo"
+    (the zoo's Hugging Face Llama-family models run on Thunder's Dynamo path by default)."""
+    torch.manual_seed(seed)
+    model, inputs, options = hf_causal_lm(cls, cfg, positions=cfg.max_position_embeddings, batch=batch, seq=seq,
+                                          device=device, dtype=dtype, autocast=autocast, seed=seed)
+    return model, inputs, {**options, "mode": "dynamo"}

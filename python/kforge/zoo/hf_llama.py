@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._build import hf_causal_lm
+from ._build import hf_dynamo_lm
 
 SIZES = {
     "bench": dict(n_layer=12, dim=768, n_heads=12, n_kv_heads=4, hidden_dim=2048, vocab_size=32000, max_seq_len=1024),
@@ -60,9 +60,6 @@ def make(*, size: str = "tiny", batch: int = 4, seq: int | None = None, device: 
     "dynamo", loss_fn `out.loss`."""
     import transformers
 
-    torch.manual_seed(seed)
     cfg = config(size, attn_implementation=attn_implementation, dropout=dropout)
-    model, inputs, options = hf_causal_lm(transformers.LlamaForCausalLM, cfg, positions=cfg.max_position_embeddings,
-                                          batch=batch, seq=seq, device=device, dtype=dtype, autocast=autocast,
-                                          seed=seed)
-    return model, inputs, {**options, "mode": "dynamo"}
+    return hf_dynamo_lm(transformers.LlamaForCausalLM, cfg, batch=batch, seq=seq, device=device, dtype=dtype,
+                        autocast=autocast, seed=seed)

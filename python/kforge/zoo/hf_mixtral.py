@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._build import hf_causal_lm
+from ._build import hf_dynamo_lm
 from .plain_llama import SIZES as _LLAMA
 
 # The Llama's sizes with the feed-forward as experts: per token, top_k x expert_dim = the Llama's hidden_dim.
@@ -64,9 +64,6 @@ def make(*, size: str = "tiny", batch: int = 4, seq: int | None = None, device: 
     "dynamo", loss_fn `out.loss`."""
     import transformers
 
-    torch.manual_seed(seed)
     cfg = config(size, attn_implementation=attn_implementation, dropout=dropout)
-    model, inputs, options = hf_causal_lm(transformers.MixtralForCausalLM, cfg, positions=cfg.max_position_embeddings,
-                                          batch=batch, seq=seq, device=device, dtype=dtype, autocast=autocast,
-                                          seed=seed)
-    return model, inputs, {**options, "mode": "dynamo"}
+    return hf_dynamo_lm(transformers.MixtralForCausalLM, cfg, batch=batch, seq=seq, device=device, dtype=dtype,
+                        autocast=autocast, seed=seed)
